@@ -1,0 +1,3 @@
+"""FusionNode: a peer-to-peer daemon for decentralized LLM training."""
+
+__version__ = "0.1.0"
