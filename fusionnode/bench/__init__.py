@@ -1,0 +1,1 @@
+"""Benchmarks a user can run: `fusionnode bench <name>`."""
