@@ -1,0 +1,5 @@
+import sys
+
+from fusionnode.cli import main
+
+sys.exit(main())

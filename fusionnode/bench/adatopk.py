@@ -1,0 +1,211 @@
+"""AdaTopK convergence benchmark: dense vs compressed training of gpt2-tiny cut in two, in one process.
+
+Method: the model is split after block `--cut` (embeddings + blocks [0, cut) are stage 0,
+the rest stage 1); the cut is a `CompressionBoundary`, so the activation crossing it
+forward and its gradient backward go through the real wire path (topk codec, packed
+bytes). Both runs start from the same weights (same seed) and see the same batches
+(fusionnode.train.data, default corpus). The compressed run's keep ratio comes from an
+`AdaTopKPolicy` per direction on a simulated link of `--link-mbps` and `--latency-ms`
+whose compute-bound stage time is `--stage-ms`: the policy observes the simulated
+transfer time of every message. Reported: final validation loss of both runs (the
+compressed run evaluated with the cut still compressing, as a deployed pipeline would),
+their relative difference, the keep ratios chosen and the byte reduction on the link.
+
+Run: python -m fusionnode.bench.adatopk [--steps N] [--forward-mode row|global] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fusionnode.compress.boundary import BoundaryConfig, CompressionBoundary, LinkCounters
+from fusionnode.compress.policy import AdaTopKPolicy
+from fusionnode.models import build_model
+from fusionnode.train.data import BatchSource, load_corpus
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "gpt2-tiny"
+DEFAULT_STEPS = 600  # optimizer steps (about 2-3 minutes for both runs on one CPU thread)
+DEFAULT_BATCH = 16  # sequences per step
+DEFAULT_SEQ_LEN = 128  # tokens
+DEFAULT_LR = 2e-3  # AdamW learning rate
+DEFAULT_SEED = 0
+DEFAULT_CUT = 2  # blocks before the cut
+DEFAULT_LINK_MBPS = 8.0  # Mbit/s: a home uplink
+DEFAULT_LATENCY_MS = 10.0  # ms one-way
+DEFAULT_STAGE_MS = 60.0  # ms: compute-bound stage time the link must keep up with
+DEFAULT_EVAL_BATCHES = 8  # validation batches averaged for the final loss
+DEFAULT_WARMUP = 0  # dense steps before compression starts
+LOSS_TOLERANCE = 0.05  # relative loss difference the issue accepts
+MIN_REDUCTION = 5.0  # byte reduction the issue asks for
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    final_loss: float  # mean validation loss at the end (cut compressing for the compressed run)
+    train_loss: float  # mean training loss over the last 10% of steps
+    link: LinkCounters  # both directions of the cut
+    forward_ratio: float  # keep ratio in force at the last step (activations)
+    backward_ratio: float  # same, activation gradients
+    seconds: float
+
+
+def split_forward(model: torch.nn.Module, ids: torch.Tensor, cut: int, boundary: CompressionBoundary | None) -> torch.Tensor:
+    """gpt2 forward with `boundary` applied to the residual stream before block `cut`."""
+    tr = model.transformer
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    x = tr["drop"](tr["wte"](ids) + tr["wpe"](pos))
+    for i, block in enumerate(tr["h"]):
+        if i == cut and boundary is not None:
+            x = boundary(x)
+        x = block(x)
+    return model.lm_head(tr["ln_f"](x))
+
+
+def train(
+    args: argparse.Namespace, source: BatchSource, config: BoundaryConfig | None, link_bps: float | None
+) -> RunResult:
+    """One run; `config` None is the dense baseline (no boundary at all)."""
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    boundary = CompressionBoundary(config, name="cut") if config is not None else None
+    policies = (AdaTopKPolicy(), AdaTopKPolicy()) if link_bps is not None else None
+    latency = args.latency_ms / 1e3
+    target = args.stage_ms / 1e3
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        ids, targets = source.batch(step)
+        if boundary is not None and policies is not None:
+            dense = ids.numel() * model.config.n_embd * 4  # bytes of the float32 activation
+            # the first call uses the configured bandwidth; later ones the EWMA of observed sends
+            bw = link_bps if step == 0 else None
+            boundary.forward_ratio = policies[0].choose(bw, latency, dense, target)
+            boundary.backward_ratio = policies[1].choose(bw, latency, dense, target)
+            before = (boundary.forward_counters.wire_bytes, boundary.backward_counters.wire_bytes)
+        logits = split_forward(model, ids, args.cut, boundary)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        if boundary is not None:
+            if policies is not None:
+                sent = (
+                    boundary.forward_counters.wire_bytes - before[0],
+                    boundary.backward_counters.wire_bytes - before[1],
+                )
+                for policy, nbytes in zip(policies, sent, strict=True):
+                    policy.observe(nbytes, nbytes * 8.0 / link_bps)  # simulated transfer time
+            boundary.next_step()
+        if args.log_every and step % args.log_every == 0:
+            logger.info("step %d loss %.4f", step, losses[-1])
+    seconds = time.perf_counter() - t0
+    link = boundary.counters if boundary is not None else LinkCounters()
+    with torch.no_grad():
+        evals = []
+        for i in range(args.eval_batches):
+            ids, targets = source.eval_batch(i)
+            logits = split_forward(model, ids, args.cut, boundary)
+            evals.append(float(F.cross_entropy(logits.flatten(0, 1), targets.flatten())))
+    tail = losses[-max(1, len(losses) // 10) :]
+    return RunResult(
+        final_loss=sum(evals) / len(evals),
+        train_loss=sum(tail) / len(tail),
+        link=link,
+        forward_ratio=(boundary.forward_ratio or 1.0) if boundary else 1.0,
+        backward_ratio=(boundary.backward_ratio or 1.0) if boundary else 1.0,
+        seconds=seconds,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fusionnode bench adatopk", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    p.add_argument("--cut", type=int, default=DEFAULT_CUT, help="blocks before the cut")
+    p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS, help="simulated link, Mbit/s")
+    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
+    p.add_argument("--stage-ms", type=float, default=DEFAULT_STAGE_MS, help="compute-bound stage time, ms")
+    p.add_argument("--ratio", type=float, default=None, help="fixed keep ratio instead of the policy")
+    p.add_argument("--forward-mode", choices=("row", "global"), default="row")
+    p.add_argument("--backward-mode", choices=("row", "global"), default="row")
+    p.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    p.add_argument("--forward-feedback", action="store_true", help="error feedback on activations")
+    p.add_argument("--backward-feedback", action="store_true", help="error feedback on activation gradients")
+    p.add_argument("--dense-backward", action="store_true", help="send activation gradients dense")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="dense steps before compression")
+    p.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
+    p.add_argument("--log-every", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.eval_batches < 1:
+        parser.error("--steps and --eval-batches must be >= 1")
+    if args.ratio is not None and not (0.0 < args.ratio <= 1.0):
+        parser.error("--ratio must be in (0, 1]")
+    if args.link_mbps <= 0:
+        parser.error("--link-mbps must be > 0")
+    torch.set_num_threads(1)
+    model_cfg = build_model(args.model).config
+    if not (0 < args.cut < model_cfg.n_layer):
+        parser.error(f"--cut must be in [1, {model_cfg.n_layer - 1}]")
+    source = BatchSource(load_corpus(), batch_size=args.batch_size, seq_len=model_cfg.n_ctx, seed=args.seed)
+    config = BoundaryConfig(
+        forward_ratio=args.ratio,
+        backward_ratio=None if args.dense_backward else args.ratio,
+        forward_mode=args.forward_mode,
+        backward_mode=args.backward_mode,
+        value_dtype=args.value_dtype,
+        forward_feedback=args.forward_feedback,
+        backward_feedback=args.backward_feedback,
+        warmup_steps=args.warmup,
+    )
+    link_bps = None if args.ratio is not None else args.link_mbps * 1e6
+    if link_bps is not None and args.dense_backward:
+        parser.error("--dense-backward needs a fixed --ratio")
+    dense = train(args, source, None, None)
+    comp = train(args, source, config, link_bps)
+    rel = (comp.final_loss - dense.final_loss) / dense.final_loss
+    print(f"model {args.model}, {args.steps} steps, batch {args.batch_size}x{model_cfg.n_ctx}, cut after block {args.cut}")
+    if link_bps is not None:
+        print(
+            f"link {args.link_mbps:g} Mbit/s, latency {args.latency_ms:g} ms, stage {args.stage_ms:g} ms "
+            f"-> keep ratio fwd {comp.forward_ratio:.4f} bwd {comp.backward_ratio:.4f}"
+        )
+    else:
+        print(f"fixed keep ratio {args.ratio:g}")
+    print(
+        f"modes fwd={args.forward_mode} bwd={'dense' if args.dense_backward else args.backward_mode} "
+        f"values={args.value_dtype} fwd_ef={args.forward_feedback} bwd_ef={args.backward_feedback} warmup={args.warmup}"
+    )
+    print(f"dense      val loss {dense.final_loss:.4f}  train loss {dense.train_loss:.4f}  ({dense.seconds:.1f} s)")
+    print(f"compressed val loss {comp.final_loss:.4f}  train loss {comp.train_loss:.4f}  ({comp.seconds:.1f} s)")
+    print(f"relative loss difference {rel * 100:+.2f}% (tolerance {LOSS_TOLERANCE * 100:.0f}%)")
+    c = comp.link
+    print(
+        f"link bytes: dense {c.dense_bytes} wire {c.wire_bytes} -> {c.reduction:.2f}x fewer "
+        f"(required >= {MIN_REDUCTION:g}x)"
+    )
+    ok = abs(rel) <= LOSS_TOLERANCE and c.reduction >= MIN_REDUCTION and math.isfinite(comp.final_loss)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

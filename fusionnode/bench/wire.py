@@ -1,0 +1,310 @@
+"""`fusionnode bench wire`: throughput of the wire codec and of libp2p streams on this machine.
+
+Method
+------
+1. Codec. For each size (MiB of float32), build one tensor and time, best of REPEATS runs:
+   `memcpy`  one copy of the payload into a fresh buffer (numpy `copy`, the reference);
+   `encode`  encode_tensor(raw) + encode_message(TensorMessage) -> bytes (two copies);
+   `decode`  decode_message(bytes) + decode_tensor (one copy: a bytes frame is immutable memory);
+   `send`    encode_tensor + frame_parts, the buffers write_message hands to the transport (one copy);
+   `recv`    decode_message(bytearray) + decode_tensor, as after read_message (zero-copy);
+   `codec`   encode_tensor, then decode_tensor of an immutable payload (one copy each), timed apart.
+   Each figure is for steady state: one operation repeated, so the allocator reuses freed memory;
+   `encode` keeps two big buffers alive at once and pays fresh page faults on every run (glibc
+   returns the freed pair to the OS), which is why it trails `send`.
+   Ratios are memcpy time / codec time: 1.0 means as fast as one plain copy.
+2. Streams. Send --stream-mib MiB in --chunk-kib writes (drain after each) and wait for a one-byte
+   acknowledgement, over (a) a plain asyncio TCP socket on 127.0.0.1 and (b) a hivemind libp2p
+   binary stream between two local P2P daemons; both as raw bytes and as one framed TensorMessage
+   (write_message / read_message). Each transfer runs on a fresh stream; median of STREAM_REPEATS
+   after one warm-up transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from fusionnode.wire import (
+    TensorMessage,
+    decode_message,
+    decode_tensor,
+    encode_message,
+    encode_tensor,
+    frame_parts,
+    read_message,
+    write_message,
+)
+from fusionnode.wire.limits import Limits
+
+logger = logging.getLogger(__name__)
+
+SIZES_MIB = (1, 4, 16, 64)  # tensor payload sizes of the codec benchmark
+QUICK_SIZES_MIB = (1, 4, 16)
+REPEATS = 7  # timed runs per codec measurement (best of)
+QUICK_REPEATS = 3
+STREAM_MIB = 64  # bytes per stream transfer (MiB)
+QUICK_STREAM_MIB = 16
+STREAM_REPEATS = 5  # timed transfers per stream measurement (median)
+QUICK_STREAM_REPEATS = 2
+CHUNK_KIB = 1024  # write size on streams (KiB)
+P2P_STARTUP_TIMEOUT = 30.0  # seconds for a p2pd daemon to start
+TRANSFER_TIMEOUT = 120.0  # seconds for one stream transfer
+HANDLER_NAME = "fusionnode.bench.wire"
+MIB = 1 << 20
+
+
+def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest of `repeats` timed runs after one warm-up: on a shared machine the minimum is the cost of
+    the code itself, the rest is other processes' noise (the timeit convention)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def bench_codec(sizes_mib: tuple[int, ...], repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    limits = Limits(max_frame_bytes=max(sizes_mib) * MIB + MIB, max_tensor_elements=max(sizes_mib) * MIB // 4)
+    for mib in sizes_mib:
+        t = torch.randn(mib * MIB // 4, generator=torch.Generator().manual_seed(0))
+        src = t.numpy()
+        frame = encode_message(TensorMessage.from_tensors("activation", {"step": 0}, {"x": t}), limits=limits)
+        frame_rw = bytearray(frame)
+        enc = encode_tensor(t)
+
+        def message(t: torch.Tensor = t) -> TensorMessage:
+            return TensorMessage("activation", {"step": 0}, {"x": encode_tensor(t)})
+
+        def decode(buf: bytes | bytearray) -> torch.Tensor:
+            return decode_tensor(decode_message(buf, limits).tensors["x"], limits)
+
+        if not (torch.equal(decode(frame), t) and torch.equal(decode(frame_rw), t)):
+            raise RuntimeError("wire round trip changed the tensor")
+        s_copy = _best_seconds(lambda src=src: src.copy(), repeats)
+        s_enc = _best_seconds(lambda: encode_message(message(), limits=limits), repeats)
+        s_dec = _best_seconds(lambda frame=frame: decode(frame), repeats)
+        s_send = _best_seconds(lambda: frame_parts(message(), limits=limits), repeats)
+        s_recv = _best_seconds(lambda frame_rw=frame_rw: decode(frame_rw), repeats)
+        s_codec = _best_seconds(lambda t=t: encode_tensor(t), repeats) + _best_seconds(
+            lambda enc=enc: decode_tensor(enc), repeats
+        )
+        rows.append(
+            {
+                "size_mib": mib,
+                "memcpy_mib_s": mib / s_copy,
+                "encode_mib_s": mib / s_enc,
+                "decode_mib_s": mib / s_dec,
+                "bytes_ratio": s_copy / (s_enc + s_dec),
+                "send_mib_s": mib / s_send,
+                "recv_mib_s": mib / s_recv,
+                "stream_ratio": s_copy / (s_send + s_recv),
+                "codec_ratio": s_copy / s_codec,
+            }
+        )
+    return rows
+
+
+# ---------------------------------------------------------------- streams
+
+Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def _receiver(total: int, framed: bool, limits: Limits) -> Handler:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            if framed:
+                await read_message(reader, limits)
+            else:
+                left = total
+                while left:
+                    chunk = await reader.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise ConnectionError(f"stream ended {left} bytes early")
+                    left -= len(chunk)
+            writer.write(b"k")
+            await writer.drain()
+        finally:
+            writer.close()
+
+    return handle
+
+
+async def _send(open_stream: Opener, total: int, chunk: int, msg: TensorMessage | None) -> float:
+    reader, writer = await open_stream()
+    payload = memoryview(bytes(chunk))
+    start = time.perf_counter()
+    if msg is not None:
+        await write_message(writer, msg, chunk_bytes=chunk, limits=Limits(max_frame_bytes=total + MIB))
+    else:
+        for offset in range(0, total, chunk):
+            writer.write(payload[: min(chunk, total - offset)])
+            await writer.drain()
+    if await reader.readexactly(1) != b"k":
+        raise ConnectionError("bad acknowledgement")
+    elapsed = time.perf_counter() - start
+    writer.close()
+    return elapsed
+
+
+async def _measure(
+    open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None
+) -> float:
+    times = []
+    for _ in range(repeats + 1):  # first run warms up
+        times.append(await asyncio.wait_for(_send(open_stream, total, chunk, msg), TRANSFER_TIMEOUT))
+    return total / MIB / statistics.median(times[1:])
+
+
+async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
+    total, chunk = total_mib * MIB, chunk_kib * 1024
+    limits = Limits(max_frame_bytes=total + MIB, max_tensor_elements=total // 4)
+    msg = TensorMessage.from_tensors("activation", {"step": 0}, {"x": torch.zeros(total // 4)})
+    frame_bytes = len(encode_message(msg, limits=limits))
+    rows: list[dict[str, Any]] = []
+    for framed in (False, True):
+        handler = _receiver(frame_bytes if framed else total, framed, limits)
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            rate = await _measure(
+                lambda port=port: asyncio.open_connection("127.0.0.1", port),
+                total,
+                chunk,
+                repeats,
+                msg if framed else None,
+            )
+        finally:
+            server.close()
+            await server.wait_closed()
+        rows.append({"transport": "tcp", "payload": "framed" if framed else "raw", "mib_s": rate})
+    if with_p2p:
+        rows += await _bench_p2p(total, chunk, repeats, msg, frame_bytes, limits)
+        tcp = {r["payload"]: r["mib_s"] for r in rows if r["transport"] == "tcp"}
+        for row in rows:
+            row["ratio_to_tcp"] = row["mib_s"] / tcp[row["payload"]]
+    return rows
+
+
+async def _bench_p2p(
+    total: int, chunk: int, repeats: int, msg: TensorMessage, frame_bytes: int, limits: Limits
+) -> list[dict[str, Any]]:
+    from hivemind.p2p import P2P
+
+    rows = []
+    async with contextlib.AsyncExitStack() as stack:
+        p2p_a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=P2P_STARTUP_TIMEOUT)
+        stack.push_async_callback(p2p_a.shutdown)
+        maddrs = await p2p_a.get_visible_maddrs()
+        p2p_b = await P2P.create(
+            initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=P2P_STARTUP_TIMEOUT
+        )
+        stack.push_async_callback(p2p_b.shutdown)
+        for framed in (False, True):
+            name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
+            receive = _receiver(frame_bytes if framed else total, framed, limits)
+
+            async def handler(
+                _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, receive=receive
+            ) -> None:
+                await receive(reader, writer)
+
+            await p2p_a.add_binary_stream_handler(name, handler)
+
+            async def open_stream(name: str = name) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, name)
+                return reader, writer
+
+            rate = await _measure(open_stream, total, chunk, repeats, msg if framed else None)
+            rows.append({"transport": "libp2p", "payload": "framed" if framed else "raw", "mib_s": rate})
+    return rows
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, Any]]) -> None:
+    print("wire codec: one float32 tensor in a TensorMessage, MiB/s (best of runs)")
+    print(
+        f"{'size':>6} {'memcpy':>8} {'encode':>8} {'decode':>8} {'ratio':>6}"
+        f" {'send':>8} {'recv':>8} {'ratio':>6} {'codec':>6}"
+    )
+    for r in codec_rows:
+        print(
+            f"{r['size_mib']:>4}Mi {r['memcpy_mib_s']:>8.0f} {r['encode_mib_s']:>8.0f} {r['decode_mib_s']:>8.0f}"
+            f" {r['bytes_ratio']:>6.2f} {r['send_mib_s']:>8.0f} {r['recv_mib_s']:>8.0f} {r['stream_ratio']:>6.2f}"
+            f" {r['codec_ratio']:>6.2f}"
+        )
+    print(
+        "  encode/decode: encode_tensor+encode_message -> bytes, decode_message(bytes)+decode_tensor (copies)"
+    )
+    print("  send/recv: encode_tensor+frame_parts (what write_message sends, no join), decode of a writable")
+    print("  frame (what read_message yields, zero-copy); ratio = memcpy time / (enc+dec) time;")
+    print("  codec = memcpy time / (encode_tensor + decode_tensor of an immutable payload), timed apart")
+    if stream_rows:
+        print("streams on loopback, MiB/s (median)")
+        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7}")
+        for r in stream_rows:
+            ratio = f"{r['ratio_to_tcp']:.2f}" if "ratio_to_tcp" in r else "-"
+            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="fusionnode bench wire", description="Wire codec and stream throughput."
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--no-p2p", action="store_true", help="skip the hivemind libp2p streams")
+    parser.add_argument("--no-streams", action="store_true", help="only the codec")
+    parser.add_argument(
+        "--stream-mib", type=int, default=None, help=f"MiB per transfer (default {STREAM_MIB})"
+    )
+    parser.add_argument("--chunk-kib", type=int, default=CHUNK_KIB, help="stream write size in KiB")
+    args = parser.parse_args(argv)
+    if args.chunk_kib < 1:
+        parser.error("--chunk-kib must be >= 1")
+    if args.stream_mib is not None and args.stream_mib < 1:
+        parser.error("--stream-mib must be >= 1")
+
+    torch.set_num_threads(1)
+    sizes = QUICK_SIZES_MIB if args.quick else SIZES_MIB
+    codec_rows = bench_codec(sizes, QUICK_REPEATS if args.quick else REPEATS)
+    stream_rows: list[dict[str, Any]] = []
+    if not args.no_streams:
+        stream_mib = args.stream_mib or (QUICK_STREAM_MIB if args.quick else STREAM_MIB)
+        repeats = QUICK_STREAM_REPEATS if args.quick else STREAM_REPEATS
+        stream_rows = asyncio.run(bench_streams(stream_mib, args.chunk_kib, repeats, not args.no_p2p))
+    if args.json:
+        json.dump(
+            {
+                "codec": codec_rows,
+                "streams": stream_rows,
+                "numpy": np.__version__,
+                "torch": torch.__version__,
+            },
+            sys.stdout,
+        )
+        print()
+    else:
+        _print_tables(codec_rows, stream_rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

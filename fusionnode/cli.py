@@ -1,0 +1,443 @@
+"""`fusionnode` command line: argument parsing only; the work happens in the modules it calls."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fusionnode import __version__
+from fusionnode.config import (
+    DEFAULT_HEARTBEAT,
+    DEFAULT_LISTEN,
+    DEFAULT_PROBE_INTERVAL,
+    DEFAULT_RECORD_TTL,
+    DEFAULT_STARTUP_TIMEOUT,
+    NodeConfig,
+    default_state_dir,
+    parse_roles,
+    parse_size,
+)
+from fusionnode.errors import FusionNodeError
+
+logger = logging.getLogger("fusionnode")
+
+BENCHMARKS = {
+    "wire": "fusionnode.bench.wire",
+    "codec": "fusionnode.bench.codec",
+    "adatopk": "fusionnode.bench.adatopk",
+    "plan": "fusionnode.bench.plan",
+    "optim": "fusionnode.bench.optim",
+    "pipeline": "fusionnode.bench.pipeline",
+}
+
+
+def _state_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help=f"the node's identity, cache and control socket (default: {default_state_dir()}; "
+                        "env FUSIONNODE_STATE_DIR)")
+
+
+def _add_train_job_args(p: argparse.ArgumentParser) -> None:
+    from fusionnode.train import spec as S
+
+    p.add_argument("--model", default=S.DEFAULT_MODEL,
+                   help="bundled model (gpt2-tiny, gpt2-small, ...) or 'package.module:factory' (default %(default)s)")
+    p.add_argument("--data", default=None, help="a text file or directory of text files (default: the Python "
+                                                "standard library's source, present on every machine)")
+    p.add_argument("--steps", type=int, default=S.DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=S.DEFAULT_BATCH_SIZE, help="sequences per step (default %(default)s)")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step in the pipeline (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=S.OPTIMIZERS, default="adamw")
+    p.add_argument("--lr", type=float, default=S.DEFAULT_LR, help="peak learning rate (default %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=S.DEFAULT_WARMUP_STEPS)
+    p.add_argument("--weight-decay", type=float, default=S.DEFAULT_WEIGHT_DECAY)
+    p.add_argument("--grad-clip", type=float, default=S.DEFAULT_GRAD_CLIP, help="global norm; 0 = off")
+    p.add_argument("--save", dest="save_dir", default=None, help="checkpoint directory")
+    p.add_argument("--save-every", type=int, default=S.DEFAULT_SAVE_EVERY, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --save")
+    p.add_argument("--metrics-out", default=None, help="write one JSON record per step (and events) to this file")
+
+
+def _spec_from_args(args: argparse.Namespace) -> Any:
+    from fusionnode.train.spec import JobSpec
+
+    return JobSpec(
+        model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
+        micro_batches=args.micro_batches, seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer,
+        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip or None, save_dir=os.path.abspath(args.save_dir) if args.save_dir else None,
+        save_every=args.save_every,
+        metrics_out=os.path.abspath(args.metrics_out) if args.metrics_out else None,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fusionnode",
+        description="Contribute a GPU (or CPU) to a decentralized training swarm, and train models on it.",
+    )
+    parser.add_argument("--version", action="version", version=f"fusionnode {__version__}")
+    parser.add_argument("--log-level", default=os.environ.get("FUSIONNODE_LOG_LEVEL", "WARNING"),
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("join", help="run a daemon that joins (or starts) a swarm",
+                       description="Run a FusionNode daemon. The first peer starts a swarm and prints the "
+                                   "address others dial; later peers pass it to --initial-peers.")
+    _state_dir_arg(p)
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
+                   help="multiaddrs of peers already in the swarm (/ip4/1.2.3.4/tcp/31337/p2p/12D3...)")
+    p.add_argument("--listen", action="append", default=None, metavar="MADDR",
+                   help=f"where to accept peers (default {DEFAULT_LISTEN}; /ip4/127.0.0.1/tcp/0 for a random loopback port)")
+    p.add_argument("--announce", action="append", default=[], metavar="MADDR", help="addresses to advertise instead")
+    p.add_argument("--role", default="worker,optimizer", help="roles offered: worker, optimizer (default: both)")
+    p.add_argument("--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)")
+    p.add_argument("--no-probe", action="store_true", help="do not measure links (for metered connections)")
+    p.add_argument("--probe-interval", type=float, default=DEFAULT_PROBE_INTERVAL, help="seconds between link probes")
+    p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between advertisements")
+    p.add_argument("--record-ttl", type=float, default=DEFAULT_RECORD_TTL, help="seconds an advertisement lives")
+    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT,
+                   help="seconds to wait for the libp2p daemon and the DHT (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)")
+    p.add_argument("--reprofile", action="store_true", help="measure the device again instead of using the cache")
+
+    p = sub.add_parser("peers", help="list the swarm's peers as the local daemon sees them")
+    _state_dir_arg(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("status", help="the local daemon, the swarm and running jobs")
+    _state_dir_arg(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("leave", help="ask the local daemon to leave the swarm gracefully")
+    _state_dir_arg(p)
+
+    p = sub.add_parser("train", help="train a model on the swarm (this peer drives), or --local in this process",
+                       description="Start a training job. The local daemon becomes the job's driver and uses "
+                                   "the swarm's workers; --local runs the same job in this process, no swarm.")
+    _state_dir_arg(p)
+    _add_train_job_args(p)
+    p.add_argument("--local", action="store_true", help="single process, no swarm: the reference trajectory")
+    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: one per available worker)")
+    p.add_argument("--peers", nargs="*", default=None, help="use exactly these worker peer ids, in order")
+    p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print progress and the result as JSON lines")
+
+    p = sub.add_parser("plan", help="plan a job over a cluster file (offline) and print it")
+    _add_plan_args(p, "plan")
+    p = sub.add_parser("simulate", help="simulate a plan's throughput against the baselines")
+    _add_plan_args(p, "simulate")
+
+    p = sub.add_parser("bench", help="run a benchmark and print its figures")
+    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+
+    p = sub.add_parser("demo", help="start a local swarm, train gpt2-tiny on it, and show the result")
+    from fusionnode.demo import add_demo_arguments
+
+    add_demo_arguments(p)
+    _add_train_job_args(p)
+    p.set_defaults(steps=None)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (as written by --save)")
+    p.add_argument("--prompt", default="def ")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("export", help="export a checkpoint's model as one safetensors file")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--out", required=True)
+    return parser
+
+
+def _add_plan_args(p: argparse.ArgumentParser, which: str) -> None:
+    try:
+        from fusionnode.plan import commands
+    except ImportError:  # TEMPORARY while the planner lands
+        return
+    (commands.add_plan_arguments if which == "plan" else commands.add_simulate_arguments)(p)
+
+
+def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> NodeConfig:
+    try:
+        return NodeConfig(
+            state_dir=(args.state_dir or default_state_dir()).expanduser().resolve(),
+            listen=tuple(args.listen or [DEFAULT_LISTEN]),
+            initial_peers=tuple(args.initial_peers),
+            announce=tuple(args.announce),
+            roles=parse_roles(args.role),
+            max_memory_bytes=parse_size(args.max_memory) if args.max_memory else None,
+            startup_timeout_s=args.startup_timeout,
+            heartbeat_s=args.heartbeat,
+            record_ttl_s=args.record_ttl,
+            probe=not args.no_probe,
+            probe_interval_s=args.probe_interval,
+            torch_threads=args.threads,
+            reprofile=args.reprofile,
+        )
+    except FusionNodeError as exc:
+        parser.error(str(exc))
+        raise  # unreachable
+
+
+def _control_path(args: argparse.Namespace) -> Path:
+    return (args.state_dir or default_state_dir()).expanduser().resolve() / "control.sock"
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+# ---- commands --------------------------------------------------------------------------------
+def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    from fusionnode.node import run_node
+
+    config = _node_config(args, parser)
+    torch.set_num_threads(max(1, config.torch_threads))
+    return _run(run_node(config))
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    from fusionnode import control
+
+    res = _run(control.call(_control_path(args), "peers"))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(format_peers(res["peers"], res.get("self")))
+    return 0
+
+
+def format_peers(peers: list[dict[str, Any]], me: str | None = None) -> str:
+    rows = [("PEER", "DEVICE", "MEMORY", "TFLOPS", "LINKS", "ROLES", "STATE", "SEEN")]
+    now = time.time()
+    for p in peers:
+        dev = p.get("device") or {}
+        links = p.get("links") or {}
+        link_txt = ", ".join(f"{k[-6:]}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3])
+        pid = p["peer_id"]
+        rows.append((
+            ("*" if pid == me else " ") + pid[:16] + "…",
+            f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
+            f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
+            f"{dev.get('tflops_fp32') or 0:.2f}",
+            link_txt or "-",
+            ",".join(p.get("roles") or []),
+            p.get("availability", "?"),
+            f"{max(0.0, now - float(p.get('updated_at') or now)):.0f}s ago",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from fusionnode import control
+
+    res = _run(control.call(_control_path(args), "status"))
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    dev = res.get("device") or {}
+    print(f"peer      {res['peer_id']}")
+    print(f"address   {' '.join(res['maddrs'][:3])}")
+    print(f"uptime    {res['uptime_s']:.0f} s    roles {','.join(res['roles'])}")
+    print(f"device    {dev.get('kind')} {dev.get('name')}  {dev.get('tflops_fp32', 0):.2f} TFLOPS fp32")
+    print(f"swarm     {len(res['peers'])} peer(s)")
+    print(format_peers(res["peers"], res["peer_id"]))
+    for s in res.get("serving") or []:
+        print(f"serving   job {s['job']} stage {s['stage']}/{s['num_stages']} step {s['last_step']}")
+    for j in res.get("jobs") or []:
+        print(f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
+              f"loss {j['loss'] if j['loss'] is None else round(j['loss'], 4)} {j['tokens_per_s']} tok/s")
+    return 0
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    from fusionnode import control
+
+    res = _run(control.call(_control_path(args), "leave"))
+    print(f"peer {res['peer_id']} is leaving the swarm")
+    return 0
+
+
+class Progress:
+    """A one-line progress bar on a terminal; plain lines every few seconds otherwise."""
+
+    def __init__(self, total: int, stream: Any = sys.stderr):
+        self.total = total
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = 0.0
+
+    def update(self, rec: dict[str, Any]) -> None:
+        step = rec["step"] + 1
+        stages = rec.get("stages") or []
+        util = "/".join(f"{s['compute_s'] / max(rec['step_time_s'], 1e-9):.0%}" for s in stages)
+        text = (f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
+                f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" util {util}" if util else ""))
+        if self.tty:
+            width = 24
+            done = int(width * step / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {text}\033[K")
+            if step == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif time.monotonic() - self.last > 5 or step == self.total or step == 1:
+            self.last = time.monotonic()
+            print(text, file=self.stream, flush=True)
+
+
+def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        spec = _spec_from_args(args)
+    except FusionNodeError as exc:
+        parser.error(str(exc))
+    if args.resume and not spec.save_dir:
+        parser.error("--resume needs --save DIR (where the checkpoints are)")
+    if args.local:
+        return _train_local(spec, args)
+    from fusionnode import control
+
+    params = {"spec": spec.to_dict(), "resume": args.resume, "stages": args.stages, "peers": args.peers,
+              "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None}
+    progress = Progress(spec.steps)
+
+    async def go() -> dict[str, Any]:
+        async for obj in control.call_stream(_control_path(args), "train", params, timeout=None):
+            if "event" in obj:
+                ev = obj["event"]
+                if args.json:
+                    print(json.dumps(ev), flush=True)
+                elif ev.get("type") == "step":
+                    progress.update(ev)
+                elif ev.get("type") == "plan":
+                    for s in ev["stages"]:
+                        print(f"stage {s['stage']}: ops [{s['lo']}, {s['hi']}) on {s['peer'][:16]}… "
+                              f"({s['n_params']} params)", file=sys.stderr)
+                else:
+                    print(f"event: {ev}", file=sys.stderr)
+            else:
+                return obj["result"]
+        raise FusionNodeError("no result")
+
+    result = _run(go())
+    if args.json:
+        print(json.dumps({"result": result}))
+    else:
+        print_train_summary(result)
+    return 0
+
+
+def print_train_summary(result: dict[str, Any]) -> None:
+    s = result.get("summary") or {}
+    print(f"job {result['job']}: {result['steps']} steps, loss {s.get('first_loss', float('nan')):.4f} -> "
+          f"{result['loss']:.4f} (validation {result['val_loss']:.4f}), {result['tokens_per_s']:.0f} tokens/s")
+    if result.get("checkpoint"):
+        print(f"checkpoint: {result['checkpoint']}")
+    if result.get("metrics_out"):
+        print(f"metrics:    {result['metrics_out']}")
+    print("sample:\n" + result.get("sample", ""))
+
+
+def _train_local(spec: Any, args: argparse.Namespace) -> int:
+    import torch
+
+    from fusionnode.train.local import train_local
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    progress = Progress(spec.steps)
+    res = train_local(spec, progress=lambda rec: progress.update({"wire_bytes": 0, **rec}), resume=args.resume)
+    print(f"local: {len(res.losses)} steps, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} "
+          f"(validation {res.val_loss:.4f}), {res.tokens_per_s:.0f} tokens/s")
+    if res.checkpoint:
+        print(f"checkpoint: {res.checkpoint}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    mod = importlib.import_module(BENCHMARKS[args.name])
+    return int(mod.main(args.bench_args) or 0)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from fusionnode.train.export import load_model_from_checkpoint
+    from fusionnode.train.generate import generate
+
+    model = load_model_from_checkpoint(args.checkpoint)
+    print(generate(model, args.prompt, args.tokens, args.temperature, seed=args.seed))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from fusionnode.train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if args.log_level != "DEBUG":
+        logging.getLogger("hivemind").setLevel(logging.ERROR)
+    try:
+        if args.command == "join":
+            return cmd_join(args, parser)
+        if args.command == "peers":
+            return cmd_peers(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "leave":
+            return cmd_leave(args)
+        if args.command == "train":
+            return cmd_train(args, parser)
+        if args.command in ("plan", "simulate"):
+            from fusionnode.plan import commands
+
+            return int((commands.run_plan if args.command == "plan" else commands.run_simulate)(args) or 0)
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "demo":
+            from fusionnode.demo import run_demo
+
+            return run_demo(args)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "export":
+            return cmd_export(args)
+    except FusionNodeError as exc:
+        print(f"fusionnode {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fusionnode {args.command}: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The daemon: the composition root that wires a node's components and runs them.
+
+One asyncio event loop per node. ``Node.create`` starts the DHT (libp2p through
+p2pd), shares its P2P for FusionNode's own RPCs, and builds the components;
+``Node.run`` runs them in one task group until ``stop()`` (first SIGINT/SIGTERM,
+or ``fusionnode leave``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import fusionnode
+from fusionnode.config import NodeConfig
+from fusionnode.control import ControlServer
+from fusionnode.errors import DaemonError
+from fusionnode.runtime.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "FUSIONNODE READY "  # the one parseable startup line: prefix + JSON
+
+
+class StateDirLock:
+    """One daemon per state directory: an exclusive flock on state_dir/daemon.lock."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / "daemon.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            try:
+                pid = self.path.read_text().strip()
+            except OSError:
+                pid = "?"
+            raise DaemonError(
+                f"another fusionnode daemon (pid {pid}) already runs with state dir {self.path.parent}; "
+                "stop it with `fusionnode leave` or pick another --state-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Node:
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.started_at = time.time()
+        self.lock = StateDirLock(config.state_dir)
+        self.identity: Any = None
+        self.profile: Any = None
+        self.dht: Any = None
+        self.p2p: Any = None
+        self.membership: Any = None
+        self.transport: Transport | None = None
+        self.worker: Any = None
+        self.driver: Any = None
+        self.control: ControlServer | None = None
+        self.maddrs: list[str] = []
+        self._stop = asyncio.Event()
+
+    @classmethod
+    async def create(cls, config: NodeConfig) -> Node:
+        self = cls(config)
+        try:
+            await self._start()
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        from fusionnode.runtime.worker import WorkerService
+        from fusionnode.swarm.dht import start_dht
+        from fusionnode.swarm.identity import load_or_create_identity
+        from fusionnode.swarm.membership import Membership, MembershipConfig
+        from fusionnode.swarm.probe import ProbeConfig
+        from fusionnode.swarm.profile import load_or_measure_profile
+        from fusionnode.train.driver import Driver
+
+        cfg = self.config
+        self.lock.acquire()
+        self.identity = load_or_create_identity(cfg.state_dir)
+        self.profile = await asyncio.to_thread(load_or_measure_profile, cfg.state_dir, force=cfg.reprofile)
+        self.dht = await start_dht(
+            self.identity,
+            list(cfg.listen),
+            list(cfg.initial_peers),
+            startup_timeout=cfg.startup_timeout_s,
+            announce=list(cfg.announce) or None,
+        )
+        self.p2p = await self.dht.replicate_p2p()
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        capacity = cfg.max_memory_bytes or self.profile.memory_free_bytes
+        self.membership = Membership(
+            self.dht,
+            self.p2p,
+            self.identity,
+            self.profile,
+            roles=list(cfg.roles),
+            capacity_bytes=int(capacity),
+            maddrs=self.maddrs,
+            config=MembershipConfig(
+                heartbeat_s=cfg.heartbeat_s,
+                record_ttl_s=cfg.record_ttl_s,
+                probe=ProbeConfig(enabled=cfg.probe, interval_s=cfg.probe_interval_s),
+            ),
+        )
+        self.transport = Transport(self.p2p, rpc_timeout=cfg.rpc_timeout_s)
+        await self.transport.start()
+        self.worker = WorkerService(self.transport, capacity_bytes=int(capacity), config=cfg,
+                                    can_work="worker" in cfg.roles, can_host="optimizer" in cfg.roles,
+                                    state_dir=cfg.state_dir, on_jobs_changed=self.membership.set_jobs)
+        self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
+        self.control = ControlServer(cfg.control_path, {
+            "status": self._rpc_status,
+            "peers": self._rpc_peers,
+            "leave": self._rpc_leave,
+            "train": self._rpc_train,
+        })
+        await self.control.start()
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.identity.peer_id)
+
+    def ready_line(self) -> str:
+        return READY_PREFIX + json.dumps({
+            "peer_id": self.peer_id,
+            "maddrs": self.maddrs,
+            "control": str(self.config.control_path),
+            "pid": os.getpid(),
+            "version": fusionnode.__version__,
+        })
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            membership_task = tg.create_task(self.membership.run(), name="membership")
+            worker_task = tg.create_task(self.worker.run(), name="worker")
+            await self._stop.wait()
+            await self.graceful_leave()
+            membership_task.cancel()
+            worker_task.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def graceful_leave(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.worker.drain(), self.config.rpc_timeout_s)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.membership.withdraw(), 5)
+
+    async def shutdown(self) -> None:
+        if self.control is not None:
+            await self.control.close()
+        if self.transport is not None:
+            await self.transport.close()
+        if self.p2p is not None:
+            with contextlib.suppress(Exception):
+                await self.p2p.shutdown()
+        if self.dht is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self.dht.shutdown)
+        self.lock.release()
+
+    # ---- control API ---------------------------------------------------------------------------
+    async def _rpc_peers(self, params: dict, emit) -> dict:
+        peers = await self.membership.peers()
+        return {"self": self.peer_id, "peers": [p.to_wire() for p in peers]}
+
+    async def _rpc_status(self, params: dict, emit) -> dict:
+        peers = await self.membership.peers()
+        return {
+            "peer_id": self.peer_id,
+            "maddrs": self.maddrs,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "roles": list(self.config.roles),
+            "device": self.profile.to_dict() if hasattr(self.profile, "to_dict") else dict(vars(self.profile)),
+            "peers": [p.to_wire() for p in peers],
+            "serving": self.worker.status(),
+            "jobs": self.driver.status(),
+        }
+
+    async def _rpc_leave(self, params: dict, emit) -> dict:
+        asyncio.get_running_loop().call_later(0.2, self.stop)
+        return {"leaving": True, "peer_id": self.peer_id}
+
+    async def _rpc_train(self, params: dict, emit) -> dict:
+        return await self.driver.run_job(params, emit)
+
+
+async def run_node(config: NodeConfig, ready_out=None) -> int:
+    """Runs a node until stopped; installs signal handlers (second signal exits at once)."""
+    import signal
+
+    loop = asyncio.get_running_loop()
+    node = await Node.create(config)
+    signals_seen = 0
+
+    def on_signal() -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            logger.info("shutting down (send the signal again to exit at once)")
+            node.stop()
+        else:
+            os._exit(130)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    out = ready_out or sys.stdout
+    print(node.ready_line(), file=out, flush=True)
+    try:
+        await node.run()
+    finally:
+        await node.shutdown()
+    return 0

@@ -1,0 +1,291 @@
+"""Workload estimator: the cost model every planner, baseline and test shares.
+
+Cost model (all per training step; u = micro-batch size in samples, m = micro-batches):
+
+* stage compute (forward + backward) on device d for node range [lo, hi):
+  ``c = (1 + BACKWARD_FACTOR) * flops[lo:hi] * u / (tflops_d * 1e12 * efficiency) * calib_d``
+* link after stage k (activation forward + its gradient backward, one micro-batch):
+  ``l = 2 * (latency + wire_bytes(cut_bytes[hi] * u, r) * 8 / bandwidth)``, where the keep-ratio r
+  is chosen by `choose_ratio` so the link fits in the bottleneck compute time (AdaTopK rule);
+  top-k sends (value, index) pairs: TOPK_WIRE_FACTOR x the dense bytes per kept element.
+* stage time ``t_k = c_k + l_k``; pipeline time (GPipe / 1F1B) ``(m + S - 1) * max_k t_k``.
+* memory of stage k: params x (2 with offload: weights + grads; 4 without: + Adam m, v) plus
+  (S - k) micro-batches in flight of its activations (sum of out_bytes) and its input.
+* data-parallel sync through optimizer hosts (offload on): after its last backward, every stage
+  pushes its gradients to each host (bytes split by the hosts' shares) and pulls the new
+  parameters: ``2 * sum_h (latency + P_k * share_h * 8 / bw(d, h))``; a pipeline's sync is the max
+  over its stages.  Hosts are also limited by their own link: ``H = max_h 2 * P * share_h *
+  pipelines * 8 / host_bw_h``.  Offload off: pipelines all-reduce directly, each stage moving
+  ``2 * P_k`` bytes both ways over its slowest link to a worker outside its pipeline (0 with one
+  pipeline).
+* step time ``max(max_p (pipeline_p + sync_p), H)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from fusionnode.errors import ConfigError
+from fusionnode.graph.dag import OpGraph
+from fusionnode.plan.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EFFICIENCY = 0.4  # fraction of peak TFLOP/s a device sustains on transformer ops
+BACKWARD_FACTOR = 2.0  # backward FLOPs / forward FLOPs
+DENSE_ELEMENT_BYTES = 4  # fp32 activation element
+TOPK_BYTES_PER_KEPT = 6  # fp16 value (2) + int32 index (4) per kept element
+TOPK_WIRE_FACTOR = TOPK_BYTES_PER_KEPT / DENSE_ELEMENT_BYTES  # wire bytes per kept dense byte
+K_MIN = 0.01  # smallest keep-ratio AdaTopK may pick
+USABLE_MEMORY_FRACTION = 0.9  # of a device's memory_gb that a stage may fill
+OPTIMIZER_BYTES_FACTOR = 4  # fp32 master + grad accumulator + Adam m, v on a host, x param bytes
+WORKER_PARAM_FACTOR_OFFLOAD = 2  # weights + grads on a worker when the optimizer is offloaded
+WORKER_PARAM_FACTOR_LOCAL = 4  # weights + grads + Adam m, v when it is not
+
+
+def link_time(nbytes: float, bandwidth_bps: float, latency_s: float) -> float:
+    """Seconds to move nbytes over one link: latency + serialisation."""
+    return latency_s + nbytes * 8.0 / bandwidth_bps
+
+
+def wire_bytes(nbytes: float, ratio: float) -> float:
+    """Bytes on the wire for a tensor of nbytes dense, top-k compressed to keep-ratio `ratio`."""
+    return nbytes if ratio >= 1.0 else nbytes * ratio * TOPK_WIRE_FACTOR
+
+
+def choose_ratio(
+    nbytes: float, bandwidth_bps: float, latency_s: float, target_time_s: float, k_min: float = K_MIN
+) -> float:
+    """AdaTopK keep-ratio for one transfer: 1.0 (dense) if it already fits in target_time_s,
+    else the largest ratio whose (value, index) payload fits, never below k_min."""
+    if nbytes <= 0 or link_time(nbytes, bandwidth_bps, latency_s) <= target_time_s:
+        return 1.0
+    avail = target_time_s - latency_s
+    if avail <= 0:
+        return k_min
+    ratio = avail * bandwidth_bps / 8.0 / (nbytes * TOPK_WIRE_FACTOR)
+    return float(min(1.0, max(k_min, ratio)))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Chain:
+    """The OP-DAG seen as a chain of blocks between allowed cuts (see fence.coarsen).
+
+    bounds[b] is the node index of the b-th allowed cut (bounds[0] = 0, bounds[-1] = n);
+    prefix arrays are indexed by position in bounds."""
+
+    bounds: np.ndarray  # int, node ids of allowed cuts
+    flops: np.ndarray  # prefix forward flops per sample
+    params: np.ndarray  # prefix param bytes
+    acts: np.ndarray  # prefix activation bytes per sample (sum of out_bytes)
+    cut: np.ndarray  # bytes per sample crossing each allowed cut
+
+    @property
+    def blocks(self) -> int:
+        return len(self.bounds) - 1
+
+    @staticmethod
+    def from_graph(graph: OpGraph, bounds: Sequence[int] | None = None) -> Chain:
+        n = graph.num_nodes
+        if n == 0:
+            raise ConfigError(f"model {graph.model_name!r} has an empty OP-DAG")
+        b = np.arange(n + 1) if bounds is None else np.asarray(sorted(set(bounds)), dtype=int)
+        if b[0] != 0 or b[-1] != n:
+            raise ValueError("chain bounds must start at 0 and end at the node count")
+        pf = np.asarray(graph.prefix_flops(), dtype=float)
+        pp = np.asarray(graph.prefix_param_bytes(), dtype=float)
+        pa = np.concatenate([[0.0], np.cumsum([float(nd.out_bytes) for nd in graph.nodes])])
+        cut = np.asarray(graph.cut_bytes(), dtype=float)
+        return Chain(bounds=b, flops=pf[b], params=pp[b], acts=pa[b], cut=cut[b])
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCost:
+    """The cost model's verdict on one pipeline: devices in order, split at chain positions."""
+
+    devices: tuple[int, ...]  # cluster indices, one per stage
+    split: tuple[int, ...]  # chain positions, len S + 1, split[0] = 0, split[-1] = blocks
+    micro_batch_size: int
+    compute_s: tuple[float, ...]  # fwd + bwd per micro-batch, per stage
+    comm_s: tuple[float, ...]  # outgoing link fwd + bwd per micro-batch (0 for the last stage)
+    ratios: tuple[float, ...]  # keep-ratio of each outgoing link (1.0 for the last stage)
+    memory_bytes: tuple[float, ...]
+    param_bytes: tuple[float, ...]
+    fits: bool  # every stage within its device's usable memory
+
+    @property
+    def stages(self) -> int:
+        return len(self.devices)
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(c + l for c, l in zip(self.compute_s, self.comm_s))
+
+    def pipeline_time(self, micro_batches: int) -> float:
+        return (micro_batches + self.stages - 1) * self.bottleneck_s
+
+
+class Estimator:
+    """Per-device compute speed (with calibration), per-pair links, and the step cost model."""
+
+    def __init__(self, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY, offload: bool = True):
+        if not 0 < efficiency <= 1:
+            raise ConfigError(f"efficiency must be in (0, 1], got {efficiency}")
+        self.cluster = cluster
+        self.efficiency = efficiency
+        self.offload = offload
+        self._calib = np.ones(cluster.size)
+        self._speed = np.array([d.tflops * 1e12 * efficiency for d in cluster.devices])
+        self._cap = np.array([d.memory_bytes * USABLE_MEMORY_FRACTION for d in cluster.devices])
+        self._ids = [d.id for d in cluster.devices]
+
+    # ---- calibration -------------------------------------------------------------------------
+    def calibrate(self, device_id: str, factor: float) -> None:
+        """Multiply the device's predicted compute times by `factor` (= measured / predicted)."""
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ConfigError(f"calibration factor for {device_id!r} must be > 0, got {factor}")
+        self._calib[self.cluster.index(device_id)] *= factor
+
+    def calibration(self, device_id: str) -> float:
+        return float(self._calib[self.cluster.index(device_id)])
+
+    def prediction_error(self, measurements: Mapping[tuple[str, float], float]) -> dict[str, float]:
+        """Relative error (predicted - measured) / measured per device, for measurements keyed by
+        (device_id, forward flops of the measured work, fwd + bwd) -> measured seconds."""
+        out: dict[str, float] = {}
+        for (dev, flops), measured in measurements.items():
+            pred = self.compute_time(self.cluster.index(dev), flops)
+            out[dev] = (pred - measured) / measured
+        return out
+
+    # ---- primitives --------------------------------------------------------------------------
+    def seconds_per_flop(self, device: int) -> float:
+        """Seconds per forward FLOP for forward + backward on this device (cluster index)."""
+        return (1.0 + BACKWARD_FACTOR) * self._calib[device] / self._speed[device]
+
+    def seconds_per_flop_all(self) -> np.ndarray:
+        return (1.0 + BACKWARD_FACTOR) * self._calib / self._speed
+
+    def compute_time(self, device: int, flops: float) -> float:
+        """Forward + backward seconds for `flops` forward FLOPs on device (cluster index)."""
+        return flops * self.seconds_per_flop(device)
+
+    def capacity(self, device: int) -> float:
+        return float(self._cap[device])
+
+    def capacities(self) -> np.ndarray:
+        return self._cap
+
+    def param_factor(self) -> int:
+        return WORKER_PARAM_FACTOR_OFFLOAD if self.offload else WORKER_PARAM_FACTOR_LOCAL
+
+    def link(self, a: int, b: int) -> tuple[float, float]:
+        """(bit/s, seconds) of the link a -> b (cluster indices)."""
+        return float(self.cluster.bandwidth_bps[a, b]), float(self.cluster.latency_s[a, b])
+
+    # ---- the pipeline cost -------------------------------------------------------------------
+    def evaluate(
+        self,
+        chain: Chain,
+        devices: Sequence[int],
+        split: Sequence[int],
+        micro_batch_size: int,
+        compress: bool = True,
+        ratios: Sequence[float] | None = None,
+    ) -> PipelineCost:
+        """Cost of one pipeline: devices[k] runs chain blocks [split[k], split[k+1]).
+
+        Keep-ratios are chosen by `choose_ratio` (or 1.0 when compress is False) unless `ratios`
+        gives them (one per stage, the last ignored)."""
+        s = len(devices)
+        if len(split) != s + 1 or split[0] != 0 or split[-1] != chain.blocks:
+            raise ValueError(f"split {split} does not cover the chain of {chain.blocks} blocks with {s} stages")
+        u = micro_batch_size
+        spf = self.seconds_per_flop_all()
+        compute = []
+        params = []
+        memory = []
+        pf = self.param_factor()
+        for k in range(s):
+            lo, hi = split[k], split[k + 1]
+            compute.append(float((chain.flops[hi] - chain.flops[lo]) * u * spf[devices[k]]))
+            p = float(chain.params[hi] - chain.params[lo])
+            params.append(p)
+            inflight = s - k
+            act = (chain.acts[hi] - chain.acts[lo] + chain.cut[lo]) * u * inflight
+            memory.append(p * pf + float(act))
+        target = max(compute)
+        comm, chosen = [], []
+        for k in range(s - 1):
+            bw, lat = self.link(devices[k], devices[k + 1])
+            x = float(chain.cut[split[k + 1]]) * u
+            if ratios is not None:
+                r = float(ratios[k])
+            else:
+                r = choose_ratio(x, bw, lat, target / 2.0) if compress else 1.0
+            chosen.append(r)
+            comm.append(2.0 * link_time(wire_bytes(x, r), bw, lat))
+        comm.append(0.0)
+        chosen.append(1.0)
+        fits = all(mem <= self._cap[d] for mem, d in zip(memory, devices))
+        return PipelineCost(
+            devices=tuple(int(d) for d in devices),
+            split=tuple(int(x) for x in split),
+            micro_batch_size=u,
+            compute_s=tuple(compute),
+            comm_s=tuple(comm),
+            ratios=tuple(chosen),
+            memory_bytes=tuple(memory),
+            param_bytes=tuple(params),
+            fits=fits,
+        )
+
+    # ---- data-parallel sync ------------------------------------------------------------------
+    def stage_sync_time(
+        self,
+        device: int,
+        param_bytes: float,
+        hosts: Sequence[tuple[int, float]],
+        multi: bool,
+        outside_bw_bps: float = math.inf,
+    ) -> float:
+        """Push grads + pull params of one stage (see the module docstring)."""
+        if param_bytes <= 0:
+            return 0.0
+        if self.offload:
+            t = 0.0
+            for h, share in hosts:
+                if h == device or share <= 0:
+                    continue
+                bw, lat = self.link(device, h)
+                t += 2.0 * link_time(param_bytes * share, bw, lat)
+            return t
+        if not multi:
+            return 0.0
+        return 2.0 * (param_bytes * 2 * 8.0 / outside_bw_bps)
+
+    def outside_bandwidth(self, pipeline_devices: Sequence[int], workers: Sequence[int]) -> np.ndarray:
+        """For offload off: each device's slowest link to a worker outside its pipeline."""
+        inside = set(int(d) for d in pipeline_devices)
+        others = np.array([w for w in workers if w not in inside], dtype=int)
+        if len(others) == 0:
+            return np.full(len(pipeline_devices), math.inf)
+        return self.cluster.bandwidth_bps[np.ix_(np.asarray(pipeline_devices, dtype=int), others)].min(axis=1)
+
+    def host_bound(self, total_param_bytes: float, hosts: Sequence[tuple[int, float]], pipelines: int) -> float:
+        """Seconds the optimizer hosts' own links need for every pipeline's push + pull."""
+        if not self.offload or pipelines == 0:
+            return 0.0
+        bw = self.cluster.bandwidth_bps
+        worst = 0.0
+        for h, share in hosts:
+            dev = self.cluster.devices[h]
+            row = np.delete(bw[h], h)
+            host_bw = dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
+            worst = max(worst, 2.0 * total_param_bytes * share * pipelines * 8.0 / host_bw)
+        return worst

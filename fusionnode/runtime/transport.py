@@ -1,0 +1,290 @@
+"""Typed messages between peers over libp2p binary streams (hivemind's P2P).
+
+Two protocols:
+- ``/fusionnode/rpc/1``: one stream per call; the caller writes a ``Call``, the
+  callee answers one ``Reply``. For small control messages.
+- ``/fusionnode/data/1``: one long-lived stream per (sender, receiver) pair; the
+  sender writes ``TensorMessage``s (activations, gradients, parameters, inputs),
+  the receiver drops each into its ``Mailbox`` under a key, where a stage awaits it.
+
+A message to ourselves never touches the wire. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fusionnode.errors import DeadlineError, PeerError, ProtocolError
+from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
+from fusionnode.wire.messages import Call, Reply, TensorMessage
+from fusionnode.wire.stream import read_message, write_message
+
+logger = logging.getLogger(__name__)
+
+PROTO_RPC = "/fusionnode/rpc/1"
+PROTO_DATA = "/fusionnode/data/1"
+MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
+RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+
+
+def message_key(msg: TensorMessage) -> tuple:
+    m = msg.meta
+    return (msg.kind, str(m.get("job", "")), int(m.get("step", -1)), int(m.get("mb", -1)), int(m.get("stage", -1)))
+
+
+class Mailbox:
+    """Messages keyed by (kind, job, step, mb, stage); a getter waits with a deadline."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple, tuple[TensorMessage, str]] = {}
+        self._waiters: dict[tuple, asyncio.Future] = {}
+        self._per_job: dict[str, int] = defaultdict(int)
+        self._closed_jobs: set[str] = set()
+
+    def put(self, msg: TensorMessage, sender: str) -> None:
+        key = message_key(msg)
+        job = key[1]
+        if job in self._closed_jobs:
+            return
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result((msg, sender))
+            return
+        if self._per_job[job] >= MAX_PENDING_PER_JOB:
+            raise ProtocolError(f"too many pending messages for job {job!r}")
+        self._items[key] = (msg, sender)
+        self._per_job[job] += 1
+
+    async def get(self, key: tuple, timeout: float) -> tuple[TensorMessage, str]:
+        if key in self._items:
+            self._per_job[key[1]] -= 1
+            return self._items.pop(key)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineError(f"no {key[0]!r} message for job {key[1]} step {key[2]} mb {key[3]} "
+                                f"stage {key[4]} within {timeout:.0f} s") from None
+        finally:
+            if self._waiters.get(key) is fut:
+                del self._waiters[key]
+
+    def fail_job(self, job: str, exc: BaseException) -> None:
+        for key, fut in list(self._waiters.items()):
+            if key[1] == job and not fut.done():
+                fut.set_exception(exc)
+
+    def drop_job(self, job: str) -> None:
+        for key in [k for k in self._items if k[1] == job]:
+            del self._items[key]
+        self._per_job.pop(job, None)
+
+
+class TokenBucket:
+    """User-space bandwidth limit for one link (used where tc/netns is unavailable)."""
+
+    def __init__(self, rate_bps: float, burst_bytes: int = 256 << 10):
+        self.rate = rate_bps / 8.0  # bytes per second
+        self.burst = burst_bytes
+        self.tokens = float(burst_bytes)
+        self.last = time.monotonic()
+
+    async def take(self, nbytes: int) -> None:
+        while True:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+            self.last = now
+            want = min(nbytes, self.burst)
+            if self.tokens >= want:
+                self.tokens -= want
+                nbytes -= want
+                if nbytes <= 0:
+                    return
+                continue
+            await asyncio.sleep((want - self.tokens) / self.rate)
+
+
+class Transport:
+    def __init__(self, p2p: Any, *, rpc_timeout: float = 30.0, limits: Limits = DEFAULT_LIMITS,
+                 authorizer: Any = None):
+        self.p2p = p2p
+        self.peer_id = str(p2p.peer_id)
+        self.rpc_timeout = rpc_timeout
+        self.limits = limits
+        self.mailbox = Mailbox()
+        self._rpc: dict[str, RpcHandler] = {}
+        self._out: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        self._out_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._tasks: set[asyncio.Task] = set()
+        self.bytes_sent: dict[str, int] = defaultdict(int)  # per job id
+        self.bytes_sent_to: dict[str, int] = defaultdict(int)  # per peer id
+        self.rate_limits: dict[str, TokenBucket] = {}
+        self.authorizer = authorizer
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
+        await self.p2p.add_binary_stream_handler(PROTO_DATA, self._on_data_stream)
+
+    async def close(self) -> None:
+        for _reader, writer in list(self._out.values()):
+            writer.close()
+        self._out.clear()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def set_rate_limit(self, peer_id: str, rate_bps: float | None) -> None:
+        if rate_bps:
+            self.rate_limits[peer_id] = TokenBucket(rate_bps)
+        else:
+            self.rate_limits.pop(peer_id, None)
+
+    # ---- RPC -----------------------------------------------------------------------------------
+    def add_rpc(self, method: str, handler: RpcHandler) -> None:
+        self._rpc[method] = handler
+
+    async def call(self, peer_id: str, method: str, args: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
+        timeout = timeout or self.rpc_timeout
+        if peer_id == self.peer_id:
+            handler = self._rpc.get(method)
+            if handler is None:
+                raise PeerError(f"no RPC {method!r} here")
+            return await asyncio.wait_for(handler(args or {}, self.peer_id), timeout)
+        try:
+            return await asyncio.wait_for(self._call_remote(peer_id, method, args or {}), timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineError(f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s") from None
+
+    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        from hivemind.p2p import PeerID
+
+        try:
+            _info, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_RPC)
+        except Exception as exc:
+            raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
+        try:
+            await write_message(writer, self._sign(Call(method=method, args=args)))
+            reply = await read_message(reader, self.limits)
+        except (ConnectionError, OSError) as exc:
+            raise PeerError(f"peer {peer_id[:12]}… dropped the {method!r} call: {exc}") from exc
+        finally:
+            writer.close()
+        if not isinstance(reply, Reply):
+            raise ProtocolError(f"expected a Reply to {method!r}, got {type(reply).__name__}")
+        if not reply.ok:
+            raise PeerError(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}")
+        return dict(reply.result)
+
+    async def _on_rpc_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = str(info.peer_id)
+        try:
+            msg = await read_message(reader, self.limits, timeout=self.rpc_timeout)
+            msg = self._verify(msg, sender)
+            if not isinstance(msg, Call):
+                raise ProtocolError(f"expected a Call, got {type(msg).__name__}")
+            handler = self._rpc.get(msg.method)
+            if handler is None:
+                reply = Reply(ok=False, result={}, error=f"unknown method {msg.method!r}")
+            else:
+                try:
+                    result = await handler(dict(msg.args), sender)
+                    reply = Reply(ok=True, result=result or {}, error="")
+                except Exception as exc:
+                    if not isinstance(exc, (PeerError, ProtocolError, ValueError)):
+                        logger.exception("RPC %s from %s failed", msg.method, sender[:12])
+                    reply = Reply(ok=False, result={}, error=f"{type(exc).__name__}: {exc}")
+            await write_message(writer, reply)
+        except (ProtocolError, DeadlineError) as exc:
+            logger.warning("bad RPC stream from %s: %s", sender[:12], exc)
+            with contextlib.suppress(Exception):
+                await write_message(writer, Reply(ok=False, result={}, error=f"ProtocolError: {exc}"))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    # ---- data plane ----------------------------------------------------------------------------
+    async def send(self, peer_id: str, msg: TensorMessage) -> int:
+        """Sends one TensorMessage; returns the bytes written on the wire (0 to ourselves)."""
+        if peer_id == self.peer_id:
+            self.mailbox.put(msg, self.peer_id)
+            return 0
+        job = str(msg.meta.get("job", ""))
+        async with self._out_locks[peer_id]:
+            for attempt in (0, 1):
+                stream = self._out.get(peer_id)
+                try:
+                    if stream is None:
+                        stream = await self._open_data(peer_id)
+                    bucket = self.rate_limits.get(peer_id)
+                    if bucket is not None:
+                        n = await self._write_limited(stream[1], msg, bucket)
+                    else:
+                        n = await write_message(stream[1], self._sign(msg))
+                    self.bytes_sent[job] += n
+                    self.bytes_sent_to[peer_id] += n
+                    return n
+                except (ConnectionError, OSError, PeerError) as exc:
+                    self._out.pop(peer_id, None)
+                    if attempt == 1:
+                        raise PeerError(f"cannot send {msg.kind!r} to peer {peer_id[:12]}…: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def _write_limited(self, writer: asyncio.StreamWriter, msg: TensorMessage, bucket: TokenBucket) -> int:
+        from fusionnode.wire.messages import encode_message
+
+        data = encode_message(self._sign(msg))
+        chunk = 64 << 10
+        for i in range(0, len(data), chunk):
+            piece = data[i : i + chunk]
+            await bucket.take(len(piece))
+            writer.write(piece)
+            await writer.drain()
+        return len(data)
+
+    async def _open_data(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        from hivemind.p2p import PeerID
+
+        try:
+            _info, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_DATA), self.rpc_timeout
+            )
+        except Exception as exc:
+            raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+        self._out[peer_id] = (reader, writer)
+        return reader, writer
+
+    async def _on_data_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sender = str(info.peer_id)
+        try:
+            while True:
+                try:
+                    msg = await read_message(reader, self.limits)
+                except ProtocolError as exc:
+                    if "truncated" in str(exc) or "closed" in str(exc) or "empty" in str(exc):
+                        return  # the sender closed its stream
+                    raise
+                msg = self._verify(msg, sender)
+                if not isinstance(msg, TensorMessage):
+                    raise ProtocolError(f"expected a TensorMessage on the data stream, got {type(msg).__name__}")
+                self.mailbox.put(msg, sender)
+        except ProtocolError as exc:
+            logger.warning("closing data stream from %s: %s", sender[:12], exc)
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    # ---- authentication hooks (private swarms) ------------------------------------------------
+    def _sign(self, msg: Any) -> Any:
+        return self.authorizer.sign(msg) if self.authorizer is not None else msg
+
+    def _verify(self, msg: Any, sender: str) -> Any:
+        return self.authorizer.verify(msg, sender) if self.authorizer is not None else msg

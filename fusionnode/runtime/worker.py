@@ -1,0 +1,429 @@
+"""The worker side of a job: accept a stage, run it in the pipeline, apply the optimizer step.
+
+Protocol (RPCs from the job's driver, data messages peer to peer; see protocol/SPEC.md):
+
+- ``job.assign``: a stage proposal (portable sub-DAG, neighbours, sizes). The worker
+  accepts only what fits the capacity its user offered, and holds it under a lease
+  that expires unless the driver renews it (any RPC of the job renews it).
+- ``params`` data messages, one per parameter, then ``job.start`` builds the stage.
+- ``job.step``: run one step's micro-batches with a 1F1B schedule. Activations
+  (``act``) go to the next stage, their gradients (``grad``) to the previous one,
+  the last stage turns ``target`` messages into a loss. Returns timings and losses.
+- ``job.commit``: apply the optimizer step (gradients of parameters shared with
+  other stages are summed by the driver first and arrive as ``shared_sum``).
+- ``job.fetch``: send parameters or gradients to the driver (checkpoints, checks).
+- ``job.release``: drop the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from fusionnode.errors import PeerError
+from fusionnode.runtime.transport import Transport
+from fusionnode.wire.messages import TensorMessage
+from fusionnode.wire.tensors import decode_tensor, encode_tensor
+
+logger = logging.getLogger(__name__)
+
+MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
+
+
+def tensor_message(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor], codec: str = "raw",
+                   **codec_options: Any) -> TensorMessage:
+    enc = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if codec != "raw" and t.is_floating_point():
+            enc[name] = encode_tensor(t.cpu(), codec, **codec_options)
+        else:
+            enc[name] = encode_tensor(t.cpu(), "raw")
+    return TensorMessage(kind=kind, meta=meta, tensors=enc)
+
+
+def decode_checked(msg: TensorMessage, expected: dict[str, dict[str, Any]] | None, batch: int | None,
+                   sender: str) -> dict[str, torch.Tensor]:
+    """Decodes every tensor, checking exact dtype and shape (where known) and finiteness."""
+    out = {}
+    for name, enc in msg.tensors.items():
+        if expected is not None:
+            spec = expected.get(name)
+            if spec is None:
+                raise PeerError(f"peer {sender[:12]}… sent an unexpected tensor {name!r} in {msg.kind!r}")
+            want_shape = tuple(spec["shape"]) if batch is None else (batch, *tuple(spec["shape"])[1:])
+            if tuple(enc.shape) != want_shape or enc.dtype != spec["dtype"]:
+                raise PeerError(
+                    f"peer {sender[:12]}… sent {name!r} as {enc.dtype}{list(enc.shape)}, "
+                    f"expected {spec['dtype']}{list(want_shape)}"
+                )
+        t = decode_tensor(enc)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise PeerError(f"peer {sender[:12]}… sent non-finite values in {name!r} ({msg.kind!r})")
+        out[name] = t
+    return out
+
+
+class StageJob:
+    """One accepted stage of one job on this worker."""
+
+    def __init__(self, args: dict[str, Any], lease_s: float):
+        self.job: str = args["job"]
+        self.stage: int = int(args["stage"])
+        self.num_stages: int = int(args["num_stages"])
+        self.driver: str = args["driver"]
+        self.prev: str = args.get("prev") or ""
+        self.next: str = args.get("next") or ""
+        self.description: dict[str, Any] = args["description"]
+        self.param_specs: dict[str, dict[str, Any]] = args["param_specs"]
+        self.recv_specs: dict[str, dict[str, Any]] = args.get("recv_specs") or {}
+        self.send_specs: dict[str, dict[str, Any]] = args.get("send_specs") or {}
+        self.send_names: list[str] = list(self.send_specs)
+        self.shared_names: set[str] = set(args.get("shared_names") or [])
+        self.spec: dict[str, Any] = args["spec"]
+        self.codec: str = args.get("codec", "raw")
+        self.codec_options: dict[str, Any] = args.get("codec_options") or {}
+        self.need_bytes: int = int(args.get("need_bytes", 0))
+        self.lease_s = lease_s
+        self.lease_until = time.monotonic() + lease_s
+        self.module: Any = None
+        self.opt: torch.optim.Optimizer | None = None
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.busy = asyncio.Lock()
+        self.last_step = -1
+        self.device = torch.device("cpu")
+
+    def renew(self) -> None:
+        self.lease_until = time.monotonic() + self.lease_s
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+class WorkerService:
+    def __init__(self, transport: Transport, *, capacity_bytes: int, config: Any, can_work: bool = True,
+                 can_host: bool = True, state_dir: Any = None,
+                 on_jobs_changed: Callable[[list[str]], None] | None = None):
+        self.t = transport
+        self.capacity_bytes = capacity_bytes
+        self.config = config
+        self.can_work = can_work
+        self.can_host = can_host
+        self.state_dir = state_dir
+        self.jobs: dict[tuple[str, int], StageJob] = {}
+        self.on_jobs_changed = on_jobs_changed
+        self.draining = False
+        # torch work runs off the event loop so streams keep moving while we compute
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        for name, fn in {
+            "job.assign": self.rpc_assign,
+            "job.start": self.rpc_start,
+            "job.step": self.rpc_step,
+            "job.commit": self.rpc_commit,
+            "job.fetch": self.rpc_fetch,
+            "job.release": self.rpc_release,
+        }.items():
+            transport.add_rpc(name, fn)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Expires stages whose driver stopped renewing their lease."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for key, sj in list(self.jobs.items()):
+                if now > sj.lease_until and not sj.busy.locked():
+                    logger.warning("lease of job %s stage %d expired: the driver is gone; dropping it", *key)
+                    self._drop(key)
+
+    async def drain(self) -> None:
+        """Graceful leave: refuse new work, let steps in progress finish."""
+        self.draining = True
+        for sj in list(self.jobs.values()):
+            async with sj.busy:
+                pass
+
+    def status(self) -> list[dict[str, Any]]:
+        return [
+            {"job": sj.job, "stage": sj.stage, "num_stages": sj.num_stages, "driver": sj.driver,
+             "last_step": sj.last_step, "params": len(sj.param_specs), "need_bytes": sj.need_bytes,
+             "lease_left_s": round(sj.lease_until - time.monotonic(), 1)}
+            for sj in self.jobs.values()
+        ]
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        sj = self.jobs.pop(key, None)
+        if sj is not None:
+            self.t.mailbox.drop_job(sj.job)
+            sj.module = sj.opt = None
+            sj.params = {}
+            if self.on_jobs_changed:
+                self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
+
+    def _get(self, args: dict[str, Any], sender: str) -> StageJob:
+        key = (str(args.get("job")), int(args.get("stage", -1)))
+        sj = self.jobs.get(key)
+        if sj is None:
+            raise PeerError(f"no stage {key[1]} of job {key[0]} here (lease expired or never assigned)")
+        if sender != sj.driver:
+            raise PeerError(f"only the job's driver may control it (got a call from {sender[:12]}…)")
+        sj.renew()
+        return sj
+
+    def used_bytes(self) -> int:
+        return sum(sj.need_bytes for sj in self.jobs.values())
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+    async def rpc_assign(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        if not self.can_work:
+            raise PeerError("this peer does not offer the worker role")
+        if self.draining:
+            raise PeerError("this peer is leaving")
+        if args.get("driver") != sender:
+            raise PeerError("an assignment must come from the job's driver")
+        need = int(args.get("need_bytes", 0))
+        free = self.capacity_bytes - self.used_bytes()
+        key = (str(args["job"]), int(args["stage"]))
+        if key not in self.jobs and need * MEMORY_OVERHEAD > free:
+            raise PeerError(
+                f"stage needs about {need * MEMORY_OVERHEAD / 2**20:.0f} MiB but this peer offers "
+                f"{free / 2**20:.0f} MiB (capacity {self.capacity_bytes / 2**20:.0f} MiB)"
+            )
+        if key in self.jobs:
+            self._drop(key)
+        self.jobs[key] = StageJob(args, lease_s=float(args.get("lease_s", self.config.lease_s)))
+        if self.on_jobs_changed:
+            self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
+        return {"accepted": True, "free_bytes": free - need}
+
+    async def rpc_start(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        from fusionnode.runtime.stage import StageModule
+
+        sj = self._get(args, sender)
+        timeout = self.config.step_timeout_s
+        params: dict[str, torch.Tensor] = {}
+        for idx in range(len(sj.param_specs)):
+            msg, src = await self.t.mailbox.get(("params", sj.job, -1, idx, sj.stage), timeout)
+            sj.renew()
+            params.update(decode_checked(msg, sj.param_specs, None, src))
+        if set(params) != set(sj.param_specs):
+            raise PeerError(f"parameters missing: {sorted(set(sj.param_specs) - set(params))[:5]}")
+
+        def build() -> None:
+            module = StageModule.from_description(sj.description, params, device=sj.device)
+            sj.module = module
+            sj.params = dict(module.named_stage_parameters())
+            sj.opt = make_optimizer(sj.params, sj.spec)
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        return {"ready": True, "params": len(sj.params)}
+
+    async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        sj = self._get(args, sender)
+        async with sj.busy:
+            self._drop((sj.job, sj.stage))
+        return {"released": True}
+
+    async def rpc_fetch(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """Sends this stage's parameters (what="params") or gradients (what="grads") to the driver."""
+        sj = self._get(args, sender)
+        what = args.get("what", "params")
+        names = sorted(sj.params)
+        for idx, name in enumerate(names):
+            p = sj.params[name]
+            t = p.detach() if what == "params" else (p.grad if p.grad is not None else torch.zeros_like(p))
+            meta = {"job": sj.job, "stage": sj.stage, "step": -1, "mb": idx}
+            await self.t.send(sj.driver, tensor_message(f"fetch_{what}", meta, {name: t}))
+        return {"count": len(names)}
+
+    async def rpc_step(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        sj = self._get(args, sender)
+        if sj.module is None:
+            raise PeerError("stage not started")
+        async with sj.busy:
+            return await self._run_step(sj, int(args["step"]), int(args["micro_batches"]), int(args["mb_size"]))
+
+    async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        sj = self._get(args, sender)
+        step = int(args["step"])
+        shared = sorted(sj.shared_names & set(sj.params))
+        summed: dict[str, torch.Tensor] = {}
+        if shared:
+            msg, src = await self.t.mailbox.get(("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s)
+            summed = decode_checked(msg, {n: sj.param_specs[n] for n in shared}, None, src)
+        lr = float(args["lr"])
+        clip = float(args.get("clip_coef", 1.0))
+
+        def apply() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    if name in summed:
+                        p.grad = summed[name].to(p.dtype).clone()
+                    if p.grad is not None and clip != 1.0:
+                        p.grad.mul_(clip)
+                for group in sj.opt.param_groups:
+                    group["lr"] = lr
+                sj.opt.step()
+                sj.opt.zero_grad(set_to_none=True)
+
+        async with sj.busy:
+            await asyncio.get_running_loop().run_in_executor(self.executor, apply)
+            sj.last_step = step
+        return {"applied": step}
+
+    # ---- the pipeline schedule -----------------------------------------------------------------
+    async def _run_step(self, sj: StageJob, step: int, m: int, mb_size: int) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        timeout = self.config.step_timeout_s
+        module = sj.module
+        input_names = set(module.input_names)
+        saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        losses: list[float] = []
+        compute_s = wait_s = 0.0
+        sends: list[asyncio.Task] = []
+        t_start = time.perf_counter()
+
+        async def receive(kind: str, mb: int) -> tuple[TensorMessage, str]:
+            nonlocal wait_s
+            t0 = time.perf_counter()
+            out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout)
+            wait_s += time.perf_counter() - t0
+            return out
+
+        def send(peer: str, kind: str, mb: int, stage: int, tensors: dict[str, torch.Tensor], codec: str) -> None:
+            meta = {"job": sj.job, "step": step, "mb": mb, "stage": stage}
+            msg = tensor_message(kind, meta, tensors, codec, **sj.codec_options)
+            sends.append(asyncio.ensure_future(self.t.send(peer, msg)))
+
+        async def forward(mb: int) -> None:
+            nonlocal compute_s
+            if sj.stage == 0:
+                msg, src = await receive("input", mb)
+                recv = decode_checked(msg, sj.recv_specs, mb_size, src)
+            else:
+                msg, src = await receive("act", mb)
+                recv = decode_checked(msg, sj.recv_specs, mb_size, src)
+            target = None
+            if sj.is_last:
+                tmsg, tsrc = await receive("target", mb)
+                target = decode_checked(tmsg, None, None, tsrc)["target"]
+
+            def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float | None]:
+                leaves = {}
+                for name, t in recv.items():
+                    t = t.to(sj.device)
+                    if t.is_floating_point():
+                        t.requires_grad_(True)
+                    leaves[name] = t
+                outs = module({n: leaves[n] for n in module.input_names})
+                loss_val = None
+                if sj.is_last:
+                    logits = next(iter(outs.values())) if len(outs) == 1 else outs[module.output_names[0]]
+                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                             target.reshape(-1))
+                    loss_val = float(loss.detach())
+                    outs = {"__loss__": loss / m}
+                else:
+                    # tensors that only pass through this stage go on unchanged (their grads come back too)
+                    for name in sj.send_names:
+                        if name not in outs and name in leaves:
+                            outs[name] = leaves[name]
+                return leaves, outs, loss_val
+
+            t0 = time.perf_counter()
+            leaves, outs, loss_val = await loop.run_in_executor(self.executor, run)
+            compute_s += time.perf_counter() - t0
+            saved[mb] = (leaves, outs)
+            if loss_val is not None:
+                losses.append(loss_val)
+            if not sj.is_last:
+                send(sj.next, "act", mb, sj.stage + 1, {n: outs[n] for n in sj.send_names}, sj.codec)
+
+        async def backward(mb: int) -> None:
+            nonlocal compute_s
+            leaves, outs = saved.pop(mb)
+            grads: dict[str, torch.Tensor] = {}
+            if not sj.is_last:
+                msg, src = await receive("grad", mb)
+                specs = {n: sj.send_specs[n] for n in msg.tensors if n in sj.send_specs}
+                if len(specs) != len(msg.tensors):
+                    raise PeerError(f"peer {src[:12]}… sent gradients for tensors this stage did not send")
+                grads = decode_checked(msg, specs, mb_size, src)
+
+            def run() -> dict[str, torch.Tensor]:
+                if sj.is_last:
+                    outs["__loss__"].backward()
+                else:
+                    pairs = [(outs[n], g.to(sj.device)) for n, g in grads.items()
+                             if outs[n].requires_grad]
+                    if pairs:
+                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+                return {n: t.grad for n, t in leaves.items()
+                        if n in input_names or n in sj.send_names if t.grad is not None}
+
+            t0 = time.perf_counter()
+            in_grads = await loop.run_in_executor(self.executor, run)
+            compute_s += time.perf_counter() - t0
+            if sj.stage > 0 and in_grads:
+                send(sj.prev, "grad", mb, sj.stage - 1, in_grads, sj.codec)
+
+        # 1F1B: warm up with forwards, then alternate, then drain the backwards
+        warmup = min(sj.num_stages - sj.stage - 1, m)
+        f = b = 0
+        for _ in range(warmup):
+            await forward(f)
+            f += 1
+        while f < m:
+            await forward(f)
+            f += 1
+            await backward(b)
+            b += 1
+        while b < m:
+            await backward(b)
+            b += 1
+        sent_bytes = sum(await asyncio.gather(*sends))
+
+        # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
+        shared = sorted(sj.shared_names & set(sj.params))
+        if shared:
+            g = {n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))
+                 for n in shared}
+            sent_bytes += await self.t.send(
+                sj.driver, tensor_message("shared_grad", {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g)
+            )
+        sq = 0.0
+        for name, p in sj.params.items():
+            if name not in sj.shared_names and p.grad is not None:
+                sq += float(p.grad.detach().double().pow(2).sum())
+        return {
+            "step": step,
+            "stage": sj.stage,
+            "losses": losses,
+            "compute_s": compute_s,
+            "wait_s": wait_s,
+            "total_s": time.perf_counter() - t_start,
+            "sent_bytes": sent_bytes,
+            "grad_sq": sq,
+        }
+
+
+def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> torch.optim.Optimizer:
+    """The stage's local optimizer: the reference's math (groups, betas, kernels) on this stage's parameters."""
+    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, lr_at, weight_decay_for
+
+    spec = JobSpec.from_dict(spec_dict)
+    decay, no_decay = [], []
+    for name, p in params.items():
+        (decay if weight_decay_for(name, p.ndim, spec) > 0 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if spec.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr_at(0, spec), betas=ADAMW_BETAS, eps=ADAMW_EPS,
+                                 fused=False, foreach=False)
+    return torch.optim.SGD(groups, lr=lr_at(0, spec), momentum=SGD_MOMENTUM, foreach=False)

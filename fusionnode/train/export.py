@@ -1,0 +1,70 @@
+"""Export a training checkpoint as one `model.safetensors`, and load a model back from either."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from fusionnode.errors import ConfigError
+from fusionnode.train.checkpoint import MODEL_FILE, load_checkpoint, unique_tensors
+from fusionnode.train.local import build_job_model
+from fusionnode.train.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+META_SPEC = "fusionnode.spec"  # JSON of the JobSpec
+META_STEP = "fusionnode.step"
+META_ALIASES = "fusionnode.aliases"  # JSON {alias: stored name} for tied weights
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_path: str | Path) -> Path:
+    """Write the newest complete checkpoint's parameters to `out_path` (a .safetensors file) with the
+    job spec, step and tied-weight aliases in its metadata. Returns the path written."""
+    ckpt = load_checkpoint(checkpoint_dir)
+    if ckpt is None:
+        raise ConfigError(f"{checkpoint_dir}: no complete checkpoint to export")
+    stored, aliases = unique_tensors(ckpt.params)
+    out = Path(out_path)
+    if out.is_dir():
+        out = out / MODEL_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    metadata = {
+        META_SPEC: json.dumps(ckpt.spec.to_dict()),
+        META_STEP: str(ckpt.step),
+        META_ALIASES: json.dumps(aliases),
+    }
+    save_file(stored, str(tmp), metadata=metadata)
+    os.replace(tmp, out)
+    logger.info("exported %s (step %d) to %s", ckpt.path, ckpt.step, out)
+    return out
+
+
+def load_model_from_checkpoint(path: str | Path) -> nn.Module:
+    """A model with trained weights, from a checkpoint directory or an exported .safetensors file."""
+    path = Path(path)
+    if path.is_file():
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        if META_SPEC not in metadata:
+            raise ConfigError(f"{path}: not a FusionNode export (no {META_SPEC} metadata)")
+        spec = JobSpec.from_dict(json.loads(metadata[META_SPEC]))
+        stored = load_file(str(path))
+        params = dict(stored)
+        for alias, name in json.loads(metadata.get(META_ALIASES, "{}")).items():
+            params[alias] = stored[name]
+    else:
+        ckpt = load_checkpoint(path)
+        if ckpt is None:
+            raise ConfigError(f"{path}: no complete checkpoint and not an exported model file")
+        spec, params = ckpt.spec, ckpt.params
+    model = build_job_model(spec)
+    model.load_state_dict(params, strict=True)
+    model.eval()
+    return model

@@ -1,0 +1,96 @@
+"""Frames over asyncio byte streams (hivemind binary streams, plain TCP): chunked writes, capped reads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from fusionnode.errors import DeadlineError, ProtocolError
+from fusionnode.wire.frames import HEADER_LEN, PREFIX_LEN, check_prefix
+from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
+from fusionnode.wire.messages import Message, decode_message, frame_parts, parse_head
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # bytes per write before waiting for the transport to drain (1 MiB)
+READ_CHUNK_BYTES = 1 << 20  # bytes asked of the reader at a time while filling the payload area (1 MiB)
+
+
+async def write_message(
+    writer: asyncio.StreamWriter,
+    msg: Message,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    *,
+    checksum: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
+) -> int:
+    """Write one frame in chunks of at most `chunk_bytes`, draining after each; return bytes written."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    total = 0
+    pending = 0
+    for part in frame_parts(msg, checksum=checksum, limits=limits):
+        view = memoryview(part)
+        for start in range(0, len(view), chunk_bytes):
+            piece = view[start : start + chunk_bytes]
+            writer.write(piece)
+            pending += len(piece)
+            total += len(piece)
+            if pending >= chunk_bytes:
+                await writer.drain()
+                pending = 0
+    await writer.drain()
+    return total
+
+
+async def read_message(
+    reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS, timeout: float | None = None
+) -> Message:
+    """Read and decode one frame. `timeout` in seconds for the whole frame (None: wait forever).
+
+    Refuses a frame from its header and envelope (version, limits, layout) before allocating room for
+    its payloads. The frame lands in one writable buffer; its tensors decode as zero-copy views of it. Raises ProtocolError (VersionMismatchError for another major version, 'truncated'
+    when the stream ends mid-frame) or DeadlineError.
+    """
+    if timeout is None:
+        return await _read_frame(reader, limits)
+    try:
+        return await asyncio.wait_for(_read_frame(reader, limits), timeout)
+    except asyncio.TimeoutError:
+        raise DeadlineError(f"no complete frame within {timeout} s") from None
+
+
+async def _readexactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(
+            f"truncated frame: stream ended after {len(exc.partial)} of {n} bytes of the {what}"
+        ) from None
+
+
+async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Message:
+    prefix = await _readexactly(reader, PREFIX_LEN, "header")
+    check_prefix(prefix)  # another major version may lay out the rest differently: stop here
+    head = prefix + await _readexactly(reader, HEADER_LEN - PREFIX_LEN, "header")
+    meta_len = int.from_bytes(head[8:12], "little")
+    body_len = int.from_bytes(head[12:20], "little")
+    if meta_len > body_len or HEADER_LEN + body_len > limits.max_frame_bytes:
+        parse_head(head, limits)  # raises the precise error
+    envelope = await _readexactly(reader, meta_len, "envelope")
+    header, _, _, _ = parse_head(head + envelope, limits)
+    frame = np.empty(header.frame_len, dtype=np.uint8)  # numpy memory: huge pages for big frames
+    view = memoryview(frame)
+    view[:HEADER_LEN] = head
+    pos = HEADER_LEN
+    view[pos : pos + meta_len] = envelope
+    pos += meta_len
+    while pos < len(frame):
+        chunk = await reader.read(min(len(frame) - pos, READ_CHUNK_BYTES))
+        if not chunk:
+            raise ProtocolError(f"truncated frame: stream ended after {pos} of {len(frame)} bytes")
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return decode_message(view, limits)

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Regenerate the golden vectors of protocol/COMPRESSION.md (deterministic): python protocol/vectors/generate_topk.py
+
+Writes topk_<name>.json next to this file, in the format of generate.py:
+  {"description": str, "kind": "tensor", "hex": pack_encoded bytes, "decoded": tensor JSON,
+   "invalid": [{"description": str, "hex": bytes a receiver must reject with a protocol error}]}
+The "invalid" entries are variants of the valid vector, each breaking one validation rule.
+`--check` compares instead of writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout without `pip install -e .`
+    sys.path.insert(0, str(HERE.parents[1]))
+
+from fusionnode.compress.topk import TOPK  # noqa: E402  (registers "topk")
+from fusionnode.wire import pack_encoded  # noqa: E402
+from fusionnode.wire.codec_api import EncodedTensor  # noqa: E402
+from fusionnode.wire.vectors import tensor_json  # noqa: E402
+
+
+def _invalid(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
+    params = changes.pop("params", None)
+    if params is not None:
+        changes["params"] = {**enc.params, **params}
+    return {"description": description, "hex": pack_encoded(dataclasses.replace(enc, **changes)).hex()}
+
+
+def _vector(description: str, enc: EncodedTensor, invalid: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "description": description,
+        "kind": "tensor",
+        "hex": pack_encoded(enc).hex(),
+        "decoded": tensor_json(enc),
+        "invalid": invalid,
+    }
+
+
+def _common_invalid(enc: EncodedTensor) -> list[dict[str, str]]:
+    return [
+        _invalid("payload truncated by one byte", enc, data=enc.data[:-1]),
+        _invalid("one trailing byte after the values", enc, data=enc.data + b"\x00"),
+        _invalid("k one more than the payload holds", enc, params={"k": enc.params["k"] + 1}),
+        _invalid("ratio 0 (must be in (0, 1])", enc, params={"ratio": 0.0}),
+        _invalid("ratio 1.5 (must be in (0, 1])", enc, params={"ratio": 1.5}),
+        _invalid("unknown index encoding", enc, params={"index": "u24"}),
+        _invalid("unknown value dtype", enc, params={"values": "float8"}),
+        _invalid("unknown format version", enc, params={"v": 2}),
+        _invalid("integer logical dtype", enc, dtype="int32"),
+    ]
+
+
+def build_vectors() -> dict[str, dict[str, Any]]:
+    vectors: dict[str, dict[str, Any]] = {}
+
+    # global, u8 index list: 40 elements, keep 3 (3 bytes of indices < 5 bytes of bitmap)
+    x = torch.linspace(-0.5, 0.5, 40)
+    x[1], x[5], x[38] = -3.0, 2.5, -4.0
+    enc = TOPK.encode(x, ratio=0.075, value_dtype="float16")
+    assert enc.params["index"] == "u8"
+    idx = np.frombuffer(enc.data[:3], dtype="<u1").copy()
+    dup = idx.copy()
+    dup[1] = dup[0]
+    unsorted = idx[[1, 0, 2]]
+    oob = idx.copy()
+    oob[2] = 40
+    vectors["topk_global_u8"] = _vector(
+        "topk global, float32 [40], ratio 0.075 -> k=3, u8 flat indices [1, 5, 38], float16 values",
+        enc,
+        [
+            *_common_invalid(enc),
+            _invalid("duplicate index", enc, data=dup.tobytes() + enc.data[3:]),
+            _invalid("indices not increasing", enc, data=unsorted.tobytes() + enc.data[3:]),
+            _invalid("index 40 out of range for 40 elements", enc, data=oob.tobytes() + enc.data[3:]),
+        ],
+    )
+
+    # global, u16 index list, bfloat16 values: 300 elements, keep 3 (1%)
+    y = torch.zeros(300)
+    y[7], y[256], y[299] = 1.0, -2.0, 3.5
+    y[100] = 0.001
+    enc = TOPK.encode(y, ratio=0.01, value_dtype="bfloat16")
+    assert enc.params["index"] == "u16"
+    vectors["topk_global_u16_bfloat16"] = _vector(
+        "topk global, float32 [300], ratio 0.01 -> k=3, u16 indices [7, 256, 299], bfloat16 values",
+        enc,
+        [
+            _invalid("index 300 out of range", enc, data=np.asarray([7, 256, 300], "<u2").tobytes() + enc.data[6:]),
+            _invalid("u16 list declared as u8 (length no longer matches)", enc, params={"index": "u8"}),
+        ],
+    )
+
+    # global, bitmap: 10 elements, keep 5 (bitmap 2 bytes < 5 u8 indices)
+    z = torch.tensor([1.0, -2.0, 3.0, -4.0, 5.0, -6.0, 7.0, -8.0, 9.0, -10.0], dtype=torch.float64)
+    enc = TOPK.encode(z, ratio=0.5, value_dtype="float16")
+    assert enc.params["index"] == "bitmap"
+    bitmap = bytearray(enc.data[:2])
+    pad = bytearray(bitmap)
+    pad[1] |= 0x80  # bit 15: past element 9
+    fewer = bytearray(bitmap)
+    fewer[1] &= 0xFD  # clear bit 9 (element 9 is kept): popcount 4 != k
+    vectors["topk_global_bitmap_float64"] = _vector(
+        "topk global, float64 [10], ratio 0.5 -> k=5, bitmap (LSB first) of elements 5..9, float16 values",
+        enc,
+        [
+            _invalid("bitmap bit set past the last element", enc, data=bytes(pad) + enc.data[2:]),
+            _invalid("bitmap popcount 4 != k 5", enc, data=bytes(fewer) + enc.data[2:]),
+        ],
+    )
+
+    # row mode, u8 within-row indices: [2, 3, 32], keep 2 per row (12 bytes of indices < 24 of bitmap)
+    r = torch.zeros(2, 3, 32)
+    r[0, 0, [1, 3, 7]] = torch.tensor([-0.9, 0.8, 0.4])
+    r[0, 1, [0, 31]] = torch.tensor([1.0, -1.5])
+    r[0, 2, [1, 3]] = torch.tensor([2.0, 3.0])
+    r[1, 0, [0, 1, 2]] = torch.tensor([0.5, 0.5, -0.5])  # a three-way tie: indices 0 and 1 are kept
+    r[1, 1, [6, 7]] = torch.tensor([7.0, 6.0])
+    r[1, 2, [0, 30]] = torch.tensor([-1.0, 1.25])
+    enc = TOPK.encode(r, ratio=0.0625, mode="row", value_dtype="float16")
+    assert enc.params["index"] == "u8" and enc.params["k"] == 12
+    ridx = np.frombuffer(enc.data[:12], dtype="<u1").copy()
+    dup_row = ridx.copy()
+    dup_row[3] = dup_row[2]
+    out_row = ridx.copy()
+    out_row[1] = 32
+    vectors["topk_row_u8"] = _vector(
+        "topk row (per token), float32 [2, 3, 32], ratio 0.0625 -> k_row=2, k=12, u8 within-row indices; "
+        "ties keep the lower index",
+        enc,
+        [
+            _invalid("duplicate index within a row", enc, data=dup_row.tobytes() + enc.data[12:]),
+            _invalid("row index 32 out of range for rows of 32", enc, data=out_row.tobytes() + enc.data[12:]),
+            _invalid("k not a multiple of the 6 rows", enc, params={"k": 11}, data=enc.data[:11] + enc.data[12:34]),
+            _invalid("row_len != shape[-1]", enc, params={"row_len": 16}),
+        ],
+    )
+
+    # empty tensor
+    enc = TOPK.encode(torch.zeros(0, 4), ratio=0.1, mode="row")
+    vectors["topk_empty"] = _vector(
+        "topk row, float32 [0, 4]: k=0, empty payload",
+        enc,
+        [_invalid("k=1 for an empty tensor", enc, params={"k": 1})],
+    )
+    return vectors
+
+
+def render(vector: dict[str, Any]) -> str:
+    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with the files on disk instead of writing")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    stale = []
+    for name, vector in build_vectors().items():
+        path = HERE / f"{name}.json"
+        text = render(vector)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

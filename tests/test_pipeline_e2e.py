@@ -1,0 +1,165 @@
+"""Real `fusionnode join` processes on loopback train gpt2-tiny as a pipeline; numbers match PyTorch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fusionnode import control
+from fusionnode.demo import LocalSwarm
+from fusionnode.train.data import BatchSource, loss_scale
+from fusionnode.train.local import build_job_model, lm_loss, train_local
+from fusionnode.train.spec import JobSpec
+
+pytestmark = pytest.mark.e2e
+
+N_PEERS = 3
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), N_PEERS, log=sys.stderr)
+    try:
+        s.start()
+        asyncio.run(s.wait_connected())
+        yield s
+    finally:
+        s.stop()
+
+
+def run_job(swarm: LocalSwarm, spec: JobSpec, **extra) -> tuple[dict, list[dict]]:
+    async def go():
+        events = []
+        params = {"spec": spec.to_dict(), "stages": N_PEERS, **extra}
+        async for obj in control.call_stream(swarm.control(0), "train", params, timeout=300):
+            if "event" in obj:
+                events.append(obj["event"])
+            else:
+                return obj["result"], events
+        raise AssertionError("no result")
+
+    return asyncio.run(go())
+
+
+def small_spec(**kw) -> JobSpec:
+    base = dict(model="gpt2-tiny", steps=1, batch_size=8, micro_batches=4, seq_len=32, seed=3, grad_clip=None,
+                lr=3e-3, warmup_steps=2)
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def test_peers_cli_lists_every_peer_with_a_profile(swarm):
+    out = subprocess.run([sys.executable, "-m", "fusionnode", "peers", "--json", "--state-dir",
+                          str(swarm.state_dir(1))], capture_output=True, text=True, timeout=60, check=True)
+    res = json.loads(out.stdout)
+    ids = {p["peer_id"] for p in res["peers"]}
+    assert ids == {r["peer_id"] for r in swarm.ready}
+    for p in res["peers"]:
+        assert p["device"]["tflops_fp32"] > 0
+        assert "worker" in p["roles"]
+
+
+def test_gradients_equal_single_process_autograd(swarm, tmp_path):
+    spec = small_spec()
+    dump = tmp_path / "grads.safetensors"
+    result, events = run_job(swarm, spec, dump_grads=str(dump))
+    plan = next(e for e in events if e["type"] == "plan")
+    assert len(plan["stages"]) == N_PEERS
+    assert len({s["peer"] for s in plan["stages"]}) == N_PEERS
+    got = load_file(str(dump))
+
+    model = build_job_model(spec)
+    source = BatchSource.from_spec(spec, 32)
+    for x, y in source.microbatches(0, spec.micro_batches):
+        (lm_loss(model(x), y) * loss_scale(x.size(0), spec.batch_size)).backward()
+    ref = {name: p.grad for name, p in model.named_parameters()}
+    assert set(got) == set(ref)
+    for name, g in ref.items():
+        err = (got[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_training_follows_the_single_process_loss_curve(swarm, tmp_path):
+    steps = 30 if not os.environ.get("FUSIONNODE_LONG") else 50
+    spec = small_spec(steps=steps, grad_clip=1.0, metrics_out=str(tmp_path / "m.jsonl"))
+    result, events = run_job(swarm, spec)
+    dist = [e["loss"] for e in events if e["type"] == "step"]
+    ref = train_local(spec.replace(metrics_out=None)).losses
+    assert len(dist) == len(ref) == steps
+    for i, (a, b) in enumerate(zip(dist, ref, strict=True)):
+        assert abs(a - b) < 1e-3, f"step {i}: distributed {a:.6f} vs local {b:.6f}"
+    assert dist[-1] < dist[0] - 0.5  # it learns
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps_rec = [r for r in records if "loss" in r and "step" in r]
+    assert len(steps_rec) == steps
+    for key in ("step", "loss", "tokens", "step_time_s", "wire_bytes", "plan_version"):
+        assert key in steps_rec[0]
+    assert all(r["wire_bytes"] > 0 for r in steps_rec)
+    assert len(steps_rec[0]["stages"]) == N_PEERS
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused(swarm):
+    out = subprocess.run([sys.executable, "-m", "fusionnode", "join", "--state-dir", str(swarm.state_dir(0)),
+                          "--listen", "/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "already runs with state dir" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(tmp_path):
+    # peer 1 offers almost no memory: the driver's proposal is refused and re-planned without it
+    s = LocalSwarm(tmp_path, 2, log=sys.stderr)
+    try:
+        s.start()
+        # restart peer 1 with a tiny capacity
+        s.procs[1].terminate()
+        s.procs[1].wait(30)
+        s.procs.pop()
+        s.ready.pop()
+        s.extra_args = ["--max-memory", "1KB"]
+        s._spawn(1, s.ready[0]["maddrs"])
+        asyncio.run(s.wait_connected())
+        result, events = run_job_n(s, small_spec(steps=2), 2)
+        refused = [e for e in events if e.get("kind") == "refused"]
+        assert refused and "offers" in refused[0]["reason"]
+        plan = [e for e in events if e["type"] == "plan"][-1]
+        assert len(plan["stages"]) == 1
+        assert result["steps"] == 2
+    finally:
+        s.stop()
+
+
+def run_job_n(swarm: LocalSwarm, spec: JobSpec, stages: int) -> tuple[dict, list[dict]]:
+    async def go():
+        events = []
+        async for obj in control.call_stream(swarm.control(0), "train", {"spec": spec.to_dict(), "stages": stages},
+                                             timeout=300):
+            if "event" in obj:
+                events.append(obj["event"])
+            else:
+                return obj["result"], events
+        raise AssertionError("no result")
+
+    return asyncio.run(go())
+
+
+def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(tmp_path / "p"), "--listen",
+         "/ip4/127.0.0.1/tcp/0", "--initial-peers",
+         "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--startup-timeout", "30"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "127.0.0.1/tcp/9" in out.stderr
+    assert time.monotonic() - t0 < 90
+
