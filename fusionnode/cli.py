@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="single process, no swarm: the reference trajectory")
     p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: one per available worker)")
     p.add_argument("--peers", nargs="*", default=None, help="use exactly these worker peer ids, in order")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="data-parallel pipelines; they synchronise through optimizer hosts (default %(default)s)")
+    p.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                   help="optimizer state on optimizer hosts (on), on each worker (off), or on when "
+                        "there are several pipelines (auto, the default)")
+    p.add_argument("--optimizer-hosts", type=int, default=1, help="optimizer hosts to shard the state over")
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print progress and the result as JSON lines")
 
@@ -318,6 +324,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from fusionnode import control
 
     params = {"spec": spec.to_dict(), "resume": args.resume, "stages": args.stages, "peers": args.peers,
+              "replicas": args.replicas, "offload": args.offload, "optimizer_hosts": args.optimizer_hosts,
               "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None}
     progress = Progress(spec.steps)
 

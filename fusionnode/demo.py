@@ -50,12 +50,21 @@ class LocalSwarm:
         return self.workdir / f"peer{i}"
 
     def start(self) -> None:
-        for i in range(self.n):
-            initial = self.ready[0]["maddrs"] if self.ready else []
-            self._spawn(i, initial)
+        """Peer 0 first (its address is the others' bootstrap), then every other peer at once."""
+        self._wait_ready(0, self._spawn(0, []))
+        print(f"  peer 0: {self.ready[0]['peer_id']} up", file=self.log, flush=True)
+        procs = [(i, self._spawn(i, self.ready[0]["maddrs"])) for i in range(1, self.n)]
+        for i, proc in procs:
+            self._wait_ready(i, proc)
             print(f"  peer {i}: {self.ready[-1]['peer_id']} up", file=self.log, flush=True)
 
-    def _spawn(self, i: int, initial: list[str]) -> None:
+    def add_peer(self) -> int:
+        """Starts one more peer that joins through peer 0; returns its index."""
+        i = len(self.procs)
+        self._wait_ready(i, self._spawn(i, self.ready[0]["maddrs"]))
+        return i
+
+    def _spawn(self, i: int, initial: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(self.state_dir(i)),
                "--listen", "/ip4/127.0.0.1/tcp/0", "--heartbeat", "2", "--record-ttl", "8",
                "--probe-interval", "10"]
@@ -66,9 +75,12 @@ class LocalSwarm:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, env=env, start_new_session=True)
         self.procs.append(proc)
-        deadline = time.monotonic() + READY_TIMEOUT
+        return proc
+
+    def _wait_ready(self, i: int, proc: subprocess.Popen) -> None:
         from fusionnode.node import READY_PREFIX
 
+        deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
             line = proc.stdout.readline().decode(errors="replace")
             if not line:
@@ -99,18 +111,20 @@ class LocalSwarm:
         raise DaemonError(f"only {len(seen)} of {self.n} peers found each other within {timeout:.0f} s")
 
     def stop(self) -> None:
+        """SIGTERM to each daemon (it withdraws and stops its DHT), SIGKILL to the group after a grace period."""
         for p in self.procs:
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
+                    p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                pass
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # the DHT's child process and p2pd, if still there
+            p.wait()
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -75,6 +75,7 @@ class Node:
         self.transport: Transport | None = None
         self.worker: Any = None
         self.driver: Any = None
+        self.host: Any = None
         self.control: ControlServer | None = None
         self.maddrs: list[str] = []
         self._stop = asyncio.Event()
@@ -90,6 +91,7 @@ class Node:
         return self
 
     async def _start(self) -> None:
+        from fusionnode.optim.host import OptimizerHostService
         from fusionnode.runtime.worker import WorkerService
         from fusionnode.swarm.dht import start_dht
         from fusionnode.swarm.identity import load_or_create_identity
@@ -109,8 +111,10 @@ class Node:
             startup_timeout=cfg.startup_timeout_s,
             announce=list(cfg.announce) or None,
         )
+        t0 = time.monotonic()
         self.p2p = await self.dht.replicate_p2p()
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
+        logger.info("P2P replicated in %.2f s", time.monotonic() - t0)
         capacity = cfg.max_memory_bytes or self.profile.memory_free_bytes
         self.membership = Membership(
             self.dht,
@@ -131,6 +135,9 @@ class Node:
         self.worker = WorkerService(self.transport, capacity_bytes=int(capacity), config=cfg,
                                     can_work="worker" in cfg.roles, can_host="optimizer" in cfg.roles,
                                     state_dir=cfg.state_dir, on_jobs_changed=self.membership.set_jobs)
+        if "optimizer" in cfg.roles:
+            self.host = OptimizerHostService(self.transport, state_dir=cfg.state_dir,
+                                             step_deadline_s=cfg.step_timeout_s)
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
         self.control = ControlServer(cfg.control_path, {
             "status": self._rpc_status,
@@ -139,6 +146,7 @@ class Node:
             "train": self._rpc_train,
         })
         await self.control.start()
+        logger.info("node components started in %.2f s", time.monotonic() - t0)
 
     @property
     def peer_id(self) -> str:
@@ -199,6 +207,7 @@ class Node:
             "device": self.profile.to_dict() if hasattr(self.profile, "to_dict") else dict(vars(self.profile)),
             "peers": [p.to_wire() for p in peers],
             "serving": self.worker.status(),
+            "hosting": self.host.status() if self.host is not None else [],
             "jobs": self.driver.status(),
         }
 

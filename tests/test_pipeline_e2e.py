@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fusionnode import control
@@ -70,7 +69,7 @@ def test_peers_cli_lists_every_peer_with_a_profile(swarm):
 def test_gradients_equal_single_process_autograd(swarm, tmp_path):
     spec = small_spec()
     dump = tmp_path / "grads.safetensors"
-    result, events = run_job(swarm, spec, dump_grads=str(dump))
+    _result, events = run_job(swarm, spec, dump_grads=str(dump))
     plan = next(e for e in events if e["type"] == "plan")
     assert len(plan["stages"]) == N_PEERS
     assert len({s["peer"] for s in plan["stages"]}) == N_PEERS
@@ -90,7 +89,7 @@ def test_gradients_equal_single_process_autograd(swarm, tmp_path):
 def test_training_follows_the_single_process_loss_curve(swarm, tmp_path):
     steps = 30 if not os.environ.get("FUSIONNODE_LONG") else 50
     spec = small_spec(steps=steps, grad_clip=1.0, metrics_out=str(tmp_path / "m.jsonl"))
-    result, events = run_job(swarm, spec)
+    _result, events = run_job(swarm, spec)
     dist = [e["loss"] for e in events if e["type"] == "step"]
     ref = train_local(spec.replace(metrics_out=None)).losses
     assert len(dist) == len(ref) == steps
@@ -125,7 +124,7 @@ def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(
         s.procs.pop()
         s.ready.pop()
         s.extra_args = ["--max-memory", "1KB"]
-        s._spawn(1, s.ready[0]["maddrs"])
+        s.add_peer()
         asyncio.run(s.wait_connected())
         result, events = run_job_n(s, small_spec(steps=2), 2)
         refused = [e for e in events if e.get("kind") == "refused"]

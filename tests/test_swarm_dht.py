@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +48,18 @@ FAST = MembershipConfig(
     leave_ttl_s=0.5,
     probe=ProbeConfig(interval_s=1.0, probe_bytes=256 << 10, peers_per_round=2, pings=3),
 )
+
+
+@pytest.fixture(autouse=True)
+def _collect_mpfutures():
+    """Free hivemind MPFutures (torch shared memory) while torch_shm_manager is alive.
+
+    Exceptions from a failed DHT start keep MPFutures alive in reference cycles; if those are collected
+    after the session-end reaper in conftest.py has killed torch_shm_manager, freeing their shared
+    memory aborts the interpreter ("Broken pipe" from libshm).
+    """
+    yield
+    gc.collect()
 
 
 async def wait_until(cond: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import json
+import pathlib
+import pkgutil
 import tracemalloc
 
 import pytest
@@ -31,7 +35,7 @@ from fusionnode.wire.values import pack
 torch.set_num_threads(1)
 
 FUZZ = settings(
-    max_examples=300,
+    max_examples=200,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
@@ -94,7 +98,7 @@ messages = st.one_of(
 )
 
 
-@FUZZ
+@settings(FUZZ, max_examples=120)
 @given(messages, st.booleans())
 def test_message_round_trip(msg, checksum: bool) -> None:
     frame = encode_message(msg, checksum=checksum)
@@ -228,3 +232,42 @@ def test_huge_declarations_are_refused_before_allocation(frame: bytes, match: st
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"decoder allocated {peak} bytes while refusing a {len(frame)}-byte frame"
+
+
+def _golden() -> list[tuple[str, bytes]]:
+    """Every golden vector (topk_* included) as (kind, bytes), with every codec module imported."""
+    package = importlib.import_module("fusionnode.compress")
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+    vector_dir = pathlib.Path(__file__).resolve().parents[1] / "protocol" / "vectors"
+    out = []
+    for path in sorted(vector_dir.glob("*.json")):
+        vector = json.loads(path.read_text())
+        out.append((vector["kind"], bytes.fromhex(vector["hex"])))
+    return out
+
+
+GOLDEN = _golden()
+
+
+@FUZZ
+@given(
+    st.sampled_from(GOLDEN),
+    st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=3),
+)
+def test_mutated_golden_vectors_raise_only_protocol_error(
+    vector: tuple[str, bytes], edits: list[tuple[int, int]]
+) -> None:
+    kind, data = vector
+    buf = bytearray(data)
+    for pos, byte in edits:
+        buf[pos % len(buf)] = byte
+    for candidate in (bytes(buf), bytes(buf[: edits[0][0] % len(buf)])):
+        try:
+            if kind == "message":
+                _decode_fully(candidate, SMALL)
+            else:
+                out = decode_tensor(unpack_encoded(candidate, SMALL), SMALL)
+                assert out.numel() <= SMALL.max_tensor_elements
+        except ProtocolError:
+            pass

@@ -36,13 +36,17 @@ GPT2_VOCAB = 50257
 GPT2_SEQ = 1024
 
 
-def gpt2_like_graph(layers: int, hidden: int, seq_len: int, vocab: int = GPT2_VOCAB, name: str = "gpt2-like") -> OpGraph:
+def gpt2_like_graph(
+    layers: int, hidden: int, seq_len: int, vocab: int = GPT2_VOCAB, name: str = "gpt2-like"
+) -> OpGraph:
     """A GPT-2-shaped OP-DAG (pre-LN blocks with residual edges, tied LM head) with analytic costs."""
     t, h, f4 = seq_len, hidden, 4
     nodes: list[OpNode] = []
     edges: list[OpEdge] = []
 
-    def add(name: str, flops: float, params: int, pnames: tuple[str, ...], out: int, srcs: Sequence[int]) -> int:
+    def add(
+        name: str, flops: float, params: int, pnames: tuple[str, ...], out: int, srcs: Sequence[int]
+    ) -> int:
         i = len(nodes)
         nodes.append(OpNode(i, name, "call_module", name, float(flops), params, pnames, out))
         for s in srcs:
@@ -66,7 +70,9 @@ def gpt2_like_graph(layers: int, hidden: int, seq_len: int, vocab: int = GPT2_VO
             (f"{p}.attn.c_proj.weight", f"{p}.attn.c_proj.bias"), t * h * f4, [att],
         )  # fmt: skip
         x1 = add(f"{p}.add_1", t * h, 0, (), t * h * f4, [x, proj])
-        ln2 = add(f"{p}.ln_2", 5 * t * h, 2 * h * f4, (f"{p}.ln_2.weight", f"{p}.ln_2.bias"), t * h * f4, [x1])
+        ln2 = add(
+            f"{p}.ln_2", 5 * t * h, 2 * h * f4, (f"{p}.ln_2.weight", f"{p}.ln_2.bias"), t * h * f4, [x1]
+        )
         fc = add(
             f"{p}.mlp.c_fc", 2 * t * h * 4 * h, (4 * h * h + 4 * h) * f4,
             (f"{p}.mlp.c_fc.weight", f"{p}.mlp.c_fc.bias"), t * 4 * h * f4, [ln2],
@@ -77,8 +83,17 @@ def gpt2_like_graph(layers: int, hidden: int, seq_len: int, vocab: int = GPT2_VO
             (f"{p}.mlp.c_proj.weight", f"{p}.mlp.c_proj.bias"), t * h * f4, [act],
         )  # fmt: skip
         x = add(f"{p}.add_2", t * h, 0, (), t * h * f4, [x1, fc2])
-    lnf = add("transformer.ln_f", 5 * t * h, 2 * h * f4, ("transformer.ln_f.weight", "transformer.ln_f.bias"), t * h * f4, [x])
-    head = add("lm_head", 2 * t * h * vocab, vocab * h * f4, ("transformer.wte.weight",), t * vocab * f4, [lnf])
+    lnf = add(
+        "transformer.ln_f",
+        5 * t * h,
+        2 * h * f4,
+        ("transformer.ln_f.weight", "transformer.ln_f.bias"),
+        t * h * f4,
+        [x],
+    )
+    head = add(
+        "lm_head", 2 * t * h * vocab, vocab * h * f4, ("transformer.wte.weight",), t * vocab * f4, [lnf]
+    )
     add("loss", 3 * t * vocab, 0, (), 4, [head, ids])
     return OpGraph(model_name=name, nodes=tuple(nodes), edges=tuple(edges), seq_len=seq_len)
 
@@ -90,7 +105,16 @@ def random_graph(rng: random.Random, n: int, name: str = "random") -> OpGraph:
         out = rng.choice([1, 2, 4, 8, 16]) * 1024 * rng.randint(1, 8)
         params = rng.choice([0, 0, 1, 4, 16]) * 1_000_000
         nodes.append(
-            OpNode(i, f"op{i}", "call_function", "op", rng.uniform(1e8, 5e10), params, (f"p{i}",) if params else (), out)
+            OpNode(
+                i,
+                f"op{i}",
+                "call_function",
+                "op",
+                rng.uniform(1e8, 5e10),
+                params,
+                (f"p{i}",) if params else (),
+                out,
+            )
         )
         if i > 0:
             edges.append(OpEdge(i - 1, i, nodes[i - 1].out_bytes))
@@ -117,11 +141,20 @@ def model_graph(spec: str, seq_len: int | None = None) -> tuple[OpGraph, str]:
 def random_cluster_dict(rng: random.Random, devices: int) -> dict:
     """A small random cluster document: random speeds, memories and per-pair bandwidths."""
     devs = [
-        {"id": f"d{i}", "tflops": rng.choice([5.0, 10.0, 20.0, 40.0, 80.0]), "memory_gb": rng.choice([0.1, 0.2, 0.5, 1.0])}
+        {
+            "id": f"d{i}",
+            "tflops": rng.choice([5.0, 10.0, 20.0, 40.0, 80.0]),
+            "memory_gb": rng.choice([0.1, 0.2, 0.5, 1.0]),
+        }
         for i in range(devices)
     ]
     pairs = [
-        {"a": f"d{i}", "b": f"d{j}", "bandwidth_gbps": rng.choice([0.008, 0.1, 1.0, 10.0]), "latency_ms": rng.choice([0.1, 5, 30])}
+        {
+            "a": f"d{i}",
+            "b": f"d{j}",
+            "bandwidth_gbps": rng.choice([0.008, 0.1, 1.0, 10.0]),
+            "latency_ms": rng.choice([0.1, 5, 30]),
+        }
         for i in range(devices)
         for j in range(i + 1, devices)
     ]
@@ -216,16 +249,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     print(f"model {args.model} ({source}, {graph.num_nodes} nodes), batch {args.batch_size}")
-    print(f"{'cluster':<22}{'dev':>5}{'plan s':>8}{'pipes':>6}  {'plan step':>10}{'even x':>9}{'memory x':>10}  (closed / sim)")
+    print(
+        f"{'cluster':<22}{'dev':>5}{'plan s':>8}{'pipes':>6}  {'plan step':>10}{'even x':>9}{'memory x':>10}  (closed / sim)"
+    )
     for r in rows:
+
         def ratio(label: str, r: dict = r) -> str:
             v = r.get(f"speedup_vs_{label}")
             return "OOM" if v is None else f"{v['closed']}/{v['sim']}"
 
         step = f"{r['plan']['closed_s']:.3g}/{r['plan']['sim_s']:.3g}"
-        print(f"{r['cluster']:<22}{r['devices']:>5}{r['plan_s']:>8.2f}{r['pipelines']:>6}  {step:>10}{ratio('even'):>9}{ratio('memory'):>10}")
+        print(
+            f"{r['cluster']:<22}{r['devices']:>5}{r['plan_s']:>8.2f}{r['pipelines']:>6}  {step:>10}{ratio('even'):>9}{ratio('memory'):>10}"
+        )
     o = summary["optimality"]
-    print(f"optimality: {o['instances']} instances, mean {o['mean_ratio']}, max {o['max_ratio']}, within 5%: {o['within_5pct']}")
+    print(
+        f"optimality: {o['instances']} instances, mean {o['mean_ratio']}, max {o['max_ratio']}, within 5%: {o['within_5pct']}"
+    )
     return 0
 
 

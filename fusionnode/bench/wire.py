@@ -3,15 +3,15 @@
 Method
 ------
 1. Codec. For each size (MiB of float32), build one tensor and time, best of REPEATS runs:
-   `memcpy`  one copy of the payload into a fresh buffer (numpy `copy`, the reference);
-   `encode`  encode_tensor(raw) + encode_message(TensorMessage) -> bytes (two copies);
-   `decode`  decode_message(bytes) + decode_tensor (one copy: a bytes frame is immutable memory);
+   `memcpy`  one copy of the payload into a new buffer (numpy `copy`, the reference);
+   `enc_t`   encode_tensor(raw): one copy; `dec_t` decode_tensor of an immutable payload: one copy;
+   `enc_msg` encode_tensor + encode_message -> bytes (two copies);
+   `dec_msg` decode_message(bytes) + decode_tensor (one copy: a bytes frame is immutable memory);
    `send`    encode_tensor + frame_parts, the buffers write_message hands to the transport (one copy);
-   `recv`    decode_message(bytearray) + decode_tensor, as after read_message (zero-copy);
-   `codec`   encode_tensor, then decode_tensor of an immutable payload (one copy each), timed apart.
-   Each figure is for steady state: one operation repeated, so the allocator reuses freed memory;
-   `encode` keeps two big buffers alive at once and pays fresh page faults on every run (glibc
-   returns the freed pair to the OS), which is why it trails `send`.
+   `recv`    decode_message(writable frame) + decode_tensor, as after read_message (zero-copy).
+   Each figure is for steady state: one operation repeated, so the allocator can reuse freed memory.
+   `enc_msg` keeps two big buffers alive at once and, with glibc, pays fresh page faults on every
+   run (the freed pair goes back to the OS), which is why it trails `send`.
    Ratios are memcpy time / codec time: 1.0 means as fast as one plain copy.
 2. Streams. Send --stream-mib MiB in --chunk-kib writes (drain after each) and wait for a one-byte
    acknowledgement, over (a) a plain asyncio TCP socket on 127.0.0.1 and (b) a hivemind libp2p
@@ -96,24 +96,26 @@ def bench_codec(sizes_mib: tuple[int, ...], repeats: int) -> list[dict[str, Any]
         if not (torch.equal(decode(frame), t) and torch.equal(decode(frame_rw), t)):
             raise RuntimeError("wire round trip changed the tensor")
         s_copy = _best_seconds(lambda src=src: src.copy(), repeats)
+        s_tenc = _best_seconds(lambda t=t: encode_tensor(t), repeats)
+        s_tdec = _best_seconds(lambda enc=enc: decode_tensor(enc), repeats)
         s_enc = _best_seconds(lambda: encode_message(message(), limits=limits), repeats)
         s_dec = _best_seconds(lambda frame=frame: decode(frame), repeats)
         s_send = _best_seconds(lambda: frame_parts(message(), limits=limits), repeats)
         s_recv = _best_seconds(lambda frame_rw=frame_rw: decode(frame_rw), repeats)
-        s_codec = _best_seconds(lambda t=t: encode_tensor(t), repeats) + _best_seconds(
-            lambda enc=enc: decode_tensor(enc), repeats
-        )
         rows.append(
             {
                 "size_mib": mib,
                 "memcpy_mib_s": mib / s_copy,
-                "encode_mib_s": mib / s_enc,
-                "decode_mib_s": mib / s_dec,
-                "bytes_ratio": s_copy / (s_enc + s_dec),
+                "encode_tensor_mib_s": mib / s_tenc,
+                "decode_tensor_mib_s": mib / s_tdec,
+                "encode_tensor_ratio": s_copy / s_tenc,
+                "decode_tensor_ratio": s_copy / s_tdec,
+                "encode_message_mib_s": mib / s_enc,
+                "decode_message_mib_s": mib / s_dec,
+                "message_ratio": s_copy / (s_enc + s_dec),
                 "send_mib_s": mib / s_send,
                 "recv_mib_s": mib / s_recv,
                 "stream_ratio": s_copy / (s_send + s_recv),
-                "codec_ratio": s_copy / s_codec,
             }
         )
     return rows
@@ -239,23 +241,22 @@ async def _bench_p2p(
 
 
 def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, Any]]) -> None:
-    print("wire codec: one float32 tensor in a TensorMessage, MiB/s (best of runs)")
+    print("wire codec, one float32 tensor: MiB/s, best of runs; ratio = memcpy time / our time")
     print(
-        f"{'size':>6} {'memcpy':>8} {'encode':>8} {'decode':>8} {'ratio':>6}"
-        f" {'send':>8} {'recv':>8} {'ratio':>6} {'codec':>6}"
+        f"{'size':>6} {'memcpy':>7} | {'enc_t':>7} {'ratio':>5} {'dec_t':>7} {'ratio':>5} |"
+        f" {'enc_msg':>7} {'dec_msg':>7} {'ratio':>5} | {'send':>7} {'recv':>7} {'ratio':>5}"
     )
     for r in codec_rows:
         print(
-            f"{r['size_mib']:>4}Mi {r['memcpy_mib_s']:>8.0f} {r['encode_mib_s']:>8.0f} {r['decode_mib_s']:>8.0f}"
-            f" {r['bytes_ratio']:>6.2f} {r['send_mib_s']:>8.0f} {r['recv_mib_s']:>8.0f} {r['stream_ratio']:>6.2f}"
-            f" {r['codec_ratio']:>6.2f}"
+            f"{r['size_mib']:>4}Mi {r['memcpy_mib_s']:>7.0f} | {r['encode_tensor_mib_s']:>7.0f}"
+            f" {r['encode_tensor_ratio']:>5.2f} {r['decode_tensor_mib_s']:>7.0f} {r['decode_tensor_ratio']:>5.2f} |"
+            f" {r['encode_message_mib_s']:>7.0f} {r['decode_message_mib_s']:>7.0f} {r['message_ratio']:>5.2f} |"
+            f" {r['send_mib_s']:>7.0f} {r['recv_mib_s']:>7.0f} {r['stream_ratio']:>5.2f}"
         )
-    print(
-        "  encode/decode: encode_tensor+encode_message -> bytes, decode_message(bytes)+decode_tensor (copies)"
-    )
-    print("  send/recv: encode_tensor+frame_parts (what write_message sends, no join), decode of a writable")
-    print("  frame (what read_message yields, zero-copy); ratio = memcpy time / (enc+dec) time;")
-    print("  codec = memcpy time / (encode_tensor + decode_tensor of an immutable payload), timed apart")
+    print("  enc_t/dec_t: encode_tensor / decode_tensor of an immutable payload (one copy each)")
+    print("  enc_msg/dec_msg: encode_tensor+encode_message -> bytes / decode_message(bytes)+decode_tensor")
+    print("  send/recv: encode_tensor+frame_parts as write_message sends it / decode of the writable frame")
+    print("  read_message yields (zero-copy); the pair ratios use the sum of both times")
     if stream_rows:
         print("streams on loopback, MiB/s (median)")
         print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7}")

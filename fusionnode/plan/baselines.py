@@ -65,7 +65,7 @@ def _baseline(
     shares = [batch_size // count + (1 if k < batch_size % count else 0) for k in range(count)]
     multi = count > 1
     choices, times = [], []
-    for devs, share in zip(pipes, shares):
+    for devs, share in zip(pipes, shares, strict=False):
         if weight == "even":
             split = _proportional_split(chain.blocks, [1.0] * s)
         else:
@@ -82,7 +82,7 @@ def _baseline(
                 (
                     (m - est.capacity(d)) / 1e9
                     for devs_cost in [est.evaluate(chain, devs, split, 1, compress=False)]
-                    for m, d in zip(devs_cost.memory_bytes, devs_cost.devices)
+                    for m, d in zip(devs_cost.memory_bytes, devs_cost.devices, strict=False)
                 ),
                 default=0.0,
             )
@@ -146,7 +146,9 @@ def contiguous_split_plan(
     bounds = fence.coarsen(graph)
     s = len(device_ids)
     if s > len(bounds) - 1:
-        raise PlanError(f"{s} devices but {graph.model_name!r} can be cut into at most {len(bounds) - 1} stages")
+        raise PlanError(
+            f"{s} devices but {graph.model_name!r} can be cut into at most {len(bounds) - 1} stages"
+        )
     chain = Chain.from_graph(graph, bounds)
     key = chain.flops if by == "flops" else chain.bounds.astype(float)
     total = float(key[-1]) or 1.0
@@ -179,4 +181,3 @@ def contiguous_split_plan(
     )
     p.validate(graph)
     return p
-

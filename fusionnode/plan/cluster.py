@@ -92,7 +92,9 @@ class Cluster:
         )
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, *, positive: bool = True, default: float | None = None) -> float:
+def _num(
+    d: Mapping[str, Any], key: str, where: str, *, positive: bool = True, default: float | None = None
+) -> float:
     if key not in d:
         if default is not None:
             return default
@@ -138,7 +140,9 @@ def _devices(raw: Any) -> list[Device]:
             raise ConfigError(f"{where}: 'site' must be a string")
         roles = d.get("roles", list(ROLES))
         if not isinstance(roles, list) or not roles or any(r not in ROLES for r in roles):
-            raise ConfigError(f"{where}: 'roles' must be a non-empty list drawn from {list(ROLES)}, got {roles!r}")
+            raise ConfigError(
+                f"{where}: 'roles' must be a non-empty list drawn from {list(ROLES)}, got {roles!r}"
+            )
         ram = _num(d, "ram_gb", where, default=DEFAULT_RAM_FACTOR * mem)
         uplink = _num(d, "uplink_gbps", where, default=0.0, positive=False)
         if "uplink_gbps" in d and uplink <= 0:
@@ -172,13 +176,21 @@ def load_cluster_dict(d: Any, name: str = "cluster") -> Cluster:
     unknown = set(links) - {"intra_site", "inter_site", "sites", "pairs", "matrix"}
     if unknown:
         raise ConfigError(f"{name}: unknown key(s) in 'links': {sorted(unknown)}")
-    intra = _link(links["intra_site"], "links.intra_site") if "intra_site" in links else (
-        DEFAULT_INTRA_SITE_GBPS * 1e9,
-        DEFAULT_INTRA_SITE_LATENCY_MS / 1e3,
+    intra = (
+        _link(links["intra_site"], "links.intra_site")
+        if "intra_site" in links
+        else (
+            DEFAULT_INTRA_SITE_GBPS * 1e9,
+            DEFAULT_INTRA_SITE_LATENCY_MS / 1e3,
+        )
     )
-    inter = _link(links["inter_site"], "links.inter_site") if "inter_site" in links else (
-        DEFAULT_INTER_SITE_GBPS * 1e9,
-        DEFAULT_INTER_SITE_LATENCY_MS / 1e3,
+    inter = (
+        _link(links["inter_site"], "links.inter_site")
+        if "inter_site" in links
+        else (
+            DEFAULT_INTER_SITE_GBPS * 1e9,
+            DEFAULT_INTER_SITE_LATENCY_MS / 1e3,
+        )
     )
     # site codes: devices without a site are each their own site
     site_names = [dev.site if dev.site else f"\0{dev.id}" for dev in devs]
@@ -197,7 +209,9 @@ def load_cluster_dict(d: Any, name: str = "cluster") -> Cluster:
             raise ConfigError(f"{where}: expected an object with 'a', 'b', 'bandwidth_gbps'")
         for s in (p["a"], p["b"]):
             if s not in codes:
-                raise ConfigError(f"{where}: unknown site {s!r} (known: {sorted(c for c in codes if c[:1] != chr(0))})")
+                raise ConfigError(
+                    f"{where}: unknown site {s!r} (known: {sorted(c for c in codes if c[:1] != chr(0))})"
+                )
         b, l_ = _link(p, where)
         ma = site_of == codes[p["a"]]
         mb = site_of == codes[p["b"]]
@@ -224,8 +238,13 @@ def load_cluster_dict(d: Any, name: str = "cluster") -> Cluster:
     if "matrix" in links:
         m = links["matrix"]
         if not isinstance(m, Mapping) or "bandwidth_gbps" not in m:
-            raise ConfigError(f"{name}: links.matrix must have 'bandwidth_gbps' (and optionally 'latency_ms')")
-        for key, target, scale, positive in (("bandwidth_gbps", bw, 1e9, True), ("latency_ms", lat, 1e-3, False)):
+            raise ConfigError(
+                f"{name}: links.matrix must have 'bandwidth_gbps' (and optionally 'latency_ms')"
+            )
+        for key, target, scale, positive in (
+            ("bandwidth_gbps", bw, 1e9, True),
+            ("latency_ms", lat, 1e-3, False),
+        ):
             if key not in m:
                 continue
             try:

@@ -124,7 +124,7 @@ class PipelineCost:
 
     @property
     def bottleneck_s(self) -> float:
-        return max(c + l for c, l in zip(self.compute_s, self.comm_s))
+        return max(c + x for c, x in zip(self.compute_s, self.comm_s, strict=True))
 
     def pipeline_time(self, micro_batches: int) -> float:
         return (micro_batches + self.stages - 1) * self.bottleneck_s
@@ -204,7 +204,9 @@ class Estimator:
         gives them (one per stage, the last ignored)."""
         s = len(devices)
         if len(split) != s + 1 or split[0] != 0 or split[-1] != chain.blocks:
-            raise ValueError(f"split {split} does not cover the chain of {chain.blocks} blocks with {s} stages")
+            raise ValueError(
+                f"split {split} does not cover the chain of {chain.blocks} blocks with {s} stages"
+            )
         u = micro_batch_size
         spf = self.seconds_per_flop_all()
         compute = []
@@ -232,7 +234,7 @@ class Estimator:
             comm.append(2.0 * link_time(wire_bytes(x, r), bw, lat))
         comm.append(0.0)
         chosen.append(1.0)
-        fits = all(mem <= self._cap[d] for mem, d in zip(memory, devices))
+        fits = all(mem <= self._cap[d] for mem, d in zip(memory, devices, strict=False))
         return PipelineCost(
             devices=tuple(int(d) for d in devices),
             split=tuple(int(x) for x in split),
@@ -277,7 +279,9 @@ class Estimator:
             return np.full(len(pipeline_devices), math.inf)
         return self.cluster.bandwidth_bps[np.ix_(np.asarray(pipeline_devices, dtype=int), others)].min(axis=1)
 
-    def host_bound(self, total_param_bytes: float, hosts: Sequence[tuple[int, float]], pipelines: int) -> float:
+    def host_bound(
+        self, total_param_bytes: float, hosts: Sequence[tuple[int, float]], pipelines: int
+    ) -> float:
         """Seconds the optimizer hosts' own links need for every pipeline's push + pull."""
         if not self.offload or pipelines == 0:
             return 0.0
@@ -286,6 +290,8 @@ class Estimator:
         for h, share in hosts:
             dev = self.cluster.devices[h]
             row = np.delete(bw[h], h)
-            host_bw = dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
+            host_bw = (
+                dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
+            )
             worst = max(worst, 2.0 * total_param_bytes * share * pipelines * 8.0 / host_bw)
         return worst

@@ -3,7 +3,7 @@ the OP-DAG a fence (stage boundary) may fall on.
 
 * `coarsen` keeps only cuts where the crossing bytes are a local minimum (block boundaries of a
   transformer: the residual stream alone crosses), at most `max_blocks` of them, evenly spread
-  by FLOPs, so the split DP stays small on large graphs.
+  over the minima, so the split DP stays small on large graphs.
 * `fence_levels` is single-linkage clustering on log bandwidth (a maximum spanning tree cut at
   bandwidth thresholds): fast groups stay together, fences fall on the slow links between them.
 * `order_devices` lays groups out as a path that follows the fastest inter-group links.
@@ -25,11 +25,12 @@ log = logging.getLogger(__name__)
 MAX_BLOCKS = 64  # most chain blocks the split DP works on
 LEVEL_DECADE = 0.5  # bandwidth thresholds are spaced this many decades (log10) apart
 MAX_LEVELS = 6  # most groupings fence_levels returns
+ORDER_STARTS = 8  # path starts order_groups tries when there are more groups than this
 
 
 def coarsen(graph: OpGraph, max_blocks: int = MAX_BLOCKS) -> list[int]:
     """Allowed cut positions (node ids, including 0 and n): all of them for small graphs, else the
-    local minima of cut_bytes, thinned to at most max_blocks blocks of about equal FLOPs."""
+    local minima of cut_bytes, thinned evenly to at most max_blocks blocks."""
     n = graph.num_nodes
     if n <= max_blocks:
         return list(range(n + 1))
@@ -38,15 +39,9 @@ def coarsen(graph: OpGraph, max_blocks: int = MAX_BLOCKS) -> list[int]:
     if len(cand) < max_blocks // 2:  # too few minima (odd graph): add the cheapest other cuts
         rest = sorted((c for c in range(1, n) if c not in set(cand)), key=lambda c: (cut[c], c))
         cand = sorted(set(cand) | set(rest[: max_blocks - 1 - len(cand)]))
-    if len(cand) > max_blocks - 1:
-        pf = graph.prefix_flops()
-        total = pf[-1] or 1.0
-        chosen: dict[int, int] = {}
-        for c in cand:  # one cut per FLOP bucket, the cheapest (ties: the earliest)
-            bucket = min(max_blocks - 2, int(pf[c] / total * (max_blocks - 1)))
-            if bucket not in chosen or cut[c] < cut[chosen[bucket]]:
-                chosen[bucket] = c
-        cand = sorted(chosen.values())
+    if len(cand) > max_blocks - 1:  # evenly spaced among the minima (blocks of a model are alike)
+        pick = np.linspace(0, len(cand) - 1, max_blocks - 1).round().astype(int)
+        cand = [cand[i] for i in sorted(set(pick.tolist()))]
     return [0, *cand, n]
 
 
@@ -97,7 +92,9 @@ def _components(n: int, edges: list[tuple[int, int, float]], threshold: float) -
     return sorted(groups.values(), key=lambda g: g[0])
 
 
-def fence_levels(cluster: Cluster, devices: Sequence[int], max_levels: int = MAX_LEVELS) -> list[list[list[int]]]:
+def fence_levels(
+    cluster: Cluster, devices: Sequence[int], max_levels: int = MAX_LEVELS
+) -> list[list[list[int]]]:
     """Groupings of `devices` (cluster indices), finest last: each grouping is a list of groups,
     each group a list of cluster indices whose links (transitively) reach the level's bandwidth."""
     devs = list(devices)
@@ -132,27 +129,32 @@ def order_within(cluster: Cluster, group: Sequence[int]) -> list[int]:
 
 
 def order_groups(cluster: Cluster, groups: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Order groups as a path along fast links: greedy nearest neighbour from every start, keeping
-    the path whose slowest hop is fastest (ties: largest sum of log bandwidth)."""
+    """Order groups as a path along fast links: greedy nearest neighbour from every start (from the
+    ORDER_STARTS fastest groups when there are many), keeping the path whose slowest hop is fastest
+    (ties: largest sum of log bandwidth)."""
     g = len(groups)
     if g <= 1:
         return [list(x) for x in groups]
-    bw = cluster.bandwidth_bps
-    link = np.zeros((g, g))
-    for a in range(g):
-        for b in range(g):
-            if a != b:
-                link[a, b] = float(bw[np.ix_(list(groups[a]), list(groups[b]))].max())
+    order = np.concatenate([np.asarray(x, dtype=int) for x in groups])
+    starts = np.cumsum([0] + [len(x) for x in groups[:-1]])
+    bw = cluster.bandwidth_bps[np.ix_(order, order)]
+    link = np.maximum.reduceat(np.maximum.reduceat(bw, starts, axis=0), starts, axis=1)
+    np.fill_diagonal(link, 0.0)
     logl = np.log10(np.maximum(link, 1.0))
+    speed = [sum(cluster.devices[d].tflops for d in x) for x in groups]
+    first = sorted(range(g), key=lambda i: -speed[i])[: ORDER_STARTS if g > ORDER_STARTS else g]
     best_key, best_path = None, None
-    for start in range(g):
-        path, used = [start], {start}
-        while len(path) < g:
-            row = np.where([i in used for i in range(g)], -np.inf, logl[path[-1]])
+    for start in first:
+        path = [start]
+        used = np.zeros(g, dtype=bool)
+        used[start] = True
+        hops = []
+        for _ in range(g - 1):
+            row = np.where(used, -np.inf, logl[path[-1]])
             nxt = int(np.argmax(row))
+            hops.append(float(row[nxt]))
             path.append(nxt)
-            used.add(nxt)
-        hops = [logl[path[i], path[i + 1]] for i in range(g - 1)]
+            used[nxt] = True
         key = (min(hops), sum(hops))
         if best_key is None or key > best_key:
             best_key, best_path = key, path

@@ -97,7 +97,9 @@ class Plan:
             if p.micro_batches < 1 or p.micro_batch_size < 1:
                 raise PlanError(f"pipeline {i}: micro-batches and their size must be >= 1")
             if p.micro_batches * p.micro_batch_size < p.batch_share:
-                raise PlanError(f"pipeline {i}: {p.micro_batches} x {p.micro_batch_size} < share {p.batch_share}")
+                raise PlanError(
+                    f"pipeline {i}: {p.micro_batches} x {p.micro_batch_size} < share {p.batch_share}"
+                )
         used = [d for p in self.pipelines for d in p.devices]
         if len(used) != len(set(used)):
             raise PlanError("a device appears in more than one stage")

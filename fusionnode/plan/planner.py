@@ -48,6 +48,7 @@ from fusionnode.plan.plan import OptimizerHost, PipelinePlan, Plan, Prediction, 
 log = logging.getLogger(__name__)
 
 DP_ITERATIONS = 3  # split DP re-runs with AdaTopK targets from the previous split
+DP_ITERATIONS_LARGE = 2  # the same on clusters larger than SMALL_CLUSTER
 MAX_PIPELINE_COUNTS = 8  # pipeline counts tried per grouping
 TRIM_SPEED_RATIO = 0.5  # only try dropping devices slower than this x the pipeline's fastest
 LOCAL_SEARCH_MOVES = 400  # most candidate moves evaluated by the local search
@@ -94,7 +95,12 @@ def _range_matrices(chain: Chain, param_factor: int, u: int) -> tuple[np.ndarray
     F, P, A, X = chain.flops, chain.params, chain.acts, chain.cut
     n = chain.blocks
     valid = np.arange(n + 1)[:, None] < np.arange(n + 1)[None, :]
-    mats = (valid, F[None, :] - F[:, None], (P[None, :] - P[:, None]) * param_factor, (A[None, :] - A[:, None] + X[:, None]) * u)
+    mats = (
+        valid,
+        F[None, :] - F[:, None],
+        (P[None, :] - P[:, None]) * param_factor,
+        (A[None, :] - A[:, None] + X[:, None]) * u,
+    )
     if len(_MATRIX_CACHE) > 64:
         _MATRIX_CACHE.clear()
     _MATRIX_CACHE[key] = (chain, *mats)  # type: ignore[assignment]
@@ -139,12 +145,14 @@ def split_dp(
     return split[::-1]
 
 
-def best_split(est: Estimator, chain: Chain, devices: Sequence[int], u: int) -> PipelineCost | None:
+def best_split(
+    est: Estimator, chain: Chain, devices: Sequence[int], u: int, iterations: int = DP_ITERATIONS
+) -> PipelineCost | None:
     """DP dense, then again with AdaTopK targets from the previous split; best fitting result."""
     best: PipelineCost | None = None
     target = math.inf
     tried: set[tuple[int, ...]] = set()
-    for _ in range(DP_ITERATIONS):
+    for _ in range(iterations):
         split = split_dp(est, chain, devices, u, target)
         if split is None or tuple(split) in tried:
             break
@@ -200,14 +208,15 @@ class Context:
         est = self.est
         spf = est.seconds_per_flop_all()
         cap = est.capacities()
-        links = tuple(est.link(a, b) for a, b in zip(devices, devices[1:]))
+        links = tuple(est.link(a, b) for a, b in itertools.pairwise(devices))
         return (tuple(float(spf[d]) for d in devices), tuple(float(cap[d]) for d in devices), links, u)
 
     def split(self, devices: tuple[int, ...], u: int) -> PipelineCost | None:
         key = self._key(devices, u)
         if key not in self._splits:
             self.evaluations += 1
-            self._splits[key] = best_split(self.est, self.chain, devices, u)
+            its = DP_ITERATIONS if self.exhaustive_sizes else DP_ITERATIONS_LARGE
+            self._splits[key] = best_split(self.est, self.chain, devices, u, its)
         cost = self._splits[key]
         if cost is None or cost.devices == devices:
             return cost
@@ -230,7 +239,7 @@ class Context:
             outside = self.est.outside_bandwidth(cost.devices, self.workers)
             return max(
                 self.est.stage_sync_time(d, p, self.hosts, multi, float(o))
-                for d, p, o in zip(cost.devices, cost.param_bytes, outside)
+                for d, p, o in zip(cost.devices, cost.param_bytes, outside, strict=False)
             )
         key = tuple(self.hosts)
         if self._host_terms is None or self._host_terms[0] != key:
@@ -248,7 +257,8 @@ class Context:
             self._host_terms = (key, fixed, per_byte)
         _, fixed, per_byte = self._host_terms
         return max(
-            (float(fixed[d] + p * per_byte[d]) if p > 0 else 0.0) for d, p in zip(cost.devices, cost.param_bytes)
+            (float(fixed[d] + p * per_byte[d]) if p > 0 else 0.0)
+            for d, p in zip(cost.devices, cost.param_bytes, strict=False)
         )
 
     def options(self, devices: tuple[int, ...], multi: bool, share_hint: int | None = None) -> list[Option]:
@@ -312,12 +322,6 @@ def _pipe_time(opts: Sequence[Option], samples: int, fixed_m: int | None) -> tup
     return best, arg
 
 
-def _capacity(opts: Sequence[Option], tau: float, fixed_m: int | None, batch: int) -> int:
-    if fixed_m is None:
-        return max((o.capacity(tau) for o in opts), default=0)
-    return max((min(o.capacity(tau), fixed_m * o.u) for o in opts), default=0)
-
-
 @dataclasses.dataclass(frozen=True)
 class Evaluated:
     step_s: float
@@ -339,22 +343,38 @@ def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evalu
     if not live:
         return None
     fixed_m = ctx.micro_batches
+    # all options of all live pipelines as arrays, for a vectorised capacity(tau)
+    flat = [(k, o) for k, i in enumerate(live) for o in opts[i]]
+    owner = np.array([k for k, _ in flat])
+    uu = np.array([o.u for _, o in flat], dtype=float)
+    tt = np.array([o.cost.bottleneck_s for _, o in flat])
+    ss = np.array([o.cost.stages for _, o in flat], dtype=float)
+    yy = np.array([o.sync_s for _, o in flat])
+    mcap = np.full(len(flat), np.inf) if fixed_m is None else np.full(len(flat), float(fixed_m))
+    starts = np.searchsorted(owner, np.arange(len(live)))
+
+    def capacities(tau: float) -> np.ndarray:
+        m = np.floor((tau - yy) / tt * (1 + 1e-12)) - ss + 1
+        per = np.minimum(np.maximum(m, 0.0), mcap) * uu
+        return np.maximum.reduceat(per, starts)
+
     # bisection on the step time tau: the smallest tau whose capacities cover the batch
     hi = min(_pipe_time(opts[i], ctx.batch, fixed_m)[0] for i in live)
     if not math.isfinite(hi):
         hi = 1.0
-        while sum(_capacity(opts[i], hi, fixed_m, ctx.batch) for i in live) < ctx.batch:
+        while capacities(hi).sum() < ctx.batch:
             hi *= 2
             if hi > 1e12:
                 return None
     lo = 0.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if sum(_capacity(opts[i], mid, fixed_m, ctx.batch) for i in live) >= ctx.batch:
+        if capacities(mid).sum() >= ctx.batch:
             hi = mid
         else:
             lo = mid
-    caps = {i: min(ctx.batch, _capacity(opts[i], hi, fixed_m, ctx.batch)) for i in live}
+    capv = capacities(hi)
+    caps = {i: int(min(ctx.batch, capv[k])) for k, i in enumerate(live)}
     surplus = sum(caps.values()) - ctx.batch
     for i in sorted(live, key=lambda i: -caps[i]):  # trim the surplus, biggest shares first
         take = min(surplus, caps[i])
@@ -400,7 +420,11 @@ def host_candidates(cluster: Cluster, workers: Sequence[int]) -> list[tuple[int,
 
 
 def choose_hosts(
-    cluster: Cluster, workers: Sequence[int], total_param_bytes: float, multiplier: int = 1, spread: bool = False
+    cluster: Cluster,
+    workers: Sequence[int],
+    total_param_bytes: float,
+    multiplier: int = 1,
+    spread: bool = False,
 ) -> list[tuple[int, float]]:
     """(device index, share) for the optimizer state (OPTIMIZER_BYTES_FACTOR x param bytes), shares
     proportional to RAM: the fewest best-connected hosts that fit, times `multiplier`; with
@@ -427,7 +451,7 @@ def choose_hosts(
         k = max(len(chosen), min(good, len(chosen) * HOST_SPREAD_MAX))
     picked = [i for i, _ in cands[: min(len(cands), k)]]
     ram = np.array([cluster.devices[i].ram_gb for i in picked])
-    return [(i, float(r / ram.sum())) for i, r in zip(picked, ram)]
+    return [(i, float(r / ram.sum())) for i, r in zip(picked, ram, strict=False)]
 
 
 def assign_param_names(graph: OpGraph, hosts: Sequence[tuple[int, float]]) -> list[list[str]]:
@@ -560,7 +584,7 @@ def _local_search(ctx: Context, start: Evaluated, idle: list[int]) -> Evaluated:
                     for pos in (0, len(pipes[b])):
                         new = [x.copy() for x in pipes]
                         new[a] = rest
-                        new[b] = pipes[b][:pos] + [p[i]] + pipes[b][pos:]
+                        new[b] = [*pipes[b][:pos], p[i], *pipes[b][pos:]]
                         cands.append(new)
                 new = [x.copy() for x in pipes]  # split off as its own pipeline
                 if len(p) > 1:
@@ -569,7 +593,7 @@ def _local_search(ctx: Context, start: Evaluated, idle: list[int]) -> Evaluated:
                     cands.append(new)
             for d in unused:  # add an idle device at each position
                 for pos in range(len(p) + 1):
-                    cands.append([*pipes[:a], p[:pos] + [d] + p[pos:], *pipes[a + 1 :]])
+                    cands.append([*pipes[:a], [*p[:pos], d, *p[pos:]], *pipes[a + 1 :]])
         for d in unused:
             cands.append([*pipes, [d]])
         for c in cands:
@@ -588,7 +612,9 @@ def _workers(cluster: Cluster) -> list[int]:
     return [i for i, d in enumerate(cluster.devices) if d.is_worker]
 
 
-def _check_fits(graph: OpGraph, cluster: Cluster, est: Estimator, workers: Sequence[int], chain: Chain) -> None:
+def _check_fits(
+    graph: OpGraph, cluster: Cluster, est: Estimator, workers: Sequence[int], chain: Chain
+) -> None:
     need = float(chain.params[-1]) * est.param_factor()
     have = float(sum(est.capacity(d) for d in workers))
     if need > have:
@@ -629,7 +655,9 @@ def _context(
     max_blocks: int,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
-    est = estimator or (Estimator(cluster, offload=offload) if efficiency is None else Estimator(cluster, efficiency, offload))
+    est = estimator or (
+        Estimator(cluster, offload=offload) if efficiency is None else Estimator(cluster, efficiency, offload)
+    )
     chain = Chain.from_graph(graph, fence.coarsen(graph, max_blocks))
     workers = _workers(cluster)
     _check_fits(graph, cluster, est, workers, chain)
@@ -695,8 +723,9 @@ def plan(
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
-            f"the weights need {need / 1e9:.2f} GB across at most {chain.blocks} stages plus activations; "
-            "use fewer samples per micro-batch, --offload on, or devices with more memory"
+            f"the weights{'' if est.offload else ', grads and optimizer state'} need {need / 1e9:.2f} GB "
+            f"across at most {chain.blocks} stages, plus activations of at least one sample per stage; "
+            f"{'' if est.offload else 'use --offload on, '}a smaller model or sequence, or devices with more memory"
         )
     if local_search and len(workers) <= SMALL_CLUSTER:
         best = _local_search(ctx, best, [])
@@ -741,7 +770,7 @@ def build_plan(graph: OpGraph, ctx: Context, ev: Evaluated, seq_len: int | None,
     bounds = ctx.chain.bounds
     pipes = []
     memory: dict[str, float] = {}
-    for devices, share, opt in zip(ev.pipelines, ev.shares, ev.choices):
+    for devices, share, opt in zip(ev.pipelines, ev.shares, ev.choices, strict=False):
         c = opt.cost
         stages = []
         for k, d in enumerate(devices):
@@ -770,7 +799,8 @@ def build_plan(graph: OpGraph, ctx: Context, ev: Evaluated, seq_len: int | None,
         )
     names = assign_param_names(graph, ev.hosts) if ev.hosts else []
     hosts = tuple(
-        OptimizerHost(cluster.devices[h].id, float(share), tuple(nm)) for (h, share), nm in zip(ev.hosts, names)
+        OptimizerHost(cluster.devices[h].id, float(share), tuple(nm))
+        for (h, share), nm in zip(ev.hosts, names, strict=False)
     )
     seq = graph.seq_len if seq_len is None else seq_len
     tokens = ctx.batch * (seq if seq > 0 else 1)
@@ -912,7 +942,7 @@ def exhaustive_plan(
                         tot -= ch[tot]
                     shares.reverse()
                     pipes, opts = [], []
-                    for (_, args), b in zip(per_part, shares):
+                    for (_, args), b in zip(per_part, shares, strict=False):
                         perm, opt = args[b]
                         pipes.append(perm)
                         opts.append(opt)

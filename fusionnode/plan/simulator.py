@@ -142,7 +142,7 @@ def simulate_pipeline(
             try_link(j, now)
         for j in touched_stages:
             try_stage(j, now)
-    if any(p < len(o) for p, o in zip(ptr, ops)):
+    if any(p < len(o) for p, o in zip(ptr, ops, strict=False)):
         raise RuntimeError("simulated 1F1B schedule deadlocked")  # a bug, never an input error
     return finish, busy, lbusy
 
@@ -154,7 +154,6 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
     chain = Chain.from_graph(graph, bounds)
     pos = {b: i for i, b in enumerate(bounds)}
     hosts = [(cluster.index(h.device), h.share) for h in plan.optimizer_hosts]
-    total_params = float(chain.params[-1])
     workers = [i for i, d in enumerate(cluster.devices) if d.is_worker]
     multi = len(plan.pipelines) > 1
     pipe_finish, sync_finish, busy_all, lbusy_all = [], [], [], []
@@ -193,7 +192,10 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
             sync_finish.append(math.nan)
         else:
             outside = est.outside_bandwidth(devs, workers)
-            done = [finish[k] + est.stage_sync_time(devs[k], params[k], [], multi, float(outside[k])) for k in range(s)]
+            done = [
+                finish[k] + est.stage_sync_time(devs[k], params[k], [], multi, float(outside[k]))
+                for k in range(s)
+            ]
             sync_finish.append(max(done))
     if est.offload and pending:
         # each host's link is a FIFO shared by every stage's push + pull; a stage talks to hosts in turn
@@ -202,7 +204,9 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
         for h, _ in hosts:
             dev = cluster.devices[h]
             row = np.delete(cluster.bandwidth_bps[h], h)
-            host_bw[h] = dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
+            host_bw[h] = (
+                dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
+            )
         done_at: dict[int, float] = {}
         for ready, d, p in sorted(pending):
             t = ready
@@ -216,16 +220,13 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
                 host_free[h] = start + 2.0 * nbytes * 8.0 / host_bw[h]
                 t = max(start + own, host_free[h])
             done_at[d] = t
-        idx = 0
         for p_i, pl in enumerate(plan.pipelines):
             s = len(pl.stages)
             sync_finish[p_i] = max(done_at[cluster.index(st.devices[0])] for st in pl.stages)
-            idx += s
     for p_i in range(len(sync_finish)):
         if math.isnan(sync_finish[p_i]):
             sync_finish[p_i] = pipe_finish[p_i]
     step = max(sync_finish)
-    _ = total_params
     return SimResult(
         step_time_s=float(step),
         pipeline_finish_s=tuple(pipe_finish),

@@ -31,6 +31,7 @@ PROTO_RPC = "/fusionnode/rpc/1"
 PROTO_DATA = "/fusionnode/data/1"
 MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
 RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+DataHandler = Callable[[TensorMessage, str], None]
 
 
 def message_key(msg: TensorMessage) -> tuple:
@@ -120,6 +121,7 @@ class Transport:
         self.limits = limits
         self.mailbox = Mailbox()
         self._rpc: dict[str, RpcHandler] = {}
+        self._data_handlers: dict[str, DataHandler] = {}
         self._out: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._out_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._tasks: set[asyncio.Task] = set()
@@ -144,6 +146,17 @@ class Transport:
             self.rate_limits[peer_id] = TokenBucket(rate_bps)
         else:
             self.rate_limits.pop(peer_id, None)
+
+    def on_data(self, kind: str, handler: DataHandler) -> None:
+        """Data messages of this kind go to `handler(msg, sender)` instead of the mailbox."""
+        self._data_handlers[kind] = handler
+
+    def _deliver(self, msg: TensorMessage, sender: str) -> None:
+        handler = self._data_handlers.get(msg.kind)
+        if handler is not None:
+            handler(msg, sender)
+        else:
+            self.mailbox.put(msg, sender)
 
     # ---- RPC -----------------------------------------------------------------------------------
     def add_rpc(self, method: str, handler: RpcHandler) -> None:
@@ -214,7 +227,7 @@ class Transport:
     async def send(self, peer_id: str, msg: TensorMessage) -> int:
         """Sends one TensorMessage; returns the bytes written on the wire (0 to ourselves)."""
         if peer_id == self.peer_id:
-            self.mailbox.put(msg, self.peer_id)
+            self._deliver(msg, self.peer_id)
             return 0
         job = str(msg.meta.get("job", ""))
         async with self._out_locks[peer_id]:
@@ -274,7 +287,7 @@ class Transport:
                 msg = self._verify(msg, sender)
                 if not isinstance(msg, TensorMessage):
                     raise ProtocolError(f"expected a TensorMessage on the data stream, got {type(msg).__name__}")
-                self.mailbox.put(msg, sender)
+                self._deliver(msg, sender)
         except ProtocolError as exc:
             logger.warning("closing data stream from %s: %s", sender[:12], exc)
         except (ConnectionError, OSError, asyncio.IncompleteReadError):

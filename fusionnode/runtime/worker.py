@@ -75,8 +75,12 @@ class StageJob:
 
     def __init__(self, args: dict[str, Any], lease_s: float):
         self.job: str = args["job"]
-        self.stage: int = int(args["stage"])
-        self.num_stages: int = int(args["num_stages"])
+        self.stage: int = int(args["stage"])  # global id of this stage among all pipelines of the job
+        self.pos: int = int(args.get("pos", args["stage"]))  # position in its pipeline
+        self.num_stages: int = int(args["num_stages"])  # stages in its pipeline
+        self.prev_stage: int = int(args.get("prev_stage", self.stage - 1))
+        self.next_stage: int = int(args.get("next_stage", self.stage + 1))
+        self.replica: int = int(args.get("replica", 0))
         self.driver: str = args["driver"]
         self.prev: str = args.get("prev") or ""
         self.next: str = args.get("next") or ""
@@ -90,6 +94,11 @@ class StageJob:
         self.codec: str = args.get("codec", "raw")
         self.codec_options: dict[str, Any] = args.get("codec_options") or {}
         self.need_bytes: int = int(args.get("need_bytes", 0))
+        # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
+        self.offload: dict[str, Any] | None = args.get("offload")
+        self.pull_task: asyncio.Future | None = None
+        self.push_tasks: list[asyncio.Future] = []
+        self.grad_counts: dict[str, int] = {}
         self.lease_s = lease_s
         self.lease_until = time.monotonic() + lease_s
         self.module: Any = None
@@ -97,6 +106,8 @@ class StageJob:
         self.params: dict[str, torch.nn.Parameter] = {}
         self.busy = asyncio.Lock()
         self.last_step = -1
+        self.step_now = -1
+        self.micro_batches_now = 0
         self.device = torch.device("cpu")
 
     def renew(self) -> None:
@@ -104,7 +115,11 @@ class StageJob:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.pos == self.num_stages - 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.pos == 0
 
 
 class WorkerService:
@@ -220,10 +235,65 @@ class WorkerService:
             module = StageModule.from_description(sj.description, params, device=sj.device)
             sj.module = module
             sj.params = dict(module.named_stage_parameters())
-            sj.opt = make_optimizer(sj.params, sj.spec)
+            sj.opt = None if sj.offload else make_optimizer(sj.params, sj.spec)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        if sj.offload:
+            self._install_push_hooks(sj, asyncio.get_running_loop())
         return {"ready": True, "params": len(sj.params)}
+
+    def _install_push_hooks(self, sj: StageJob, loop: asyncio.AbstractEventLoop) -> None:
+        """Pushes each parameter's gradient to its optimizer host the moment the last micro-batch's
+        backward has accumulated it, overlapping the push with the rest of the backward pass."""
+        off = sj.offload
+        assert off is not None
+
+        def make_hook(name: str):
+            def hook(p: torch.Tensor) -> None:
+                sj.grad_counts[name] = sj.grad_counts.get(name, 0) + 1
+                if sj.grad_counts[name] == sj.micro_batches_now:
+                    grad = p.grad.detach().clone()
+                    loop.call_soon_threadsafe(self._push, sj, name, grad)
+            return hook
+
+        for name, p in sj.params.items():
+            p.register_post_accumulate_grad_hook(make_hook(name))
+
+    def _push(self, sj: StageJob, name: str, grad: torch.Tensor) -> None:
+        off = sj.offload
+        meta = {"job": sj.job, "step": sj.step_now + 1, "mb": -1, "stage": sj.stage,
+                "contributor": off["contributor"], "samples": int(off["samples"])}
+        msg = tensor_message("push", meta, {name: grad})
+        sj.push_tasks.append(asyncio.ensure_future(self.t.send(off["hosts"][name], msg)))
+
+    async def _pull(self, sj: StageJob, step: int) -> None:
+        """Fetches this stage's parameters from their optimizer hosts and installs them."""
+        off = sj.offload
+        by_host: dict[str, list[str]] = {}
+        for name in sorted(sj.params):
+            by_host.setdefault(off["hosts"][name], []).append(name)
+        timeout = self.config.step_timeout_s
+
+        async def one(host: str, names: list[str]) -> dict[str, torch.Tensor]:
+            res = await self.t.call(host, "opt.pull", {"job": sj.job, "names": names, "tag": step, "stage": sj.stage},
+                                    timeout=timeout)
+            hidx = off["host_index"][names[0]]
+            got: dict[str, torch.Tensor] = {}
+            for idx in range(int(res["count"])):
+                msg, src = await self.t.mailbox.get((f"pulled{hidx}", sj.job, step, idx, sj.stage), timeout)
+                got.update(decode_checked(msg, {n: sj.param_specs[n] for n in names}, None, src))
+            return got
+
+        parts = await asyncio.gather(*(one(h, names) for h, names in by_host.items()))
+        values = {k: v for part in parts for k, v in part.items()}
+
+        def install() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_(values[name])
+                    p.grad = None
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, install)
 
     async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
@@ -248,11 +318,22 @@ class WorkerService:
         if sj.module is None:
             raise PeerError("stage not started")
         async with sj.busy:
+            if sj.pull_task is not None:  # parameters prefetched since the last commit
+                task, sj.pull_task = sj.pull_task, None
+                await task
+            sj.step_now = int(args["step"])
+            sj.micro_batches_now = int(args["micro_batches"])
+            sj.grad_counts = {}
             return await self._run_step(sj, int(args["step"]), int(args["micro_batches"]), int(args["mb_size"]))
 
     async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
         step = int(args["step"])
+        if sj.offload:
+            # the hosts applied the step: prefetch the new parameters while the driver prepares the next one
+            sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
+            sj.last_step = step
+            return {"applied": step, "prefetching": True}
         shared = sorted(sj.shared_names & set(sj.params))
         summed: dict[str, torch.Tensor] = {}
         if shared:
@@ -304,7 +385,7 @@ class WorkerService:
 
         async def forward(mb: int) -> None:
             nonlocal compute_s
-            if sj.stage == 0:
+            if sj.is_first:
                 msg, src = await receive("input", mb)
                 recv = decode_checked(msg, sj.recv_specs, mb_size, src)
             else:
@@ -344,7 +425,7 @@ class WorkerService:
             if loss_val is not None:
                 losses.append(loss_val)
             if not sj.is_last:
-                send(sj.next, "act", mb, sj.stage + 1, {n: outs[n] for n in sj.send_names}, sj.codec)
+                send(sj.next, "act", mb, sj.next_stage, {n: outs[n] for n in sj.send_names}, sj.codec)
 
         async def backward(mb: int) -> None:
             nonlocal compute_s
@@ -371,11 +452,11 @@ class WorkerService:
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
             compute_s += time.perf_counter() - t0
-            if sj.stage > 0 and in_grads:
-                send(sj.prev, "grad", mb, sj.stage - 1, in_grads, sj.codec)
+            if not sj.is_first and in_grads:
+                send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.codec)
 
         # 1F1B: warm up with forwards, then alternate, then drain the backwards
-        warmup = min(sj.num_stages - sj.stage - 1, m)
+        warmup = min(sj.num_stages - sj.pos - 1, m)
         f = b = 0
         for _ in range(warmup):
             await forward(f)
@@ -389,9 +470,18 @@ class WorkerService:
             await backward(b)
             b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
+        if sj.offload:
+            pushes, sj.push_tasks = sj.push_tasks, []
+            sent_bytes += sum(await asyncio.gather(*pushes))
+            missing = [n for n in sj.params if sj.grad_counts.get(n, 0) < m]
+            if missing:  # parameters this step did not touch still owe the host a (zero) contribution
+                for name in missing:
+                    self._push(sj, name, torch.zeros_like(sj.params[name]))
+                pushes, sj.push_tasks = sj.push_tasks, []
+                sent_bytes += sum(await asyncio.gather(*pushes))
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
-        shared = sorted(sj.shared_names & set(sj.params))
+        shared = [] if sj.offload else sorted(sj.shared_names & set(sj.params))
         if shared:
             g = {n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))
                  for n in shared}

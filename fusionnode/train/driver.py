@@ -1,15 +1,24 @@
 """The driver: the peer that started a job plans it, feeds it, and keeps its books.
 
-It traces the model into an OP-DAG, splits it into contiguous stages over the
-swarm's workers, proposes the assignment (each worker may refuse), ships each
-worker its portable sub-DAG and parameters, then runs steps: micro-batches to
-the first stage, targets to the last, reports back, gradients of shared (tied)
-parameters summed, the global gradient norm clipped, the step committed.
+It traces the model into an OP-DAG, splits it into contiguous stages, lays one or
+more pipelines (data-parallel replicas) over the swarm's workers, proposes the
+assignment (each worker may refuse), ships each worker its portable sub-DAG and
+parameters, then runs steps: each replica's share of the batch goes to its first
+stage as micro-batches, targets to its last stage, and the stages report back.
+
+Optimizer, two ways (the same math):
+- local (``offload off``, one pipeline): each worker applies AdamW to its own
+  parameters; gradients of parameters two stages share (tied weights) are summed
+  by the driver first, and the global gradient norm is clipped exactly.
+- offloaded (``offload on``; required with several pipelines): workers push
+  gradients to optimizer hosts during backward, the hosts aggregate the replicas
+  and apply the step, workers pull the new parameters (prefetched).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -26,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
+OFFLOAD_CHOICES = ("auto", "on", "off")
 
 
 def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
@@ -33,21 +43,16 @@ def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
     n = len(flops)
     if n_stages < 1 or n_stages > n:
         raise PlanError(f"cannot split {n} operators into {n_stages} stages")
-    total = sum(flops) or float(n)
     weights = flops if sum(flops) else [1.0] * n
+    total = sum(weights)
     bounds, acc, k = [0], 0.0, 1
     for i, w in enumerate(weights):
         acc += w
-        # cut after node i when the prefix reaches k/n_stages of the total, leaving room for later stages
-        if (
-            k < n_stages
-            and acc >= total * k / n_stages
-            and i + 1 >= bounds[-1] + 1
-            and n - (i + 1) >= n_stages - k
-        ):
+        # cut after node i once the prefix reaches k/n_stages of the total, leaving a node for each later stage
+        if k < n_stages and acc >= total * k / n_stages and n - (i + 1) >= n_stages - k:
             bounds.append(i + 1)
             k += 1
-    while len(bounds) < n_stages:  # degenerate weights: fill with single nodes at the end
+    while len(bounds) < n_stages:  # degenerate weights: single nodes at the end
         bounds.append(n - (n_stages - len(bounds)))
     bounds.append(n)
     return bounds
@@ -68,31 +73,46 @@ def tensor_spec(graph: Any, name: str) -> dict[str, Any]:
     raise PlanError(f"tensor {name!r} is not in the OP-DAG")
 
 
+@dataclasses.dataclass
+class Pipeline:
+    replica: int
+    peers: list[str]
+    bounds: list[int]
+    samples: int  # sequences of each step's batch this pipeline trains on
+    micro_batches: int
+    first_stage: int = 0  # global id of its first stage
+
+    @property
+    def mb_size(self) -> int:
+        return self.samples // self.micro_batches
+
+
 class Job:
     """Book-keeping of one running job on its driver."""
 
     def __init__(self, spec: Any, driver: str):
         self.spec = spec
         self.driver = driver
-        self.stages: list[dict[str, Any]] = []
+        self.pipelines: list[Pipeline] = []
+        self.stages: list[dict[str, Any]] = []  # flat, by global stage id
+        self.hosts: list[str] = []
+        self.offload = False
         self.step = 0
         self.loss: float | None = None
         self.tokens_per_s = 0.0
         self.plan_version = 0
         self.started = time.time()
         self.state = "planning"
+        self.history: list[dict[str, Any]] = []
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "job": self.spec.job_id,
-            "model": self.spec.model,
-            "state": self.state,
-            "step": self.step,
-            "steps": self.spec.steps,
-            "loss": self.loss,
-            "tokens_per_s": round(self.tokens_per_s, 1),
-            "plan_version": self.plan_version,
-            "stages": [{k: s[k] for k in ("stage", "peer", "lo", "hi", "n_params")} for s in self.stages],
+            "job": self.spec.job_id, "model": self.spec.model, "state": self.state, "step": self.step,
+            "steps": self.spec.steps, "loss": self.loss, "tokens_per_s": round(self.tokens_per_s, 1),
+            "plan_version": self.plan_version, "offload": self.offload, "optimizer_hosts": self.hosts,
+            "stages": [{k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
+                       for s in self.stages],
+            "history": self.history[-500:],
         }
 
 
@@ -108,81 +128,82 @@ class Driver:
         return [job.to_dict() for job in self.jobs.values()]
 
     # ---- planning ------------------------------------------------------------------------------
-    async def _workers(self, wanted: list[str] | None) -> list[str]:
+    async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
         peers = await self.membership.peers()
-        ids = [
-            p.peer_id
-            for p in peers
-            if "worker" in p.roles and getattr(p, "availability", "available") == "available"
-        ]
+        ids = [p.peer_id for p in peers if role in p.roles and getattr(p, "availability", "available") == "available"]
         if wanted:
             missing = [w for w in wanted if w not in ids]
             if missing:
-                raise ConfigError(f"requested peers are not available workers in the swarm: {missing}")
-            ids = list(wanted)
+                raise ConfigError(f"requested peers are not available {role}s in the swarm: {missing}")
+            return list(wanted)
         # the driver's own peer first (it feeds the first stage without a hop), then by id
         return sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid))
 
-    def _stage_args(
-        self,
-        job: Job,
-        traced: Any,
-        bounds: list[int],
-        peers: list[str],
-        canonical: dict[str, str],
-        params: dict[str, torch.Tensor],
-        sample: torch.Tensor,
-    ) -> list[dict[str, Any]]:
+    def _layout(self, spec: Any, flops: list[float], workers: list[str], n_stages: int,
+                replicas: int) -> list[Pipeline]:
+        """`replicas` pipelines of `n_stages` stages each over the first workers; batch shared evenly."""
+        if replicas < 1 or n_stages < 1:
+            raise PlanError("need at least one pipeline of at least one stage")
+        if replicas * n_stages > len(workers):
+            raise PlanError(f"{replicas} pipeline(s) x {n_stages} stage(s) need {replicas * n_stages} workers; "
+                            f"the swarm has {len(workers)} available")
+        if spec.batch_size % replicas or (spec.batch_size // replicas) % spec.micro_batches:
+            raise ConfigError(f"batch size {spec.batch_size} does not split into {replicas} replica(s) of "
+                              f"{spec.micro_batches} equal micro-batches")
+        bounds = balanced_bounds(flops, n_stages)
+        out, first = [], 0
+        for r in range(replicas):
+            out.append(Pipeline(r, workers[r * n_stages:(r + 1) * n_stages], bounds, spec.batch_size // replicas,
+                                spec.micro_batches, first))
+            first += n_stages
+        return out
+
+    def _stage_args(self, job: Job, traced: Any, canonical: dict[str, str], params: dict[str, torch.Tensor],
+                    sample: torch.Tensor, host_of: dict[str, str] | None, host_index: dict[str, int]) -> list[dict]:
         from fusionnode.graph.portable import describe_stage
+        from fusionnode.optim.store import contributor_key
 
         graph = traced.graph
         spec = job.spec
-        n = len(bounds) - 1
-        descs = [describe_stage(traced, bounds[i], bounds[i + 1]) for i in range(n)]
-        stage_params = []
-        for d in descs:
-            stage_params.append(sorted({canonical.get(k, k) for k in d["params"]}))
-        counts: dict[str, int] = {}
-        for names in stage_params:
-            for name in names:
-                counts[name] = counts.get(name, 0) + 1
-        shared = sorted(k for k, v in counts.items() if v > 1)
-        args = []
-        for i, d in enumerate(descs):
-            lo, hi = bounds[i], bounds[i + 1]
-            if i == 0:
-                recv = {name: {"shape": [1, *sample.shape[1:]], "dtype": "int64"} for name in d["inputs"]}
-            else:
-                recv = {name: tensor_spec(graph, name) for name in crossing_names(graph, lo)}
-            send = (
-                {} if i == n - 1 else {name: tensor_spec(graph, name) for name in crossing_names(graph, hi)}
-            )
-            pspecs = {
-                name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]
-            }
-            pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
-            act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * spec.micro_batch_size
-            in_flight = min(n - i, spec.micro_batches)
-            args.append(
-                {
-                    "job": spec.job_id,
-                    "stage": i,
-                    "num_stages": n,
-                    "driver": self.t.peer_id,
-                    "prev": peers[i - 1] if i > 0 else "",
-                    "next": peers[i + 1] if i < n - 1 else "",
-                    "description": d,
-                    "param_specs": pspecs,
-                    "recv_specs": recv,
-                    "send_specs": send,
-                    "shared_names": [s for s in shared if s in pspecs],
-                    "spec": spec.to_dict(),
-                    "need_bytes": int(pbytes * 4 + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
-                    "lease_s": self.config.lease_s,
-                    "lo": lo,
-                    "hi": hi,
+        args: list[dict[str, Any]] = []
+        for pipe in job.pipelines:
+            n = len(pipe.peers)
+            descs = [describe_stage(traced, pipe.bounds[i], pipe.bounds[i + 1]) for i in range(n)]
+            stage_params = [sorted({canonical.get(k, k) for k in d["params"]}) for d in descs]
+            counts: dict[str, int] = {}
+            for names in stage_params:
+                for name in names:
+                    counts[name] = counts.get(name, 0) + 1
+            shared = {k for k, v in counts.items() if v > 1}
+            for i, d in enumerate(descs):
+                lo, hi = pipe.bounds[i], pipe.bounds[i + 1]
+                gid = pipe.first_stage + i
+                if i == 0:
+                    recv = {name: {"shape": [1, *sample.shape[1:]], "dtype": "int64"} for name in d["inputs"]}
+                else:
+                    recv = {name: tensor_spec(graph, name) for name in crossing_names(graph, lo)}
+                send = {} if i == n - 1 else {name: tensor_spec(graph, name) for name in crossing_names(graph, hi)}
+                pspecs = {name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]}
+                pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
+                act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
+                in_flight = min(n - i, pipe.micro_batches)
+                state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
+                a = {
+                    "job": spec.job_id, "stage": gid, "pos": i, "num_stages": n, "replica": pipe.replica,
+                    "prev_stage": gid - 1, "next_stage": gid + 1, "driver": self.t.peer_id,
+                    "prev": pipe.peers[i - 1] if i > 0 else "", "next": pipe.peers[i + 1] if i < n - 1 else "",
+                    "description": d, "param_specs": pspecs, "recv_specs": recv, "send_specs": send,
+                    "shared_names": sorted(shared & set(pspecs)), "spec": spec.to_dict(),
+                    "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
+                    "lease_s": self.config.lease_s, "lo": lo, "hi": hi, "peer": pipe.peers[i],
                 }
-            )
+                if host_of:
+                    a["offload"] = {
+                        "hosts": {name: host_of[name] for name in pspecs},
+                        "host_index": {name: host_index[name] for name in pspecs},
+                        "contributor": contributor_key(pipe.replica, gid), "samples": pipe.samples,
+                    }
+                args.append(a)
         return args
 
     # ---- the job -------------------------------------------------------------------------------
@@ -194,6 +215,10 @@ class Driver:
         from fusionnode.train.spec import JobSpec, resolve_seq_len
 
         spec = JobSpec.from_dict(params.get("spec") or {})
+        offload_choice = params.get("offload") or "auto"
+        if offload_choice not in OFFLOAD_CHOICES:
+            raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
+        replicas = int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
         job = Job(spec, self.t.peer_id)
@@ -208,53 +233,54 @@ class Driver:
             canonical = _canonical_names(model)
             full = {name: p.detach() for name, p in model.named_parameters()}
             start_step = 0
-            if params.get("resume") and spec.save_dir:
+            if params.get("resume"):
                 start_step, full = self._load_resume(spec, source, full)
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
-            candidates = await self._workers(params.get("peers"))
-            n_stages = int(params.get("stages") or len(candidates))
-            n_stages = max(1, min(n_stages, len(candidates)))
-            if not candidates:
+            job.offload = offload_choice == "on" or (offload_choice == "auto" and replicas > 1)
+            if replicas > 1 and not job.offload:
+                raise ConfigError("several pipelines synchronise through optimizer hosts: use --offload on|auto")
+            workers = await self._candidates(params.get("peers"), "worker")
+            if not workers:
                 raise PlanError("no worker peers are available in the swarm")
+            host_of: dict[str, str] | None = None
+            host_index: dict[str, int] = {}
+            if job.offload:
+                job.hosts = await self._pick_hosts(params, workers)
+                host_of, host_index = self._shard(full, job.hosts)
+            n_stages = int(params.get("stages") or max(1, len(workers) // replicas))
             flops = [node.flops for node in traced.graph.nodes]
             stage_args: list[dict[str, Any]] = []
             for _attempt in range(MAX_PROPOSALS):
-                n_stages = min(n_stages, len(candidates))
-                if n_stages < 1:
+                n_stages = max(1, min(n_stages, len(workers) // replicas))
+                if len(workers) < replicas:
                     raise PlanError("every worker refused the job's stages (see the events for the reasons)")
-                bounds = balanced_bounds(flops, n_stages)
-                peers = candidates[:n_stages]
-                stage_args = self._stage_args(job, traced, bounds, peers, canonical, full, sample)
-                refused = await self._propose(stage_args, peers, metrics, emit)
+                job.pipelines = self._layout(spec, flops, workers, n_stages, replicas)
+                stage_args = self._stage_args(job, traced, canonical, full, sample, host_of, host_index)
+                refused = await self._propose(stage_args, metrics, emit)
                 if not refused:
                     break
-                candidates = [c for c in candidates if c not in refused]
+                workers = [w for w in workers if w not in refused]
             else:
                 raise PlanError("could not place the job's stages after several proposals")
-            job.stages = [
-                {
-                    "stage": a["stage"],
-                    "peer": peers[a["stage"]],
-                    "lo": a["lo"],
-                    "hi": a["hi"],
-                    "n_params": len(a["param_specs"]),
-                    "shared": a["shared_names"],
-                }
-                for a in stage_args
-            ]
+            job.stages = [{"stage": a["stage"], "replica": a["replica"], "pos": a["pos"], "peer": a["peer"],
+                           "lo": a["lo"], "hi": a["hi"], "n_params": len(a["param_specs"]),
+                           "shared": a["shared_names"]} for a in stage_args]
             job.plan_version = 1
-            await emit(
-                {"type": "plan", "plan_version": 1, "stages": job.stages, "num_nodes": traced.graph.num_nodes}
-            )
+            await emit({"type": "plan", "plan_version": 1, "stages": job.stages, "num_nodes": traced.graph.num_nodes,
+                        "offload": job.offload, "optimizer_hosts": job.hosts})
+            metrics.event("replan", reason="initial plan", plan_version=1, stages=len(job.stages),
+                          pipelines=len(job.pipelines), offload=job.offload)
+            if job.offload:
+                await self._init_hosts(job, stage_args, full, host_of, params, start_step)
             await self._ship_params(job, stage_args, full)
             job.state = "running"
             await self._train(job, stage_args, source, metrics, emit, start_step, params)
-            final = await self._fetch(job, "params")
-            result = await self._finish(job, model, final, source, metrics, emit)
+            final = await self._fetch_params(job, stage_args, host_of)
+            result = await self._finish(job, model, final, source, metrics)
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:
-            job.state = "failed" if not isinstance(exc, asyncio.CancelledError) else "cancelled"
+            job.state = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
             if isinstance(exc, FusionNodeError):
                 metrics.event("failure", reason=str(exc), step=job.step)
             raise
@@ -262,228 +288,261 @@ class Driver:
             metrics.close()
             await self._release(job)
 
-    async def _propose(
-        self, stage_args: list[dict[str, Any]], peers: list[str], metrics: Any, emit: Any
-    ) -> list[str]:
-        results = await asyncio.gather(
-            *(self.t.call(peer, "job.assign", a) for peer, a in zip(peers, stage_args, strict=True)),
-            return_exceptions=True,
-        )
+    async def _pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
+        hosts = await self._candidates(params.get("optimizer_peers"), "optimizer")
+        if not hosts:
+            raise PlanError("--offload on needs at least one peer with the optimizer role (fusionnode join "
+                            "--role optimizer)")
+        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs)
+        hosts.sort(key=lambda h: (h in workers, h != self.t.peer_id, h))
+        k = int(params.get("optimizer_hosts") or 1)
+        return hosts[:max(1, k)]
+
+    @staticmethod
+    def _shard(full: dict[str, torch.Tensor], hosts: list[str]) -> tuple[dict[str, str], dict[str, int]]:
+        from fusionnode.optim.sharding import shard_params
+
+        host_of = shard_params({n: t.numel() * 4 for n, t in full.items()}, hosts)
+        index = {h: i for i, h in enumerate(hosts)}
+        return host_of, {n: index[h] for n, h in host_of.items()}
+
+    async def _init_hosts(self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor],
+                          host_of: dict[str, str], params: dict[str, Any], start_step: int) -> None:
+        from fusionnode.optim.store import contributor_key
+
+        expected: dict[str, dict[str, dict[str, Any]]] = {}
+        for a in stage_args:
+            for name in a["param_specs"]:
+                expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
+                    "replica": a["replica"], "samples": job.pipelines[a["replica"]].samples, "peer": a["peer"]}
+
+        async def init(i: int, host: str) -> None:
+            names = sorted(n for n, h in host_of.items() if h == host)
+            for idx, name in enumerate(names):
+                meta = {"job": job.spec.job_id, "stage": i, "step": -1, "mb": idx}
+                await self.t.send(host, tensor_message("opt_params", meta, {name: full[name]}))
+            res = await self.t.call(host, "opt.init", {
+                "job": job.spec.job_id, "driver": self.t.peer_id, "host_index": i, "spec": job.spec.to_dict(),
+                "param_specs": {n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
+                "expected": {n: expected[n] for n in names}, "step_deadline_s": self.config.step_timeout_s,
+                "save_every": job.spec.save_every,
+                "save_dir": str(Path(job.spec.save_dir) / "optimizer") if job.spec.save_dir else None,
+                "resume": bool(params.get("resume")),
+            }, timeout=self.config.step_timeout_s)
+            if params.get("resume") and int(res.get("applied_step", 0)) != start_step:
+                raise PlanError(f"optimizer host {host[:12]}… resumed at step {res.get('applied_step')}, "
+                                f"the checkpoint at {start_step}")
+
+        await asyncio.gather(*(init(i, h) for i, h in enumerate(job.hosts)))
+
+    async def _propose(self, stage_args: list[dict[str, Any]], metrics: Any, emit: Any) -> list[str]:
+        results = await asyncio.gather(*(self.t.call(a["peer"], "job.assign", a) for a in stage_args),
+                                       return_exceptions=True)
         refused = []
-        for peer, res in zip(peers, results, strict=True):
+        for a, res in zip(stage_args, results, strict=True):
             if isinstance(res, BaseException):
-                if not isinstance(res, (PeerError, FusionNodeError)):
+                if not isinstance(res, FusionNodeError):
                     raise res
-                refused.append(peer)
-                metrics.event("refused", peer=peer, reason=str(res))
-                await emit({"type": "event", "kind": "refused", "peer": peer, "reason": str(res)})
+                refused.append(a["peer"])
+                metrics.event("refused", peer=a["peer"], reason=str(res))
+                await emit({"type": "event", "kind": "refused", "peer": a["peer"], "reason": str(res)})
         if refused:  # release what the others accepted; the next proposal reassigns
-            await asyncio.gather(
-                *(
-                    self.t.call(p, "job.release", {"job": a["job"], "stage": a["stage"]})
-                    for p, a in zip(peers, stage_args, strict=True)
-                    if p not in refused
-                ),
-                return_exceptions=True,
-            )
+            await asyncio.gather(*(self.t.call(a["peer"], "job.release", {"job": a["job"], "stage": a["stage"]})
+                                   for a in stage_args if a["peer"] not in refused), return_exceptions=True)
         return refused
 
-    async def _ship_params(
-        self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor]
-    ) -> None:
-        async def ship(a: dict[str, Any], peer: str) -> None:
+    async def _ship_params(self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor]) -> None:
+        async def ship(a: dict[str, Any]) -> None:
             for idx, name in enumerate(sorted(a["param_specs"])):
                 meta = {"job": job.spec.job_id, "stage": a["stage"], "step": -1, "mb": idx}
-                await self.t.send(peer, tensor_message("params", meta, {name: full[name]}))
-            await self.t.call(
-                peer,
-                "job.start",
-                {"job": job.spec.job_id, "stage": a["stage"]},
-                timeout=self.config.step_timeout_s,
-            )
+                await self.t.send(a["peer"], tensor_message("params", meta, {name: full[name]}))
+            await self.t.call(a["peer"], "job.start", {"job": job.spec.job_id, "stage": a["stage"]},
+                              timeout=self.config.step_timeout_s)
 
-        await asyncio.gather(*(ship(a, s["peer"]) for a, s in zip(stage_args, job.stages, strict=True)))
+        await asyncio.gather(*(ship(a) for a in stage_args))
 
-    async def _train(
-        self,
-        job: Job,
-        stage_args: list[dict[str, Any]],
-        source: Any,
-        metrics: Any,
-        emit: Any,
-        start_step: int,
-        params: dict[str, Any],
-    ) -> None:
+    async def _train(self, job: Job, stage_args: list[dict[str, Any]], source: Any, metrics: Any, emit: Any,
+                     start_step: int, params: dict[str, Any]) -> None:
         from fusionnode.train.spec import lr_at
 
         spec = job.spec
         jid = spec.job_id
-        n = len(job.stages)
-        first, last = job.stages[0]["peer"], job.stages[-1]["peer"]
         input_name = next(iter(stage_args[0]["recv_specs"]))
         seq_len = source.seq_len
         dump_grads = params.get("dump_grads")
         tokens_total, time_total = 0, 0.0
+        timeout = self.config.step_timeout_s
         for step in range(start_step, spec.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, spec)
             wire0 = self.t.bytes_sent.get(jid, 0)
             sends = []
-            for mb, (x, y) in enumerate(source.microbatches(step, spec.micro_batches)):
-                meta = {"job": jid, "step": step, "mb": mb}
-                sends.append(
-                    self.t.send(first, tensor_message("input", {**meta, "stage": 0}, {input_name: x}))
-                )
-                sends.append(
-                    self.t.send(last, tensor_message("target", {**meta, "stage": n - 1}, {"target": y}))
-                )
+            shards = source.shard_batches(step, [p.samples for p in job.pipelines])
+            for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
+                first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
+                for mb, (x, y) in enumerate(zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches),
+                                                strict=True)):
+                    meta = {"job": jid, "step": step, "mb": mb}
+                    sends.append(self.t.send(pipe.peers[0], tensor_message("input", {**meta, "stage": first},
+                                                                           {input_name: x})))
+                    sends.append(self.t.send(pipe.peers[-1], tensor_message("target", {**meta, "stage": last},
+                                                                            {"target": y})))
             await asyncio.gather(*sends)
-            step_args = {
-                "job": jid,
-                "step": step,
-                "micro_batches": spec.micro_batches,
-                "mb_size": spec.micro_batch_size,
-            }
-            reports = await asyncio.gather(
-                *(
-                    self.t.call(
-                        s["peer"],
-                        "job.step",
-                        {**step_args, "stage": s["stage"]},
-                        timeout=self.config.step_timeout_s * 2,
-                    )
-                    for s in job.stages
-                )
-            )
-            shared_sum = await self._sum_shared(job, stage_args, step)
-            sq = sum(r["grad_sq"] for r in reports) + sum(
-                float(g.double().pow(2).sum()) for g in shared_sum.values()
-            )
-            clip = 1.0
-            if spec.grad_clip is not None:
-                clip = min(1.0, spec.grad_clip / (math.sqrt(sq) + 1e-6))
+            reports = await asyncio.gather(*(
+                self.t.call(a["peer"], "job.step", {"job": jid, "stage": a["stage"], "step": step,
+                                                    "micro_batches": job.pipelines[a["replica"]].micro_batches,
+                                                    "mb_size": job.pipelines[a["replica"]].mb_size},
+                            timeout=timeout * 2)
+                for a in stage_args
+            ))
             if dump_grads and step == start_step:
-                await self._dump_grads(job, shared_sum, dump_grads)
-            for a, s in zip(stage_args, job.stages, strict=True):
-                mine = {k: shared_sum[k] for k in a["shared_names"]}
-                if mine:
-                    meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
-                    await self.t.send(s["peer"], tensor_message("shared_sum", meta, mine))
-            await asyncio.gather(
-                *(
-                    self.t.call(
-                        s["peer"],
-                        "job.commit",
-                        {"job": jid, "stage": s["stage"], "step": step, "lr": lr, "clip_coef": clip},
-                        timeout=self.config.step_timeout_s,
-                    )
-                    for s in job.stages
-                )
-            )
+                await self._dump_grads(job, stage_args, dump_grads)
+            if job.offload:
+                grad_norm, clip = await self._apply_on_hosts(job, step, lr)
+                commit_extra: dict[str, Any] = {}
+            else:
+                shared_sum = await self._sum_shared(job, stage_args, step)
+                sq = sum(r["grad_sq"] for r in reports) + sum(float(g.double().pow(2).sum())
+                                                              for g in shared_sum.values())
+                grad_norm = math.sqrt(sq)
+                clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
+                for a in stage_args:
+                    mine = {k: shared_sum[k] for k in a["shared_names"]}
+                    if mine:
+                        meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
+                        await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
+                commit_extra = {"lr": lr, "clip_coef": clip}
+            await asyncio.gather(*(
+                self.t.call(a["peer"], "job.commit", {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
+                            timeout=timeout)
+                for a in stage_args
+            ))
             step_time = time.perf_counter() - t0
-            losses = reports[-1]["losses"]
-            loss = sum(losses) / len(losses)
+            loss = self._step_loss(job, stage_args, reports)
             tokens = spec.batch_size * seq_len
             tokens_total += tokens
             time_total += step_time
             wire = sum(r["sent_bytes"] for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
             record = {
-                "step": step,
-                "loss": loss,
-                "tokens": tokens,
-                "step_time_s": step_time,
-                "wire_bytes": wire,
-                "plan_version": job.plan_version,
-                "lr": lr,
-                "grad_norm": math.sqrt(sq),
-                "tokens_per_s": tokens / step_time,
-                "stages": [
-                    {
-                        "stage": r["stage"],
-                        "compute_s": round(r["compute_s"], 4),
-                        "wait_s": round(r["wait_s"], 4),
-                        "sent_bytes": r["sent_bytes"],
-                    }
-                    for r in reports
-                ],
+                "step": step, "loss": loss, "tokens": tokens, "step_time_s": step_time, "wire_bytes": wire,
+                "plan_version": job.plan_version, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_time,
+                "stages": [{"stage": r["stage"], "compute_s": round(r["compute_s"], 4), "wait_s": round(r["wait_s"], 4),
+                            "sent_bytes": r["sent_bytes"]} for r in reports],
             }
             metrics.step(record)
+            job.history.append(record)
             job.step, job.loss = step + 1, loss
             job.tokens_per_s = tokens_total / time_total
             await emit({"type": "step", **record, "steps": spec.steps})
-            if (
-                spec.save_dir
-                and spec.save_every
-                and (step + 1) % spec.save_every == 0
-                and step + 1 < spec.steps
-            ):
-                await self._checkpoint(job, step + 1, source, await self._fetch(job, "params"))
+            if spec.save_dir and spec.save_every and (step + 1) % spec.save_every == 0 and step + 1 < spec.steps:
+                await self._checkpoint(job, step + 1, source, await self._fetch_params(job, stage_args, None))
 
-    async def _sum_shared(
-        self, job: Job, stage_args: list[dict[str, Any]], step: int
-    ) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _step_loss(job: Job, stage_args: list[dict[str, Any]], reports: list[dict[str, Any]]) -> float:
+        """The batch's mean loss: each replica's mean micro-batch loss weighted by its samples."""
+        total, weight = 0.0, 0
+        for a, r in zip(stage_args, reports, strict=True):
+            if a["pos"] == a["num_stages"] - 1:
+                n = job.pipelines[a["replica"]].samples
+                total += n * sum(r["losses"]) / len(r["losses"])
+                weight += n
+        return total / weight
+
+    async def _apply_on_hosts(self, job: Job, step: int, lr: float) -> tuple[float, float]:
+        """Offload: wait for the hosts to have every contribution, clip globally, apply."""
+        jid, ostep = job.spec.job_id, step + 1  # the stores count steps from 1
+        ready = await asyncio.gather(*(self.t.call(h, "opt.ready", {"job": jid, "step": ostep},
+                                                   timeout=self.config.step_timeout_s + 5) for h in job.hosts))
+        for h, r in zip(job.hosts, ready, strict=True):
+            if not r["complete"]:
+                logger.warning("step %d: host %s applies without %s (deadline passed)", step, h[:12], r["missing"])
+        grad_norm = math.sqrt(sum(r["grad_sq"] for r in ready))
+        clip = 1.0 if job.spec.grad_clip is None else min(1.0, job.spec.grad_clip / (grad_norm + 1e-6))
+        await asyncio.gather(*(self.t.call(h, "opt.apply", {"job": jid, "step": ostep, "lr": lr, "clip_coef": clip,
+                                                            "force": not r["complete"]},
+                                           timeout=self.config.step_timeout_s)
+                               for h, r in zip(job.hosts, ready, strict=True)))
+        return grad_norm, clip
+
+    async def _sum_shared(self, job: Job, stage_args: list[dict[str, Any]], step: int) -> dict[str, torch.Tensor]:
         total: dict[str, torch.Tensor] = {}
         for a in stage_args:
             if not a["shared_names"]:
                 continue
-            msg, src = await self.t.mailbox.get(
-                ("shared_grad", job.spec.job_id, step, -1, a["stage"]), self.config.step_timeout_s
-            )
+            msg, src = await self.t.mailbox.get(("shared_grad", job.spec.job_id, step, -1, a["stage"]),
+                                                self.config.step_timeout_s)
             got = decode_checked(msg, {k: a["param_specs"][k] for k in a["shared_names"]}, None, src)
             for name, g in got.items():
                 total[name] = total[name] + g if name in total else g.clone()
         return total
 
-    async def _fetch(self, job: Job, what: str) -> dict[str, torch.Tensor]:
+    async def _fetch(self, job: Job, stage_args: list[dict[str, Any]], what: str) -> dict[str, torch.Tensor]:
+        """Parameters (or gradients) of replica 0, by name; a name held by several stages is summed for
+        gradients (tied weights) and taken once for parameters (the copies are equal)."""
         out: dict[str, torch.Tensor] = {}
 
-        async def one(s: dict[str, Any]) -> None:
-            res = await self.t.call(
-                s["peer"],
-                "job.fetch",
-                {"job": job.spec.job_id, "stage": s["stage"], "what": what},
-                timeout=self.config.step_timeout_s,
-            )
+        async def one(a: dict[str, Any]) -> dict[str, torch.Tensor]:
+            res = await self.t.call(a["peer"], "job.fetch", {"job": job.spec.job_id, "stage": a["stage"], "what": what},
+                                    timeout=self.config.step_timeout_s)
+            got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
-                msg, src = await self.t.mailbox.get(
-                    (f"fetch_{what}", job.spec.job_id, -1, idx, s["stage"]), self.config.step_timeout_s
-                )
-                for name, t in decode_checked(msg, None, None, src).items():
-                    out.setdefault(name, t)
+                msg, src = await self.t.mailbox.get((f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]),
+                                                    self.config.step_timeout_s)
+                got.update(decode_checked(msg, a["param_specs"], None, src))
+            return got
 
-        await asyncio.gather(*(one(s) for s in job.stages))
+        parts = await asyncio.gather(*(one(a) for a in stage_args if a["replica"] == 0))
+        for part in parts:
+            for name, t in part.items():
+                if name in out and what == "grads":
+                    out[name] = out[name] + t
+                else:
+                    out.setdefault(name, t)
         return out
 
-    async def _dump_grads(self, job: Job, shared_sum: dict[str, torch.Tensor], path: str) -> None:
+    async def _fetch_params(self, job: Job, stage_args: list[dict[str, Any]],
+                            host_of: dict[str, str] | None) -> dict[str, torch.Tensor]:
+        if not job.offload:
+            return await self._fetch(job, stage_args, "params")
+        out: dict[str, torch.Tensor] = {}
+        for i, host in enumerate(job.hosts):
+            names = sorted(n for a in stage_args for n in a["param_specs"] if (host_of or {}).get(n, host) == host)
+            names = sorted(set(names))
+            tag = -(job.step + 1)  # distinct from any pull a worker makes
+            res = await self.t.call(host, "opt.pull", {"job": job.spec.job_id, "names": names, "tag": tag, "stage": -1},
+                                    timeout=self.config.step_timeout_s)
+            for idx in range(int(res["count"])):
+                msg, src = await self.t.mailbox.get((f"pulled{i}", job.spec.job_id, tag, idx, -1),
+                                                    self.config.step_timeout_s)
+                out.update(decode_checked(msg, None, None, src))
+        return out
+
+    async def _dump_grads(self, job: Job, stage_args: list[dict[str, Any]], path: str) -> None:
         from safetensors.torch import save_file
 
-        grads = await self._fetch(job, "grads")
-        grads.update(shared_sum)
+        grads = await self._fetch(job, stage_args, "grads")
         await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in grads.items()}, path)
 
-    def _load_resume(
-        self, spec: Any, source: Any, full: dict[str, torch.Tensor]
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    def _load_resume(self, spec: Any, source: Any, full: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
         from fusionnode.train.checkpoint import load_checkpoint
 
+        if not spec.save_dir:
+            raise ConfigError("--resume needs the checkpoint directory (--save)")
         ckpt = load_checkpoint(spec.save_dir)
         if ckpt is None:
             raise ConfigError(f"--resume: no complete checkpoint in {spec.save_dir}")
         step = source.check_state(ckpt.data_state)
-        params = {name: ckpt.params[name].float() for name in full}
-        return step, params
+        return step, {name: ckpt.params[name].float() for name in full}
 
     async def _checkpoint(self, job: Job, step: int, source: Any, params: dict[str, torch.Tensor]) -> str:
         from fusionnode.train.checkpoint import save_checkpoint
 
-        path = await asyncio.to_thread(
-            save_checkpoint, job.spec.save_dir, step, params, {}, source.state(step), job.spec
-        )
+        path = await asyncio.to_thread(save_checkpoint, job.spec.save_dir, step, params, {}, source.state(step),
+                                       job.spec)
         return str(path)
 
-    async def _finish(
-        self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any, emit: Any
-    ) -> dict[str, Any]:
+    async def _finish(self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any,
+                      metrics: Any) -> dict[str, Any]:
         from fusionnode.train.generate import generate
         from fusionnode.train.local import evaluate
 
@@ -491,37 +550,26 @@ class Driver:
             for name, p in model.named_parameters():
                 p.copy_(final[name])
         val_loss = await asyncio.to_thread(evaluate, model, source)
-        sample = await asyncio.to_thread(generate, model, "def ", 120, 0.8, 40, job.spec.seed)
+        sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
         checkpoint = None
         if job.spec.save_dir:
             checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
-        summary = metrics.summary.as_dict() if hasattr(metrics, "summary") else {}
-        return {
-            "job": job.spec.job_id,
-            "steps": job.step,
-            "loss": job.loss,
-            "val_loss": val_loss,
-            "tokens_per_s": job.tokens_per_s,
-            "stages": job.stages,
-            "checkpoint": checkpoint,
-            "metrics_out": job.spec.metrics_out,
-            "sample": sample,
-            "summary": summary,
-        }
+        return {"job": job.spec.job_id, "steps": job.step, "loss": job.loss, "val_loss": val_loss,
+                "tokens_per_s": job.tokens_per_s, "stages": job.stages, "offload": job.offload,
+                "optimizer_hosts": job.hosts, "checkpoint": checkpoint, "metrics_out": job.spec.metrics_out,
+                "sample": sample, "summary": metrics.summary.as_dict()}
 
     async def _release(self, job: Job) -> None:
-        await asyncio.gather(
-            *(
-                self.t.call(
-                    s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5
-                )
-                for s in job.stages
-            ),
-            return_exceptions=True,
-        )
+        calls = [self.t.call(s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5)
+                 for s in job.stages]
+        calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]
+        await asyncio.gather(*calls, return_exceptions=True)
 
 
 def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
     """Every state-dict name of a parameter -> the name named_parameters() reports (tied weights share one)."""
     by_id = {id(p): name for name, p in model.named_parameters()}
     return {name: by_id[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+__all__ = ["Driver", "PeerError", "Pipeline", "balanced_bounds", "crossing_names"]

@@ -38,7 +38,7 @@ class EncodedTensor:
     shape: tuple[int, ...]  # exact shape of the decoded tensor
     codec: str  # registered codec name: "raw", "fp16", "topk", ...
     params: dict[str, Any]  # codec parameters (ints, floats, strings only)
-    data: bytes  # the codec's payload
+    data: bytes | memoryview  # the codec's payload (raw/fp16 give a read-only memoryview: no copy)
 
 
 class Codec(Protocol):

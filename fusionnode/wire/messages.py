@@ -114,7 +114,7 @@ class TensorMessage:
 
 Message = Union[Hello, Call, Reply, TensorMessage]  # noqa: UP007 - a runtime alias, also for Python 3.10
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in (Hello, Call, Reply, TensorMessage)}
-_KNOWN_TYPES = frozenset(MESSAGE_TYPES)
+MESSAGE_TYPE_CODES = frozenset(MESSAGE_TYPES)
 
 
 # ---------------------------------------------------------------- envelopes
@@ -215,7 +215,7 @@ def parse_head(
 
     Lets a stream reader refuse a frame before it allocates room for the payloads.
     """
-    header = parse_header(buf, _KNOWN_TYPES, limits)
+    header = parse_header(buf, MESSAGE_TYPE_CODES, limits)
     end = HEADER_LEN + header.meta_len
     if len(buf) < end:
         raise ProtocolError(f"truncated frame: {len(buf)} bytes, the envelope ends at {end}")

@@ -8,9 +8,9 @@ import logging
 import numpy as np
 
 from fusionnode.errors import DeadlineError, ProtocolError
-from fusionnode.wire.frames import HEADER_LEN, PREFIX_LEN, check_prefix
+from fusionnode.wire.frames import HEADER_LEN, PREFIX_LEN, check_prefix, parse_header
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
-from fusionnode.wire.messages import Message, decode_message, frame_parts, parse_head
+from fusionnode.wire.messages import MESSAGE_TYPE_CODES, Message, decode_message, frame_parts, parse_head
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,10 @@ async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Message:
     prefix = await _readexactly(reader, PREFIX_LEN, "header")
     check_prefix(prefix)  # another major version may lay out the rest differently: stop here
     head = prefix + await _readexactly(reader, HEADER_LEN - PREFIX_LEN, "header")
-    meta_len = int.from_bytes(head[8:12], "little")
-    body_len = int.from_bytes(head[12:20], "little")
-    if meta_len > body_len or HEADER_LEN + body_len > limits.max_frame_bytes:
-        parse_head(head, limits)  # raises the precise error
-    envelope = await _readexactly(reader, meta_len, "envelope")
-    header, _, _, _ = parse_head(head + envelope, limits)
+    header = parse_header(head, MESSAGE_TYPE_CODES, limits)  # type, flags, body_len within limits
+    envelope = await _readexactly(reader, header.meta_len, "envelope")
+    parse_head(head + envelope, limits)  # envelope schema, descriptors and payload layout
+    meta_len = header.meta_len
     frame = np.empty(header.frame_len, dtype=np.uint8)  # numpy memory: huge pages for big frames
     view = memoryview(frame)
     view[:HEADER_LEN] = head
