@@ -21,6 +21,7 @@ from fusionnode.config import (
     DEFAULT_STARTUP_TIMEOUT,
     NodeConfig,
     default_state_dir,
+    parse_rate,
     parse_roles,
     parse_size,
 )
@@ -39,22 +40,48 @@ BENCHMARKS = {
 
 
 def _state_dir_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", type=Path, default=None,
-                   help=f"the node's identity, cache and control socket (default: {default_state_dir()}; "
-                        "env FUSIONNODE_STATE_DIR)")
+    from fusionnode.settings import add_config_argument
+
+    add_config_argument(p)
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help=f"the node's identity, cache and control socket (default: {default_state_dir()}; "
+        "env FUSIONNODE_STATE_DIR)",
+    )
 
 
 def _add_train_job_args(p: argparse.ArgumentParser) -> None:
     from fusionnode.train import spec as S
 
-    p.add_argument("--model", default=S.DEFAULT_MODEL,
-                   help="bundled model (gpt2-tiny, gpt2-small, ...) or 'package.module:factory' (default %(default)s)")
-    p.add_argument("--data", default=None, help="a text file or directory of text files (default: the Python "
-                                                "standard library's source, present on every machine)")
+    p.add_argument(
+        "--model",
+        default=S.DEFAULT_MODEL,
+        help="bundled model (gpt2-tiny, gpt2-small, ...) or 'package.module:factory' (default %(default)s)",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a text file or directory of text files (default: the Python "
+        "standard library's source, present on every machine)",
+    )
     p.add_argument("--steps", type=int, default=S.DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=S.DEFAULT_BATCH_SIZE, help="sequences per step (default %(default)s)")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step in the pipeline (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=S.DEFAULT_BATCH_SIZE,
+        help="sequences per step (default %(default)s)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="micro-batches per step in the pipeline (default %(default)s)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=S.OPTIMIZERS, default="adamw")
     p.add_argument("--lr", type=float, default=S.DEFAULT_LR, help="peak learning rate (default %(default)s)")
@@ -63,19 +90,39 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", type=float, default=S.DEFAULT_GRAD_CLIP, help="global norm; 0 = off")
     p.add_argument("--save", dest="save_dir", default=None, help="checkpoint directory")
     p.add_argument("--save-every", type=int, default=S.DEFAULT_SAVE_EVERY, help="steps between checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --save")
-    p.add_argument("--metrics-out", default=None, help="write one JSON record per step (and events) to this file")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the last complete checkpoint in --save"
+    )
+    p.add_argument(
+        "--metrics-out", default=None, help="write one JSON record per step (and events) to this file"
+    )
+    p.add_argument(
+        "--compress",
+        default="none",
+        help="activations and their gradients between stages: none, fp16, topk:RATIO, or adatopk "
+        "(ratio chosen per link from its measured bandwidth; default %(default)s)",
+    )
 
 
 def _spec_from_args(args: argparse.Namespace) -> Any:
     from fusionnode.train.spec import JobSpec
 
     return JobSpec(
-        model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
-        micro_batches=args.micro_batches, seq_len=args.seq_len, seed=args.seed, optimizer=args.optimizer,
-        lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip or None, save_dir=os.path.abspath(args.save_dir) if args.save_dir else None,
+        model=args.model,
+        data=args.data,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip or None,
+        save_dir=os.path.abspath(args.save_dir) if args.save_dir else None,
         save_every=args.save_every,
+        compress=args.compress,
         metrics_out=os.path.abspath(args.metrics_out) if args.metrics_out else None,
     )
 
@@ -86,30 +133,79 @@ def build_parser() -> argparse.ArgumentParser:
         description="Contribute a GPU (or CPU) to a decentralized training swarm, and train models on it.",
     )
     parser.add_argument("--version", action="version", version=f"fusionnode {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("FUSIONNODE_LOG_LEVEL", "WARNING"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("FUSIONNODE_LOG_LEVEL", "WARNING"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("join", help="run a daemon that joins (or starts) a swarm",
-                       description="Run a FusionNode daemon. The first peer starts a swarm and prints the "
-                                   "address others dial; later peers pass it to --initial-peers.")
+    p = sub.add_parser(
+        "join",
+        help="run a daemon that joins (or starts) a swarm",
+        description="Run a FusionNode daemon. The first peer starts a swarm and prints the "
+        "address others dial; later peers pass it to --initial-peers.",
+    )
     _state_dir_arg(p)
-    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR",
-                   help="multiaddrs of peers already in the swarm (/ip4/1.2.3.4/tcp/31337/p2p/12D3...)")
-    p.add_argument("--listen", action="append", default=None, metavar="MADDR",
-                   help=f"where to accept peers (default {DEFAULT_LISTEN}; /ip4/127.0.0.1/tcp/0 for a random loopback port)")
-    p.add_argument("--announce", action="append", default=[], metavar="MADDR", help="addresses to advertise instead")
-    p.add_argument("--role", default="worker,optimizer", help="roles offered: worker, optimizer (default: both)")
-    p.add_argument("--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MADDR",
+        help="multiaddrs of peers already in the swarm (/ip4/1.2.3.4/tcp/31337/p2p/12D3...)",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=None,
+        metavar="MADDR",
+        help=f"where to accept peers (default {DEFAULT_LISTEN}; /ip4/127.0.0.1/tcp/0 for a random loopback port)",
+    )
+    p.add_argument(
+        "--announce", action="append", default=[], metavar="MADDR", help="addresses to advertise instead"
+    )
+    p.add_argument(
+        "--role", default="worker,optimizer", help="roles offered: worker, optimizer (default: both)"
+    )
+    p.add_argument(
+        "--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)"
+    )
     p.add_argument("--no-probe", action="store_true", help="do not measure links (for metered connections)")
-    p.add_argument("--probe-interval", type=float, default=DEFAULT_PROBE_INTERVAL, help="seconds between link probes")
-    p.add_argument("--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between advertisements")
-    p.add_argument("--record-ttl", type=float, default=DEFAULT_RECORD_TTL, help="seconds an advertisement lives")
-    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT,
-                   help="seconds to wait for the libp2p daemon and the DHT (default %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)")
-    p.add_argument("--reprofile", action="store_true", help="measure the device again instead of using the cache")
+    p.add_argument(
+        "--probe-interval", type=float, default=DEFAULT_PROBE_INTERVAL, help="seconds between link probes"
+    )
+    p.add_argument(
+        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between advertisements"
+    )
+    p.add_argument(
+        "--record-ttl", type=float, default=DEFAULT_RECORD_TTL, help="seconds an advertisement lives"
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=DEFAULT_STARTUP_TIMEOUT,
+        help="seconds to wait for the libp2p daemon and the DHT (default %(default)s)",
+    )
+    p.add_argument(
+        "--egress-limit",
+        default=None,
+        metavar="RATE",
+        help="cap this peer's outgoing tensor traffic, e.g. 8Mbit, 100Mbit, 1Gbit (user-space token "
+        "bucket; for tests and for sharing a metered uplink)",
+    )
+    p.add_argument(
+        "--dashboard",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the read-only dashboard and /metrics here, e.g. 127.0.0.1:8080 (port 0 = random)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)"
+    )
+    p.add_argument(
+        "--reprofile", action="store_true", help="measure the device again instead of using the cache"
+    )
 
     p = sub.add_parser("peers", help="list the swarm's peers as the local daemon sees them")
     _state_dir_arg(p)
@@ -122,19 +218,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("leave", help="ask the local daemon to leave the swarm gracefully")
     _state_dir_arg(p)
 
-    p = sub.add_parser("train", help="train a model on the swarm (this peer drives), or --local in this process",
-                       description="Start a training job. The local daemon becomes the job's driver and uses "
-                                   "the swarm's workers; --local runs the same job in this process, no swarm.")
+    p = sub.add_parser(
+        "train",
+        help="train a model on the swarm (this peer drives), or --local in this process",
+        description="Start a training job. The local daemon becomes the job's driver and uses "
+        "the swarm's workers; --local runs the same job in this process, no swarm.",
+    )
     _state_dir_arg(p)
     _add_train_job_args(p)
     p.add_argument("--local", action="store_true", help="single process, no swarm: the reference trajectory")
-    p.add_argument("--stages", type=int, default=None, help="pipeline stages (default: one per available worker)")
+    p.add_argument(
+        "--stages", type=int, default=None, help="pipeline stages (default: one per available worker)"
+    )
     p.add_argument("--peers", nargs="*", default=None, help="use exactly these worker peer ids, in order")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="data-parallel pipelines; they synchronise through optimizer hosts (default %(default)s)")
-    p.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
-                   help="optimizer state on optimizer hosts (on), on each worker (off), or on when "
-                        "there are several pipelines (auto, the default)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="data-parallel pipelines; they synchronise through optimizer hosts (default %(default)s)",
+    )
+    p.add_argument(
+        "--shares",
+        default=None,
+        help="samples of each step's batch per pipeline, e.g. 4,12 (sets --replicas; default: an even split)",
+    )
+    p.add_argument(
+        "--offload",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="optimizer state on optimizer hosts (on), on each worker (off), or on when "
+        "there are several pipelines (auto, the default)",
+    )
     p.add_argument("--optimizer-hosts", type=int, default=1, help="optimizer hosts to shard the state over")
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print progress and the result as JSON lines")
@@ -146,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run a benchmark and print its figures")
     p.add_argument("name", choices=sorted(BENCHMARKS))
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    p.add_argument(
+        "bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)"
+    )
 
     p = sub.add_parser("demo", help="start a local swarm, train gpt2-tiny on it, and show the result")
     from fusionnode.demo import add_demo_arguments
@@ -154,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(p)
     _add_train_job_args(p)
     p.set_defaults(steps=None)
+
+    p = sub.add_parser("config", help="show the effective configuration and where each value comes from")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("target", nargs=argparse.REMAINDER, help="COMMAND [FLAGS...] (default: join)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="checkpoint directory (as written by --save)")
@@ -169,10 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_args(p: argparse.ArgumentParser, which: str) -> None:
-    try:
-        from fusionnode.plan import commands
-    except ImportError:  # TEMPORARY while the planner lands
-        return
+    from fusionnode.plan import commands
+
     (commands.add_plan_arguments if which == "plan" else commands.add_simulate_arguments)(p)
 
 
@@ -191,6 +310,8 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             probe=not args.no_probe,
             probe_interval_s=args.probe_interval,
             torch_threads=args.threads,
+            dashboard=args.dashboard,
+            egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
         )
     except FusionNodeError as exc:
@@ -239,18 +360,22 @@ def format_peers(peers: list[dict[str, Any]], me: str | None = None) -> str:
     for p in peers:
         dev = p.get("device") or {}
         links = p.get("links") or {}
-        link_txt = ", ".join(f"{k[-6:]}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3])
+        link_txt = ", ".join(
+            f"{k[-6:]}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
+        )
         pid = p["peer_id"]
-        rows.append((
-            ("*" if pid == me else " ") + pid[:16] + "…",
-            f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
-            f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
-            f"{dev.get('tflops_fp32') or 0:.2f}",
-            link_txt or "-",
-            ",".join(p.get("roles") or []),
-            p.get("availability", "?"),
-            f"{max(0.0, now - float(p.get('updated_at') or now)):.0f}s ago",
-        ))
+        rows.append(
+            (
+                ("*" if pid == me else " ") + pid[:16] + "…",
+                f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
+                f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
+                f"{dev.get('tflops_fp32') or 0:.2f}",
+                link_txt or "-",
+                ",".join(p.get("roles") or []),
+                p.get("availability", "?"),
+                f"{max(0.0, now - float(p.get('updated_at') or now)):.0f}s ago",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
@@ -272,8 +397,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     for s in res.get("serving") or []:
         print(f"serving   job {s['job']} stage {s['stage']}/{s['num_stages']} step {s['last_step']}")
     for j in res.get("jobs") or []:
-        print(f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
-              f"loss {j['loss'] if j['loss'] is None else round(j['loss'], 4)} {j['tokens_per_s']} tok/s")
+        print(
+            f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
+            f"loss {j['loss'] if j['loss'] is None else round(j['loss'], 4)} {j['tokens_per_s']} tok/s"
+        )
     return 0
 
 
@@ -298,8 +425,10 @@ class Progress:
         step = rec["step"] + 1
         stages = rec.get("stages") or []
         util = "/".join(f"{s['compute_s'] / max(rec['step_time_s'], 1e-9):.0%}" for s in stages)
-        text = (f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
-                f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" util {util}" if util else ""))
+        text = (
+            f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
+            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" util {util}" if util else "")
+        )
         if self.tty:
             width = 24
             done = int(width * step / max(self.total, 1))
@@ -323,9 +452,17 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return _train_local(spec, args)
     from fusionnode import control
 
-    params = {"spec": spec.to_dict(), "resume": args.resume, "stages": args.stages, "peers": args.peers,
-              "replicas": args.replicas, "offload": args.offload, "optimizer_hosts": args.optimizer_hosts,
-              "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None}
+    params = {
+        "spec": spec.to_dict(),
+        "resume": args.resume,
+        "stages": args.stages,
+        "peers": args.peers,
+        "replicas": args.replicas,
+        "offload": args.offload,
+        "optimizer_hosts": args.optimizer_hosts,
+        "shares": _parse_shares(args.shares, parser),
+        "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
+    }
     progress = Progress(spec.steps)
 
     async def go() -> dict[str, Any]:
@@ -338,8 +475,11 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     progress.update(ev)
                 elif ev.get("type") == "plan":
                     for s in ev["stages"]:
-                        print(f"stage {s['stage']}: ops [{s['lo']}, {s['hi']}) on {s['peer'][:16]}… "
-                              f"({s['n_params']} params)", file=sys.stderr)
+                        print(
+                            f"stage {s['stage']}: ops [{s['lo']}, {s['hi']}) on {s['peer'][:16]}… "
+                            f"({s['n_params']} params)",
+                            file=sys.stderr,
+                        )
                 else:
                     print(f"event: {ev}", file=sys.stderr)
             else:
@@ -354,10 +494,24 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _parse_shares(text: str | None, parser: argparse.ArgumentParser) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        shares = [int(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--shares {text!r}: expected comma-separated integers such as 4,12")
+    if min(shares) < 1:
+        parser.error("--shares: every share must be at least 1")
+    return shares
+
+
 def print_train_summary(result: dict[str, Any]) -> None:
     s = result.get("summary") or {}
-    print(f"job {result['job']}: {result['steps']} steps, loss {s.get('first_loss', float('nan')):.4f} -> "
-          f"{result['loss']:.4f} (validation {result['val_loss']:.4f}), {result['tokens_per_s']:.0f} tokens/s")
+    print(
+        f"job {result['job']}: {result['steps']} steps, loss {s.get('first_loss', float('nan')):.4f} -> "
+        f"{result['loss']:.4f} (validation {result['val_loss']:.4f}), {result['tokens_per_s']:.0f} tokens/s"
+    )
     if result.get("checkpoint"):
         print(f"checkpoint: {result['checkpoint']}")
     if result.get("metrics_out"):
@@ -372,9 +526,13 @@ def _train_local(spec: Any, args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     progress = Progress(spec.steps)
-    res = train_local(spec, progress=lambda rec: progress.update({"wire_bytes": 0, **rec}), resume=args.resume)
-    print(f"local: {len(res.losses)} steps, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} "
-          f"(validation {res.val_loss:.4f}), {res.tokens_per_s:.0f} tokens/s")
+    res = train_local(
+        spec, progress=lambda rec: progress.update({"wire_bytes": 0, **rec}), resume=args.resume
+    )
+    print(
+        f"local: {len(res.losses)} steps, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} "
+        f"(validation {res.val_loss:.4f}), {res.tokens_per_s:.0f} tokens/s"
+    )
     if res.checkpoint:
         print(f"checkpoint: {res.checkpoint}")
     return 0
@@ -405,10 +563,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fusionnode import settings
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cmd = next((a for a in argv if a in settings.subparsers(parser)), None)
+    if cmd and cmd != "config":
+        try:
+            settings.layered_defaults(parser, argv, cmd)
+        except FusionNodeError as exc:
+            parser.error(str(exc))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     if args.log_level != "DEBUG":
         logging.getLogger("hivemind").setLevel(logging.ERROR)
     try:
@@ -432,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
             from fusionnode.demo import run_demo
 
             return run_demo(args)
+        if args.command == "config":
+            print(settings.show_config(build_parser, args.target or ["join"], as_json=args.json))
+            return 0
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "export":

@@ -13,7 +13,9 @@ from fusionnode.errors import ConfigError
 
 DEFAULT_PORT = 31337
 DEFAULT_LISTEN = f"/ip4/0.0.0.0/tcp/{DEFAULT_PORT}"
-DEFAULT_STARTUP_TIMEOUT = 60.0  # seconds for p2pd and the DHT to come up (hivemind's 15 s is too short on busy hosts)
+DEFAULT_STARTUP_TIMEOUT = (
+    60.0  # seconds for p2pd and the DHT to come up (hivemind's 15 s is too short on busy hosts)
+)
 DEFAULT_HEARTBEAT = 5.0  # seconds between re-publications of this peer's record
 DEFAULT_RECORD_TTL = 20.0  # seconds a record lives without a heartbeat (>= 2 heartbeats)
 DEFAULT_PROBE_INTERVAL = 30.0  # seconds between link-probe rounds
@@ -32,9 +34,26 @@ def default_state_dir() -> Path:
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-          "ti": 1024**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
 
 
 def parse_size(text: str) -> int:
@@ -46,6 +65,20 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ConfigError(f"size {text!r} must be positive")
     return int(value)
+
+
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps|b)?(/s)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> float:
+    """'8Mbit' -> 8e6 bits/s, '1Gbit' -> 1e9, '500k' -> 5e5, '1000' -> 1000 (bits per second)."""
+    m = _RATE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"cannot read {text!r} as a rate (examples: 8Mbit, 100Mbit, 1Gbit)")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+    if value <= 0:
+        raise ConfigError(f"rate {text!r} must be positive")
+    return value
 
 
 def parse_roles(text: str | list[str]) -> tuple[str, ...]:
@@ -74,6 +107,8 @@ class NodeConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT  # seconds
     lease_s: float = DEFAULT_LEASE  # seconds
     torch_threads: int = 1
+    dashboard: str | None = None  # "host:port" of the read-only dashboard and /metrics; None = off
+    egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists
 
     def __post_init__(self) -> None:

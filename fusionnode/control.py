@@ -116,12 +116,15 @@ def _jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-async def call_stream(path: Path, method: str, params: dict[str, Any] | None = None,
-                      timeout: float | None = 30.0) -> AsyncIterator[dict[str, Any]]:
+async def call_stream(
+    path: Path, method: str, params: dict[str, Any] | None = None, timeout: float | None = 30.0
+) -> AsyncIterator[dict[str, Any]]:
     """Yields {"event": ...} objects, then the final {"result": ...}; raises DaemonError on errors."""
     if not path.exists():
-        raise DaemonError(f"no daemon is running for this state directory (no control socket at {path}); "
-                          "start one with `fusionnode join`")
+        raise DaemonError(
+            f"no daemon is running for this state directory (no control socket at {path}); "
+            "start one with `fusionnode join`"
+        )
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path), limit=MAX_LINE), 5)
     except (OSError, asyncio.TimeoutError) as exc:
@@ -146,8 +149,9 @@ async def call_stream(path: Path, method: str, params: dict[str, Any] | None = N
         writer.close()
 
 
-async def call(path: Path, method: str, params: dict[str, Any] | None = None,
-               timeout: float | None = 30.0) -> dict[str, Any]:
+async def call(
+    path: Path, method: str, params: dict[str, Any] | None = None, timeout: float | None = 30.0
+) -> dict[str, Any]:
     async for obj in call_stream(path, method, params, timeout):
         if "result" in obj:
             return obj["result"]

@@ -31,8 +31,12 @@ SWARM_TIMEOUT = 60.0  # seconds for every peer to see every other
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", type=int, default=DEFAULT_PEERS, help="daemons to start (default %(default)s)")
-    p.add_argument("--workdir", default=None, help="where peers keep their state, metrics and checkpoint "
-                                                    "(default: a new directory under the system temp dir)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where peers keep their state, metrics and checkpoint "
+        "(default: a new directory under the system temp dir)",
+    )
 
 
 class LocalSwarm:
@@ -65,9 +69,22 @@ class LocalSwarm:
         return i
 
     def _spawn(self, i: int, initial: list[str]) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(self.state_dir(i)),
-               "--listen", "/ip4/127.0.0.1/tcp/0", "--heartbeat", "2", "--record-ttl", "8",
-               "--probe-interval", "10"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fusionnode",
+            "join",
+            "--state-dir",
+            str(self.state_dir(i)),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--heartbeat",
+            "2",
+            "--record-ttl",
+            "8",
+            "--probe-interval",
+            "10",
+        ]
         cmd += self.extra_args
         if initial:
             cmd += ["--initial-peers", *initial]
@@ -85,13 +102,17 @@ class LocalSwarm:
             line = proc.stdout.readline().decode(errors="replace")
             if not line:
                 if proc.poll() is not None:
-                    raise DaemonError(f"peer {i} exited with code {proc.returncode} before it was ready; "
-                                      f"see {self.workdir / f'peer{i}.log'}")
+                    raise DaemonError(
+                        f"peer {i} exited with code {proc.returncode} before it was ready; "
+                        f"see {self.workdir / f'peer{i}.log'}"
+                    )
                 continue
             if line.startswith(READY_PREFIX):
-                self.ready.append(json.loads(line[len(READY_PREFIX):]))
+                self.ready.append(json.loads(line[len(READY_PREFIX) :]))
                 return
-        raise DaemonError(f"peer {i} did not come up within {READY_TIMEOUT:.0f} s; see {self.workdir / f'peer{i}.log'}")
+        raise DaemonError(
+            f"peer {i} did not come up within {READY_TIMEOUT:.0f} s; see {self.workdir / f'peer{i}.log'}"
+        )
 
     def control(self, i: int) -> Path:
         return self.state_dir(i) / "control.sock"
@@ -143,8 +164,12 @@ def run_demo(args: argparse.Namespace) -> int:
         args.save_dir = str(workdir / "checkpoint")
     args.save_every = 0 if args.save_every == 100 else args.save_every
     spec = _spec_from_args(args)
-    print(f"FusionNode demo: {args.peers} peers on loopback, {spec.model}, {spec.steps} steps "
-          f"(workdir {workdir})", file=sys.stderr, flush=True)
+    print(
+        f"FusionNode demo: {args.peers} peers on loopback, {spec.model}, {spec.steps} steps "
+        f"(workdir {workdir})",
+        file=sys.stderr,
+        flush=True,
+    )
     swarm = LocalSwarm(workdir, args.peers)
     t0 = time.monotonic()
     try:
@@ -163,8 +188,11 @@ def run_demo(args: argparse.Namespace) -> int:
                     progress.update(ev)
                 elif ev.get("type") == "plan":
                     for s in ev["stages"]:
-                        print(f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer "
-                              f"{s['peer'][:16]}… ({s['n_params']} parameter tensors)", file=sys.stderr)
+                        print(
+                            f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer "
+                            f"{s['peer'][:16]}… ({s['n_params']} parameter tensors)",
+                            file=sys.stderr,
+                        )
             raise DaemonError("the driver closed the job without a result")
 
         import uvloop
@@ -172,8 +200,11 @@ def run_demo(args: argparse.Namespace) -> int:
         result = uvloop.run(go())
         print()
         print_train_summary(result)
-        total_wire = sum(json.loads(line).get("wire_bytes", 0)
-                         for line in Path(args.metrics_out).read_text().splitlines() if '"step"' in line)
+        total_wire = sum(
+            json.loads(line).get("wire_bytes", 0)
+            for line in Path(args.metrics_out).read_text().splitlines()
+            if '"step"' in line
+        )
         print(f"wire:       {total_wire / 2**20:.1f} MiB between peers in {result['steps']} steps")
         print(f"demo took {time.monotonic() - t0:.0f} s; peer logs in {workdir}")
         return 0

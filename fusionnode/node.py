@@ -23,7 +23,7 @@ import fusionnode
 from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
 from fusionnode.errors import DaemonError
-from fusionnode.runtime.transport import Transport
+from fusionnode.runtime.transport import TokenBucket, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,8 @@ class Node:
         self.host: Any = None
         self.control: ControlServer | None = None
         self.maddrs: list[str] = []
+        self.dashboard: Any = None
+        self.dashboard_url: str | None = None
         self._stop = asyncio.Event()
 
     @classmethod
@@ -131,21 +133,40 @@ class Node:
             ),
         )
         self.transport = Transport(self.p2p, rpc_timeout=cfg.rpc_timeout_s)
+        if cfg.egress_limit_bps:
+            self.transport.egress_limit = TokenBucket(cfg.egress_limit_bps)
         await self.transport.start()
-        self.worker = WorkerService(self.transport, capacity_bytes=int(capacity), config=cfg,
-                                    can_work="worker" in cfg.roles, can_host="optimizer" in cfg.roles,
-                                    state_dir=cfg.state_dir, on_jobs_changed=self.membership.set_jobs)
+        self.worker = WorkerService(
+            self.transport,
+            capacity_bytes=int(capacity),
+            config=cfg,
+            can_work="worker" in cfg.roles,
+            can_host="optimizer" in cfg.roles,
+            state_dir=cfg.state_dir,
+            on_jobs_changed=self.membership.set_jobs,
+        )
         if "optimizer" in cfg.roles:
-            self.host = OptimizerHostService(self.transport, state_dir=cfg.state_dir,
-                                             step_deadline_s=cfg.step_timeout_s)
+            self.host = OptimizerHostService(
+                self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
+            )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
-        self.control = ControlServer(cfg.control_path, {
-            "status": self._rpc_status,
-            "peers": self._rpc_peers,
-            "leave": self._rpc_leave,
-            "train": self._rpc_train,
-        })
+        self.control = ControlServer(
+            cfg.control_path,
+            {
+                "status": self._rpc_status,
+                "peers": self._rpc_peers,
+                "leave": self._rpc_leave,
+                "train": self._rpc_train,
+            },
+        )
         await self.control.start()
+        if cfg.dashboard:
+            from fusionnode.web import Dashboard
+
+            host, _, port = cfg.dashboard.rpartition(":")
+            self.dashboard = Dashboard(lambda: self._rpc_status({}, None), host=host.strip("[]") or "127.0.0.1",
+                                       port=int(port or 0))
+            self.dashboard_url = await self.dashboard.start()
         logger.info("node components started in %.2f s", time.monotonic() - t0)
 
     @property
@@ -153,13 +174,16 @@ class Node:
         return str(self.identity.peer_id)
 
     def ready_line(self) -> str:
-        return READY_PREFIX + json.dumps({
-            "peer_id": self.peer_id,
-            "maddrs": self.maddrs,
-            "control": str(self.config.control_path),
-            "pid": os.getpid(),
-            "version": fusionnode.__version__,
-        })
+        return READY_PREFIX + json.dumps(
+            {
+                "peer_id": self.peer_id,
+                "maddrs": self.maddrs,
+                "control": str(self.config.control_path),
+            "dashboard": self.dashboard_url,
+                "pid": os.getpid(),
+                "version": fusionnode.__version__,
+            }
+        )
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -180,6 +204,8 @@ class Node:
             await asyncio.wait_for(self.membership.withdraw(), 5)
 
     async def shutdown(self) -> None:
+        if self.dashboard is not None:
+            await self.dashboard.close()
         if self.control is not None:
             await self.control.close()
         if self.transport is not None:
@@ -204,7 +230,9 @@ class Node:
             "maddrs": self.maddrs,
             "uptime_s": round(time.time() - self.started_at, 1),
             "roles": list(self.config.roles),
-            "device": self.profile.to_dict() if hasattr(self.profile, "to_dict") else dict(vars(self.profile)),
+            "device": self.profile.to_dict()
+            if hasattr(self.profile, "to_dict")
+            else dict(vars(self.profile)),
             "peers": [p.to_wire() for p in peers],
             "serving": self.worker.status(),
             "hosting": self.host.status() if self.host is not None else [],

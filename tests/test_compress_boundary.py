@@ -55,8 +55,13 @@ def test_warmup_is_dense_then_compresses() -> None:
 
 def test_backward_feedback_accumulates_dropped_gradient() -> None:
     boundary = CompressionBoundary(
-        BoundaryConfig(forward_ratio=None, backward_ratio=0.1, backward_mode="global", backward_feedback=True,
-                       value_dtype="float32")
+        BoundaryConfig(
+            forward_ratio=None,
+            backward_ratio=0.1,
+            backward_mode="global",
+            backward_feedback=True,
+            value_dtype="float32",
+        )
     )
     g = torch.randn(100, generator=torch.Generator().manual_seed(1))
     total = torch.zeros(100)

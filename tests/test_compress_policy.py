@@ -114,7 +114,13 @@ def test_large_moves_are_followed() -> None:
 
 
 def test_bad_policy_arguments() -> None:
-    for kwargs in ({"k_min": 0.0}, {"k_min": 1.5}, {"hysteresis": 0.5}, {"ewma_alpha": 0.0}, {"value_dtype": "int8"}):
+    for kwargs in (
+        {"k_min": 0.0},
+        {"k_min": 1.5},
+        {"hysteresis": 0.5},
+        {"ewma_alpha": 0.0},
+        {"value_dtype": "int8"},
+    ):
         with pytest.raises(ConfigError):
             AdaTopKPolicy(**kwargs)
     with pytest.raises(ValueError):
@@ -143,7 +149,20 @@ def test_parse_compress_adaptive_flag() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "topk", "topk:", "topk:0", "topk:-0.1", "topk:1.01", "topk:nan", "topk:inf", "topk:abc", "gzip", "top-k:0.1"]
+    "text",
+    [
+        "",
+        "topk",
+        "topk:",
+        "topk:0",
+        "topk:-0.1",
+        "topk:1.01",
+        "topk:nan",
+        "topk:inf",
+        "topk:abc",
+        "gzip",
+        "top-k:0.1",
+    ],
 )
 def test_parse_compress_rejects(text: str) -> None:
     with pytest.raises(ConfigError):

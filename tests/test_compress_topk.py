@@ -432,3 +432,50 @@ def test_round_trip_property(rows: int, row_len: int, ratio: float, mode: str, s
         assert bool((big >= small).all())
     elif rows:
         assert x.abs()[kept].min() >= (x.abs()[~kept].max() if (~kept).any() else 0)
+
+
+# ------------------------------------------------------------------ centered
+
+
+@pytest.mark.parametrize("mode", ["global", "row"])
+def test_centered_round_trip(mode: str) -> None:
+    gen = torch.Generator().manual_seed(10)
+    offset = torch.linspace(-3, 3, 32)  # a per-channel offset, as in a residual stream
+    x = torch.randn(6, 20, 32, generator=gen) * 0.5 + offset
+    enc = TOPK.encode(x, ratio=0.1, mode=mode, value_dtype="float32", center=True)
+    assert enc.params["center"] == 1
+    row_len = 32 if mode == "row" else None
+    assert len(enc.data) == payload_bytes(x.numel(), 0.1, "float32", row_len, center_channels=32)
+    y = TOPK.decode(enc, BIG)
+    mean = x.reshape(-1, 32).mean(0)
+    delta = x - mean
+    kept = (y - mean).abs() > 0
+    assert int(kept.sum()) == enc.params["k"]
+    torch.testing.assert_close(y[kept], x[kept], rtol=0, atol=1e-5)
+    torch.testing.assert_close(y[~kept], mean.expand_as(x)[~kept], rtol=0, atol=1e-6)
+    # the kept set is the top-k of the centered tensor, and centering beats plain top-k here
+    assert delta.abs()[kept].min() >= delta.abs()[~kept].max() if mode == "global" else True
+    plain = TOPK.decode(TOPK.encode(x, ratio=0.1, mode=mode, value_dtype="float32"), BIG)
+    assert (y - x).norm() < 0.8 * (plain - x).norm()
+
+
+def test_centered_empty_and_scalar() -> None:
+    enc = TOPK.encode(torch.zeros(0, 4), ratio=0.5, center=True)
+    assert len(enc.data) == 4 * 2  # the four channel means, nothing else
+    assert TOPK.decode(enc, BIG).shape == (0, 4)
+    with pytest.raises(ValueError):
+        TOPK.encode(torch.tensor(1.0), ratio=0.5, center=True)
+
+
+@pytest.mark.parametrize("center", [2, -1, True, "1", 1.0])
+def test_rejects_bad_center(center: object) -> None:
+    enc = TOPK.encode(torch.randn(4, 8), ratio=0.25, center=True)
+    with pytest.raises(ProtocolError, match="center"):
+        TOPK.decode(_rebuild(enc, params={**enc.params, "center": center}), BIG)
+
+
+def test_rejects_centered_payload_without_center_section() -> None:
+    enc = TOPK.encode(torch.randn(4, 8), ratio=0.25, center=True)
+    params = {k: v for k, v in enc.params.items() if k != "center"}
+    with pytest.raises(ProtocolError, match="payload"):
+        TOPK.decode(_rebuild(enc, params=params), BIG)

@@ -49,15 +49,29 @@ def run_job(swarm: LocalSwarm, spec: JobSpec, **extra) -> tuple[dict, list[dict]
 
 
 def small_spec(**kw) -> JobSpec:
-    base = dict(model="gpt2-tiny", steps=1, batch_size=8, micro_batches=4, seq_len=32, seed=3, grad_clip=None,
-                lr=3e-3, warmup_steps=2)
+    base = dict(
+        model="gpt2-tiny",
+        steps=1,
+        batch_size=8,
+        micro_batches=4,
+        seq_len=32,
+        seed=3,
+        grad_clip=None,
+        lr=3e-3,
+        warmup_steps=2,
+    )
     base.update(kw)
     return JobSpec(**base)
 
 
 def test_peers_cli_lists_every_peer_with_a_profile(swarm):
-    out = subprocess.run([sys.executable, "-m", "fusionnode", "peers", "--json", "--state-dir",
-                          str(swarm.state_dir(1))], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fusionnode", "peers", "--json", "--state-dir", str(swarm.state_dir(1))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     res = json.loads(out.stdout)
     ids = {p["peer_id"] for p in res["peers"]}
     assert ids == {r["peer_id"] for r in swarm.ready}
@@ -106,8 +120,21 @@ def test_training_follows_the_single_process_loss_curve(swarm, tmp_path):
 
 
 def test_a_second_daemon_on_the_same_state_dir_is_refused(swarm):
-    out = subprocess.run([sys.executable, "-m", "fusionnode", "join", "--state-dir", str(swarm.state_dir(0)),
-                          "--listen", "/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusionnode",
+            "join",
+            "--state-dir",
+            str(swarm.state_dir(0)),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "already runs with state dir" in out.stderr
     assert "Traceback" not in out.stderr
@@ -139,8 +166,9 @@ def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(
 def run_job_n(swarm: LocalSwarm, spec: JobSpec, stages: int) -> tuple[dict, list[dict]]:
     async def go():
         events = []
-        async for obj in control.call_stream(swarm.control(0), "train", {"spec": spec.to_dict(), "stages": stages},
-                                             timeout=300):
+        async for obj in control.call_stream(
+            swarm.control(0), "train", {"spec": spec.to_dict(), "stages": stages}, timeout=300
+        ):
             if "event" in obj:
                 events.append(obj["event"])
             else:
@@ -153,12 +181,61 @@ def run_job_n(swarm: LocalSwarm, spec: JobSpec, stages: int) -> tuple[dict, list
 def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(tmp_path / "p"), "--listen",
-         "/ip4/127.0.0.1/tcp/0", "--initial-peers",
-         "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", "--startup-timeout", "30"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "fusionnode",
+            "join",
+            "--state-dir",
+            str(tmp_path / "p"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--initial-peers",
+            "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+            "--startup-timeout",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr
     assert "127.0.0.1/tcp/9" in out.stderr
     assert time.monotonic() - t0 < 90
 
+
+def _final_params(path) -> dict[str, torch.Tensor]:
+    from fusionnode.train.checkpoint import load_checkpoint
+
+    return load_checkpoint(str(path)).params
+
+
+def test_offloaded_optimizer_gives_the_same_parameters_as_local(swarm, tmp_path):
+    spec = small_spec(steps=20, grad_clip=1.0, micro_batches=2)
+    run_job(swarm, spec.replace(save_dir=str(tmp_path / "local"), save_every=0), offload="off")
+    _res, events = run_job(swarm, spec.replace(save_dir=str(tmp_path / "off"), save_every=0), offload="on")
+    plan = next(e for e in events if e["type"] == "plan")
+    assert plan["offload"] and len(plan["optimizer_hosts"]) == 1
+    a, b = _final_params(tmp_path / "local"), _final_params(tmp_path / "off")
+    for name, t in a.items():
+        err = (b[name] - t).norm() / t.norm()
+        assert err < 1e-6, f"{name}: relative difference {err:.2e}"
+
+
+def test_two_replicas_with_different_shares_equal_one_pipeline(swarm, tmp_path):
+    spec = small_spec(steps=5, batch_size=12, micro_batches=2, grad_clip=1.0)
+    _r, one = run_job(
+        swarm, spec.replace(save_dir=str(tmp_path / "one"), save_every=0), offload="on", stages=1
+    )
+    _r, two = run_job(
+        swarm, spec.replace(save_dir=str(tmp_path / "two"), save_every=0), shares=[4, 8], stages=1
+    )
+    plan = next(e for e in two if e["type"] == "plan")
+    assert {s["replica"] for s in plan["stages"]} == {0, 1}
+    l1 = [e["loss"] for e in one if e["type"] == "step"]
+    l2 = [e["loss"] for e in two if e["type"] == "step"]
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    a, b = _final_params(tmp_path / "one"), _final_params(tmp_path / "two")
+    for name, t in a.items():
+        assert (b[name] - t).norm() / t.norm() < 1e-5, name

@@ -73,7 +73,10 @@ def test_bundled_set():
         (lambda d: d["devices"][0].pop("tflops"), "missing field 'tflops'"),
         (lambda d: d["devices"][0].update(memory_gb=-1), "'memory_gb' must be > 0"),
         (lambda d: d["links"]["inter_site"].update(bandwidth_gbps=0), "'bandwidth_gbps' must be > 0"),
-        (lambda d: d["links"].update(pairs=[{"a": "a", "b": "zz", "bandwidth_gbps": 1}]), "unknown device 'zz'"),
+        (
+            lambda d: d["links"].update(pairs=[{"a": "a", "b": "zz", "bandwidth_gbps": 1}]),
+            "unknown device 'zz'",
+        ),
         (lambda d: d["links"].update(pairs=[{"a": "a", "b": "b", "bandwidth_gbps": -3}]), "must be > 0"),
         (lambda d: d["devices"].append(dict(d["devices"][0])), "duplicate device id"),
         (lambda d: d["links"].update(matrix={"bandwidth_gbps": [[1, 2], [2, 1]]}), "must be 3 x 3"),
@@ -194,7 +197,10 @@ def test_plan_json_roundtrip_and_schema():
 
 def test_every_node_exactly_once():
     g = gpt2_like_graph(6, 64, 32)
-    for p in (plan(g, load_cluster("testbed-4-mixed"), 8), contiguous_split_plan(g, ["x", "y", "z"], 8, 4, by="nodes")):
+    for p in (
+        plan(g, load_cluster("testbed-4-mixed"), 8),
+        contiguous_split_plan(g, ["x", "y", "z"], 8, 4, by="nodes"),
+    ):
         for pl in p.pipelines:
             nodes = [i for st in pl.stages for i in st.nodes]
             assert nodes == list(range(g.num_nodes))
@@ -206,17 +212,22 @@ def test_every_node_exactly_once():
 
 def test_model_too_big_for_cluster():
     g = gpt2_like_graph(48, 1600, 1024)
-    with pytest.raises(PlanError, match=r"needs .* GB .* have .* GB usable"):
+    with pytest.raises(PlanError, match=r"needs 13.10 GB .* have 7.20 GB usable"):
+        plan(g, load_cluster_dict({"devices": [{"id": "x", "count": 2, "tflops": 1, "memory_gb": 4}]}), 8)
+    with pytest.raises(PlanError, match=r"no pipeline .* fits"):  # weights fit, activations do not
         plan(g, load_cluster("testbed-4-mixed"), 8)
 
 
 def test_device_too_small_for_any_block():
     d = json.loads(json.dumps(SMALL))
     for dev in d["devices"]:
-        dev["memory_gb"] = 0.002
-    d["devices"].append({"id": "big", "count": 40, "tflops": 1, "memory_gb": 0.001, "site": "x"})
+        dev["memory_gb"] = 0.02
+    d["devices"].append({"id": "many", "count": 40, "tflops": 1, "memory_gb": 0.02, "site": "x"})
     g = random_graph(random.Random(3), 8)
-    with pytest.raises(PlanError, match="largest|no pipeline"):
+    assert max(n.param_bytes for n in g.nodes) * 2 > 0.02e9
+    with pytest.raises(
+        PlanError, match=r"largest indivisible block .* needs .* GB, the largest worker has 0.02 GB"
+    ):
         plan(g, load_cluster_dict(d), 4)
 
 

@@ -9,7 +9,7 @@ from fusionnode.errors import ConfigError
 from fusionnode.train.checkpoint import list_checkpoints
 from fusionnode.train.data import BatchSource, load_corpus
 from fusionnode.train.generate import generate
-from fusionnode.train.local import build_job_model, make_optimizer, train_local, train_step
+from fusionnode.train.local import DivergenceError, build_job_model, make_optimizer, train_local, train_step
 from fusionnode.train.metrics import REQUIRED_STEP_KEYS, read_metrics
 from fusionnode.train.spec import JobSpec
 
@@ -21,7 +21,9 @@ class Crash(Exception):
 def test_gpt2_tiny_learns_and_writes_metrics(tmp_path) -> None:
     metrics = tmp_path / "metrics.jsonl"
     seen: list[dict] = []
-    spec = JobSpec(steps=30, batch_size=8, lr=3e-3, warmup_steps=5, seed=0, metrics_out=str(metrics))
+    spec = JobSpec(
+        steps=30, batch_size=8, seq_len=64, lr=3e-3, warmup_steps=5, seed=0, metrics_out=str(metrics)
+    )
     result = train_local(spec, progress=seen.append)
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert last < 0.8 * first, result.losses
@@ -33,7 +35,7 @@ def test_gpt2_tiny_learns_and_writes_metrics(tmp_path) -> None:
     assert [r["step"] for r in steps] == list(range(30)) and seen == steps
     for r in steps:
         assert set(REQUIRED_STEP_KEYS) <= set(r)
-        assert (r["tokens"], r["wire_bytes"], r["plan_version"]) == (8 * 128, 0, 0)
+        assert (r["tokens"], r["wire_bytes"], r["plan_version"]) == (8 * 64, 0, 0)
         assert r["step_time_s"] > 0
     assert [r["loss"] for r in steps] == list(result.losses)
     assert [e["event"] for e in events] == ["start", "eval", "end"]
@@ -118,3 +120,21 @@ def test_generate_is_deterministic_and_crops_the_context() -> None:
     assert greedy == generate(model, "def ", max_new_tokens=10, temperature=0.0, seed=5)
     assert generate(model, "", max_new_tokens=0) == ""
     assert model.training  # the caller's mode is restored
+
+
+def test_divergence_is_reported_as_a_failure(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    spec = JobSpec(
+        steps=10,
+        batch_size=2,
+        seq_len=16,
+        optimizer="sgd",
+        lr=1e9,
+        warmup_steps=0,
+        grad_clip=None,
+        metrics_out=str(metrics),
+    )
+    with pytest.raises(DivergenceError, match="loss is"):
+        train_local(spec)
+    _, events = read_metrics(metrics)
+    assert events[-1]["event"] == "failure" and events[-1]["reason"] == "non-finite loss"

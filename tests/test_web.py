@@ -38,31 +38,58 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
         for (a, b), bps in BANDWIDTH.items():
             if i in (a, b):
                 other = b if i == a else a
-                links[PEERS[other]] = {"bandwidth_bps": bps * (1.0 if i < other else 0.97), "rtt_s": 0.002 + 0.01 * (bps < 1e8)}
-        peers.append({
-            "peer_id": pid,
-            "maddrs": [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{pid}"],
-            "software_version": "0.1.0",
-            "protocol_version": 1,
-            "device": {"kind": "cuda" if i == 0 else "cpu", "name": "NVIDIA H100" if i == 0 else "AMD EPYC 7B13",
-                       "memory_total_bytes": (80 if i == 0 else 16) * 2**30, "memory_free_bytes": 8 * 2**30,
-                       "tflops_fp32": 51.0 if i == 0 else 0.4, "tflops_bf16": None, "tflops_fp16": None,
-                       "torch_version": "2.13.0", "cpu_count": 8, "measured_at": 1.7e9},
-            "roles": ["worker", "optimizer"] if i < 3 else ["optimizer"],
-            "capacity_bytes": 8 * 2**30,
-            "links": links,
-            "availability": "available",
-            "updated_at": time.time() - i,
-        })
+                links[PEERS[other]] = {
+                    "bandwidth_bps": bps * (1.0 if i < other else 0.97),
+                    "rtt_s": 0.002 + 0.01 * (bps < 1e8),
+                }
+        peers.append(
+            {
+                "peer_id": pid,
+                "maddrs": [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{pid}"],
+                "software_version": "0.1.0",
+                "protocol_version": 1,
+                "device": {
+                    "kind": "cuda" if i == 0 else "cpu",
+                    "name": "NVIDIA H100" if i == 0 else "AMD EPYC 7B13",
+                    "memory_total_bytes": (80 if i == 0 else 16) * 2**30,
+                    "memory_free_bytes": 8 * 2**30,
+                    "tflops_fp32": 51.0 if i == 0 else 0.4,
+                    "tflops_bf16": None,
+                    "tflops_fp16": None,
+                    "torch_version": "2.13.0",
+                    "cpu_count": 8,
+                    "measured_at": 1.7e9,
+                },
+                "roles": ["worker", "optimizer"] if i < 3 else ["optimizer"],
+                "capacity_bytes": 8 * 2**30,
+                "links": links,
+                "availability": "available",
+                "updated_at": time.time() - i,
+            }
+        )
     history = []
     for step in range(n_steps):
         st = 0.8 + 0.1 * math.sin(step / 7)
-        history.append({
-            "step": step, "loss": 10.8 * math.exp(-step / 60) + 2.0, "tokens": 256, "step_time_s": st,
-            "tokens_per_s": 256 / st, "wire_bytes": 3_000_000 + 1000 * step, "plan_version": 1 + (step >= 60),
-            "stages": [{"stage": k, "compute_s": st * (0.7 - 0.2 * k), "wait_s": st * 0.1 * (k + 1),
-                        "sent_bytes": 1_000_000} for k in range(3)],
-        })
+        history.append(
+            {
+                "step": step,
+                "loss": 10.8 * math.exp(-step / 60) + 2.0,
+                "tokens": 256,
+                "step_time_s": st,
+                "tokens_per_s": 256 / st,
+                "wire_bytes": 3_000_000 + 1000 * step,
+                "plan_version": 1 + (step >= 60),
+                "stages": [
+                    {
+                        "stage": k,
+                        "compute_s": st * (0.7 - 0.2 * k),
+                        "wait_s": st * 0.1 * (k + 1),
+                        "sent_bytes": 1_000_000,
+                    }
+                    for k in range(3)
+                ],
+            }
+        )
     return {
         "peer_id": PEERS[0],
         "maddrs": peers[0]["maddrs"],
@@ -71,13 +98,29 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
         "device": peers[0]["device"],
         "peers": peers,
         "serving": [{"job": "job-7f3a", "stage": 0, "num_stages": 3, "last_step": n_steps - 1}],
-        "jobs": [{
-            "job": "job-7f3a", "model": "gpt2-tiny", "state": "running", "step": n_steps, "steps": 200,
-            "loss": history[-1]["loss"], "tokens_per_s": 301.2, "plan_version": 2,
-            "stages": [{"stage": k, "peer": PEERS[k], "lo": 10 * k, "hi": 10 * k + 10, "n_params": 1000 * (k + 1)}
-                       for k in range(3)],
-            "history": history,
-        }],
+        "jobs": [
+            {
+                "job": "job-7f3a",
+                "model": "gpt2-tiny",
+                "state": "running",
+                "step": n_steps,
+                "steps": 200,
+                "loss": history[-1]["loss"],
+                "tokens_per_s": 301.2,
+                "plan_version": 2,
+                "stages": [
+                    {
+                        "stage": k,
+                        "peer": PEERS[k],
+                        "lo": 10 * k,
+                        "hi": 10 * k + 10,
+                        "n_params": 1000 * (k + 1),
+                    }
+                    for k in range(3)
+                ],
+                "history": history,
+            }
+        ],
     }
 
 
@@ -85,10 +128,14 @@ async def _provider() -> dict[str, Any]:
     return realistic_status()
 
 
-async def http(url: str, method: str = "GET", path: str = "/", raw: bytes | None = None) -> tuple[int, dict, bytes]:
+async def http(
+    url: str, method: str = "GET", path: str = "/", raw: bytes | None = None
+) -> tuple[int, dict, bytes]:
     host, port = url.split("//")[1].rstrip("/").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(raw if raw is not None else f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    writer.write(
+        raw if raw is not None else f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    )
     await writer.drain()
     data = await asyncio.wait_for(reader.read(), 10)
     writer.close()
@@ -119,7 +166,9 @@ def test_routes_status_and_page(run):
             code, headers, body = await http(url, path="/api/status?x=1")
             assert code == 200 and headers["content-type"] == "application/json"
             st = json.loads(body)
-            assert st["peer_id"] == PEERS[0] and len(st["peers"]) == 4 and len(st["jobs"][0]["history"]) == 120
+            assert (
+                st["peer_id"] == PEERS[0] and len(st["peers"]) == 4 and len(st["jobs"][0]["history"]) == 120
+            )
             code, headers, body = await http(url, "HEAD", "/api/status")
             assert code == 200 and body == b"" and int(headers["content-length"]) > 0
         finally:
@@ -167,11 +216,17 @@ def test_errors_and_limits(run, monkeypatch):
             assert code == 405 and headers["allow"] == "GET, HEAD"
             assert (await http(url, "DELETE", "/"))[0] == 405
             assert (await http(url, "PUT", "/x"))[0] == 404
-            big = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * (2 * web_server.MAX_REQUEST_BYTES) + b"\r\n\r\n"
+            big = (
+                b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: "
+                + b"a" * (2 * web_server.MAX_REQUEST_BYTES)
+                + b"\r\n\r\n"
+            )
             assert (await http(url, raw=big))[0] == 431
             assert (await http(url, raw=b"garbage\r\n\r\n"))[0] == 400
             # DNS rebinding: a foreign Host name is refused on a loopback-bound dashboard
-            assert (await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: evil.example:80\r\n\r\n"))[0] == 421
+            assert (await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: evil.example:80\r\n\r\n"))[
+                0
+            ] == 421
             assert (await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: localhost:1\r\n\r\n"))[0] == 200
         finally:
             await dash.close()
@@ -241,9 +296,21 @@ def _serve_in_thread(provider):
 
 
 def chromium_cmd(profile: str, *extra: str) -> list[str]:
-    return [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=5000", *extra]
+    return [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        *extra,
+    ]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
@@ -251,8 +318,12 @@ def test_page_renders_in_headless_chromium(tmp_path):
     url, stop = _serve_in_thread(_provider)
     try:
         t0 = time.monotonic()
-        out = subprocess.run(chromium_cmd(str(tmp_path / "profile"), "--dump-dom", url),
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            chromium_cmd(str(tmp_path / "profile"), "--dump-dom", url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         elapsed = time.monotonic() - t0
     finally:
         stop()
@@ -265,6 +336,7 @@ def test_page_renders_in_headless_chromium(tmp_path):
     assert f'data-links="{len(BANDWIDTH)}"' in dom and "8.0 Mb/s" in dom and "940 Mb/s" in dom
     assert 'data-job="job-7f3a" data-points="120"' in dom  # loss and throughput curves from the history
     assert dom.count('class="bar-row" data-stage=') == 3
+    assert 'class="compute" title="compute" style="width: 70%;"' in dom  # stage 0: compute_s / step_time_s
     print(f"headless chromium dump-dom: {elapsed:.2f} s")
 
 
@@ -273,9 +345,18 @@ def test_page_screenshot(tmp_path):
     url, stop = _serve_in_thread(_provider)
     shot = Path(tempfile.gettempdir()) / "fusionnode-dashboard.png"
     try:
-        out = subprocess.run(chromium_cmd(str(tmp_path / "profile"), f"--screenshot={shot}",
-                                          "--window-size=1280,1000", "--hide-scrollbars", url),
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            chromium_cmd(
+                str(tmp_path / "profile"),
+                f"--screenshot={shot}",
+                "--window-size=1280,1000",
+                "--hide-scrollbars",
+                url,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         stop()
     assert out.returncode == 0, out.stderr[-2000:]

@@ -33,7 +33,7 @@ from fusionnode.train.data import BatchSource, load_corpus
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "gpt2-tiny"
-DEFAULT_STEPS = 600  # optimizer steps (about 2-3 minutes for both runs on one CPU thread)
+DEFAULT_STEPS = 400  # optimizer steps (about 2-3 minutes for both runs on one idle CPU thread)
 DEFAULT_BATCH = 16  # sequences per step
 DEFAULT_SEQ_LEN = 128  # tokens
 DEFAULT_LR = 2e-3  # AdamW learning rate
@@ -41,9 +41,12 @@ DEFAULT_SEED = 0
 DEFAULT_CUT = 2  # blocks before the cut
 DEFAULT_LINK_MBPS = 8.0  # Mbit/s: a home uplink
 DEFAULT_LATENCY_MS = 10.0  # ms one-way
-DEFAULT_STAGE_MS = 60.0  # ms: compute-bound stage time the link must keep up with
+DEFAULT_STAGE_MS = 100.0  # ms: compute-bound stage time the link must keep up with
 DEFAULT_EVAL_BATCHES = 8  # validation batches averaged for the final loss
 DEFAULT_WARMUP = 0  # dense steps before compression starts
+DEFAULT_FORWARD_MODE = "global"  # activations: global top-k of the centered tensor converged best
+DEFAULT_BACKWARD_MODE = "global"  # activation gradients
+DEFAULT_CENTER = True  # centered top-k for activations
 LOSS_TOLERANCE = 0.05  # relative loss difference the issue accepts
 MIN_REDUCTION = 5.0  # byte reduction the issue asks for
 
@@ -58,7 +61,9 @@ class RunResult:
     seconds: float
 
 
-def split_forward(model: torch.nn.Module, ids: torch.Tensor, cut: int, boundary: CompressionBoundary | None) -> torch.Tensor:
+def split_forward(
+    model: torch.nn.Module, ids: torch.Tensor, cut: int, boundary: CompressionBoundary | None
+) -> torch.Tensor:
     """gpt2 forward with `boundary` applied to the residual stream before block `cut`."""
     tr = model.transformer
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
@@ -78,7 +83,16 @@ def train(
     model = build_model(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     boundary = CompressionBoundary(config, name="cut") if config is not None else None
-    policies = (AdaTopKPolicy(), AdaTopKPolicy()) if link_bps is not None else None
+    policies = None
+    if link_bps is not None and config is not None:
+        c = model.config.n_embd
+        policies = tuple(
+            AdaTopKPolicy(row_len=c if mode == "row" else None, center_channels=c if center else 0)
+            for mode, center in (
+                (config.forward_mode, config.forward_center),
+                (config.backward_mode, config.backward_center),
+            )
+        )
     latency = args.latency_ms / 1e3
     target = args.stage_ms / 1e3
     losses: list[float] = []
@@ -140,8 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
     p.add_argument("--stage-ms", type=float, default=DEFAULT_STAGE_MS, help="compute-bound stage time, ms")
     p.add_argument("--ratio", type=float, default=None, help="fixed keep ratio instead of the policy")
-    p.add_argument("--forward-mode", choices=("row", "global"), default="row")
-    p.add_argument("--backward-mode", choices=("row", "global"), default="row")
+    p.add_argument("--forward-mode", choices=("row", "global"), default=DEFAULT_FORWARD_MODE)
+    p.add_argument("--backward-mode", choices=("row", "global"), default=DEFAULT_BACKWARD_MODE)
+    p.add_argument(
+        "--center",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_CENTER,
+        help="centered top-k of activations: channel means sent, dropped elements decode to them",
+    )
+    p.add_argument("--center-backward", action="store_true", help="centered top-k of activation gradients")
     p.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
     p.add_argument("--forward-feedback", action="store_true", help="error feedback on activations")
     p.add_argument("--backward-feedback", action="store_true", help="error feedback on activation gradients")
@@ -172,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         forward_mode=args.forward_mode,
         backward_mode=args.backward_mode,
         value_dtype=args.value_dtype,
+        forward_center=args.center,
+        backward_center=args.center_backward,
         forward_feedback=args.forward_feedback,
         backward_feedback=args.backward_feedback,
         warmup_steps=args.warmup,
@@ -182,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     dense = train(args, source, None, None)
     comp = train(args, source, config, link_bps)
     rel = (comp.final_loss - dense.final_loss) / dense.final_loss
-    print(f"model {args.model}, {args.steps} steps, batch {args.batch_size}x{model_cfg.n_ctx}, cut after block {args.cut}")
+    print(
+        f"model {args.model}, {args.steps} steps, batch {args.batch_size}x{model_cfg.n_ctx}, cut after block {args.cut}"
+    )
     if link_bps is not None:
         print(
             f"link {args.link_mbps:g} Mbit/s, latency {args.latency_ms:g} ms, stage {args.stage_ms:g} ms "
@@ -191,11 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"fixed keep ratio {args.ratio:g}")
     print(
-        f"modes fwd={args.forward_mode} bwd={'dense' if args.dense_backward else args.backward_mode} "
+        f"modes fwd={args.forward_mode}{'+center' if args.center else ''} "
+        f"bwd={'dense' if args.dense_backward else args.backward_mode}{'+center' if args.center_backward else ''} "
         f"values={args.value_dtype} fwd_ef={args.forward_feedback} bwd_ef={args.backward_feedback} warmup={args.warmup}"
     )
-    print(f"dense      val loss {dense.final_loss:.4f}  train loss {dense.train_loss:.4f}  ({dense.seconds:.1f} s)")
-    print(f"compressed val loss {comp.final_loss:.4f}  train loss {comp.train_loss:.4f}  ({comp.seconds:.1f} s)")
+    print(
+        f"dense      val loss {dense.final_loss:.4f}  train loss {dense.train_loss:.4f}  ({dense.seconds:.1f} s)"
+    )
+    print(
+        f"compressed val loss {comp.final_loss:.4f}  train loss {comp.train_loss:.4f}  ({comp.seconds:.1f} s)"
+    )
     print(f"relative loss difference {rel * 100:+.2f}% (tolerance {LOSS_TOLERANCE * 100:.0f}%)")
     c = comp.link
     print(

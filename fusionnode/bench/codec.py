@@ -34,7 +34,9 @@ def _floats(text: str, what: str, parser: argparse.ArgumentParser) -> list[float
         raise  # unreachable: parser.error exits
 
 
-def measure(numel: int, ratio: float, mode: str, repeat: int, row_len: int) -> tuple[float, float, float, str]:
+def measure(
+    numel: int, ratio: float, mode: str, repeat: int, row_len: int
+) -> tuple[float, float, float, str]:
     """(encode s, decode s, byte ratio, index encoding) of the best of `repeat` round trips."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     if mode == "row":
@@ -70,8 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1 or args.row_len < 1:
         parser.error("--repeat and --row-len must be >= 1")
     torch.set_num_threads(1)
-    print(f"topk codec, mode={args.mode}, 1 torch thread, best of {args.repeat}; line rate 1 Gbit/s = {LINE_RATE_MBPS:g} MB/s")
-    print(f"{'MiB':>5} {'ratio':>6} {'index':>7} {'enc ms':>8} {'dec ms':>8} {'MB/s':>8} {'x line':>7} {'bytes/x':>8}")
+    print(
+        f"topk codec, mode={args.mode}, 1 torch thread, best of {args.repeat}; line rate 1 Gbit/s = {LINE_RATE_MBPS:g} MB/s"
+    )
+    print(
+        f"{'MiB':>5} {'ratio':>6} {'index':>7} {'enc ms':>8} {'dec ms':>8} {'MB/s':>8} {'x line':>7} {'bytes/x':>8}"
+    )
     slowest = float("inf")
     for size in sizes:
         numel = int(size * (1 << 20)) // 4

@@ -191,9 +191,12 @@ def compare(graph: OpGraph, cluster_name: str, batch: int) -> dict:
 
     cluster = load_cluster(cluster_name)
     t0 = time.perf_counter()
-    p = plan(graph, cluster, batch)
+    try:
+        p = plan(graph, cluster, batch)
+    except PlanError as exc:
+        return {"cluster": cluster_name, "devices": cluster.size, "fits": False, "why": str(exc)}
     dt = time.perf_counter() - t0
-    row: dict = {"cluster": cluster_name, "devices": cluster.size, "plan_s": round(dt, 3)}
+    row: dict = {"cluster": cluster_name, "devices": cluster.size, "fits": True, "plan_s": round(dt, 3)}
     row["pipelines"] = len(p.pipelines)
     row["stages"] = [len(pl.stages) for pl in p.pipelines][:8]
     for label, fn in (("plan", None), ("even", even_plan), ("memory", memory_plan)):
@@ -250,9 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"model {args.model} ({source}, {graph.num_nodes} nodes), batch {args.batch_size}")
     print(
-        f"{'cluster':<22}{'dev':>5}{'plan s':>8}{'pipes':>6}  {'plan step':>10}{'even x':>9}{'memory x':>10}  (closed / sim)"
+        f"{'cluster':<22}{'dev':>5}{'plan s':>8}{'pipes':>6}  {'plan step s':>12}  {'even x':>14}  {'memory x':>14}  (closed/sim)"
     )
     for r in rows:
+        if not r["fits"]:
+            print(f"{r['cluster']:<22}{r['devices']:>5}  does not fit: {r['why'][:90]}")
+            continue
 
         def ratio(label: str, r: dict = r) -> str:
             v = r.get(f"speedup_vs_{label}")
@@ -260,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         step = f"{r['plan']['closed_s']:.3g}/{r['plan']['sim_s']:.3g}"
         print(
-            f"{r['cluster']:<22}{r['devices']:>5}{r['plan_s']:>8.2f}{r['pipelines']:>6}  {step:>10}{ratio('even'):>9}{ratio('memory'):>10}"
+            f"{r['cluster']:<22}{r['devices']:>5}{r['plan_s']:>8.2f}{r['pipelines']:>6}  {step:>12}  {ratio('even'):>14}  {ratio('memory'):>14}"
         )
     o = summary["optimality"]
     print(

@@ -51,6 +51,7 @@ def transmit(
     *,
     mode: str = "row",
     value_dtype: str = DEFAULT_VALUE_DTYPE,
+    center: bool = False,
     dense_codec: str = DEFAULT_DENSE_CODEC,
     limits: Limits = DEFAULT_LIMITS,
 ) -> tuple[torch.Tensor, LinkCounters]:
@@ -61,7 +62,7 @@ def transmit(
     if ratio is None or ratio >= 1.0:
         enc = encode_tensor(tensor, dense_codec)
     else:
-        enc = encode_tensor(tensor, "topk", ratio=ratio, value_dtype=value_dtype, mode=mode)
+        enc = encode_tensor(tensor, "topk", ratio=ratio, value_dtype=value_dtype, mode=mode, center=center)
     packed = pack_encoded(enc)
     received = decode_tensor(unpack_encoded(packed, limits), limits)
     counters = LinkCounters(tensor.numel() * tensor.element_size(), len(packed))
@@ -76,6 +77,8 @@ class BoundaryConfig:
     backward_ratio: float | None = 0.1  # keep ratio of activation gradients, None = dense
     forward_mode: str = "row"  # "row" (per token) or "global" top-k for activations
     backward_mode: str = "row"  # same, for activation gradients
+    forward_center: bool = False  # send channel means; top-k of the centered activation
+    backward_center: bool = False  # same, for activation gradients
     value_dtype: str = DEFAULT_VALUE_DTYPE  # "float16" | "bfloat16" | "float32" kept values
     forward_feedback: bool = False  # error feedback on activations (not sound: samples differ)
     backward_feedback: bool = False  # error feedback on activation gradients
@@ -130,18 +133,28 @@ class CompressionBoundary:
 
     def send_forward(self, x: torch.Tensor) -> torch.Tensor:
         ratio = None if self.warming_up else self.forward_ratio
-        y, c = self._send(x, ratio, self.config.forward_mode, self._forward_ef, "activation")
+        y, c = self._send(
+            x, ratio, self.config.forward_mode, self.config.forward_center, self._forward_ef, "activation"
+        )
         self.forward_counters = self.forward_counters + c
         return y
 
     def send_backward(self, g: torch.Tensor) -> torch.Tensor:
         ratio = None if self.warming_up else self.backward_ratio
-        y, c = self._send(g, ratio, self.config.backward_mode, self._backward_ef, "gradient")
+        y, c = self._send(
+            g, ratio, self.config.backward_mode, self.config.backward_center, self._backward_ef, "gradient"
+        )
         self.backward_counters = self.backward_counters + c
         return y
 
     def _send(
-        self, t: torch.Tensor, ratio: float | None, mode: str, ef: ErrorFeedback | None, key: str
+        self,
+        t: torch.Tensor,
+        ratio: float | None,
+        mode: str,
+        center: bool,
+        ef: ErrorFeedback | None,
+        key: str,
     ) -> tuple[torch.Tensor, LinkCounters]:
         counters: list[LinkCounters] = []
 
@@ -151,16 +164,14 @@ class CompressionBoundary:
                 ratio,
                 mode=mode,
                 value_dtype=self.config.value_dtype,
+                center=center,
                 dense_codec=self.config.dense_codec,
                 limits=self.limits,
             )
             counters.append(c)
             return y
 
-        if ef is not None and ratio is not None and ratio < 1.0:
-            y = ef.compress(key, t, link)
-        else:
-            y = link(t)
+        y = ef.compress(key, t, link) if ef is not None and ratio is not None and ratio < 1.0 else link(t)
         return y, counters[0]
 
 

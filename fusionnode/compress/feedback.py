@@ -28,7 +28,9 @@ class ErrorFeedback:
         self.decay = decay
         self._residuals: dict[str, torch.Tensor] = {}
 
-    def compress(self, name: str, tensor: torch.Tensor, transmit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def compress(
+        self, name: str, tensor: torch.Tensor, transmit: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         """Send `tensor` plus the residual of `name` through `transmit` (which returns what the
         receiver decodes); keep the new residual and return the decoded tensor."""
         sent = self.compensate(name, tensor)
@@ -42,7 +44,12 @@ class ErrorFeedback:
         if residual is None:
             return tensor
         if residual.shape != tensor.shape:
-            logger.debug("error feedback %r: shape %s -> %s, residual dropped", name, tuple(residual.shape), tuple(tensor.shape))
+            logger.debug(
+                "error feedback %r: shape %s -> %s, residual dropped",
+                name,
+                tuple(residual.shape),
+                tuple(tensor.shape),
+            )
             del self._residuals[name]
             return tensor
         return tensor + (residual * self.decay if self.decay != 1.0 else residual).to(tensor.dtype)

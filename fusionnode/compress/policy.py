@@ -54,7 +54,9 @@ def parse_compress(spec: str) -> CompressSpec:
         try:
             ratio = float(raw)
         except ValueError:
-            raise ConfigError(f"topk ratio {raw!r} is not a number (expected topk:RATIO, 0 < RATIO <= 1)") from None
+            raise ConfigError(
+                f"topk ratio {raw!r} is not a number (expected topk:RATIO, 0 < RATIO <= 1)"
+            ) from None
         if not (math.isfinite(ratio) and 0.0 < ratio <= 1.0):
             raise ConfigError(f"topk ratio must be in (0, 1], got {raw!r}")
         return CompressSpec(kind="topk", ratio=ratio)
@@ -81,6 +83,7 @@ class AdaTopKPolicy:
         value_dtype: str = DEFAULT_VALUE_DTYPE,
         element_bytes: int = DEFAULT_ELEMENT_BYTES,
         row_len: int | None = None,
+        center_channels: int = 0,
     ) -> None:
         if not (0.0 < k_min <= 1.0):
             raise ConfigError(f"k_min must be in (0, 1], got {k_min!r}")
@@ -99,6 +102,7 @@ class AdaTopKPolicy:
         self.value_dtype = value_dtype
         self.element_bytes = element_bytes
         self.row_len = row_len  # None: global top-k; else the row length of per-row top-k
+        self.center_channels = center_channels  # channel means sent per message (centered topk), else 0
         self._bandwidth_bps: float | None = None
         self._ratio = 1.0
 
@@ -120,7 +124,9 @@ class AdaTopKPolicy:
         prev = self._bandwidth_bps
         self._bandwidth_bps = sample if prev is None else prev + self.ewma_alpha * (sample - prev)
 
-    def ideal_ratio(self, bandwidth_bps: float, latency_s: float, dense_bytes: int, target_time_s: float) -> float:
+    def ideal_ratio(
+        self, bandwidth_bps: float, latency_s: float, dense_bytes: int, target_time_s: float
+    ) -> float:
         """Stateless: the largest keep ratio whose payload crosses the link within the target.
 
         1.0 when the dense tensor already fits in `target_time_s`; otherwise the largest r in
@@ -135,7 +141,7 @@ class AdaTopKPolicy:
         budget = (self.target_fraction * target_time_s - latency_s) * bandwidth_bps / 8.0  # bytes
 
         def fits(r: float) -> bool:
-            return payload_bytes(numel, r, self.value_dtype, self.row_len) <= budget
+            return payload_bytes(numel, r, self.value_dtype, self.row_len, self.center_channels) <= budget
 
         if not fits(self.k_min):
             return self.k_min
@@ -175,11 +181,17 @@ class AdaTopKPolicy:
             new = 1.0  # dense fits with a margin of `hysteresis`: stop compressing
         else:
             numel = dense_bytes // self.element_bytes
-            t_cur = link_time(payload_bytes(numel, current, self.value_dtype, self.row_len), bw, latency_s)
+            t_cur = link_time(
+                payload_bytes(numel, current, self.value_dtype, self.row_len, self.center_channels),
+                bw,
+                latency_s,
+            )
             low = self.target_fraction * target_time_s / self.hysteresis
             # keep the ratio while its transfer neither overruns the stage time nor wastes
             # more than a factor `hysteresis` of the budget
-            keep = ideal == 1.0 or low <= t_cur <= target_time_s  # ideal 1.0: dense fits, but not by the margin
+            keep = (
+                ideal == 1.0 or low <= t_cur <= target_time_s
+            )  # ideal 1.0: dense fits, but not by the margin
             new = current if keep else ideal
         if new != current:
             logger.debug("adatopk ratio %.4f -> %.4f (bandwidth %.3g bit/s)", current, new, bw)

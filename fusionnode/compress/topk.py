@@ -57,7 +57,7 @@ BITMAP = "bitmap"
 INDEX_ENCODINGS = (*INDEX_LISTS, BITMAP)
 # floating dtypes the codec accepts (the decoded tensor gets this dtype back)
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
-PARAM_KEYS = frozenset({"v", "mode", "k", "ratio", "index", "values", "row_len"})
+PARAM_KEYS = frozenset({"v", "mode", "k", "ratio", "index", "values", "row_len", "center"})
 
 FLOAT16_MAX = 65504.0  # largest finite float16; larger finite kept values saturate to it
 _RADIX_SHIFT = 15  # float32 bit pattern >> 15 keeps 16 bits: 65536 histogram buckets
@@ -98,10 +98,17 @@ def choose_index_encoding(numel: int, k: int, index_limit: int) -> tuple[str, in
     return (BITMAP, bm) if bm < list_bytes else (name, list_bytes)
 
 
-def payload_bytes(numel: int, ratio: float, value_dtype: str = DEFAULT_VALUE_DTYPE, row_len: int | None = None) -> int:
+def payload_bytes(
+    numel: int,
+    ratio: float,
+    value_dtype: str = DEFAULT_VALUE_DTYPE,
+    row_len: int | None = None,
+    center_channels: int = 0,
+) -> int:
     """Exact payload size of a topk message for a tensor of `numel` elements.
 
     `row_len` None means global mode; otherwise the last-dimension length in row mode.
+    `center_channels`: shape[-1] when the message is centered, else 0.
     Used by the policy to turn a byte budget into a keep ratio.
     """
     if row_len is None:
@@ -112,7 +119,7 @@ def payload_bytes(numel: int, ratio: float, value_dtype: str = DEFAULT_VALUE_DTY
         k = rows * keep_count(row_len, ratio)
         limit = row_len
     _, index_bytes = choose_index_encoding(numel, k, limit)
-    return index_bytes + k * VALUE_BYTES[value_dtype]
+    return (center_channels + k) * VALUE_BYTES[value_dtype] + index_bytes
 
 
 # ----------------------------------------------------------------- selection
@@ -205,9 +212,15 @@ class TopKCodec:
         ratio: float = 0.1,
         value_dtype: str = DEFAULT_VALUE_DTYPE,
         mode: str = DEFAULT_MODE,
+        center: bool = False,
         **options: Any,
     ) -> EncodedTensor:
-        """Keep ceil(ratio * numel) elements (ceil(ratio * row_len) per row in "row" mode)."""
+        """Keep ceil(ratio * numel) elements (ceil(ratio * row_len) per row in "row" mode).
+
+        `center`: send the mean over rows of each last-dimension channel first, and select
+        the top-k of the tensor minus that mean; dropped elements decode to their channel
+        mean instead of zero (activations carry a large per-channel offset).
+        """
         if options:
             raise ValueError(f"unknown topk options {sorted(options)}")
         if not (isinstance(ratio, (int, float)) and 0.0 < ratio <= 1.0):
@@ -227,7 +240,21 @@ class TopKCodec:
         numel = flat.numel()
         if mode == "row" and x.dim() == 0:
             mode = "global"  # a scalar is one row of one element; global is the same thing
-        params: dict[str, Any] = {"v": FORMAT_VERSION, "mode": mode, "ratio": float(ratio), "values": value_dtype}
+        center_part = b""
+        if center:
+            if x.dim() == 0:
+                raise ValueError("center needs a tensor with at least one dimension")
+            channels = shape[-1]
+            mean = flat.view(-1, channels).float().mean(dim=0) if numel else torch.zeros(channels)
+            center_part = _values_to_bytes(mean, value_dtype)
+            mean_q = mean.to(VALUE_DTYPES[value_dtype]).float()  # exactly what the receiver adds back
+            flat = (flat.view(-1, channels).float() - mean_q).reshape(-1) if numel else flat
+        params: dict[str, Any] = {
+            "v": FORMAT_VERSION,
+            "mode": mode,
+            "ratio": float(ratio),
+            "values": value_dtype,
+        }
 
         if mode == "global":
             k = keep_count(numel, ratio)
@@ -259,38 +286,50 @@ class TopKCodec:
                 index_part = _bitmap_to_bytes(mask)
             else:
                 index_part = _indices_to_bytes(idx2d.reshape(-1), encoding)
-        ordered = {"v": FORMAT_VERSION, "mode": mode, "k": k, "ratio": float(ratio), "index": encoding, "values": value_dtype}
+        ordered = {
+            "v": FORMAT_VERSION,
+            "mode": mode,
+            "k": k,
+            "ratio": float(ratio),
+            "index": encoding,
+            "values": value_dtype,
+        }
         if mode == "row":
             ordered["row_len"] = params["row_len"]
+        if center:
+            ordered["center"] = 1
         params = ordered  # canonical key order (protocol/COMPRESSION.md)
-        data = index_part + _values_to_bytes(values, value_dtype)
+        data = center_part + index_part + _values_to_bytes(values, value_dtype)
         return EncodedTensor(dtype=dtype_name, shape=shape, codec=CODEC_NAME, params=params, data=data)
 
     def decode(self, enc: EncodedTensor, max_elements: int) -> torch.Tensor:
         """Validate everything (raising ProtocolError) and return the dense tensor."""
         p = _validated_params(enc, max_elements)
-        numel, k, mode, encoding, value_dtype = p["numel"], p["k"], p["mode"], p["index"], p["values"]
+        numel, k, _mode, encoding, value_dtype = p["numel"], p["k"], p["mode"], p["index"], p["values"]
         row_len = p.get("row_len")
+        channels = enc.shape[-1] if p["center"] else 0
+        center_bytes = channels * VALUE_BYTES[value_dtype]
         data = memoryview(enc.data)
-        if encoding == BITMAP:
-            index_bytes = bitmap_bytes(numel)
-        else:
-            index_bytes = k * INDEX_LISTS[encoding][0]
-        expected = index_bytes + k * VALUE_BYTES[value_dtype]
+        index_bytes = bitmap_bytes(numel) if encoding == BITMAP else k * INDEX_LISTS[encoding][0]
+        expected = center_bytes + index_bytes + k * VALUE_BYTES[value_dtype]
         if len(data) != expected:
             raise ProtocolError(
-                f"topk payload is {len(data)} bytes, expected {expected} "
-                f"({encoding} index section {index_bytes} + {k} {value_dtype} values)"
+                f"topk payload is {len(data)} bytes, expected {expected} (center {center_bytes} + "
+                f"{encoding} index section {index_bytes} + {k} {value_dtype} values)"
             )
         out_dtype = DTYPES[enc.dtype]
-        values = _values_from_bytes(data, index_bytes, k, value_dtype).to(out_dtype)
+        values = _values_from_bytes(data, center_bytes + index_bytes, k, value_dtype).to(out_dtype)
         out = torch.zeros(numel, dtype=out_dtype)
+        index_raw = data[center_bytes : center_bytes + index_bytes]
         if encoding == BITMAP:
-            mask = _decode_bitmap(data[:index_bytes], numel, k, row_len)
+            mask = _decode_bitmap(index_raw, numel, k, row_len)
             out.masked_scatter_(mask, values)
         else:
-            flat_idx = _decode_index_list(data[:index_bytes], encoding, numel, k, row_len)
+            flat_idx = _decode_index_list(index_raw, encoding, numel, k, row_len)
             out[flat_idx] = values
+        if channels and numel:
+            mean = _values_from_bytes(data, 0, channels, value_dtype).to(out_dtype)
+            out.view(-1, channels).add_(mean)
         return out.view(enc.shape)
 
 
@@ -331,11 +370,16 @@ def _validated_params(enc: EncodedTensor, max_elements: int) -> dict[str, Any]:
     k = params.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or not (0 <= k <= numel):
         raise ProtocolError(f"topk k={k!r} must be an int in [0, numel={numel}]")
-    out = {"numel": numel, "k": k, "mode": mode, "index": encoding, "values": value_dtype}
+    center = params.get("center", 0)
+    if type(center) is not int or center not in (0, 1) or (center and len(shape) == 0):
+        raise ProtocolError(f"topk center must be 0 or 1 (1 needs at least one dimension), got {center!r}")
+    out = {"numel": numel, "k": k, "mode": mode, "index": encoding, "values": value_dtype, "center": center}
     if mode == "row":
         row_len = params.get("row_len")
         if len(shape) == 0 or row_len != shape[-1] or isinstance(row_len, bool):
-            raise ProtocolError(f"topk row mode needs row_len == shape[-1], got {row_len!r} for {tuple(shape)}")
+            raise ProtocolError(
+                f"topk row mode needs row_len == shape[-1], got {row_len!r} for {tuple(shape)}"
+            )
         rows = numel // row_len if row_len else 0
         if rows == 0:
             if k != 0:
@@ -348,7 +392,9 @@ def _validated_params(enc: EncodedTensor, max_elements: int) -> dict[str, Any]:
     return out
 
 
-def _decode_index_list(raw: memoryview, encoding: str, numel: int, k: int, row_len: int | None) -> torch.Tensor:
+def _decode_index_list(
+    raw: memoryview, encoding: str, numel: int, k: int, row_len: int | None
+) -> torch.Tensor:
     arr = np.frombuffer(raw, dtype=INDEX_LISTS[encoding][1], count=k)
     limit = numel if row_len is None else row_len
     if k and int(arr.max()) >= limit:  # on the unsigned values, before any signed conversion

@@ -22,7 +22,7 @@ import torch
 
 from fusionnode.errors import PeerError
 from fusionnode.optim.checkpoint import load_latest_shard, save_shard
-from fusionnode.optim.optimizers import OptimizerConfig
+from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
@@ -34,21 +34,18 @@ logger = logging.getLogger(__name__)
 READY_POLL_S = 0.005  # seconds between checks of a step's completeness
 
 
-def optimizer_config(spec_dict: dict[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
-    """The reference trainer's optimizer math (betas, eps, decay rule) as an OptimizerConfig."""
-    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, weight_decay_for
-
-    spec = JobSpec.from_dict(spec_dict)
-    decay = frozenset(n for n, s in names.items() if weight_decay_for(n, len(s["shape"]), spec) > 0)
-    return OptimizerConfig(
-        name=spec.optimizer, lr=spec.lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=spec.weight_decay,
-        momentum=SGD_MOMENTUM if spec.optimizer == "sgd" else 0.0, decay_names=decay,
-    )
-
-
 class HostedShard:
-    def __init__(self, job: str, driver: str, store: ParameterStore, specs: dict[str, dict[str, Any]],
-                 peers: dict[str, str], save_dir: Path | None, save_every: int, host_index: int):
+    def __init__(
+        self,
+        job: str,
+        driver: str,
+        store: ParameterStore,
+        specs: dict[str, dict[str, Any]],
+        peers: dict[str, str],
+        save_dir: Path | None,
+        save_every: int,
+        host_index: int,
+    ):
         self.job = job
         self.driver = driver
         self.store = store
@@ -66,14 +63,26 @@ class OptimizerHostService:
         self.state_dir = state_dir
         self.step_deadline_s = step_deadline_s
         self.shards: dict[str, HostedShard] = {}
-        for name, fn in {"opt.init": self.rpc_init, "opt.ready": self.rpc_ready, "opt.apply": self.rpc_apply,
-                         "opt.pull": self.rpc_pull, "opt.release": self.rpc_release}.items():
+        for name, fn in {
+            "opt.init": self.rpc_init,
+            "opt.ready": self.rpc_ready,
+            "opt.apply": self.rpc_apply,
+            "opt.pull": self.rpc_pull,
+            "opt.release": self.rpc_release,
+        }.items():
             transport.add_rpc(name, fn)
         transport.on_data("push", self._on_push)
 
     def status(self) -> list[dict[str, Any]]:
-        return [{"job": s.job, "params": len(s.specs), "applied_step": s.store.applied_step,
-                 "counters": dict(s.store.counters)} for s in self.shards.values()]
+        return [
+            {
+                "job": s.job,
+                "params": len(s.specs),
+                "applied_step": s.store.applied_step,
+                "counters": dict(s.store.counters),
+            }
+            for s in self.shards.values()
+        ]
 
     def _shard(self, args: dict[str, Any], sender: str, *, driver_only: bool = True) -> HostedShard:
         shard = self.shards.get(str(args.get("job")))
@@ -88,19 +97,27 @@ class OptimizerHostService:
         if args.get("driver") != sender:
             raise PeerError("a shard must be assigned by the job's driver")
         specs: dict[str, dict[str, Any]] = args["param_specs"]
-        expected = ExpectedContributions({
-            name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
-            for name, contribs in args["expected"].items()
-        })
+        expected = ExpectedContributions(
+            {
+                name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
+                for name, contribs in args["expected"].items()
+            }
+        )
         peers = {key: c["peer"] for contribs in args["expected"].values() for key, c in contribs.items()}
         params: dict[str, torch.Tensor] = {}
         for idx in range(len(specs)):
-            msg, src = await self.t.mailbox.get(("opt_params", job, -1, idx, int(args["host_index"])),
-                                                self.step_deadline_s)
+            msg, src = await self.t.mailbox.get(
+                ("opt_params", job, -1, idx, int(args["host_index"])), self.step_deadline_s
+            )
             params.update(decode_checked(msg, specs, None, src))
-        cfg = optimizer_config(args["spec"], specs)
-        store = ParameterStore(job, params, cfg, expected, step_deadline_s=float(args.get("step_deadline_s",
-                                                                                         self.step_deadline_s)))
+        cfg = job_optimizer_config(args["spec"], specs)
+        store = ParameterStore(
+            job,
+            params,
+            cfg,
+            expected,
+            step_deadline_s=float(args.get("step_deadline_s", self.step_deadline_s)),
+        )
         save_dir = Path(args["save_dir"]) if args.get("save_dir") else self.state_dir / "optim"
         resumed = 0
         if args.get("resume"):
@@ -108,8 +125,16 @@ class OptimizerHostService:
             if found is not None:
                 resumed, state = found
                 store.load_state_dict(state)
-        self.shards[job] = HostedShard(job, sender, store, specs, peers, save_dir,
-                                       int(args.get("save_every", 0)), int(args["host_index"]))
+        self.shards[job] = HostedShard(
+            job,
+            sender,
+            store,
+            specs,
+            peers,
+            save_dir,
+            int(args.get("save_every", 0)),
+            int(args["host_index"]),
+        )
         return {"ready": True, "applied_step": store.applied_step, "resumed": resumed}
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -141,23 +166,39 @@ class OptimizerHostService:
         while not shard.store.ready(step) and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         complete = shard.store.ready(step)
-        return {"complete": complete, "grad_sq": shard.store.pending_grad_sq_norm(step),
-                "missing": {k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {}}
+        return {
+            "complete": complete,
+            "grad_sq": shard.store.pending_grad_sq_norm(step),
+            "missing": {k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {},
+        }
 
     async def rpc_apply(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         shard = self._shard(args, sender)
         step = int(args["step"])
         force = bool(args.get("force", False))
-        res = await asyncio.to_thread(shard.store.apply, step, float(args["lr"]), force=force,
-                                      clip_coef=float(args.get("clip_coef", 1.0)))
+        res = await asyncio.to_thread(
+            shard.store.apply,
+            step,
+            float(args["lr"]),
+            force=force,
+            clip_coef=float(args.get("clip_coef", 1.0)),
+        )
         if shard.save_every and step % shard.save_every == 0:
             try:
-                await asyncio.to_thread(save_shard, shard.save_dir, shard.job, f"h{shard.host_index}", step,
-                                        shard.store)
+                await asyncio.to_thread(
+                    save_shard, shard.save_dir, shard.job, f"h{shard.host_index}", step, shard.store
+                )
             except OSError as exc:  # the previous checkpoint stays intact; training goes on
                 logger.error("could not write the optimizer shard checkpoint of step %d: %s", step, exc)
-        return {"applied": res.applied, "step": res.step, "forced": res.forced, "updated": len(res.updated),
-                "missing": list(res.missing), "counters": dict(shard.store.counters), "rejected": shard.rejected}
+        return {
+            "applied": res.applied,
+            "step": res.step,
+            "forced": res.forced,
+            "updated": len(res.updated),
+            "missing": list(res.missing),
+            "counters": dict(shard.store.counters),
+            "rejected": shard.rejected,
+        }
 
     async def rpc_pull(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """Sends the requested parameters, one message each, to the caller (any worker of the plan)."""
@@ -171,8 +212,13 @@ class OptimizerHostService:
         step, values = await asyncio.to_thread(shard.store.get_params, names)
         tag = int(args.get("tag", 0))
         for idx, name in enumerate(names):
-            meta = {"job": shard.job, "step": tag, "mb": idx, "stage": int(args.get("stage", -1)),
-                    "host": shard.host_index}
+            meta = {
+                "job": shard.job,
+                "step": tag,
+                "mb": idx,
+                "stage": int(args.get("stage", -1)),
+                "host": shard.host_index,
+            }
             await self.t.send(sender, tensor_message(f"pulled{shard.host_index}", meta, {name: values[name]}))
         return {"count": len(names), "step": step}
 

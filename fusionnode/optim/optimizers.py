@@ -174,12 +174,13 @@ class FlatOptimizer:
 
     @staticmethod
     def grad_sq_norm(grads: Mapping[str, Tensor]) -> float:
-        """Sum of squared L2 norms of the gradients (in fp32)."""
-        gs = [g for g in grads.values() if g.numel() > 0]
+        """Sum of squared L2 norms of the gradients: each tensor's norm in fp32, the squares summed in
+        fp64, so that any partition of the tensors (stages, hosts) adds up to the same total to rounding."""
+        gs = [grads[name] for name in sorted(grads) if grads[name].numel() > 0]
         if not gs:
             return 0.0
         norms = torch._foreach_norm(gs, 2)
-        return float(torch.linalg.vector_norm(torch.stack(norms), 2).item() ** 2)
+        return float(torch.stack(norms).double().pow(2).sum())
 
     def step(
         self, grads: Mapping[str, Tensor], lr: float | None = None, *, clip_coef: float | None = None
@@ -308,3 +309,20 @@ class LocalOptimizer:
 def make_local_optimizer(params: Mapping[str, nn.Parameter], cfg: OptimizerConfig) -> LocalOptimizer:
     """An optimizer over a worker's own parameters with the same math as the optimizer hosts."""
     return LocalOptimizer(params, cfg)
+
+
+def job_optimizer_config(spec_dict: dict[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
+    """A training job's optimizer: the reference trainer's math (betas, eps, decay rule) for the named parameters."""
+    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, weight_decay_for
+
+    spec = JobSpec.from_dict(spec_dict)
+    decay = frozenset(n for n, s in names.items() if weight_decay_for(n, len(s["shape"]), spec) > 0)
+    return OptimizerConfig(
+        name=spec.optimizer,
+        lr=spec.lr,
+        betas=ADAMW_BETAS,
+        eps=ADAMW_EPS,
+        weight_decay=spec.weight_decay,
+        momentum=SGD_MOMENTUM if spec.optimizer == "sgd" else 0.0,
+        decay_names=decay,
+    )

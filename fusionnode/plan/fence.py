@@ -39,9 +39,15 @@ def coarsen(graph: OpGraph, max_blocks: int = MAX_BLOCKS) -> list[int]:
     if len(cand) < max_blocks // 2:  # too few minima (odd graph): add the cheapest other cuts
         rest = sorted((c for c in range(1, n) if c not in set(cand)), key=lambda c: (cut[c], c))
         cand = sorted(set(cand) | set(rest[: max_blocks - 1 - len(cand)]))
-    if len(cand) > max_blocks - 1:  # evenly spaced among the minima (blocks of a model are alike)
-        pick = np.linspace(0, len(cand) - 1, max_blocks - 1).round().astype(int)
-        cand = [cand[i] for i in sorted(set(pick.tolist()))]
+    need = max_blocks - 1
+    if len(cand) > need:
+        # the `need` cheapest minima; among equally cheap ones (the residual stream between
+        # transformer blocks), an evenly spaced selection so fences can fall anywhere in the model
+        thr = sorted(cut[c] for c in cand)[need - 1]
+        below = [c for c in cand if cut[c] < thr]
+        ties = [c for c in cand if cut[c] == thr]
+        pick = np.linspace(0, len(ties) - 1, need - len(below)).round().astype(int) if need > len(below) else []
+        cand = sorted(set(below) | {ties[i] for i in pick})
     return [0, *cand, n]
 
 

@@ -49,12 +49,14 @@ log = logging.getLogger(__name__)
 
 DP_ITERATIONS = 3  # split DP re-runs with AdaTopK targets from the previous split
 DP_ITERATIONS_LARGE = 2  # the same on clusters larger than SMALL_CLUSTER
+SYNC_CAP_FRACTIONS = (0.75, 0.5, 0.25)  # sync caps (x the fastest split's sync) the DP is re-run with
 MAX_PIPELINE_COUNTS = 8  # pipeline counts tried per grouping
 TRIM_SPEED_RATIO = 0.5  # only try dropping devices slower than this x the pipeline's fastest
-LOCAL_SEARCH_MOVES = 400  # most candidate moves evaluated by the local search
+LOCAL_SEARCH_MOVES = 3000  # most candidate moves evaluated by the local search
 HOST_COUNT_MULTIPLIERS = (1, 2, 4, 8, 16)  # optimizer host counts tried, x the minimum by RAM
 HOST_SPREAD_MAX = 16  # the search spreads the optimizer over at most this x the minimum host count
-SMALL_CLUSTER = 16  # up to this many workers: DP at every micro-batch size, then local search
+SMALL_CLUSTER = 8  # up to this many workers: DP at every micro-batch size, then local search
+LOCAL_SEARCH_STARTS = 3  # local search from this many of the best constructed configurations
 
 
 def micro_batch_sizes(batch: int) -> list[int]:
@@ -108,10 +110,17 @@ def _range_matrices(chain: Chain, param_factor: int, u: int) -> tuple[np.ndarray
 
 
 def split_dp(
-    est: Estimator, chain: Chain, devices: Sequence[int], u: int, target: float = math.inf
+    est: Estimator,
+    chain: Chain,
+    devices: Sequence[int],
+    u: int,
+    target: float = math.inf,
+    sync_cap: float = math.inf,
+    sync_terms: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[int] | None:
     """Exact min-max split of the chain over devices in this order (each gets >= 1 block): stage
-    time = compute + outgoing link (AdaTopK at per-direction target/2), within memory."""
+    time = compute + outgoing link (AdaTopK at per-direction target/2), within memory, and with
+    every stage's sync time (fixed[d] + param bytes * per_byte[d]) at most sync_cap."""
     s, n = len(devices), chain.blocks
     if s > n:
         return None
@@ -127,6 +136,9 @@ def split_dp(
             bw, lat = est.link(d, devices[k + 1])
             cost = cost + _link_cost_vector(X * u, bw, lat, target / 2.0)[None, :]
         ok = valid_shape & (dparam + dact * (s - k) <= cap[d])
+        if sync_terms is not None and math.isfinite(sync_cap):
+            raw = dparam / est.param_factor()
+            ok &= (raw <= 0) | (sync_terms[0][d] + raw * sync_terms[1][d] <= sync_cap)
         cost = np.where(ok, cost, np.inf)
         if k == 0:
             f = cost[0].copy()
@@ -233,14 +245,11 @@ class Context:
             return c
         return dataclasses.replace(c, devices=cost.devices)
 
-    def sync(self, cost: PipelineCost, multi: bool) -> float:
-        """The pipeline's data-parallel sync (Estimator.stage_sync_time, vectorised over hosts)."""
+    def sync_terms(self, multi: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per device (fixed seconds, seconds per parameter byte) of a stage's sync; None when the
+        sync depends on the pipeline (offload off)."""
         if not self.est.offload:
-            outside = self.est.outside_bandwidth(cost.devices, self.workers)
-            return max(
-                self.est.stage_sync_time(d, p, self.hosts, multi, float(o))
-                for d, p, o in zip(cost.devices, cost.param_bytes, outside, strict=False)
-            )
+            return None
         key = tuple(self.hosts)
         if self._host_terms is None or self._host_terms[0] != key:
             bw = self.est.cluster.bandwidth_bps
@@ -255,11 +264,54 @@ class Context:
                 fixed[mask] += 2.0 * lat[mask, h]
                 per_byte[mask] += 2.0 * share * 8.0 / bw[mask, h]
             self._host_terms = (key, fixed, per_byte)
-        _, fixed, per_byte = self._host_terms
+        return self._host_terms[1], self._host_terms[2]
+
+    def sync(self, cost: PipelineCost, multi: bool) -> float:
+        """The pipeline's data-parallel sync (Estimator.stage_sync_time, vectorised over hosts)."""
+        terms = self.sync_terms(multi)
+        if terms is None:
+            outside = self.est.outside_bandwidth(cost.devices, self.workers)
+            return max(
+                self.est.stage_sync_time(d, p, self.hosts, multi, float(o))
+                for d, p, o in zip(cost.devices, cost.param_bytes, outside, strict=True)
+            )
+        fixed, per_byte = terms
         return max(
             (float(fixed[d] + p * per_byte[d]) if p > 0 else 0.0)
-            for d, p in zip(cost.devices, cost.param_bytes, strict=False)
+            for d, p in zip(cost.devices, cost.param_bytes, strict=True)
         )
+
+    def sync_variants(self, base: PipelineCost, multi: bool) -> list[PipelineCost]:
+        """Splits that trade a slower bottleneck for a shorter sync: the DP re-run with every
+        stage's sync capped at SYNC_CAP_FRACTIONS of the base split's sync."""
+        terms = self.sync_terms(multi)
+        if terms is None:
+            return []
+        y0 = self.sync(base, multi)
+        if y0 <= 0:
+            return []
+        key = ("sync", tuple(self.hosts), *self._key(base.devices, base.micro_batch_size), base.split)
+        if key not in self._splits:
+            out = []
+            for frac in SYNC_CAP_FRACTIONS:
+                split = split_dp(
+                    self.est,
+                    self.chain,
+                    base.devices,
+                    base.micro_batch_size,
+                    max(base.compute_s),
+                    y0 * frac,
+                    terms,
+                )
+                if split is not None and tuple(split) != base.split:
+                    c = self.est.evaluate(self.chain, base.devices, split, base.micro_batch_size)
+                    if c.fits:
+                        out.append(c)
+            self._splits[key] = out
+        return [
+            c if c.devices == base.devices else dataclasses.replace(c, devices=base.devices)
+            for c in self._splits[key]
+        ]
 
     def options(self, devices: tuple[int, ...], multi: bool, share_hint: int | None = None) -> list[Option]:
         """Options of a pipeline over these devices (in order); [] if none fits.
@@ -275,7 +327,9 @@ class Context:
             for u in (x for x in sizes if x <= self.batch):
                 cost = self.split(devices, u)
                 if cost is not None:
-                    out.append(Option(cost, self.sync(cost, multi)))
+                    out.extend(
+                        Option(c, self.sync(c, multi)) for c in [cost, *self.sync_variants(cost, multi)]
+                    )
             return out
         if self.exhaustive_sizes:
             base = self.sizes
@@ -308,7 +362,12 @@ class Context:
                 c = self.split(devices, best_u)
                 if c is not None and c.bottleneck_s < costs[best_u].bottleneck_s:
                     costs[best_u] = c
-        return [Option(c, self.sync(c, multi)) for _, c in sorted(costs.items())]
+        out = []
+        for u, c in sorted(costs.items()):
+            out.append(Option(c, self.sync(c, multi)))
+            if self.exhaustive_sizes or u == u0:
+                out.extend(Option(v, self.sync(v, multi)) for v in self.sync_variants(c, multi))
+        return out
 
 
 def _pipe_time(opts: Sequence[Option], samples: int, fixed_m: int | None) -> tuple[float, Option | None]:
@@ -596,6 +655,13 @@ def _local_search(ctx: Context, start: Evaluated, idle: list[int]) -> Evaluated:
                     cands.append([*pipes[:a], [*p[:pos], d, *p[pos:]], *pipes[a + 1 :]])
         for d in unused:
             cands.append([*pipes, [d]])
+        # two idle devices at once (a single one may not pay for the extra stage)
+        for a, p in enumerate(pipes):
+            for d1, d2 in itertools.permutations(unused, 2):
+                for i in range(len(p) + 1):
+                    for j in range(i, len(p) + 1):
+                        q = [*p[:i], d1, *p[i:j], d2, *p[j:]]
+                        cands.append([*pipes[:a], q, *pipes[a + 1 :]])
         for c in cands:
             moves += 1
             ev = evaluate_config(ctx, [tuple(x) for x in c if x])
@@ -696,13 +762,55 @@ def plan(
     top = sorted((est.capacity(d) for d in workers), reverse=True)
     min_stages = next((k + 1 for k in range(len(top)) if sum(top[: k + 1]) >= need), len(top))
     levels = fence.fence_levels(cluster, workers)
-    seen: set[tuple[tuple[int, ...], ...]] = set()
-    best: Evaluated | None = None
     counts = _pipeline_counts(len(workers), min_stages, chain.blocks)
+    small = len(workers) <= SMALL_CLUSTER
+    host_sets = [list(ctx.hosts)]
+    if small and est.offload:  # small clusters: the whole search once per optimizer host set
+        for mult in HOST_COUNT_MULTIPLIERS:
+            hs = choose_hosts(cluster, workers, float(chain.params[-1]), mult)
+            if hs not in host_sets:
+                host_sets.append(hs)
+    best: Evaluated | None = None
+    for hs in host_sets:
+        ctx.hosts = hs
+        ctx._host_terms = None
+        found = _constructive(ctx, levels, counts, LOCAL_SEARCH_STARTS if small and local_search else 1)
+        for ev in found:
+            if small and local_search:
+                ev = _local_search(ctx, ev, [])
+            if best is None or ev.step_s < best.step_s:
+                best = ev
+    if best is None:
+        raise PlanError(
+            f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
+            f"the weights{'' if est.offload else ', grads and optimizer state'} need {need / 1e9:.2f} GB "
+            f"across at most {chain.blocks} stages, plus activations of at least one sample per stage; "
+            f"{'' if est.offload else 'use --offload on, '}a smaller model or sequence, or devices with more memory"
+        )
+    ctx.hosts = list(best.hosts)
+    ctx._host_terms = None
+    best = _best_hosts(ctx, best)
+    log.info(
+        "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
+        graph.model_name,
+        cluster.name,
+        len(best.pipelines),
+        best.step_s,
+        ctx.evaluations,
+        time.perf_counter() - t0,
+    )
+    return build_plan(graph, ctx, best, seq_len, strategy="fusion")
+
+
+def _constructive(ctx: Context, levels: list, counts: list[int], keep: int) -> list[Evaluated]:
+    """The `keep` best configurations built from every grouping, pipeline count and builder."""
+    cluster = ctx.est.cluster
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    found: list[Evaluated] = []
     for grouping in levels:
         order = fence.order_devices(cluster, grouping)
         for count in counts:
-            share = max(1, batch_size // count)
+            share = max(1, ctx.batch // count)
             builders: list[Callable[[], list[list[int]]]] = [
                 lambda g=grouping, c=count: _pack(cluster, g, c),
                 lambda o=order, c=count: _chunk(cluster, o, c),
@@ -718,28 +826,16 @@ def plan(
                     continue
                 seen.add(sig)
                 ev = evaluate_config(ctx, pipes_t)
-                if ev is not None and (best is None or ev.step_s < best.step_s):
-                    best = ev
-    if best is None:
-        raise PlanError(
-            f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
-            f"the weights{'' if est.offload else ', grads and optimizer state'} need {need / 1e9:.2f} GB "
-            f"across at most {chain.blocks} stages, plus activations of at least one sample per stage; "
-            f"{'' if est.offload else 'use --offload on, '}a smaller model or sequence, or devices with more memory"
-        )
-    if local_search and len(workers) <= SMALL_CLUSTER:
-        best = _local_search(ctx, best, [])
-    best = _best_hosts(ctx, best)
-    log.info(
-        "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
-        graph.model_name,
-        cluster.name,
-        len(best.pipelines),
-        best.step_s,
-        ctx.evaluations,
-        time.perf_counter() - t0,
-    )
-    return build_plan(graph, ctx, best, seq_len, strategy="fusion")
+                if ev is not None:
+                    found.append(ev)
+    found.sort(key=lambda e: e.step_s)
+    out: list[Evaluated] = []
+    for ev in found:  # distinct configurations only
+        if all(_signature(ev.pipelines) != _signature(o.pipelines) for o in out):
+            out.append(ev)
+        if len(out) >= keep:
+            break
+    return out
 
 
 def _best_hosts(ctx: Context, ev: Evaluated) -> Evaluated:
@@ -871,6 +967,26 @@ def exhaustive_plan(
         raise ConfigError(
             f"exhaustive_plan is for <= {EXHAUSTIVE_MAX_DEVICES} workers and <= {EXHAUSTIVE_MAX_BLOCKS} nodes"
         )
+    host_sets = [list(ctx.hosts)]
+    if est.offload:
+        for mult in HOST_COUNT_MULTIPLIERS:
+            hs = choose_hosts(cluster, ctx.workers, float(chain.params[-1]), mult)
+            if hs not in host_sets:
+                host_sets.append(hs)
+    best: Evaluated | None = None
+    for hs in host_sets:
+        ctx.hosts = hs
+        ctx._host_terms = None
+        cand = _exhaustive_search(ctx, batch_size)
+        if cand is not None and (best is None or cand.step_s < best.step_s * (1 - 1e-12)):
+            best = cand
+    if best is None:
+        raise PlanError(f"no plan fits {graph.model_name!r} on cluster {cluster.name!r}")
+    return build_plan(graph, ctx, best, None, strategy="exhaustive")
+
+
+def _exhaustive_search(ctx: Context, batch_size: int) -> Evaluated | None:
+    est, chain = ctx.est, ctx.chain
     B = batch_size
     # per ordered tuple and "multi" flag: best time for each share b in 0..B
     table: dict[tuple[tuple[int, ...], bool], tuple[np.ndarray, list]] = {}
@@ -947,9 +1063,7 @@ def exhaustive_plan(
                         pipes.append(perm)
                         opts.append(opt)
                     best = Evaluated(step, tuple(pipes), tuple(shares), tuple(opts), tuple(ctx.hosts))
-    if best is None:
-        raise PlanError(f"no plan fits {graph.model_name!r} on cluster {cluster.name!r}")
-    return build_plan(graph, ctx, best, None, strategy="exhaustive")
+    return best
 
 
 def _set_partitions(items: list[int]):

@@ -36,7 +36,13 @@ DataHandler = Callable[[TensorMessage, str], None]
 
 def message_key(msg: TensorMessage) -> tuple:
     m = msg.meta
-    return (msg.kind, str(m.get("job", "")), int(m.get("step", -1)), int(m.get("mb", -1)), int(m.get("stage", -1)))
+    return (
+        msg.kind,
+        str(m.get("job", "")),
+        int(m.get("step", -1)),
+        int(m.get("mb", -1)),
+        int(m.get("stage", -1)),
+    )
 
 
 class Mailbox:
@@ -71,8 +77,10 @@ class Mailbox:
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise DeadlineError(f"no {key[0]!r} message for job {key[1]} step {key[2]} mb {key[3]} "
-                                f"stage {key[4]} within {timeout:.0f} s") from None
+            raise DeadlineError(
+                f"no {key[0]!r} message for job {key[1]} step {key[2]} mb {key[3]} "
+                f"stage {key[4]} within {timeout:.0f} s"
+            ) from None
         finally:
             if self._waiters.get(key) is fut:
                 del self._waiters[key]
@@ -113,8 +121,9 @@ class TokenBucket:
 
 
 class Transport:
-    def __init__(self, p2p: Any, *, rpc_timeout: float = 30.0, limits: Limits = DEFAULT_LIMITS,
-                 authorizer: Any = None):
+    def __init__(
+        self, p2p: Any, *, rpc_timeout: float = 30.0, limits: Limits = DEFAULT_LIMITS, authorizer: Any = None
+    ):
         self.p2p = p2p
         self.peer_id = str(p2p.peer_id)
         self.rpc_timeout = rpc_timeout
@@ -127,7 +136,8 @@ class Transport:
         self._tasks: set[asyncio.Task] = set()
         self.bytes_sent: dict[str, int] = defaultdict(int)  # per job id
         self.bytes_sent_to: dict[str, int] = defaultdict(int)  # per peer id
-        self.rate_limits: dict[str, TokenBucket] = {}
+        self.rate_limits: dict[str, TokenBucket] = {}  # per destination peer
+        self.egress_limit: TokenBucket | None = None  # every data stream this peer writes
         self.authorizer = authorizer
 
     async def start(self) -> None:
@@ -162,8 +172,9 @@ class Transport:
     def add_rpc(self, method: str, handler: RpcHandler) -> None:
         self._rpc[method] = handler
 
-    async def call(self, peer_id: str, method: str, args: dict[str, Any] | None = None,
-                   timeout: float | None = None) -> dict[str, Any]:
+    async def call(
+        self, peer_id: str, method: str, args: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
         timeout = timeout or self.rpc_timeout
         if peer_id == self.peer_id:
             handler = self._rpc.get(method)
@@ -173,13 +184,17 @@ class Transport:
         try:
             return await asyncio.wait_for(self._call_remote(peer_id, method, args or {}), timeout)
         except asyncio.TimeoutError:
-            raise DeadlineError(f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s") from None
+            raise DeadlineError(
+                f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s"
+            ) from None
 
     async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
         from hivemind.p2p import PeerID
 
         try:
-            _info, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_RPC)
+            _info, reader, writer = await self.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer_id), PROTO_RPC
+            )
         except Exception as exc:
             raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
         try:
@@ -195,7 +210,9 @@ class Transport:
             raise PeerError(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}")
         return dict(reply.result)
 
-    async def _on_rpc_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_rpc_stream(
+        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         sender = str(info.peer_id)
         try:
             msg = await read_message(reader, self.limits, timeout=self.rpc_timeout)
@@ -224,8 +241,12 @@ class Transport:
             writer.close()
 
     # ---- data plane ----------------------------------------------------------------------------
-    async def send(self, peer_id: str, msg: TensorMessage) -> int:
-        """Sends one TensorMessage; returns the bytes written on the wire (0 to ourselves)."""
+    async def send(
+        self, peer_id: str, msg: TensorMessage, observe: Callable[[int, float], None] | None = None
+    ) -> int:
+        """Sends one TensorMessage; returns the bytes written on the wire (0 to ourselves).
+
+        `observe(bytes, seconds)` gets the time the write took once the stream was ours."""
         if peer_id == self.peer_id:
             self._deliver(msg, self.peer_id)
             return 0
@@ -236,13 +257,16 @@ class Transport:
                 try:
                     if stream is None:
                         stream = await self._open_data(peer_id)
-                    bucket = self.rate_limits.get(peer_id)
+                    bucket = self.rate_limits.get(peer_id) or self.egress_limit
+                    t0 = time.perf_counter()
                     if bucket is not None:
                         n = await self._write_limited(stream[1], msg, bucket)
                     else:
                         n = await write_message(stream[1], self._sign(msg))
                     self.bytes_sent[job] += n
                     self.bytes_sent_to[peer_id] += n
+                    if observe is not None:
+                        observe(n, time.perf_counter() - t0)
                     return n
                 except (ConnectionError, OSError, PeerError) as exc:
                     self._out.pop(peer_id, None)
@@ -250,7 +274,9 @@ class Transport:
                         raise PeerError(f"cannot send {msg.kind!r} to peer {peer_id[:12]}…: {exc}") from exc
         raise AssertionError("unreachable")
 
-    async def _write_limited(self, writer: asyncio.StreamWriter, msg: TensorMessage, bucket: TokenBucket) -> int:
+    async def _write_limited(
+        self, writer: asyncio.StreamWriter, msg: TensorMessage, bucket: TokenBucket
+    ) -> int:
         from fusionnode.wire.messages import encode_message
 
         data = encode_message(self._sign(msg))
@@ -274,7 +300,9 @@ class Transport:
         self._out[peer_id] = (reader, writer)
         return reader, writer
 
-    async def _on_data_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _on_data_stream(
+        self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         sender = str(info.peer_id)
         try:
             while True:
@@ -286,7 +314,9 @@ class Transport:
                     raise
                 msg = self._verify(msg, sender)
                 if not isinstance(msg, TensorMessage):
-                    raise ProtocolError(f"expected a TensorMessage on the data stream, got {type(msg).__name__}")
+                    raise ProtocolError(
+                        f"expected a TensorMessage on the data stream, got {type(msg).__name__}"
+                    )
                 self._deliver(msg, sender)
         except ProtocolError as exc:
             logger.warning("closing data stream from %s: %s", sender[:12], exc)

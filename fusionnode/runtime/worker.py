@@ -27,6 +27,8 @@ from typing import Any
 import torch
 
 from fusionnode.errors import PeerError
+from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.runtime.links import LinkCompressor, LinkOptions
 from fusionnode.runtime.transport import Transport
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
@@ -36,8 +38,13 @@ logger = logging.getLogger(__name__)
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
 
 
-def tensor_message(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor], codec: str = "raw",
-                   **codec_options: Any) -> TensorMessage:
+def tensor_message(
+    kind: str,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    codec: str = "raw",
+    **codec_options: Any,
+) -> TensorMessage:
     enc = {}
     for name, t in tensors.items():
         t = t.detach()
@@ -48,8 +55,9 @@ def tensor_message(kind: str, meta: dict[str, Any], tensors: dict[str, torch.Ten
     return TensorMessage(kind=kind, meta=meta, tensors=enc)
 
 
-def decode_checked(msg: TensorMessage, expected: dict[str, dict[str, Any]] | None, batch: int | None,
-                   sender: str) -> dict[str, torch.Tensor]:
+def decode_checked(
+    msg: TensorMessage, expected: dict[str, dict[str, Any]] | None, batch: int | None, sender: str
+) -> dict[str, torch.Tensor]:
     """Decodes every tensor, checking exact dtype and shape (where known) and finiteness."""
     out = {}
     for name, enc in msg.tensors.items():
@@ -91,8 +99,12 @@ class StageJob:
         self.send_names: list[str] = list(self.send_specs)
         self.shared_names: set[str] = set(args.get("shared_names") or [])
         self.spec: dict[str, Any] = args["spec"]
-        self.codec: str = args.get("codec", "raw")
-        self.codec_options: dict[str, Any] = args.get("codec_options") or {}
+        opts = LinkOptions.from_dict(args.get("link_options"))
+        compress = str(self.spec.get("compress") or "none")
+        self.fwd = LinkCompressor(
+            compress, opts, bandwidth_bps=args.get("bw_next")
+        )  # activations to the next stage
+        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=args.get("bw_prev"))  # their gradients back
         self.need_bytes: int = int(args.get("need_bytes", 0))
         # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
         self.offload: dict[str, Any] | None = args.get("offload")
@@ -123,9 +135,17 @@ class StageJob:
 
 
 class WorkerService:
-    def __init__(self, transport: Transport, *, capacity_bytes: int, config: Any, can_work: bool = True,
-                 can_host: bool = True, state_dir: Any = None,
-                 on_jobs_changed: Callable[[list[str]], None] | None = None):
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        capacity_bytes: int,
+        config: Any,
+        can_work: bool = True,
+        can_host: bool = True,
+        state_dir: Any = None,
+        on_jobs_changed: Callable[[list[str]], None] | None = None,
+    ):
         self.t = transport
         self.capacity_bytes = capacity_bytes
         self.config = config
@@ -167,9 +187,16 @@ class WorkerService:
 
     def status(self) -> list[dict[str, Any]]:
         return [
-            {"job": sj.job, "stage": sj.stage, "num_stages": sj.num_stages, "driver": sj.driver,
-             "last_step": sj.last_step, "params": len(sj.param_specs), "need_bytes": sj.need_bytes,
-             "lease_left_s": round(sj.lease_until - time.monotonic(), 1)}
+            {
+                "job": sj.job,
+                "stage": sj.stage,
+                "num_stages": sj.num_stages,
+                "driver": sj.driver,
+                "last_step": sj.last_step,
+                "params": len(sj.param_specs),
+                "need_bytes": sj.need_bytes,
+                "lease_left_s": round(sj.lease_until - time.monotonic(), 1),
+            }
             for sj in self.jobs.values()
         ]
 
@@ -254,6 +281,7 @@ class WorkerService:
                 if sj.grad_counts[name] == sj.micro_batches_now:
                     grad = p.grad.detach().clone()
                     loop.call_soon_threadsafe(self._push, sj, name, grad)
+
             return hook
 
         for name, p in sj.params.items():
@@ -261,8 +289,14 @@ class WorkerService:
 
     def _push(self, sj: StageJob, name: str, grad: torch.Tensor) -> None:
         off = sj.offload
-        meta = {"job": sj.job, "step": sj.step_now + 1, "mb": -1, "stage": sj.stage,
-                "contributor": off["contributor"], "samples": int(off["samples"])}
+        meta = {
+            "job": sj.job,
+            "step": sj.step_now + 1,
+            "mb": -1,
+            "stage": sj.stage,
+            "contributor": off["contributor"],
+            "samples": int(off["samples"]),
+        }
         msg = tensor_message("push", meta, {name: grad})
         sj.push_tasks.append(asyncio.ensure_future(self.t.send(off["hosts"][name], msg)))
 
@@ -275,8 +309,12 @@ class WorkerService:
         timeout = self.config.step_timeout_s
 
         async def one(host: str, names: list[str]) -> dict[str, torch.Tensor]:
-            res = await self.t.call(host, "opt.pull", {"job": sj.job, "names": names, "tag": step, "stage": sj.stage},
-                                    timeout=timeout)
+            res = await self.t.call(
+                host,
+                "opt.pull",
+                {"job": sj.job, "names": names, "tag": step, "stage": sj.stage},
+                timeout=timeout,
+            )
             hidx = off["host_index"][names[0]]
             got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
@@ -324,7 +362,13 @@ class WorkerService:
             sj.step_now = int(args["step"])
             sj.micro_batches_now = int(args["micro_batches"])
             sj.grad_counts = {}
-            return await self._run_step(sj, int(args["step"]), int(args["micro_batches"]), int(args["mb_size"]))
+            return await self._run_step(
+                sj,
+                int(args["step"]),
+                int(args["micro_batches"]),
+                int(args["mb_size"]),
+                args.get("target_time_s"),
+            )
 
     async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
@@ -337,7 +381,9 @@ class WorkerService:
         shared = sorted(sj.shared_names & set(sj.params))
         summed: dict[str, torch.Tensor] = {}
         if shared:
-            msg, src = await self.t.mailbox.get(("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s)
+            msg, src = await self.t.mailbox.get(
+                ("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s
+            )
             summed = decode_checked(msg, {n: sj.param_specs[n] for n in shared}, None, src)
         lr = float(args["lr"])
         clip = float(args.get("clip_coef", 1.0))
@@ -349,10 +395,8 @@ class WorkerService:
                         p.grad = summed[name].to(p.dtype).clone()
                     if p.grad is not None and clip != 1.0:
                         p.grad.mul_(clip)
-                for group in sj.opt.param_groups:
-                    group["lr"] = lr
-                sj.opt.step()
-                sj.opt.zero_grad(set_to_none=True)
+                sj.opt.step(lr)
+                sj.opt.zero_grad()
 
         async with sj.busy:
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
@@ -360,7 +404,9 @@ class WorkerService:
         return {"applied": step}
 
     # ---- the pipeline schedule -----------------------------------------------------------------
-    async def _run_step(self, sj: StageJob, step: int, m: int, mb_size: int) -> dict[str, Any]:
+    async def _run_step(
+        self, sj: StageJob, step: int, m: int, mb_size: int, target_time_s: float | None
+    ) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         timeout = self.config.step_timeout_s
         module = sj.module
@@ -378,10 +424,15 @@ class WorkerService:
             wait_s += time.perf_counter() - t0
             return out
 
-        def send(peer: str, kind: str, mb: int, stage: int, tensors: dict[str, torch.Tensor], codec: str) -> None:
+        def send(
+            peer: str, kind: str, mb: int, stage: int, tensors: dict[str, torch.Tensor], link: LinkCompressor
+        ) -> None:
             meta = {"job": sj.job, "step": step, "mb": mb, "stage": stage}
-            msg = tensor_message(kind, meta, tensors, codec, **sj.codec_options)
-            sends.append(asyncio.ensure_future(self.t.send(peer, msg)))
+            # the link must carry one micro-batch's tensors in the time the slowest stage computes one
+            target = target_time_s or (compute_s / max(1, f + b) if f + b else None)
+            enc = link.encode(tensors, step, kind, target)
+            msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
+            sends.append(asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe)))
 
         async def forward(mb: int) -> None:
             nonlocal compute_s
@@ -407,8 +458,9 @@ class WorkerService:
                 loss_val = None
                 if sj.is_last:
                     logits = next(iter(outs.values())) if len(outs) == 1 else outs[module.output_names[0]]
-                    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                             target.reshape(-1))
+                    loss = torch.nn.functional.cross_entropy(
+                        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
+                    )
                     loss_val = float(loss.detach())
                     outs = {"__loss__": loss / m}
                 else:
@@ -425,7 +477,7 @@ class WorkerService:
             if loss_val is not None:
                 losses.append(loss_val)
             if not sj.is_last:
-                send(sj.next, "act", mb, sj.next_stage, {n: outs[n] for n in sj.send_names}, sj.codec)
+                send(sj.next, "act", mb, sj.next_stage, {n: outs[n] for n in sj.send_names}, sj.fwd)
 
         async def backward(mb: int) -> None:
             nonlocal compute_s
@@ -442,18 +494,21 @@ class WorkerService:
                 if sj.is_last:
                     outs["__loss__"].backward()
                 else:
-                    pairs = [(outs[n], g.to(sj.device)) for n, g in grads.items()
-                             if outs[n].requires_grad]
+                    pairs = [(outs[n], g.to(sj.device)) for n, g in grads.items() if outs[n].requires_grad]
                     if pairs:
                         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-                return {n: t.grad for n, t in leaves.items()
-                        if n in input_names or n in sj.send_names if t.grad is not None}
+                return {
+                    n: t.grad
+                    for n, t in leaves.items()
+                    if n in input_names or n in sj.send_names
+                    if t.grad is not None
+                }
 
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
             compute_s += time.perf_counter() - t0
             if not sj.is_first and in_grads:
-                send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.codec)
+                send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)
 
         # 1F1B: warm up with forwards, then alternate, then drain the backwards
         warmup = min(sj.num_stages - sj.pos - 1, m)
@@ -483,15 +538,17 @@ class WorkerService:
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
         shared = [] if sj.offload else sorted(sj.shared_names & set(sj.params))
         if shared:
-            g = {n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))
-                 for n in shared}
+            g = {
+                n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))
+                for n in shared
+            }
             sent_bytes += await self.t.send(
-                sj.driver, tensor_message("shared_grad", {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g)
+                sj.driver,
+                tensor_message("shared_grad", {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g),
             )
-        sq = 0.0
-        for name, p in sj.params.items():
-            if name not in sj.shared_names and p.grad is not None:
-                sq += float(p.grad.detach().double().pow(2).sum())
+        sq = FlatOptimizer.grad_sq_norm(
+            {n: p.grad.detach() for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None}
+        )
         return {
             "step": step,
             "stage": sj.stage,
@@ -501,19 +558,13 @@ class WorkerService:
             "total_s": time.perf_counter() - t_start,
             "sent_bytes": sent_bytes,
             "grad_sq": sq,
+            "links": {"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
         }
 
 
-def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> torch.optim.Optimizer:
-    """The stage's local optimizer: the reference's math (groups, betas, kernels) on this stage's parameters."""
-    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, lr_at, weight_decay_for
+def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> Any:
+    """The stage's local optimizer: the optimizer hosts' code and math, on this stage's parameters."""
+    from fusionnode.optim.optimizers import job_optimizer_config, make_local_optimizer
 
-    spec = JobSpec.from_dict(spec_dict)
-    decay, no_decay = [], []
-    for name, p in params.items():
-        (decay if weight_decay_for(name, p.ndim, spec) > 0 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if spec.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr_at(0, spec), betas=ADAMW_BETAS, eps=ADAMW_EPS,
-                                 fused=False, foreach=False)
-    return torch.optim.SGD(groups, lr=lr_at(0, spec), momentum=SGD_MOMENTUM, foreach=False)
+    shapes = {name: {"shape": list(p.shape)} for name, p in params.items()}
+    return make_local_optimizer(params, job_optimizer_config(spec_dict, shapes))

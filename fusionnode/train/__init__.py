@@ -14,6 +14,7 @@ from fusionnode.train.data import (
 from fusionnode.train.export import export_checkpoint, load_model_from_checkpoint
 from fusionnode.train.generate import generate
 from fusionnode.train.local import (
+    DivergenceError,
     LocalResult,
     build_job_model,
     evaluate,
@@ -31,6 +32,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "Corpus",
+    "DivergenceError",
     "JobSpec",
     "LocalResult",
     "MetricsWriter",

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256  # byte-level tokens
 DEFAULT_CORPUS_MAX_BYTES = 16 * 2**20  # bytes of stdlib source used as the default corpus
-DATA_MAX_BYTES = 1 * 2**30  # bytes; a --data corpus larger than this is refused
+DATA_MAX_BYTES = 1 * 2**30  # bytes; a --data corpus is cut (with a warning) at this size
 VALIDATION_FRACTION = 0.05  # the last 5% of the corpus bytes are held out
 BINARY_SNIFF_BYTES = 8192  # a file with a NUL byte in its first 8 KiB is skipped as binary
 DEFAULT_CORPUS_NAME = "python-stdlib"
@@ -96,6 +96,7 @@ def _concat(files: list[Path], max_bytes: int) -> tuple[bytes, int]:
         if b"\x00" in blob[:BINARY_SNIFF_BYTES] or not blob:
             continue
         if total + len(blob) > max_bytes:
+            logger.info("corpus capped at %d bytes, inside %s", max_bytes, f)
             blob = blob[: max_bytes - total]
         chunks.append(blob)
         total += len(blob)

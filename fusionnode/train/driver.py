@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
+from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
 
@@ -107,11 +108,20 @@ class Job:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "job": self.spec.job_id, "model": self.spec.model, "state": self.state, "step": self.step,
-            "steps": self.spec.steps, "loss": self.loss, "tokens_per_s": round(self.tokens_per_s, 1),
-            "plan_version": self.plan_version, "offload": self.offload, "optimizer_hosts": self.hosts,
-            "stages": [{k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
-                       for s in self.stages],
+            "job": self.spec.job_id,
+            "model": self.spec.model,
+            "state": self.state,
+            "step": self.step,
+            "steps": self.spec.steps,
+            "loss": self.loss,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "plan_version": self.plan_version,
+            "offload": self.offload,
+            "optimizer_hosts": self.hosts,
+            "stages": [
+                {k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
+                for s in self.stages
+            ],
             "history": self.history[-500:],
         }
 
@@ -130,7 +140,11 @@ class Driver:
     # ---- planning ------------------------------------------------------------------------------
     async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
         peers = await self.membership.peers()
-        ids = [p.peer_id for p in peers if role in p.roles and getattr(p, "availability", "available") == "available"]
+        ids = [
+            p.peer_id
+            for p in peers
+            if role in p.roles and getattr(p, "availability", "available") == "available"
+        ]
         if wanted:
             missing = [w for w in wanted if w not in ids]
             if missing:
@@ -139,27 +153,68 @@ class Driver:
         # the driver's own peer first (it feeds the first stage without a hop), then by id
         return sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid))
 
-    def _layout(self, spec: Any, flops: list[float], workers: list[str], n_stages: int,
-                replicas: int) -> list[Pipeline]:
-        """`replicas` pipelines of `n_stages` stages each over the first workers; batch shared evenly."""
+    def _layout(
+        self,
+        spec: Any,
+        flops: list[float],
+        workers: list[str],
+        n_stages: int,
+        replicas: int,
+        shares: list[int] | None = None,
+    ) -> list[Pipeline]:
+        """`replicas` pipelines of `n_stages` stages each over the first workers; the batch is shared
+        evenly, or by `shares` (samples per replica, summing to the batch size)."""
         if replicas < 1 or n_stages < 1:
             raise PlanError("need at least one pipeline of at least one stage")
         if replicas * n_stages > len(workers):
-            raise PlanError(f"{replicas} pipeline(s) x {n_stages} stage(s) need {replicas * n_stages} workers; "
-                            f"the swarm has {len(workers)} available")
-        if spec.batch_size % replicas or (spec.batch_size // replicas) % spec.micro_batches:
-            raise ConfigError(f"batch size {spec.batch_size} does not split into {replicas} replica(s) of "
-                              f"{spec.micro_batches} equal micro-batches")
+            raise PlanError(
+                f"{replicas} pipeline(s) x {n_stages} stage(s) need {replicas * n_stages} workers; "
+                f"the swarm has {len(workers)} available"
+            )
+        if shares is None:
+            if spec.batch_size % replicas:
+                raise ConfigError(
+                    f"batch size {spec.batch_size} does not split evenly into {replicas} replicas"
+                )
+            shares = [spec.batch_size // replicas] * replicas
+        if len(shares) != replicas or sum(shares) != spec.batch_size or min(shares) < 1:
+            raise ConfigError(
+                f"batch shares {shares} must be {replicas} positive numbers summing to the batch "
+                f"size {spec.batch_size}"
+            )
+        bad = [n for n in shares if n % spec.micro_batches]
+        if bad:
+            raise ConfigError(
+                f"batch shares {bad} do not split into {spec.micro_batches} equal micro-batches"
+            )
         bounds = balanced_bounds(flops, n_stages)
         out, first = [], 0
         for r in range(replicas):
-            out.append(Pipeline(r, workers[r * n_stages:(r + 1) * n_stages], bounds, spec.batch_size // replicas,
-                                spec.micro_batches, first))
+            out.append(
+                Pipeline(
+                    r,
+                    workers[r * n_stages : (r + 1) * n_stages],
+                    bounds,
+                    int(shares[r]),
+                    spec.micro_batches,
+                    first,
+                )
+            )
             first += n_stages
         return out
 
-    def _stage_args(self, job: Job, traced: Any, canonical: dict[str, str], params: dict[str, torch.Tensor],
-                    sample: torch.Tensor, host_of: dict[str, str] | None, host_index: dict[str, int]) -> list[dict]:
+    def _stage_args(
+        self,
+        job: Job,
+        traced: Any,
+        canonical: dict[str, str],
+        params: dict[str, torch.Tensor],
+        sample: torch.Tensor,
+        host_of: dict[str, str] | None,
+        host_index: dict[str, int],
+        links: dict[tuple[str, str], float] | None = None,
+        link_options: dict[str, Any] | None = None,
+    ) -> list[dict]:
         from fusionnode.graph.portable import describe_stage
         from fusionnode.optim.store import contributor_key
 
@@ -182,26 +237,50 @@ class Driver:
                     recv = {name: {"shape": [1, *sample.shape[1:]], "dtype": "int64"} for name in d["inputs"]}
                 else:
                     recv = {name: tensor_spec(graph, name) for name in crossing_names(graph, lo)}
-                send = {} if i == n - 1 else {name: tensor_spec(graph, name) for name in crossing_names(graph, hi)}
-                pspecs = {name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]}
+                send = (
+                    {}
+                    if i == n - 1
+                    else {name: tensor_spec(graph, name) for name in crossing_names(graph, hi)}
+                )
+                pspecs = {
+                    name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]
+                }
                 pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
                 act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
                 in_flight = min(n - i, pipe.micro_batches)
                 state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
                 a = {
-                    "job": spec.job_id, "stage": gid, "pos": i, "num_stages": n, "replica": pipe.replica,
-                    "prev_stage": gid - 1, "next_stage": gid + 1, "driver": self.t.peer_id,
-                    "prev": pipe.peers[i - 1] if i > 0 else "", "next": pipe.peers[i + 1] if i < n - 1 else "",
-                    "description": d, "param_specs": pspecs, "recv_specs": recv, "send_specs": send,
-                    "shared_names": sorted(shared & set(pspecs)), "spec": spec.to_dict(),
+                    "job": spec.job_id,
+                    "stage": gid,
+                    "pos": i,
+                    "num_stages": n,
+                    "replica": pipe.replica,
+                    "prev_stage": gid - 1,
+                    "next_stage": gid + 1,
+                    "driver": self.t.peer_id,
+                    "prev": pipe.peers[i - 1] if i > 0 else "",
+                    "next": pipe.peers[i + 1] if i < n - 1 else "",
+                    "description": d,
+                    "param_specs": pspecs,
+                    "recv_specs": recv,
+                    "send_specs": send,
+                    "shared_names": sorted(shared & set(pspecs)),
+                    "spec": spec.to_dict(),
                     "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
-                    "lease_s": self.config.lease_s, "lo": lo, "hi": hi, "peer": pipe.peers[i],
+                    "lease_s": self.config.lease_s,
+                    "lo": lo,
+                    "hi": hi,
+                    "peer": pipe.peers[i],
+                    "link_options": link_options or {},
+                    "bw_next": (links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
+                    "bw_prev": (links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
                 }
                 if host_of:
                     a["offload"] = {
                         "hosts": {name: host_of[name] for name in pspecs},
                         "host_index": {name: host_index[name] for name in pspecs},
-                        "contributor": contributor_key(pipe.replica, gid), "samples": pipe.samples,
+                        "contributor": contributor_key(pipe.replica, gid),
+                        "samples": pipe.samples,
                     }
                 args.append(a)
         return args
@@ -218,7 +297,8 @@ class Driver:
         offload_choice = params.get("offload") or "auto"
         if offload_choice not in OFFLOAD_CHOICES:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
-        replicas = int(params.get("replicas") or 1)
+        shares = [int(n) for n in params["shares"]] if params.get("shares") else None
+        replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
         job = Job(spec, self.t.peer_id)
@@ -238,7 +318,9 @@ class Driver:
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
             job.offload = offload_choice == "on" or (offload_choice == "auto" and replicas > 1)
             if replicas > 1 and not job.offload:
-                raise ConfigError("several pipelines synchronise through optimizer hosts: use --offload on|auto")
+                raise ConfigError(
+                    "several pipelines synchronise through optimizer hosts: use --offload on|auto"
+                )
             workers = await self._candidates(params.get("peers"), "worker")
             if not workers:
                 raise PlanError("no worker peers are available in the swarm")
@@ -254,22 +336,56 @@ class Driver:
                 n_stages = max(1, min(n_stages, len(workers) // replicas))
                 if len(workers) < replicas:
                     raise PlanError("every worker refused the job's stages (see the events for the reasons)")
-                job.pipelines = self._layout(spec, flops, workers, n_stages, replicas)
-                stage_args = self._stage_args(job, traced, canonical, full, sample, host_of, host_index)
+                job.pipelines = self._layout(spec, flops, workers, n_stages, replicas, shares)
+                stage_args = self._stage_args(
+                    job,
+                    traced,
+                    canonical,
+                    full,
+                    sample,
+                    host_of,
+                    host_index,
+                    await self._measured_links(),
+                    params.get("link_options"),
+                )
                 refused = await self._propose(stage_args, metrics, emit)
                 if not refused:
                     break
                 workers = [w for w in workers if w not in refused]
             else:
                 raise PlanError("could not place the job's stages after several proposals")
-            job.stages = [{"stage": a["stage"], "replica": a["replica"], "pos": a["pos"], "peer": a["peer"],
-                           "lo": a["lo"], "hi": a["hi"], "n_params": len(a["param_specs"]),
-                           "shared": a["shared_names"]} for a in stage_args]
+            job.stages = [
+                {
+                    "stage": a["stage"],
+                    "replica": a["replica"],
+                    "pos": a["pos"],
+                    "peer": a["peer"],
+                    "lo": a["lo"],
+                    "hi": a["hi"],
+                    "n_params": len(a["param_specs"]),
+                    "shared": a["shared_names"],
+                }
+                for a in stage_args
+            ]
             job.plan_version = 1
-            await emit({"type": "plan", "plan_version": 1, "stages": job.stages, "num_nodes": traced.graph.num_nodes,
-                        "offload": job.offload, "optimizer_hosts": job.hosts})
-            metrics.event("replan", reason="initial plan", plan_version=1, stages=len(job.stages),
-                          pipelines=len(job.pipelines), offload=job.offload)
+            await emit(
+                {
+                    "type": "plan",
+                    "plan_version": 1,
+                    "stages": job.stages,
+                    "num_nodes": traced.graph.num_nodes,
+                    "offload": job.offload,
+                    "optimizer_hosts": job.hosts,
+                }
+            )
+            metrics.event(
+                "replan",
+                reason="initial plan",
+                plan_version=1,
+                stages=len(job.stages),
+                pipelines=len(job.pipelines),
+                offload=job.offload,
+            )
             if job.offload:
                 await self._init_hosts(job, stage_args, full, host_of, params, start_step)
             await self._ship_params(job, stage_args, full)
@@ -288,15 +404,25 @@ class Driver:
             metrics.close()
             await self._release(job)
 
+    async def _measured_links(self) -> dict[tuple[str, str], float]:
+        """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
+        out: dict[tuple[str, str], float] = {}
+        for rec in await self.membership.peers():
+            for other, m in (rec.links or {}).items():
+                out[(rec.peer_id, other)] = float(m.bandwidth_bps)
+        return out
+
     async def _pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
         hosts = await self._candidates(params.get("optimizer_peers"), "optimizer")
         if not hosts:
-            raise PlanError("--offload on needs at least one peer with the optimizer role (fusionnode join "
-                            "--role optimizer)")
+            raise PlanError(
+                "--offload on needs at least one peer with the optimizer role (fusionnode join "
+                "--role optimizer)"
+            )
         # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs)
         hosts.sort(key=lambda h: (h in workers, h != self.t.peer_id, h))
         k = int(params.get("optimizer_hosts") or 1)
-        return hosts[:max(1, k)]
+        return hosts[: max(1, k)]
 
     @staticmethod
     def _shard(full: dict[str, torch.Tensor], hosts: list[str]) -> tuple[dict[str, str], dict[str, int]]:
@@ -306,38 +432,60 @@ class Driver:
         index = {h: i for i, h in enumerate(hosts)}
         return host_of, {n: index[h] for n, h in host_of.items()}
 
-    async def _init_hosts(self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor],
-                          host_of: dict[str, str], params: dict[str, Any], start_step: int) -> None:
+    async def _init_hosts(
+        self,
+        job: Job,
+        stage_args: list[dict[str, Any]],
+        full: dict[str, torch.Tensor],
+        host_of: dict[str, str],
+        params: dict[str, Any],
+        start_step: int,
+    ) -> None:
         from fusionnode.optim.store import contributor_key
 
         expected: dict[str, dict[str, dict[str, Any]]] = {}
         for a in stage_args:
             for name in a["param_specs"]:
                 expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
-                    "replica": a["replica"], "samples": job.pipelines[a["replica"]].samples, "peer": a["peer"]}
+                    "replica": a["replica"],
+                    "samples": job.pipelines[a["replica"]].samples,
+                    "peer": a["peer"],
+                }
 
         async def init(i: int, host: str) -> None:
             names = sorted(n for n, h in host_of.items() if h == host)
             for idx, name in enumerate(names):
                 meta = {"job": job.spec.job_id, "stage": i, "step": -1, "mb": idx}
                 await self.t.send(host, tensor_message("opt_params", meta, {name: full[name]}))
-            res = await self.t.call(host, "opt.init", {
-                "job": job.spec.job_id, "driver": self.t.peer_id, "host_index": i, "spec": job.spec.to_dict(),
-                "param_specs": {n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
-                "expected": {n: expected[n] for n in names}, "step_deadline_s": self.config.step_timeout_s,
-                "save_every": job.spec.save_every,
-                "save_dir": str(Path(job.spec.save_dir) / "optimizer") if job.spec.save_dir else None,
-                "resume": bool(params.get("resume")),
-            }, timeout=self.config.step_timeout_s)
+            res = await self.t.call(
+                host,
+                "opt.init",
+                {
+                    "job": job.spec.job_id,
+                    "driver": self.t.peer_id,
+                    "host_index": i,
+                    "spec": job.spec.to_dict(),
+                    "param_specs": {n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
+                    "expected": {n: expected[n] for n in names},
+                    "step_deadline_s": self.config.step_timeout_s,
+                    "save_every": job.spec.save_every,
+                    "save_dir": str(Path(job.spec.save_dir) / "optimizer") if job.spec.save_dir else None,
+                    "resume": bool(params.get("resume")),
+                },
+                timeout=self.config.step_timeout_s,
+            )
             if params.get("resume") and int(res.get("applied_step", 0)) != start_step:
-                raise PlanError(f"optimizer host {host[:12]}… resumed at step {res.get('applied_step')}, "
-                                f"the checkpoint at {start_step}")
+                raise PlanError(
+                    f"optimizer host {host[:12]}… resumed at step {res.get('applied_step')}, "
+                    f"the checkpoint at {start_step}"
+                )
 
         await asyncio.gather(*(init(i, h) for i, h in enumerate(job.hosts)))
 
     async def _propose(self, stage_args: list[dict[str, Any]], metrics: Any, emit: Any) -> list[str]:
-        results = await asyncio.gather(*(self.t.call(a["peer"], "job.assign", a) for a in stage_args),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.t.call(a["peer"], "job.assign", a) for a in stage_args), return_exceptions=True
+        )
         refused = []
         for a, res in zip(stage_args, results, strict=True):
             if isinstance(res, BaseException):
@@ -347,22 +495,42 @@ class Driver:
                 metrics.event("refused", peer=a["peer"], reason=str(res))
                 await emit({"type": "event", "kind": "refused", "peer": a["peer"], "reason": str(res)})
         if refused:  # release what the others accepted; the next proposal reassigns
-            await asyncio.gather(*(self.t.call(a["peer"], "job.release", {"job": a["job"], "stage": a["stage"]})
-                                   for a in stage_args if a["peer"] not in refused), return_exceptions=True)
+            await asyncio.gather(
+                *(
+                    self.t.call(a["peer"], "job.release", {"job": a["job"], "stage": a["stage"]})
+                    for a in stage_args
+                    if a["peer"] not in refused
+                ),
+                return_exceptions=True,
+            )
         return refused
 
-    async def _ship_params(self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor]) -> None:
+    async def _ship_params(
+        self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor]
+    ) -> None:
         async def ship(a: dict[str, Any]) -> None:
             for idx, name in enumerate(sorted(a["param_specs"])):
                 meta = {"job": job.spec.job_id, "stage": a["stage"], "step": -1, "mb": idx}
                 await self.t.send(a["peer"], tensor_message("params", meta, {name: full[name]}))
-            await self.t.call(a["peer"], "job.start", {"job": job.spec.job_id, "stage": a["stage"]},
-                              timeout=self.config.step_timeout_s)
+            await self.t.call(
+                a["peer"],
+                "job.start",
+                {"job": job.spec.job_id, "stage": a["stage"]},
+                timeout=self.config.step_timeout_s,
+            )
 
         await asyncio.gather(*(ship(a) for a in stage_args))
 
-    async def _train(self, job: Job, stage_args: list[dict[str, Any]], source: Any, metrics: Any, emit: Any,
-                     start_step: int, params: dict[str, Any]) -> None:
+    async def _train(
+        self,
+        job: Job,
+        stage_args: list[dict[str, Any]],
+        source: Any,
+        metrics: Any,
+        emit: Any,
+        start_step: int,
+        params: dict[str, Any],
+    ) -> None:
         from fusionnode.train.spec import lr_at
 
         spec = job.spec
@@ -372,6 +540,7 @@ class Driver:
         dump_grads = params.get("dump_grads")
         tokens_total, time_total = 0, 0.0
         timeout = self.config.step_timeout_s
+        target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
         for step in range(start_step, spec.steps):
             t0 = time.perf_counter()
             lr = lr_at(step, spec)
@@ -380,21 +549,39 @@ class Driver:
             shards = source.shard_batches(step, [p.samples for p in job.pipelines])
             for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
                 first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
-                for mb, (x, y) in enumerate(zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches),
-                                                strict=True)):
+                for mb, (x, y) in enumerate(
+                    zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
+                ):
                     meta = {"job": jid, "step": step, "mb": mb}
-                    sends.append(self.t.send(pipe.peers[0], tensor_message("input", {**meta, "stage": first},
-                                                                           {input_name: x})))
-                    sends.append(self.t.send(pipe.peers[-1], tensor_message("target", {**meta, "stage": last},
-                                                                            {"target": y})))
+                    sends.append(
+                        self.t.send(
+                            pipe.peers[0], tensor_message("input", {**meta, "stage": first}, {input_name: x})
+                        )
+                    )
+                    sends.append(
+                        self.t.send(
+                            pipe.peers[-1], tensor_message("target", {**meta, "stage": last}, {"target": y})
+                        )
+                    )
             await asyncio.gather(*sends)
-            reports = await asyncio.gather(*(
-                self.t.call(a["peer"], "job.step", {"job": jid, "stage": a["stage"], "step": step,
-                                                    "micro_batches": job.pipelines[a["replica"]].micro_batches,
-                                                    "mb_size": job.pipelines[a["replica"]].mb_size},
-                            timeout=timeout * 2)
-                for a in stage_args
-            ))
+            reports = await asyncio.gather(
+                *(
+                    self.t.call(
+                        a["peer"],
+                        "job.step",
+                        {
+                            "job": jid,
+                            "stage": a["stage"],
+                            "step": step,
+                            "micro_batches": job.pipelines[a["replica"]].micro_batches,
+                            "mb_size": job.pipelines[a["replica"]].mb_size,
+                            "target_time_s": target_time_s,
+                        },
+                        timeout=timeout * 2,
+                    )
+                    for a in stage_args
+                )
+            )
             if dump_grads and step == start_step:
                 await self._dump_grads(job, stage_args, dump_grads)
             if job.offload:
@@ -402,8 +589,7 @@ class Driver:
                 commit_extra: dict[str, Any] = {}
             else:
                 shared_sum = await self._sum_shared(job, stage_args, step)
-                sq = sum(r["grad_sq"] for r in reports) + sum(float(g.double().pow(2).sum())
-                                                              for g in shared_sum.values())
+                sq = sum(r["grad_sq"] for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
                 grad_norm = math.sqrt(sq)
                 clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
                 for a in stage_args:
@@ -412,29 +598,59 @@ class Driver:
                         meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
                         await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
                 commit_extra = {"lr": lr, "clip_coef": clip}
-            await asyncio.gather(*(
-                self.t.call(a["peer"], "job.commit", {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
-                            timeout=timeout)
-                for a in stage_args
-            ))
+            await asyncio.gather(
+                *(
+                    self.t.call(
+                        a["peer"],
+                        "job.commit",
+                        {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
+                        timeout=timeout,
+                    )
+                    for a in stage_args
+                )
+            )
             step_time = time.perf_counter() - t0
+            target_time_s = max(
+                r["compute_s"] / job.pipelines[a["replica"]].micro_batches
+                for a, r in zip(stage_args, reports, strict=True)
+            )
             loss = self._step_loss(job, stage_args, reports)
             tokens = spec.batch_size * seq_len
             tokens_total += tokens
             time_total += step_time
             wire = sum(r["sent_bytes"] for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
             record = {
-                "step": step, "loss": loss, "tokens": tokens, "step_time_s": step_time, "wire_bytes": wire,
-                "plan_version": job.plan_version, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_time,
-                "stages": [{"stage": r["stage"], "compute_s": round(r["compute_s"], 4), "wait_s": round(r["wait_s"], 4),
-                            "sent_bytes": r["sent_bytes"]} for r in reports],
+                "step": step,
+                "loss": loss,
+                "tokens": tokens,
+                "step_time_s": step_time,
+                "wire_bytes": wire,
+                "plan_version": job.plan_version,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens / step_time,
+                "stages": [
+                    {
+                        "stage": r["stage"],
+                        "compute_s": round(r["compute_s"], 4),
+                        "wait_s": round(r["wait_s"], 4),
+                        "sent_bytes": r["sent_bytes"],
+                        "links": r["links"],
+                    }
+                    for r in reports
+                ],
             }
             metrics.step(record)
             job.history.append(record)
             job.step, job.loss = step + 1, loss
             job.tokens_per_s = tokens_total / time_total
             await emit({"type": "step", **record, "steps": spec.steps})
-            if spec.save_dir and spec.save_every and (step + 1) % spec.save_every == 0 and step + 1 < spec.steps:
+            if (
+                spec.save_dir
+                and spec.save_every
+                and (step + 1) % spec.save_every == 0
+                and step + 1 < spec.steps
+            ):
                 await self._checkpoint(job, step + 1, source, await self._fetch_params(job, stage_args, None))
 
     @staticmethod
@@ -451,26 +667,44 @@ class Driver:
     async def _apply_on_hosts(self, job: Job, step: int, lr: float) -> tuple[float, float]:
         """Offload: wait for the hosts to have every contribution, clip globally, apply."""
         jid, ostep = job.spec.job_id, step + 1  # the stores count steps from 1
-        ready = await asyncio.gather(*(self.t.call(h, "opt.ready", {"job": jid, "step": ostep},
-                                                   timeout=self.config.step_timeout_s + 5) for h in job.hosts))
+        ready = await asyncio.gather(
+            *(
+                self.t.call(
+                    h, "opt.ready", {"job": jid, "step": ostep}, timeout=self.config.step_timeout_s + 5
+                )
+                for h in job.hosts
+            )
+        )
         for h, r in zip(job.hosts, ready, strict=True):
             if not r["complete"]:
-                logger.warning("step %d: host %s applies without %s (deadline passed)", step, h[:12], r["missing"])
+                logger.warning(
+                    "step %d: host %s applies without %s (deadline passed)", step, h[:12], r["missing"]
+                )
         grad_norm = math.sqrt(sum(r["grad_sq"] for r in ready))
         clip = 1.0 if job.spec.grad_clip is None else min(1.0, job.spec.grad_clip / (grad_norm + 1e-6))
-        await asyncio.gather(*(self.t.call(h, "opt.apply", {"job": jid, "step": ostep, "lr": lr, "clip_coef": clip,
-                                                            "force": not r["complete"]},
-                                           timeout=self.config.step_timeout_s)
-                               for h, r in zip(job.hosts, ready, strict=True)))
+        await asyncio.gather(
+            *(
+                self.t.call(
+                    h,
+                    "opt.apply",
+                    {"job": jid, "step": ostep, "lr": lr, "clip_coef": clip, "force": not r["complete"]},
+                    timeout=self.config.step_timeout_s,
+                )
+                for h, r in zip(job.hosts, ready, strict=True)
+            )
+        )
         return grad_norm, clip
 
-    async def _sum_shared(self, job: Job, stage_args: list[dict[str, Any]], step: int) -> dict[str, torch.Tensor]:
+    async def _sum_shared(
+        self, job: Job, stage_args: list[dict[str, Any]], step: int
+    ) -> dict[str, torch.Tensor]:
         total: dict[str, torch.Tensor] = {}
         for a in stage_args:
             if not a["shared_names"]:
                 continue
-            msg, src = await self.t.mailbox.get(("shared_grad", job.spec.job_id, step, -1, a["stage"]),
-                                                self.config.step_timeout_s)
+            msg, src = await self.t.mailbox.get(
+                ("shared_grad", job.spec.job_id, step, -1, a["stage"]), self.config.step_timeout_s
+            )
             got = decode_checked(msg, {k: a["param_specs"][k] for k in a["shared_names"]}, None, src)
             for name, g in got.items():
                 total[name] = total[name] + g if name in total else g.clone()
@@ -482,12 +716,17 @@ class Driver:
         out: dict[str, torch.Tensor] = {}
 
         async def one(a: dict[str, Any]) -> dict[str, torch.Tensor]:
-            res = await self.t.call(a["peer"], "job.fetch", {"job": job.spec.job_id, "stage": a["stage"], "what": what},
-                                    timeout=self.config.step_timeout_s)
+            res = await self.t.call(
+                a["peer"],
+                "job.fetch",
+                {"job": job.spec.job_id, "stage": a["stage"], "what": what},
+                timeout=self.config.step_timeout_s,
+            )
             got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
-                msg, src = await self.t.mailbox.get((f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]),
-                                                    self.config.step_timeout_s)
+                msg, src = await self.t.mailbox.get(
+                    (f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]), self.config.step_timeout_s
+                )
                 got.update(decode_checked(msg, a["param_specs"], None, src))
             return got
 
@@ -500,20 +739,28 @@ class Driver:
                     out.setdefault(name, t)
         return out
 
-    async def _fetch_params(self, job: Job, stage_args: list[dict[str, Any]],
-                            host_of: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    async def _fetch_params(
+        self, job: Job, stage_args: list[dict[str, Any]], host_of: dict[str, str] | None
+    ) -> dict[str, torch.Tensor]:
         if not job.offload:
             return await self._fetch(job, stage_args, "params")
         out: dict[str, torch.Tensor] = {}
         for i, host in enumerate(job.hosts):
-            names = sorted(n for a in stage_args for n in a["param_specs"] if (host_of or {}).get(n, host) == host)
+            names = sorted(
+                n for a in stage_args for n in a["param_specs"] if (host_of or {}).get(n, host) == host
+            )
             names = sorted(set(names))
             tag = -(job.step + 1)  # distinct from any pull a worker makes
-            res = await self.t.call(host, "opt.pull", {"job": job.spec.job_id, "names": names, "tag": tag, "stage": -1},
-                                    timeout=self.config.step_timeout_s)
+            res = await self.t.call(
+                host,
+                "opt.pull",
+                {"job": job.spec.job_id, "names": names, "tag": tag, "stage": -1},
+                timeout=self.config.step_timeout_s,
+            )
             for idx in range(int(res["count"])):
-                msg, src = await self.t.mailbox.get((f"pulled{i}", job.spec.job_id, tag, idx, -1),
-                                                    self.config.step_timeout_s)
+                msg, src = await self.t.mailbox.get(
+                    (f"pulled{i}", job.spec.job_id, tag, idx, -1), self.config.step_timeout_s
+                )
                 out.update(decode_checked(msg, None, None, src))
         return out
 
@@ -523,7 +770,9 @@ class Driver:
         grads = await self._fetch(job, stage_args, "grads")
         await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in grads.items()}, path)
 
-    def _load_resume(self, spec: Any, source: Any, full: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+    def _load_resume(
+        self, spec: Any, source: Any, full: dict[str, torch.Tensor]
+    ) -> tuple[int, dict[str, torch.Tensor]]:
         from fusionnode.train.checkpoint import load_checkpoint
 
         if not spec.save_dir:
@@ -537,12 +786,14 @@ class Driver:
     async def _checkpoint(self, job: Job, step: int, source: Any, params: dict[str, torch.Tensor]) -> str:
         from fusionnode.train.checkpoint import save_checkpoint
 
-        path = await asyncio.to_thread(save_checkpoint, job.spec.save_dir, step, params, {}, source.state(step),
-                                       job.spec)
+        path = await asyncio.to_thread(
+            save_checkpoint, job.spec.save_dir, step, params, {}, source.state(step), job.spec
+        )
         return str(path)
 
-    async def _finish(self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any,
-                      metrics: Any) -> dict[str, Any]:
+    async def _finish(
+        self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any
+    ) -> dict[str, Any]:
         from fusionnode.train.generate import generate
         from fusionnode.train.local import evaluate
 
@@ -554,14 +805,26 @@ class Driver:
         checkpoint = None
         if job.spec.save_dir:
             checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
-        return {"job": job.spec.job_id, "steps": job.step, "loss": job.loss, "val_loss": val_loss,
-                "tokens_per_s": job.tokens_per_s, "stages": job.stages, "offload": job.offload,
-                "optimizer_hosts": job.hosts, "checkpoint": checkpoint, "metrics_out": job.spec.metrics_out,
-                "sample": sample, "summary": metrics.summary.as_dict()}
+        return {
+            "job": job.spec.job_id,
+            "steps": job.step,
+            "loss": job.loss,
+            "val_loss": val_loss,
+            "tokens_per_s": job.tokens_per_s,
+            "stages": job.stages,
+            "offload": job.offload,
+            "optimizer_hosts": job.hosts,
+            "checkpoint": checkpoint,
+            "metrics_out": job.spec.metrics_out,
+            "sample": sample,
+            "summary": metrics.summary.as_dict(),
+        }
 
     async def _release(self, job: Job) -> None:
-        calls = [self.t.call(s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5)
-                 for s in job.stages]
+        calls = [
+            self.t.call(s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5)
+            for s in job.stages
+        ]
         calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]
         await asyncio.gather(*calls, return_exceptions=True)
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusionnode.errors import ConfigError
+from fusionnode.errors import ConfigError, FusionNodeError
 from fusionnode.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fusionnode.train.data import VOCAB_SIZE, BatchSource, loss_scale, step_seed
 from fusionnode.train.metrics import MetricsWriter
@@ -37,6 +37,10 @@ from fusionnode.train.spec import (
 logger = logging.getLogger(__name__)
 
 EVAL_BATCHES = 4  # validation batches evaluated at the end of a run
+
+
+class DivergenceError(FusionNodeError, FloatingPointError):
+    """The training loss became NaN or infinite."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ def train_local(
             dt = time.perf_counter() - t0
             if not math.isfinite(out["loss"]):
                 metrics.event("failure", step=step, reason="non-finite loss")
-                raise FloatingPointError(f"step {step}: loss is {out['loss']}; lower --lr or set --grad-clip")
+                raise DivergenceError(f"step {step}: loss is {out['loss']}; lower --lr or set --grad-clip")
             record = metrics.step(
                 {
                     "step": step,

@@ -21,7 +21,19 @@ logger = logging.getLogger(__name__)
 
 REQUIRED_STEP_KEYS = ("step", "loss", "tokens", "step_time_s", "wire_bytes", "plan_version")
 EVENT_KINDS = frozenset(
-    {"start", "end", "replan", "join", "leave", "failure", "recovered", "checkpoint", "resume", "eval"}
+    {
+        "start",
+        "end",
+        "replan",
+        "join",
+        "leave",
+        "failure",
+        "recovered",
+        "checkpoint",
+        "resume",
+        "eval",
+        "refused",
+    }
 )
 
 

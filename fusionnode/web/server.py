@@ -77,7 +77,11 @@ def job_history(status: dict[str, Any], job: dict[str, Any]) -> list[dict[str, A
     """The step records of a job: ``job["history"]``, else ``status["history"][job_id]``, else []."""
     hist = job.get("history")
     if hist is None:
-        hist = (status.get("history") or {}).get(job.get("job")) if isinstance(status.get("history"), dict) else None
+        hist = (
+            (status.get("history") or {}).get(job.get("job"))
+            if isinstance(status.get("history"), dict)
+            else None
+        )
     return list(hist or [])
 
 
@@ -96,22 +100,39 @@ class StatusCollector(Collector):
         if _num(s.get("uptime_s")) is not None:
             up.add_metric([], _num(s.get("uptime_s")))
         yield up
-        yield GaugeMetricFamily("fusionnode_peers", "Peers this daemon sees in the swarm (itself included)",
-                                value=len(peers))
+        yield GaugeMetricFamily(
+            "fusionnode_peers", "Peers this daemon sees in the swarm (itself included)", value=len(peers)
+        )
 
-        info = GaugeMetricFamily("fusionnode_peer_info", "One sample per known peer (value 1)",
-                                 labels=["peer", "kind", "device", "roles", "availability"])
-        tflops = GaugeMetricFamily("fusionnode_peer_tflops_fp32", "Measured fp32 TFLOP/s of each peer",
-                                   labels=["peer"])
-        bw = GaugeMetricFamily("fusionnode_link_bandwidth_bits_per_second",
-                               "Measured bandwidth from one peer to another", labels=["src", "dst"])
-        rtt = GaugeMetricFamily("fusionnode_link_rtt_seconds", "Measured round-trip time between peers",
-                                labels=["src", "dst"])
+        info = GaugeMetricFamily(
+            "fusionnode_peer_info",
+            "One sample per known peer (value 1)",
+            labels=["peer", "kind", "device", "roles", "availability"],
+        )
+        tflops = GaugeMetricFamily(
+            "fusionnode_peer_tflops_fp32", "Measured fp32 TFLOP/s of each peer", labels=["peer"]
+        )
+        bw = GaugeMetricFamily(
+            "fusionnode_link_bandwidth_bits_per_second",
+            "Measured bandwidth from one peer to another",
+            labels=["src", "dst"],
+        )
+        rtt = GaugeMetricFamily(
+            "fusionnode_link_rtt_seconds", "Measured round-trip time between peers", labels=["src", "dst"]
+        )
         for p in peers:
             pid = str(p.get("peer_id", ""))
             dev = p.get("device") or {}
-            info.add_metric([pid, str(dev.get("kind", "")), str(dev.get("name", "")),
-                             ",".join(map(str, p.get("roles") or [])), str(p.get("availability", ""))], 1)
+            info.add_metric(
+                [
+                    pid,
+                    str(dev.get("kind", "")),
+                    str(dev.get("name", "")),
+                    ",".join(map(str, p.get("roles") or [])),
+                    str(p.get("availability", "")),
+                ],
+                1,
+            )
             if _num(dev.get("tflops_fp32")) is not None:
                 tflops.add_metric([pid], _num(dev.get("tflops_fp32")))
             for dst, link in (p.get("links") or {}).items():
@@ -123,35 +144,60 @@ class StatusCollector(Collector):
                     rtt.add_metric([pid, str(dst)], _num(link.get("rtt_s")))
         yield from (info, tflops, bw, rtt)
 
-        serving = GaugeMetricFamily("fusionnode_serving_last_step", "Last step this peer ran for a stage it serves",
-                                    labels=["job", "stage"])
+        serving = GaugeMetricFamily(
+            "fusionnode_serving_last_step",
+            "Last step this peer ran for a stage it serves",
+            labels=["job", "stage"],
+        )
         for sv in s.get("serving") or []:
             if isinstance(sv, dict) and _num(sv.get("last_step")) is not None:
-                serving.add_metric([str(sv.get("job", "")), str(sv.get("stage", ""))], _num(sv.get("last_step")))
+                serving.add_metric(
+                    [str(sv.get("job", "")), str(sv.get("stage", ""))], _num(sv.get("last_step"))
+                )
         yield serving
 
         fams = {
-            "step": GaugeMetricFamily("fusionnode_job_step", "Steps done by a job this peer drives", labels=["job"]),
-            "steps": GaugeMetricFamily("fusionnode_job_steps_target", "Steps a job is asked to run", labels=["job"]),
-            "loss": GaugeMetricFamily("fusionnode_job_loss", "Training loss of the last step", labels=["job"]),
-            "tokens_per_s": GaugeMetricFamily("fusionnode_job_tokens_per_second",
-                                              "Mean training throughput of a job", labels=["job"]),
-            "plan_version": GaugeMetricFamily("fusionnode_job_plan_version", "Plan version in force",
-                                              labels=["job"]),
+            "step": GaugeMetricFamily(
+                "fusionnode_job_step", "Steps done by a job this peer drives", labels=["job"]
+            ),
+            "steps": GaugeMetricFamily(
+                "fusionnode_job_steps_target", "Steps a job is asked to run", labels=["job"]
+            ),
+            "loss": GaugeMetricFamily(
+                "fusionnode_job_loss", "Training loss of the last step", labels=["job"]
+            ),
+            "tokens_per_s": GaugeMetricFamily(
+                "fusionnode_job_tokens_per_second", "Mean training throughput of a job", labels=["job"]
+            ),
+            "plan_version": GaugeMetricFamily(
+                "fusionnode_job_plan_version", "Plan version in force", labels=["job"]
+            ),
         }
-        state = GaugeMetricFamily("fusionnode_job_info", "One sample per driven job (value 1)",
-                                  labels=["job", "model", "state"])
+        state = GaugeMetricFamily(
+            "fusionnode_job_info", "One sample per driven job (value 1)", labels=["job", "model", "state"]
+        )
         stages = GaugeMetricFamily("fusionnode_job_stages", "Pipeline stages of a job's plan", labels=["job"])
-        wire = GaugeMetricFamily("fusionnode_job_wire_bytes", "Bytes on the wire (all peers) in the last step",
-                                 labels=["job"])
-        step_time = GaugeMetricFamily("fusionnode_job_step_time_seconds", "Wall time of the last step",
-                                      labels=["job"])
-        compute = GaugeMetricFamily("fusionnode_stage_compute_seconds", "Compute time of a stage in the last step",
-                                    labels=["job", "stage", "peer"])
-        wait = GaugeMetricFamily("fusionnode_stage_wait_seconds", "Time a stage waited in the last step",
-                                 labels=["job", "stage", "peer"])
-        util = GaugeMetricFamily("fusionnode_stage_utilization_ratio",
-                                 "compute_s / step_time_s of a stage in the last step", labels=["job", "stage", "peer"])
+        wire = GaugeMetricFamily(
+            "fusionnode_job_wire_bytes", "Bytes on the wire (all peers) in the last step", labels=["job"]
+        )
+        step_time = GaugeMetricFamily(
+            "fusionnode_job_step_time_seconds", "Wall time of the last step", labels=["job"]
+        )
+        compute = GaugeMetricFamily(
+            "fusionnode_stage_compute_seconds",
+            "Compute time of a stage in the last step",
+            labels=["job", "stage", "peer"],
+        )
+        wait = GaugeMetricFamily(
+            "fusionnode_stage_wait_seconds",
+            "Time a stage waited in the last step",
+            labels=["job", "stage", "peer"],
+        )
+        util = GaugeMetricFamily(
+            "fusionnode_stage_utilization_ratio",
+            "compute_s / step_time_s of a stage in the last step",
+            labels=["job", "stage", "peer"],
+        )
         for j in jobs:
             jid = str(j.get("job", ""))
             for key, fam in fams.items():
@@ -193,7 +239,9 @@ class _HttpError(Exception):
 class Dashboard:
     """The read-only dashboard and /metrics endpoint; ``await start()`` returns its URL."""
 
-    def __init__(self, status_provider: StatusProvider, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
+    def __init__(
+        self, status_provider: StatusProvider, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
+    ):
         self.status_provider = status_provider
         self.host = host
         self.port = port
@@ -210,8 +258,9 @@ class Dashboard:
     async def start(self) -> str:
         root = resources.files("fusionnode.web") / "static"
         self._static = {name: (root / name).read_bytes() for name, _ in set(STATIC_FILES.values())}
-        self._server = await asyncio.start_server(self._on_conn, self.host, self.port,
-                                                  limit=MAX_REQUEST_BYTES)
+        self._server = await asyncio.start_server(
+            self._on_conn, self.host, self.port, limit=MAX_REQUEST_BYTES
+        )
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         self.port = int(sock_port)
         shown = f"[{sock_host}]" if ":" in sock_host else sock_host
@@ -337,12 +386,27 @@ class Dashboard:
         return name.lower() in LOOPBACK_HOSTS
 
     @staticmethod
-    def _write(writer: asyncio.StreamWriter, code: int, ctype: str, body: bytes, *, head_only: bool,
-               extra: dict[str, str]) -> None:
-        headers = {"Content-Type": ctype, "Content-Length": str(len(body)), "Connection": "close",
-                   **_SECURITY_HEADERS, **extra}
-        head = f"HTTP/1.1 {code} {_REASONS.get(code, 'Error')}\r\n" + "".join(
-            f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    def _write(
+        writer: asyncio.StreamWriter,
+        code: int,
+        ctype: str,
+        body: bytes,
+        *,
+        head_only: bool,
+        extra: dict[str, str],
+    ) -> None:
+        headers = {
+            "Content-Type": ctype,
+            "Content-Length": str(len(body)),
+            "Connection": "close",
+            **_SECURITY_HEADERS,
+            **extra,
+        }
+        head = (
+            f"HTTP/1.1 {code} {_REASONS.get(code, 'Error')}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            + "\r\n"
+        )
         writer.write(head.encode("latin-1") + (b"" if head_only else body))
 
 

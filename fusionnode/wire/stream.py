@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -46,18 +47,22 @@ async def write_message(
 
 
 async def read_message(
-    reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS, timeout: float | None = None
+    reader: asyncio.StreamReader,
+    limits: Limits = DEFAULT_LIMITS,
+    timeout: float | None = None,
+    admit: Callable[[int], Awaitable[None]] | None = None,
 ) -> Message:
     """Read and decode one frame. `timeout` in seconds for the whole frame (None: wait forever).
 
     Refuses a frame from its header and envelope (version, limits, layout) before allocating room for
-    its payloads. The frame lands in one writable buffer; its tensors decode as zero-copy views of it. Raises ProtocolError (VersionMismatchError for another major version, 'truncated'
+    its payloads; `admit(frame_len)`, if given, is awaited just before that allocation (a per-peer
+    budget may wait or raise there). The frame lands in one writable buffer; its tensors decode as zero-copy views of it. Raises ProtocolError (VersionMismatchError for another major version, 'truncated'
     when the stream ends mid-frame) or DeadlineError.
     """
     if timeout is None:
-        return await _read_frame(reader, limits)
+        return await _read_frame(reader, limits, admit)
     try:
-        return await asyncio.wait_for(_read_frame(reader, limits), timeout)
+        return await asyncio.wait_for(_read_frame(reader, limits, admit), timeout)
     except asyncio.TimeoutError:
         raise DeadlineError(f"no complete frame within {timeout} s") from None
 
@@ -71,7 +76,9 @@ async def _readexactly(reader: asyncio.StreamReader, n: int, what: str) -> bytes
         ) from None
 
 
-async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Message:
+async def _read_frame(
+    reader: asyncio.StreamReader, limits: Limits, admit: Callable[[int], Awaitable[None]] | None = None
+) -> Message:
     prefix = await _readexactly(reader, PREFIX_LEN, "header")
     check_prefix(prefix)  # another major version may lay out the rest differently: stop here
     head = prefix + await _readexactly(reader, HEADER_LEN - PREFIX_LEN, "header")
@@ -79,6 +86,8 @@ async def _read_frame(reader: asyncio.StreamReader, limits: Limits) -> Message:
     envelope = await _readexactly(reader, header.meta_len, "envelope")
     parse_head(head + envelope, limits)  # envelope schema, descriptors and payload layout
     meta_len = header.meta_len
+    if admit is not None:
+        await admit(header.frame_len)
     frame = np.empty(header.frame_len, dtype=np.uint8)  # numpy memory: huge pages for big frames
     view = memoryview(frame)
     view[:HEADER_LEN] = head

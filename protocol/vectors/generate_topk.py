@@ -96,7 +96,9 @@ def build_vectors() -> dict[str, dict[str, Any]]:
         "topk global, float32 [300], ratio 0.01 -> k=3, u16 indices [7, 256, 299], bfloat16 values",
         enc,
         [
-            _invalid("index 300 out of range", enc, data=np.asarray([7, 256, 300], "<u2").tobytes() + enc.data[6:]),
+            _invalid(
+                "index 300 out of range", enc, data=np.asarray([7, 256, 300], "<u2").tobytes() + enc.data[6:]
+            ),
             _invalid("u16 list declared as u8 (length no longer matches)", enc, params={"index": "u8"}),
         ],
     )
@@ -141,8 +143,28 @@ def build_vectors() -> dict[str, dict[str, Any]]:
         [
             _invalid("duplicate index within a row", enc, data=dup_row.tobytes() + enc.data[12:]),
             _invalid("row index 32 out of range for rows of 32", enc, data=out_row.tobytes() + enc.data[12:]),
-            _invalid("k not a multiple of the 6 rows", enc, params={"k": 11}, data=enc.data[:11] + enc.data[12:34]),
+            _invalid(
+                "k not a multiple of the 6 rows", enc, params={"k": 11}, data=enc.data[:11] + enc.data[12:34]
+            ),
             _invalid("row_len != shape[-1]", enc, params={"row_len": 16}),
+        ],
+    )
+
+    # centered row mode: channel means first, then the top-k of the centered tensor
+    c = torch.zeros(3, 8)
+    c[:, 0] = torch.tensor([10.0, 12.0, 11.0])
+    c[:, 2] = -1.0
+    c[2, 1] = 4.0
+    c[0, 5] = 0.5
+    enc = TOPK.encode(c, ratio=0.125, mode="row", value_dtype="float16", center=True)
+    assert enc.params["index"] == "u8" and enc.params["k"] == 3
+    vectors["topk_row_centered"] = _vector(
+        "topk row, centered, float32 [3, 8], ratio 0.125 -> 8 float16 channel means, then k_row=1 "
+        "u8 index per row and a float16 value of (x - mean); dropped elements decode to their channel mean",
+        enc,
+        [
+            _invalid("center section missing (payload 16 bytes short)", enc, data=enc.data[16:]),
+            _invalid("center 2 (must be 0 or 1)", enc, params={"center": 2}),
         ],
     )
 
@@ -162,7 +184,9 @@ def render(vector: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="compare with the files on disk instead of writing")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the files on disk instead of writing"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     stale = []
