@@ -249,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimizer state on optimizer hosts (on), on each worker (off), or on when "
         "there are several pipelines (auto, the default)",
     )
+    p.add_argument(
+        "--planner",
+        choices=["simple", "fusion", "even", "memory"],
+        default="simple",
+        help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
+        "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
+        "(even layers, memory-proportional)",
+    )
     p.add_argument("--optimizer-hosts", type=int, default=1, help="optimizer hosts to shard the state over")
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print progress and the result as JSON lines")
@@ -460,6 +468,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "replicas": args.replicas,
         "offload": args.offload,
         "optimizer_hosts": args.optimizer_hosts,
+        "planner": args.planner,
         "shares": _parse_shares(args.shares, parser),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
     }

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from fusionnode.bench.adatopk import build_parser, main, train
+from fusionnode.bench.adatopk import build_parser, train
 from fusionnode.compress.boundary import BoundaryConfig
 from fusionnode.train.data import BatchSource, load_corpus
 
@@ -30,7 +29,8 @@ def _config() -> BoundaryConfig:
 
 def test_policy_compresses_slow_link_and_training_learns() -> None:
     torch.set_num_threads(1)
-    args = build_parser().parse_args(["--steps", "25", "--batch-size", "8", "--eval-batches", "2"])
+    # half the default batch: half the activation bytes, so half the stage time keeps the ratio <= 10%
+    args = build_parser().parse_args(["--steps", "25", "--batch-size", "8", "--eval-batches", "2", "--stage-ms", "50"])
     source = _source(8)
     dense = train(args, source, None, None)
     comp = train(args, source, _config(), LINK_BPS)
@@ -39,11 +39,5 @@ def test_policy_compresses_slow_link_and_training_learns() -> None:
     assert dense.link.wire_bytes == 0  # the baseline has no cut
     # it learns: far below the loss of a uniform guess over 256 bytes (5.55 nats)
     assert math.isfinite(comp.final_loss) and comp.final_loss < 0.8 * math.log(256)
+    print(f"dense {dense.final_loss:.4f} compressed {comp.final_loss:.4f} reduction {comp.link.reduction:.1f}x")
     assert comp.final_loss < dense.final_loss * 1.25
-
-
-@pytest.mark.slow
-def test_benchmark_main_reports_and_meets_bytes() -> None:
-    args = ["--steps", "120", "--batch-size", "8", "--eval-batches", "4"]
-    rc = main(args)
-    assert rc in (0, 1)  # 0 only when both acceptance numbers are met; the numbers are printed

@@ -26,12 +26,14 @@ from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
+from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
 READY_POLL_S = 0.005  # seconds between checks of a step's completeness
+BANNABLE = frozenset({"rejected_shape", "rejected_dtype", "rejected_nonfinite"})  # store refusals = hostile
 
 
 class HostedShard:
@@ -58,8 +60,17 @@ class HostedShard:
 
 
 class OptimizerHostService:
-    def __init__(self, transport: Transport, *, state_dir: Path, step_deadline_s: float = 60.0):
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        state_dir: Path,
+        step_deadline_s: float = 60.0,
+        guard: GuardConfig = GuardConfig(),
+    ):
         self.t = transport
+        self.norms = NormBound(guard)  # keyed (job, parameter name)
+        self.bans = BanList(guard)
         self.state_dir = state_dir
         self.step_deadline_s = step_deadline_s
         self.shards: dict[str, HostedShard] = {}
@@ -80,9 +91,26 @@ class OptimizerHostService:
                 "params": len(s.specs),
                 "applied_step": s.store.applied_step,
                 "counters": dict(s.store.counters),
+                "security": self.security_status(),
             }
             for s in self.shards.values()
         ]
+
+    def security_status(self) -> dict[str, Any]:
+        """Offences by kind, peers banned now (and why), pushes dropped from banned peers."""
+        return self.bans.status()
+
+    def _offence(self, shard: HostedShard, sender: str, kind: str, detail: str) -> None:
+        length = self.bans.ban(sender, kind, detail)
+        shard.rejected[kind] = shard.rejected.get(kind, 0) + 1
+        logger.warning(
+            "SECURITY: peer %s pushed a hostile gradient for job %s (%s: %s); banned for %.0f s",
+            sender,
+            shard.job,
+            kind,
+            detail,
+            length,
+        )
 
     def _shard(self, args: dict[str, Any], sender: str, *, driver_only: bool = True) -> HostedShard:
         shard = self.shards.get(str(args.get("job")))
@@ -96,6 +124,9 @@ class OptimizerHostService:
         job = str(args["job"])
         if args.get("driver") != sender:
             raise PeerError("a shard must be assigned by the job's driver")
+        held = self.shards.get(job)
+        if held is not None and held.driver != sender:
+            raise PeerError(f"job {job!r} here belongs to another driver")
         specs: dict[str, dict[str, Any]] = args["param_specs"]
         expected = ExpectedContributions(
             {
@@ -147,15 +178,31 @@ class OptimizerHostService:
             shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
             logger.warning("push for %s from %s, which the plan does not name; rejected", key, sender[:12])
             return
+        if self.bans.is_banned(sender):
+            self.bans.dropped_while_banned += 1
+            return
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
             except Exception as exc:
-                shard.rejected["undecodable"] = shard.rejected.get("undecodable", 0) + 1
-                logger.warning("undecodable push from %s: %s", sender[:12], exc)
-                continue
+                self._offence(shard, sender, "undecodable", str(exc)[:200])
+                return
+            spec = shard.specs.get(name)
+            if spec is not None and tuple(grad.shape) == tuple(spec["shape"]) and grad.is_floating_point():
+                norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+                why = self.norms.check((shard.job, name), norm)
+                if why is not None and "non-finite" not in why:  # non-finite: the store's check counts it
+                    self._offence(shard, sender, "grad_norm", f"{name}: {why}")
+                    return
+            else:
+                norm = None
             res = shard.store.push(int(m["step"]), key, name, grad, int(m.get("samples", 0)), owned=True)
-            if not res.accepted and not res.duplicate:
+            if res.accepted and norm is not None:
+                self.norms.record((shard.job, name), norm)
+            elif not res.accepted and not res.duplicate:
+                if res.reason in BANNABLE:
+                    self._offence(shard, sender, res.reason, f"{name} as {enc.dtype}{list(enc.shape)}")
+                    return
                 logger.warning("push of %s from %s rejected: %s", name, sender[:12], res.reason)
 
     async def rpc_ready(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
@@ -225,5 +272,6 @@ class OptimizerHostService:
     async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         shard = self._shard(args, sender)
         self.shards.pop(shard.job, None)
+        self.norms.forget(lambda k: k[0] == shard.job)
         self.t.mailbox.drop_job(shard.job)
         return {"released": True}

@@ -46,7 +46,9 @@ def coarsen(graph: OpGraph, max_blocks: int = MAX_BLOCKS) -> list[int]:
         thr = sorted(cut[c] for c in cand)[need - 1]
         below = [c for c in cand if cut[c] < thr]
         ties = [c for c in cand if cut[c] == thr]
-        pick = np.linspace(0, len(ties) - 1, need - len(below)).round().astype(int) if need > len(below) else []
+        pick = (
+            np.linspace(0, len(ties) - 1, need - len(below)).round().astype(int) if need > len(below) else []
+        )
         cand = sorted(set(below) | {ties[i] for i in pick})
     return [0, *cand, n]
 

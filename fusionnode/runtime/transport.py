@@ -8,6 +8,12 @@ Two protocols:
   the receiver drops each into its ``Mailbox`` under a key, where a stage awaits it.
 
 A message to ourselves never touches the wire. Every wait has a deadline.
+
+Security (SECURITY.md): every inbound stream counts against its peer's `PeerLimits` (concurrent
+streams, bytes in flight, RPC rate). With a `SwarmAuthorizer` (private swarm) the opener of a stream
+first writes a small signed preamble (a ``Call`` to ``auth.open``, at most PREAUTH_MAX_FRAME_BYTES),
+and every Call, Reply and TensorMessage carries a swarm MAC; a stream whose preamble or any message
+fails is closed without a word, so an outsider learns nothing and makes us allocate at most 4 KiB.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fusionnode.errors import DeadlineError, PeerError, ProtocolError
+from fusionnode.security.auth import AUTH_FIELD, AuthenticationError, SwarmAuthorizer
+from fusionnode.security.limits import DEFAULT_PEER_LIMITS, PeerLimiter, PeerLimits
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
 from fusionnode.wire.messages import Call, Reply, TensorMessage
 from fusionnode.wire.stream import read_message, write_message
@@ -30,6 +38,10 @@ logger = logging.getLogger(__name__)
 PROTO_RPC = "/fusionnode/rpc/1"
 PROTO_DATA = "/fusionnode/data/1"
 MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
+PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
+PREAUTH_TIMEOUT_S = 10.0  # seconds for the opener of a stream to deliver its preamble
+AUTH_OPEN_METHOD = "auth.open"  # the preamble's Call.method
+PREAUTH_LIMITS = Limits(max_frame_bytes=PREAUTH_MAX_FRAME_BYTES, max_string=1024, max_container_len=16)
 RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
@@ -122,7 +134,13 @@ class TokenBucket:
 
 class Transport:
     def __init__(
-        self, p2p: Any, *, rpc_timeout: float = 30.0, limits: Limits = DEFAULT_LIMITS, authorizer: Any = None
+        self,
+        p2p: Any,
+        *,
+        rpc_timeout: float = 30.0,
+        limits: Limits = DEFAULT_LIMITS,
+        authorizer: SwarmAuthorizer | None = None,
+        peer_limits: PeerLimits = DEFAULT_PEER_LIMITS,
     ):
         self.p2p = p2p
         self.peer_id = str(p2p.peer_id)
@@ -139,6 +157,8 @@ class Transport:
         self.rate_limits: dict[str, TokenBucket] = {}  # per destination peer
         self.egress_limit: TokenBucket | None = None  # every data stream this peer writes
         self.authorizer = authorizer
+        self.peer_limiter = PeerLimiter(peer_limits)
+        self.auth_refused: dict[str, int] = defaultdict(int)  # per peer id: streams closed for bad auth
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
@@ -198,14 +218,29 @@ class Transport:
         except Exception as exc:
             raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
         try:
-            await write_message(writer, self._sign(Call(method=method, args=args)))
+            await self._write_preamble(writer, peer_id, PROTO_RPC)
+            call = Call(method=method, args=args)
+            if self.authorizer is not None:
+                call = self.authorizer.sign(call, self.peer_id, peer_id)
+            await write_message(writer, call)
             reply = await read_message(reader, self.limits)
         except (ConnectionError, OSError) as exc:
             raise PeerError(f"peer {peer_id[:12]}… dropped the {method!r} call: {exc}") from exc
+        except ProtocolError as exc:
+            if self.authorizer is not None and "truncated" in str(exc):
+                raise PeerError(
+                    f"peer {peer_id[:12]}… closed the {method!r} call unanswered "
+                    "(does it hold this swarm's key?)"
+                ) from exc
+            raise
         finally:
             writer.close()
         if not isinstance(reply, Reply):
             raise ProtocolError(f"expected a Reply to {method!r}, got {type(reply).__name__}")
+        if self.authorizer is not None:
+            reply, _ = self.authorizer.verify(
+                reply, peer_id, self.peer_id, context=call.args[AUTH_FIELD]["nonce"]
+            )
         if not reply.ok:
             raise PeerError(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}")
         return dict(reply.result)
@@ -214,9 +249,20 @@ class Transport:
         self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         sender = str(info.peer_id)
+        if not self.peer_limiter.open_stream(sender):
+            writer.close()
+            return
+        reserved = [0]
+        nonce = b""
         try:
-            msg = await read_message(reader, self.limits, timeout=self.rpc_timeout)
-            msg = self._verify(msg, sender)
+            if not self.peer_limiter.allow_call(sender):
+                return  # over its RPC rate: closed unanswered
+            await self._read_preamble(reader, sender, PROTO_RPC)
+            msg = await read_message(
+                reader, self.limits, timeout=self.rpc_timeout, admit=self._admitter(sender, reserved)
+            )
+            if self.authorizer is not None:
+                msg, nonce = self.authorizer.verify(msg, sender, self.peer_id)
             if not isinstance(msg, Call):
                 raise ProtocolError(f"expected a Call, got {type(msg).__name__}")
             handler = self._rpc.get(msg.method)
@@ -230,15 +276,26 @@ class Transport:
                     if not isinstance(exc, (PeerError, ProtocolError, ValueError)):
                         logger.exception("RPC %s from %s failed", msg.method, sender[:12])
                     reply = Reply(ok=False, result={}, error=f"{type(exc).__name__}: {exc}")
-            await write_message(writer, reply)
+            await write_message(writer, self._sign_reply(reply, sender, nonce))
+        except AuthenticationError as exc:
+            self._refuse_auth(sender, exc)
         except (ProtocolError, DeadlineError) as exc:
             logger.warning("bad RPC stream from %s: %s", sender[:12], exc)
             with contextlib.suppress(Exception):
-                await write_message(writer, Reply(ok=False, result={}, error=f"ProtocolError: {exc}"))
+                err = Reply(ok=False, result={}, error=f"ProtocolError: {exc}")
+                await write_message(writer, self._sign_reply(err, sender, nonce))
         except (ConnectionError, OSError):
             pass
         finally:
+            if reserved[0]:
+                self.peer_limiter.release(sender, reserved[0])
+            self.peer_limiter.close_stream(sender)
             writer.close()
+
+    def _sign_reply(self, reply: Reply, receiver: str, call_nonce: bytes) -> Reply:
+        if self.authorizer is None:
+            return reply
+        return self.authorizer.sign(reply, self.peer_id, receiver, context=call_nonce)
 
     # ---- data plane ----------------------------------------------------------------------------
     async def send(
@@ -258,11 +315,14 @@ class Transport:
                     if stream is None:
                         stream = await self._open_data(peer_id)
                     bucket = self.rate_limits.get(peer_id) or self.egress_limit
+                    signed = msg
+                    if self.authorizer is not None:
+                        signed = self.authorizer.sign(msg, self.peer_id, peer_id)
                     t0 = time.perf_counter()
                     if bucket is not None:
-                        n = await self._write_limited(stream[1], msg, bucket)
+                        n = await self._write_limited(stream[1], signed, bucket)
                     else:
-                        n = await write_message(stream[1], self._sign(msg))
+                        n = await write_message(stream[1], signed)
                     self.bytes_sent[job] += n
                     self.bytes_sent_to[peer_id] += n
                     if observe is not None:
@@ -279,7 +339,7 @@ class Transport:
     ) -> int:
         from fusionnode.wire.messages import encode_message
 
-        data = encode_message(self._sign(msg))
+        data = encode_message(msg)
         chunk = 64 << 10
         for i in range(0, len(data), chunk):
             piece = data[i : i + chunk]
@@ -297,6 +357,7 @@ class Transport:
             )
         except Exception as exc:
             raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+        await self._write_preamble(writer, peer_id, PROTO_DATA)
         self._out[peer_id] = (reader, writer)
         return reader, writer
 
@@ -304,30 +365,83 @@ class Transport:
         self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         sender = str(info.peer_id)
+        if not self.peer_limiter.open_stream(sender):
+            writer.close()
+            return
+        reserved = [0]
+        admit = self._admitter(sender, reserved)
         try:
+            await self._read_preamble(reader, sender, PROTO_DATA)
             while True:
                 try:
-                    msg = await read_message(reader, self.limits)
+                    msg = await read_message(reader, self.limits, admit=admit)
                 except ProtocolError as exc:
                     if "truncated" in str(exc) or "closed" in str(exc) or "empty" in str(exc):
                         return  # the sender closed its stream
                     raise
-                msg = self._verify(msg, sender)
-                if not isinstance(msg, TensorMessage):
-                    raise ProtocolError(
-                        f"expected a TensorMessage on the data stream, got {type(msg).__name__}"
-                    )
-                self._deliver(msg, sender)
+                try:
+                    if self.authorizer is not None:
+                        msg, _ = self.authorizer.verify(msg, sender, self.peer_id)
+                    if not isinstance(msg, TensorMessage):
+                        raise ProtocolError(
+                            f"expected a TensorMessage on the data stream, got {type(msg).__name__}"
+                        )
+                    self._deliver(msg, sender)
+                finally:
+                    self.peer_limiter.release(sender, reserved[0])
+                    reserved[0] = 0
+        except AuthenticationError as exc:
+            self._refuse_auth(sender, exc)
         except ProtocolError as exc:
             logger.warning("closing data stream from %s: %s", sender[:12], exc)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+        except (ConnectionError, OSError, asyncio.IncompleteReadError, DeadlineError):
             pass
         finally:
+            if reserved[0]:
+                self.peer_limiter.release(sender, reserved[0])
+            self.peer_limiter.close_stream(sender)
             writer.close()
 
-    # ---- authentication hooks (private swarms) ------------------------------------------------
-    def _sign(self, msg: Any) -> Any:
-        return self.authorizer.sign(msg) if self.authorizer is not None else msg
+    # ---- limits and authentication (SECURITY.md) -----------------------------------------------
+    def _admitter(self, sender: str, reserved: list[int]) -> Callable[[int], Awaitable[None]]:
+        """`read_message`'s admit hook: takes the frame's bytes from the sender's in-flight budget."""
 
-    def _verify(self, msg: Any, sender: str) -> Any:
-        return self.authorizer.verify(msg, sender) if self.authorizer is not None else msg
+        async def admit(nbytes: int) -> None:
+            await self.peer_limiter.reserve(sender, nbytes)
+            reserved[0] += nbytes
+
+        return admit
+
+    async def _write_preamble(self, writer: asyncio.StreamWriter, receiver: str, proto: str) -> None:
+        if self.authorizer is not None:
+            hello = self.authorizer.sign(
+                Call(method=AUTH_OPEN_METHOD, args={}), self.peer_id, receiver, context=proto.encode()
+            )
+            await write_message(writer, hello)
+
+    async def _read_preamble(self, reader: asyncio.StreamReader, sender: str, proto: str) -> None:
+        """Private swarms: the first frame must be a small signed auth.open; anything else is refused."""
+        if self.authorizer is None:
+            return
+        try:
+            msg = await read_message(reader, PREAUTH_LIMITS, timeout=PREAUTH_TIMEOUT_S)
+        except ProtocolError as exc:  # oversized, garbage, truncated: all the same to an outsider
+            raise AuthenticationError(f"no valid auth preamble: {exc}") from exc
+        if not isinstance(msg, Call) or msg.method != AUTH_OPEN_METHOD:
+            raise AuthenticationError("stream did not open with an auth preamble")
+        self.authorizer.verify(msg, sender, self.peer_id, context=proto.encode())
+
+    def _refuse_auth(self, sender: str, exc: Exception) -> None:
+        self.auth_refused[sender] += 1
+        if len(self.auth_refused) > 4096:
+            self.auth_refused.pop(next(iter(self.auth_refused)))
+        logger.warning("refused a stream from %s: %s", sender[:12], exc)
+
+    def security_status(self) -> dict[str, Any]:
+        """For the node's status: authentication and per-peer limit counters."""
+        return {
+            "private_swarm": self.authorizer is not None,
+            "auth": self.authorizer.status() if self.authorizer is not None else None,
+            "auth_refused_streams": dict(self.auth_refused),
+            "peer_limits": self.peer_limiter.status(),
+        }

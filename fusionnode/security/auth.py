@@ -155,7 +155,9 @@ class SwarmAuthorizer:
         self._nonces = NonceCache(nonce_cache, window_s)
         self.counters: dict[str, int] = {"signed": 0, "verified": 0, "refused": 0}
 
-    def _mac(self, stripped: Any, sender: str, receiver: str, context: bytes, ts: float, nonce: bytes) -> bytes:
+    def _mac(
+        self, stripped: Any, sender: str, receiver: str, context: bytes, ts: float, nonce: bytes
+    ) -> bytes:
         h = hmac.new(self._key, DOMAIN_TRANSPORT, hashlib.sha256)
         h.update(_lp(sender.encode()) + _lp(receiver.encode()) + _lp(context))
         h.update(struct.pack(">Bd", stripped.TYPE, ts) + nonce)
@@ -207,14 +209,18 @@ class DHTSwarmAuthorizer(AuthorizerBase):
     a response that fails: a DHT node without the key can neither read nor write our records.
     """
 
-    def __init__(self, key: SwarmKey, *, window_s: float = DEFAULT_WINDOW_S, nonce_cache: int = DEFAULT_NONCE_CACHE):
+    def __init__(
+        self, key: SwarmKey, *, window_s: float = DEFAULT_WINDOW_S, nonce_cache: int = DEFAULT_NONCE_CACHE
+    ):
         self._key = key.derive(LABEL_DHT)
         self.window_s = window_s
         self._nonces = NonceCache(nonce_cache, window_s)
         self.refused = 0
 
     def _mac(self, domain: bytes, proto: Any) -> bytes:
-        return hmac.new(self._key, domain + proto.SerializeToString(deterministic=True), hashlib.sha256).digest()
+        return hmac.new(
+            self._key, domain + proto.SerializeToString(deterministic=True), hashlib.sha256
+        ).digest()
 
     async def sign_request(self, request: AuthorizedRequestBase, service_public_key: Any) -> None:
         auth = request.auth
@@ -240,7 +246,9 @@ class DHTSwarmAuthorizer(AuthorizerBase):
         auth.signature = b""
         auth.signature = self._mac(DOMAIN_DHT_RESPONSE, response)
 
-    async def validate_response(self, response: AuthorizedResponseBase, request: AuthorizedRequestBase) -> bool:
+    async def validate_response(
+        self, response: AuthorizedResponseBase, request: AuthorizedRequestBase
+    ) -> bool:
         auth = response.auth
         signature, auth.signature = auth.signature, b""
         ok = hmac.compare_digest(self._mac(DOMAIN_DHT_RESPONSE, response), signature)

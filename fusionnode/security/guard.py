@@ -9,6 +9,7 @@ each new offence up to `max_s` (Petals bans a peer 15 s, doubling).
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections import deque
@@ -54,11 +55,13 @@ class NormBound:
 
     def check(self, key: Any, norm: float) -> str | None:
         """None if acceptable, else why not. Non-finite norms are never acceptable."""
-        if not norm == norm or norm in (float("inf"), float("-inf")):
+        if not math.isfinite(norm):
             return "non-finite gradient"
         limit = self.bound(key)
         if limit is not None and norm > limit:
-            return f"gradient norm {norm:.3g} exceeds {self.config.norm_factor:g} x running median ({limit:.3g})"
+            return (
+                f"gradient norm {norm:.3g} exceeds {self.config.norm_factor:g} x running median ({limit:.3g})"
+            )
         return None
 
     def record(self, key: Any, norm: float) -> None:

@@ -60,7 +60,9 @@ class SwarmKey:
     def from_text(cls, text: str, what: str = "swarm key") -> SwarmKey:
         lines = [ln.strip() for ln in text.strip().splitlines()]
         if len(lines) != 2 or lines[0] != SWARM_KEY_HEADER:
-            raise ConfigError(f"{what}: not a swarm key file (expected '{SWARM_KEY_HEADER}' and one hex line)")
+            raise ConfigError(
+                f"{what}: not a swarm key file (expected '{SWARM_KEY_HEADER}' and one hex line)"
+            )
         try:
             secret = bytes.fromhex(lines[1])
         except ValueError:

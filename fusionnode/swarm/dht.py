@@ -7,6 +7,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from hivemind.dht import DHT
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
@@ -45,6 +46,7 @@ def _start_blocking(
     initial_peers: list[str],
     startup_timeout: float,
     announce: list[str] | None,
+    authorizer: Any = None,
 ) -> DHT:
     dht = DHT(
         initial_peers=initial_peers or None,
@@ -57,6 +59,7 @@ def _start_blocking(
         startup_timeout=startup_timeout,
         wait_timeout=DHT_WAIT_TIMEOUT,
         shutdown_timeout=DHT_SHUTDOWN_TIMEOUT,
+        authorizer=authorizer,
     )
     try:
         # p2pd start + identity check + bootstrap pings: give the child a little more than p2pd's own limit
@@ -83,11 +86,14 @@ async def start_dht(
     *,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     announce: list[str] | None = None,
+    authorizer: Any = None,
 ) -> DHT:
     """Start a DHT node (a forked process running p2pd) with this node's identity and record validators.
 
     Raises DaemonError if p2pd does not start, if none of ``initial_peers`` answers, or on timeout;
     ConfigError for malformed multiaddrs. Runs the blocking start in a thread so the loop stays live.
+    ``authorizer`` (a `fusionnode.security.DHTSwarmAuthorizer`) makes every DHT RPC carry and require
+    the swarm MAC: a private swarm.
     """
     listen = _check_maddrs(listen, "listen address", need_peer_id=False)
     initial_peers = _check_maddrs(initial_peers, "initial peer", need_peer_id=True)
@@ -97,7 +103,7 @@ async def start_dht(
     t0 = time.monotonic()
     try:
         dht = await asyncio.to_thread(
-            _start_blocking, identity, listen, initial_peers, startup_timeout, announce
+            _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer
         )
     except (TimeoutError, concurrent.futures.TimeoutError) as exc:
         raise DaemonError(

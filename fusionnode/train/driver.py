@@ -74,6 +74,57 @@ def tensor_spec(graph: Any, name: str) -> dict[str, Any]:
     raise PlanError(f"tensor {name!r} is not in the OP-DAG")
 
 
+DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link nobody probed yet
+PLANNERS = ("simple", "fusion", "even", "memory")
+
+
+def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str]) -> dict[str, Any]:
+    """A cluster document (protocol/CLUSTER.md) of live peers: measured TFLOPS, offered memory, probed links."""
+    devices, pairs, seen = [], [], set()
+    by_id = {r.peer_id: r for r in records}
+    for pid in dict.fromkeys([*workers, *hosts]):
+        rec = by_id[pid]
+        roles = [
+            r
+            for r in ("worker", "optimizer")
+            if (r == "worker" and pid in workers) or (r == "optimizer" and pid in hosts)
+        ]
+        devices.append(
+            {
+                "id": pid,
+                "tflops": max(float(rec.device.tflops_fp32), 1e-4),
+                "memory_gb": rec.capacity_bytes / 1e9,
+                "roles": roles,
+            }
+        )
+    for rec in records:
+        for other, m in (rec.links or {}).items():
+            key = tuple(sorted((rec.peer_id, other)))
+            if rec.peer_id in by_id and other in by_id and key not in seen and m.bandwidth_bps > 0:
+                seen.add(key)
+                pairs.append(
+                    {
+                        "a": key[0],
+                        "b": key[1],
+                        "bandwidth_gbps": m.bandwidth_bps / 1e9,
+                        "latency_ms": m.rtt_s * 500.0,
+                    }
+                )
+    return {
+        "version": 1,
+        "name": "swarm",
+        "devices": devices,
+        "links": {
+            "inter_site": {"bandwidth_gbps": DEFAULT_UNMEASURED_GBPS, "latency_ms": 1.0},
+            "pairs": pairs,
+        },
+    }
+
+
+def _divisor_at_most(n: int, m: int) -> int:
+    return next(k for k in range(min(m, n), 0, -1) if n % k == 0)
+
+
 @dataclasses.dataclass
 class Pipeline:
     replica: int
@@ -324,19 +375,35 @@ class Driver:
             workers = await self._candidates(params.get("peers"), "worker")
             if not workers:
                 raise PlanError("no worker peers are available in the swarm")
-            host_of: dict[str, str] | None = None
-            host_index: dict[str, int] = {}
-            if job.offload:
-                job.hosts = await self._pick_hosts(params, workers)
-                host_of, host_index = self._shard(full, job.hosts)
+            strategy = params.get("planner") or "simple"
+            if strategy not in PLANNERS:
+                raise ConfigError(f"planner must be one of {', '.join(PLANNERS)}, got {strategy!r}")
+            if strategy != "simple" and offload_choice != "off":
+                job.offload = True
             n_stages = int(params.get("stages") or max(1, len(workers) // replicas))
             flops = [node.flops for node in traced.graph.nodes]
             stage_args: list[dict[str, Any]] = []
+            prediction: dict[str, Any] = {}
             for _attempt in range(MAX_PROPOSALS):
-                n_stages = max(1, min(n_stages, len(workers) // replicas))
                 if len(workers) < replicas:
                     raise PlanError("every worker refused the job's stages (see the events for the reasons)")
-                job.pipelines = self._layout(spec, flops, workers, n_stages, replicas, shares)
+                host_of: dict[str, str] | None = None
+                host_index: dict[str, int] = {}
+                if strategy == "simple":
+                    n_stages = max(1, min(n_stages, len(workers) // replicas))
+                    job.pipelines = self._layout(spec, flops, workers, n_stages, replicas, shares)
+                    if job.offload:
+                        job.hosts = await self._pick_hosts(params, workers)
+                else:
+                    job.pipelines, job.hosts, prediction = await self._planned_layout(
+                        strategy, spec, traced.graph, workers, params, job.offload, seq_len
+                    )
+                    if len(job.pipelines) > 1 and not job.offload:
+                        raise ConfigError(
+                            "the plan has several pipelines: they need optimizer hosts (--offload)"
+                        )
+                if job.offload:
+                    host_of, host_index = self._shard(full, job.hosts)
                 stage_args = self._stage_args(
                     job,
                     traced,
@@ -371,6 +438,8 @@ class Driver:
             await emit(
                 {
                     "type": "plan",
+                    "planner": strategy,
+                    "prediction": prediction,
                     "plan_version": 1,
                     "stages": job.stages,
                     "num_nodes": traced.graph.num_nodes,
@@ -403,6 +472,50 @@ class Driver:
         finally:
             metrics.close()
             await self._release(job)
+
+    async def _planned_layout(
+        self,
+        strategy: str,
+        spec: Any,
+        graph: Any,
+        workers: list[str],
+        params: dict[str, Any],
+        offload: bool,
+        seq_len: int,
+    ) -> tuple[list[Pipeline], list[str], dict[str, Any]]:
+        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines."""
+        from fusionnode.plan.baselines import even_plan, memory_plan
+        from fusionnode.plan.cluster import load_cluster_dict
+        from fusionnode.plan.planner import plan as make_plan
+
+        hosts = await self._candidates(params.get("optimizer_peers"), "optimizer") if offload else []
+        doc = params.get("cluster") or cluster_from_records(await self.membership.peers(), workers, hosts)
+        known = {d["id"] for d in doc.get("devices", [])}
+        missing = [w for w in workers if w not in known]
+        if missing:
+            raise ConfigError(f"the cluster given for planning does not describe workers {missing[:3]}")
+        cluster = load_cluster_dict(doc, "swarm")
+        kwargs = {"micro_batches": spec.micro_batches, "seq_len": seq_len, "offload": offload}
+        fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
+        p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
+        pipelines, first = [], 0
+        for r, pp in enumerate(p.pipelines):
+            peers = [st.devices[0] for st in pp.stages]
+            bounds = [pp.stages[0].lo, *(st.hi for st in pp.stages)]
+            m = _divisor_at_most(pp.batch_share, pp.micro_batches)
+            pipelines.append(Pipeline(r, peers, bounds, pp.batch_share, m, first))
+            first += len(peers)
+        plan_hosts = [h.device for h in p.optimizer_hosts] if offload else []
+        if offload and not plan_hosts:
+            plan_hosts = await self._pick_hosts(params, workers)
+        pred = p.prediction
+        prediction = {
+            "strategy": p.strategy,
+            "step_time_s": pred.step_time_s if pred else None,
+            "tokens_per_s": pred.tokens_per_s if pred else None,
+            "simulated_step_time_s": pred.simulated_step_time_s if pred else None,
+        }
+        return pipelines, plan_hosts, prediction
 
     async def _measured_links(self) -> dict[tuple[str, str], float]:
         """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
