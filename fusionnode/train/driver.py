@@ -121,6 +121,15 @@ def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str
     }
 
 
+def cluster_links(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """(from, to) -> bits/s of every device pair of a cluster document (what a testbed emulates)."""
+    from fusionnode.plan.cluster import load_cluster_dict
+
+    c = load_cluster_dict(doc, "cluster")
+    ids = [d.id for d in c.devices]
+    return {(a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j}
+
+
 def _divisor_at_most(n: int, m: int) -> int:
     return next(k for k in range(min(m, n), 0, -1) if n % k == 0)
 
@@ -412,7 +421,7 @@ class Driver:
                     sample,
                     host_of,
                     host_index,
-                    await self._measured_links(),
+                    cluster_links(params["cluster"]) if params.get("cluster") else await self._measured_links(),
                     params.get("link_options"),
                 )
                 refused = await self._propose(stage_args, metrics, emit)
