@@ -36,6 +36,7 @@ BENCHMARKS = {
     "plan": "fusionnode.bench.plan",
     "optim": "fusionnode.bench.optim",
     "pipeline": "fusionnode.bench.pipeline",
+    "testbed": "fusionnode.bench.testbed",
 }
 
 

@@ -43,6 +43,7 @@ class LocalSwarm:
     """N daemons started as real processes; stopped with SIGTERM, then SIGKILL."""
 
     def __init__(self, workdir: Path, n: int, *, log: Any = sys.stderr):
+        """`log`: where progress lines go (None: nowhere)."""
         self.workdir = workdir
         self.n = n
         self.procs: list[subprocess.Popen] = []
@@ -56,11 +57,15 @@ class LocalSwarm:
     def start(self) -> None:
         """Peer 0 first (its address is the others' bootstrap), then every other peer at once."""
         self._wait_ready(0, self._spawn(0, []))
-        print(f"  peer 0: {self.ready[0]['peer_id']} up", file=self.log, flush=True)
+        self._say(f"  peer 0: {self.ready[0]['peer_id']} up")
         procs = [(i, self._spawn(i, self.ready[0]["maddrs"])) for i in range(1, self.n)]
         for i, proc in procs:
             self._wait_ready(i, proc)
-            print(f"  peer {i}: {self.ready[-1]['peer_id']} up", file=self.log, flush=True)
+            self._say(f"  peer {i}: {self.ready[-1]['peer_id']} up")
+
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            print(text, file=self.log, flush=True)
 
     def add_peer(self) -> int:
         """Starts one more peer that joins through peer 0; returns its index."""

@@ -22,7 +22,7 @@ from typing import Any
 import fusionnode
 from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
-from fusionnode.errors import DaemonError
+from fusionnode.errors import ConfigError, DaemonError
 from fusionnode.runtime.transport import TokenBucket, Transport
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ class Node:
                 "peers": self._rpc_peers,
                 "leave": self._rpc_leave,
                 "train": self._rpc_train,
+            "set_link_limits": self._rpc_set_link_limits,
             },
         )
         await self.control.start()
@@ -242,6 +243,17 @@ class Node:
     async def _rpc_leave(self, params: dict, emit) -> dict:
         asyncio.get_running_loop().call_later(0.2, self.stop)
         return {"leaving": True, "peer_id": self.peer_id}
+
+    async def _rpc_set_link_limits(self, params: dict, emit) -> dict:
+        """User-space bandwidth caps on this peer's tensor streams, per destination peer (bits/s; 0 = none).
+
+        Local control only: for testbeds where network namespaces and tc are not available."""
+        limits = params.get("limits") or {}
+        if not isinstance(limits, dict):
+            raise ConfigError("limits must map peer ids to bits per second")
+        for peer, bps in limits.items():
+            self.transport.set_rate_limit(str(peer), float(bps) if bps else None)
+        return {"limited": len([v for v in limits.values() if v])}
 
     async def _rpc_train(self, params: dict, emit) -> dict:
         return await self.driver.run_job(params, emit)

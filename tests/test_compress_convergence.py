@@ -23,14 +23,20 @@ def _source(batch: int) -> BatchSource:
 def _config() -> BoundaryConfig:
     # ratios start dense; the policy sets them from the simulated link every step
     return BoundaryConfig(
-        forward_ratio=None, backward_ratio=None, forward_mode="global", backward_mode="global", forward_center=True
+        forward_ratio=None,
+        backward_ratio=None,
+        forward_mode="global",
+        backward_mode="global",
+        forward_center=True,
     )
 
 
 def test_policy_compresses_slow_link_and_training_learns() -> None:
     torch.set_num_threads(1)
     # half the default batch: half the activation bytes, so half the stage time keeps the ratio <= 10%
-    args = build_parser().parse_args(["--steps", "25", "--batch-size", "8", "--eval-batches", "2", "--stage-ms", "50"])
+    args = build_parser().parse_args(
+        ["--steps", "25", "--batch-size", "8", "--eval-batches", "2", "--stage-ms", "50"]
+    )
     source = _source(8)
     dense = train(args, source, None, None)
     comp = train(args, source, _config(), LINK_BPS)
@@ -39,5 +45,7 @@ def test_policy_compresses_slow_link_and_training_learns() -> None:
     assert dense.link.wire_bytes == 0  # the baseline has no cut
     # it learns: far below the loss of a uniform guess over 256 bytes (5.55 nats)
     assert math.isfinite(comp.final_loss) and comp.final_loss < 0.8 * math.log(256)
-    print(f"dense {dense.final_loss:.4f} compressed {comp.final_loss:.4f} reduction {comp.link.reduction:.1f}x")
+    print(
+        f"dense {dense.final_loss:.4f} compressed {comp.final_loss:.4f} reduction {comp.link.reduction:.1f}x"
+    )
     assert comp.final_loss < dense.final_loss * 1.25

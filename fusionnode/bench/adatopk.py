@@ -43,7 +43,7 @@ DEFAULT_LINK_MBPS = 8.0  # Mbit/s: a home uplink
 DEFAULT_LATENCY_MS = 10.0  # ms one-way
 DEFAULT_STAGE_MS = 100.0  # ms: compute-bound stage time the link must keep up with
 DEFAULT_EVAL_BATCHES = 8  # validation batches averaged for the final loss
-DEFAULT_WARMUP = 0  # dense steps before compression starts
+DEFAULT_WARMUP_FRACTION = 0.1  # of --steps sent dense before compression starts (when --warmup is not given)
 DEFAULT_FORWARD_MODE = "global"  # activations: global top-k of the centered tensor converged best
 DEFAULT_BACKWARD_MODE = "global"  # activation gradients
 DEFAULT_CENTER = True  # centered top-k for activations
@@ -167,7 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward-feedback", action="store_true", help="error feedback on activations")
     p.add_argument("--backward-feedback", action="store_true", help="error feedback on activation gradients")
     p.add_argument("--dense-backward", action="store_true", help="send activation gradients dense")
-    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="dense steps before compression")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"dense steps before compression (default {DEFAULT_WARMUP_FRACTION:g} of --steps)",
+    )
     p.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
     p.add_argument("--log-every", type=int, default=0)
     return p
@@ -178,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.eval_batches < 1:
         parser.error("--steps and --eval-batches must be >= 1")
+    if args.warmup is None:
+        args.warmup = int(args.steps * DEFAULT_WARMUP_FRACTION)
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     if args.ratio is not None and not (0.0 < args.ratio <= 1.0):
         parser.error("--ratio must be in (0, 1]")
     if args.link_mbps <= 0:

@@ -55,9 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seq_len=args.seq_len,
         seed=0,
     )
-    swarm = LocalSwarm(
-        Path(tempfile.mkdtemp(prefix="fusionnode-bench-")), args.peers, log=open("/dev/null", "w")
-    )  # noqa: SIM115
+    swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="fusionnode-bench-")), args.peers, log=None)
     try:
         swarm.start()
 

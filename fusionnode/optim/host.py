@@ -80,6 +80,7 @@ class OptimizerHostService:
             "opt.apply": self.rpc_apply,
             "opt.pull": self.rpc_pull,
             "opt.release": self.rpc_release,
+            "opt.replan": self.rpc_replan,
         }.items():
             transport.add_rpc(name, fn)
         transport.on_data("push", self._on_push)
@@ -268,6 +269,22 @@ class OptimizerHostService:
             }
             await self.t.send(sender, tensor_message(f"pulled{shard.host_index}", meta, {name: values[name]}))
         return {"count": len(names), "step": step}
+
+    async def rpc_replan(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """The driver adopted a new plan: new contributors (and the peers allowed to push for them);
+        pending contributions are dropped so a replayed step is applied once, under the new plan."""
+        shard = self._shard(args, sender)
+        expected = ExpectedContributions(
+            {
+                name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
+                for name, contribs in args["expected"].items()
+            }
+        )
+        dropped = shard.store.replan(expected)
+        shard.peers = {
+            key: c["peer"] for contribs in args["expected"].values() for key, c in contribs.items()
+        }
+        return {"applied_step": shard.store.applied_step, "dropped": dropped}
 
     async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         shard = self._shard(args, sender)

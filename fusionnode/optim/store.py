@@ -504,6 +504,31 @@ class ParameterStore:
                 return done
             done.append(step)
 
+    # -------------------------------------------------------------------- re-plans
+    def replan(self, expected: ExpectedContributions) -> list[int]:
+        """Adopt a new plan's contributors: every pending (not applied) step's contributions are
+        dropped, so a step replayed under the new plan is applied once, with exactly the new
+        contributors' gradients. Returns the steps whose contributions were dropped."""
+        missing = set(self._opt.params) - set(expected.by_name)
+        extra = set(expected.by_name) - set(self._opt.params)
+        if missing or extra:
+            raise ConfigError(
+                f"expected contributions do not cover the params: missing {sorted(missing)[:5]}, "
+                f"extra {sorted(extra)[:5]}"
+            )
+        sizes: dict[tuple[str, str], int] = {}
+        for name, contribs in expected.by_name.items():
+            for c in contribs.values():
+                sizes[(name, c.replica)] = sizes.get((name, c.replica), 0) + 1
+        with self._apply_lock, self._lock:
+            dropped = sorted(self._pending)
+            self._pending.clear()
+            self.expected = expected
+            self._replica_size = sizes
+        if dropped:
+            logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
+        return dropped
+
     # ----------------------------------------------------------------- parameters
     def get_params(
         self,

@@ -22,6 +22,8 @@ from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
 MIN_SPARSE_NUMEL = 4096  # tensors smaller than this always go dense (indices would cost more than they save)
+DENSE_ABOVE = 0.98  # a keep ratio above this is sent dense: top-k would save next to nothing
+MIN_OBSERVED_BYTES = 256 << 10  # smaller sends fit in socket buffers and token-bucket bursts: not timed
 DEFAULT_LATENCY_S = 0.0  # seconds, when nothing better is known
 
 
@@ -60,7 +62,17 @@ class LinkCompressor:
         self.last_ratio = 1.0
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        self.policy.observe(nbytes, seconds)
+        if nbytes >= MIN_OBSERVED_BYTES:
+            self.policy.observe(nbytes, seconds)
+
+    def bandwidth_bps(self) -> float | None:
+        """The link's bandwidth as far as we know: the bulk probe's figure, lowered (never raised) by
+        what sends on the link actually took. A send that fits in buffers looks faster than the link
+        is, so timings alone would overrate it; the next probe is what raises the figure again."""
+        seen = self.policy.bandwidth_bps
+        if self.probed_bps is None:
+            return seen
+        return self.probed_bps if seen is None else min(seen, self.probed_bps)
 
     def ratio_for(self, step: int, dense_bytes: int, target_time_s: float | None) -> float:
         kind = self.spec.kind
@@ -68,11 +80,12 @@ class LinkCompressor:
             return 1.0
         if kind == "topk":
             return float(self.spec.ratio)
-        # adatopk: the measured (EWMA) bandwidth once there is one, the probe's figure before
-        bw = self.policy.bandwidth_bps or self.probed_bps
+        # adatopk: the ratio that lets the link keep up with the slowest stage
+        bw = self.bandwidth_bps()
         if bw is None or not target_time_s:
             return self.policy.ratio
-        return self.policy.choose(bw, self.latency_s, dense_bytes, target_time_s)
+        ratio = self.policy.choose(bw, self.latency_s, dense_bytes, target_time_s)
+        return 1.0 if ratio > DENSE_ABOVE else ratio
 
     def encode(
         self, tensors: dict[str, torch.Tensor], step: int, key: str, target_time_s: float | None = None
@@ -111,5 +124,5 @@ class LinkCompressor:
             "dense_bytes": self.dense_bytes,
             "wire_bytes": self.wire_bytes,
             "ratio": self.last_ratio,
-            "bandwidth_bps": self.policy.bandwidth_bps or self.probed_bps,
+            "bandwidth_bps": self.bandwidth_bps(),
         }

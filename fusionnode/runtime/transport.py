@@ -159,6 +159,7 @@ class Transport:
         self.authorizer = authorizer
         self.peer_limiter = PeerLimiter(peer_limits)
         self.auth_refused: dict[str, int] = defaultdict(int)  # per peer id: streams closed for bad auth
+        self._bad_streams: dict[str, int] = {}  # per peer id: malformed or refused streams (log throttle)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
@@ -227,10 +228,10 @@ class Transport:
         except (ConnectionError, OSError) as exc:
             raise PeerError(f"peer {peer_id[:12]}… dropped the {method!r} call: {exc}") from exc
         except ProtocolError as exc:
-            if self.authorizer is not None and "truncated" in str(exc):
+            if "truncated" in str(exc):  # a private swarm closes unanswered on peers without its key
                 raise PeerError(
                     f"peer {peer_id[:12]}… closed the {method!r} call unanswered "
-                    "(does it hold this swarm's key?)"
+                    "(a private swarm whose key this peer lacks, or a rate limit)"
                 ) from exc
             raise
         finally:
@@ -280,7 +281,7 @@ class Transport:
         except AuthenticationError as exc:
             self._refuse_auth(sender, exc)
         except (ProtocolError, DeadlineError) as exc:
-            logger.warning("bad RPC stream from %s: %s", sender[:12], exc)
+            self._log_bad(sender, "bad RPC stream", exc)
             with contextlib.suppress(Exception):
                 err = Reply(ok=False, result={}, error=f"ProtocolError: {exc}")
                 await write_message(writer, self._sign_reply(err, sender, nonce))
@@ -393,7 +394,7 @@ class Transport:
         except AuthenticationError as exc:
             self._refuse_auth(sender, exc)
         except ProtocolError as exc:
-            logger.warning("closing data stream from %s: %s", sender[:12], exc)
+            self._log_bad(sender, "closing data stream", exc)
         except (ConnectionError, OSError, asyncio.IncompleteReadError, DeadlineError):
             pass
         finally:
@@ -435,7 +436,15 @@ class Transport:
         self.auth_refused[sender] += 1
         if len(self.auth_refused) > 4096:
             self.auth_refused.pop(next(iter(self.auth_refused)))
-        logger.warning("refused a stream from %s: %s", sender[:12], exc)
+        self._log_bad(sender, "refused a stream", exc)
+
+    def _log_bad(self, sender: str, what: str, exc: Exception) -> None:
+        """A warning for a peer's 1st, 2nd, 4th, 8th ... bad stream; debug otherwise (no log floods)."""
+        n = self._bad_streams[sender] = self._bad_streams.get(sender, 0) + 1
+        if len(self._bad_streams) > 4096:
+            self._bad_streams.pop(next(iter(self._bad_streams)))
+        level = logging.WARNING if n & (n - 1) == 0 else logging.DEBUG
+        logger.log(level, "%s from %s (bad stream #%d from this peer): %s", what, sender[:12], n, exc)
 
     def security_status(self) -> dict[str, Any]:
         """For the node's status: authentication and per-peer limit counters."""

@@ -12,13 +12,22 @@ Protocol (RPCs from the job's driver, data messages peer to peer; see protocol/S
 - ``job.commit``: apply the optimizer step (gradients of parameters shared with
   other stages are summed by the driver first and arrive as ``shared_sum``).
 - ``job.fetch``: send parameters or gradients to the driver (checkpoints, checks).
-- ``job.release``: drop the stage.
+- ``job.release``: drop the stage (``abort``: cancel a step in progress first, for a re-plan).
+- ``job.ping``: liveness probe (any peer); answers whether this peer is draining.
+
+Faults. A worker that is leaving (``drain``) finishes the step in progress and refuses the
+next ones with ``LEAVING_MARK`` in the error, so the driver re-plans without it. With the
+environment variable ``FUSIONNODE_DEBUG=1`` a worker reads a slow-down factor from the
+file ``<state dir>/debug_slow`` before each step and sleeps ``(factor - 1) x`` its compute
+time after each forward and backward (a straggler for tests and benchmarks); the same
+factor can be set by the ``debug.slow`` RPC, which only the peer itself may call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +45,9 @@ from fusionnode.wire.tensors import decode_tensor, encode_tensor
 logger = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
+DEBUG_ENV = "FUSIONNODE_DEBUG"  # "1" enables the slow-down hook (tests, benchmarks)
+DEBUG_SLOW_FILE = "debug_slow"  # in the state dir: a float factor >= 1 multiplying compute time
+LEAVING_MARK = "this peer is leaving"  # in the refusal of a draining worker (the driver looks for it)
 
 
 def tensor_message(
@@ -109,6 +121,7 @@ class StageJob:
         # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
         self.offload: dict[str, Any] | None = args.get("offload")
         self.pull_task: asyncio.Future | None = None
+        self.step_task: asyncio.Future | None = None
         self.push_tasks: list[asyncio.Future] = []
         self.grad_counts: dict[str, int] = {}
         self.lease_s = lease_s
@@ -155,6 +168,8 @@ class WorkerService:
         self.jobs: dict[tuple[str, int], StageJob] = {}
         self.on_jobs_changed = on_jobs_changed
         self.draining = False
+        self.debug = os.environ.get(DEBUG_ENV) == "1"
+        self.slow_factor = 1.0  # debug: compute time multiplier
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         for name, fn in {
@@ -164,6 +179,8 @@ class WorkerService:
             "job.commit": self.rpc_commit,
             "job.fetch": self.rpc_fetch,
             "job.release": self.rpc_release,
+            "job.ping": self.rpc_ping,
+            "debug.slow": self.rpc_debug_slow,
         }.items():
             transport.add_rpc(name, fn)
 
@@ -179,11 +196,34 @@ class WorkerService:
                     self._drop(key)
 
     async def drain(self) -> None:
-        """Graceful leave: refuse new work, let steps in progress finish."""
+        """Graceful leave: refuse new work and new steps, let the steps in progress finish (their
+        micro-batches drain through the pipeline and their gradients reach the optimizer hosts)."""
         self.draining = True
         for sj in list(self.jobs.values()):
             async with sj.busy:
                 pass
+            if sj.pull_task is not None:
+                await asyncio.gather(sj.pull_task, return_exceptions=True)
+
+    async def rpc_ping(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        return {"alive": True, "draining": self.draining, "jobs": len(self.jobs)}
+
+    async def rpc_debug_slow(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        if sender != self.t.peer_id or not self.debug:
+            raise PeerError(f"debug.slow is local only and needs {DEBUG_ENV}=1")
+        self.slow_factor = max(1.0, float(args.get("factor", 1.0)))
+        return {"factor": self.slow_factor}
+
+    def _read_slow_factor(self) -> None:
+        if not self.debug or self.state_dir is None:
+            return
+        try:
+            with open(os.path.join(self.state_dir, DEBUG_SLOW_FILE), encoding="utf-8") as f:
+                self.slow_factor = max(1.0, float(f.read().strip() or 1.0))
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot read the debug slow-down factor: %s", exc)
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -335,6 +375,10 @@ class WorkerService:
 
     async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
+        if args.get("abort"):
+            for task in (sj.step_task, sj.pull_task):
+                if task is not None and not task.done():
+                    task.cancel()
         async with sj.busy:
             self._drop((sj.job, sj.stage))
         return {"released": True}
@@ -355,6 +399,9 @@ class WorkerService:
         sj = self._get(args, sender)
         if sj.module is None:
             raise PeerError("stage not started")
+        if self.draining:
+            raise PeerError(f"{LEAVING_MARK}: no new steps")
+        self._read_slow_factor()
         async with sj.busy:
             if sj.pull_task is not None:  # parameters prefetched since the last commit
                 task, sj.pull_task = sj.pull_task, None
@@ -362,13 +409,26 @@ class WorkerService:
             sj.step_now = int(args["step"])
             sj.micro_batches_now = int(args["micro_batches"])
             sj.grad_counts = {}
-            return await self._run_step(
-                sj,
-                int(args["step"]),
-                int(args["micro_batches"]),
-                int(args["mb_size"]),
-                args.get("target_time_s"),
+            task = asyncio.ensure_future(
+                self._run_step(
+                    sj,
+                    int(args["step"]),
+                    int(args["micro_batches"]),
+                    int(args["mb_size"]),
+                    args.get("target_time_s"),
+                )
             )
+            sj.step_task = task
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                sj.step_task = None
+            if task.cancelled():
+                raise PeerError(f"step {args['step']} of stage {sj.stage} aborted by the driver")
+            return task.result()
 
     async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
@@ -402,6 +462,11 @@ class WorkerService:
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
             sj.last_step = step
         return {"applied": step}
+
+    async def _debug_delay(self, compute_s: float) -> None:
+        """Debug straggler: stretch a compute of `compute_s` seconds by the slow-down factor."""
+        if self.slow_factor > 1.0:
+            await asyncio.sleep((self.slow_factor - 1.0) * compute_s)
 
     # ---- the pipeline schedule -----------------------------------------------------------------
     async def _run_step(
@@ -472,6 +537,7 @@ class WorkerService:
 
             t0 = time.perf_counter()
             leaves, outs, loss_val = await loop.run_in_executor(self.executor, run)
+            await self._debug_delay(time.perf_counter() - t0)
             compute_s += time.perf_counter() - t0
             saved[mb] = (leaves, outs)
             if loss_val is not None:
@@ -506,6 +572,7 @@ class WorkerService:
 
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
+            await self._debug_delay(time.perf_counter() - t0)
             compute_s += time.perf_counter() - t0
             if not sj.is_first and in_grads:
                 send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)
@@ -547,7 +614,11 @@ class WorkerService:
                 tensor_message("shared_grad", {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g),
             )
         sq = FlatOptimizer.grad_sq_norm(
-            {n: p.grad.detach() for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None}
+            {
+                n: p.grad.detach()
+                for n, p in sj.params.items()
+                if n not in sj.shared_names and p.grad is not None
+            }
         )
         return {
             "step": step,

@@ -18,7 +18,10 @@ Optimizer, two ways (the same math):
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -30,13 +33,19 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.transport import Transport
-from fusionnode.runtime.worker import decode_checked, tensor_message
+from fusionnode.runtime.worker import LEAVING_MARK, decode_checked, tensor_message
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, DEFAULT_WINDOW, Bans
 
 logger = logging.getLogger(__name__)
 
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
 OFFLOAD_CHOICES = ("auto", "on", "off")
+STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
+MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
+FAILURE_GRACE_S = 0.5  # seconds to let other calls of a failing step report before cancelling them
+PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
+DEFAULT_REBALANCE_EVERY = 5  # steps between straggler checks (0: never re-plan for speed)
 
 
 def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
@@ -127,7 +136,9 @@ def cluster_links(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
 
     c = load_cluster_dict(doc, "cluster")
     ids = [d.id for d in c.devices]
-    return {(a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j}
+    return {
+        (a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j
+    }
 
 
 def _divisor_at_most(n: int, m: int) -> int:
@@ -165,6 +176,8 @@ class Job:
         self.started = time.time()
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
+        self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
+        self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -186,6 +199,85 @@ class Job:
         }
 
 
+class _StepFailed(FusionNodeError):
+    """A step did not complete: which peers' calls failed (and why), which did not answer a probe."""
+
+    def __init__(self, step: int, errors: dict[str, str], unreachable: list[str]):
+        self.step = step
+        self.errors = errors
+        self.unreachable = unreachable
+        self.t0 = time.perf_counter()
+        super().__init__(self.summary())
+
+    def summary(self) -> str:
+        parts = [f"{p[:12]}…: {e[:300]}" for p, e in sorted(self.errors.items())]
+        if self.unreachable:
+            parts.append(f"unreachable: {[p[:12] for p in self.unreachable]}")
+        return "; ".join(parts)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a running job's plan changes need (the driver's mutable state of one run)."""
+
+    traced: Any
+    canonical: dict[str, str]
+    full: dict[str, torch.Tensor]  # initial parameters (their names and shapes)
+    sample: torch.Tensor
+    host_of: dict[str, str] | None
+    host_index: dict[str, int]
+    params: dict[str, Any]
+    metrics: Any
+    emit: Any
+    flops: list[float]
+    strategy: str
+    n_stages: int
+    shares: list[int]
+    stage_args: list[dict[str, Any]]
+    seq_len: int
+    known: set[str]  # workers seen so far (a new one is a "join")
+    move_s: float  # seconds the last plan change took (the cost of moving)
+    rebalance_every: int
+    min_gain: float
+    source: Any = None
+    first_step: int = 0
+    gone: set[str] = dataclasses.field(default_factory=set)  # peers that left gracefully
+    bans: Bans = dataclasses.field(default_factory=Bans)
+    steps_on_plan: int = 0
+    target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
+    samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
+
+    def observe(self, job: Job, reports: list[dict[str, Any]]) -> None:
+        """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
+        self.steps_on_plan += 1
+        if self.steps_on_plan == 1:
+            return
+        for a, r in zip(self.stage_args, reports, strict=True):
+            q = self.samples.setdefault(a["peer"], collections.deque(maxlen=DEFAULT_WINDOW))
+            q.append((a["peer"], a["lo"], a["hi"], float(r["compute_s"])))
+
+    def speeds(self) -> dict[str, float]:
+        from fusionnode.train.rebalance import measured_speeds
+
+        return measured_speeds(self.flops, [s for q in self.samples.values() for s in q])
+
+
+def _stage_rows(stage_args: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "stage": a["stage"],
+            "replica": a["replica"],
+            "pos": a["pos"],
+            "peer": a["peer"],
+            "lo": a["lo"],
+            "hi": a["hi"],
+            "n_params": len(a["param_specs"]),
+            "shared": a["shared_names"],
+        }
+        for a in stage_args
+    ]
+
+
 class Driver:
     def __init__(self, transport: Transport, membership: Any, *, config: Any, state_dir: Path):
         self.t = transport
@@ -193,6 +285,7 @@ class Driver:
         self.config = config
         self.state_dir = state_dir
         self.jobs: dict[str, Job] = {}
+        self._tags = itertools.count(1)  # pull tags of the driver's own parameter fetches
 
     def status(self) -> list[dict[str, Any]]:
         return [job.to_dict() for job in self.jobs.values()]
@@ -327,7 +420,7 @@ class Driver:
                     "shared_names": sorted(shared & set(pspecs)),
                     "spec": spec.to_dict(),
                     "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
-                    "lease_s": self.config.lease_s,
+                    "lease_s": job.lease_s,
                     "lo": lo,
                     "hi": hi,
                     "peer": pipe.peers[i],
@@ -362,6 +455,7 @@ class Driver:
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
         job = Job(spec, self.t.peer_id)
+        job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         self.jobs[spec.job_id] = job
         metrics = MetricsWriter(spec.metrics_out)
         try:
@@ -421,7 +515,9 @@ class Driver:
                     sample,
                     host_of,
                     host_index,
-                    cluster_links(params["cluster"]) if params.get("cluster") else await self._measured_links(),
+                    cluster_links(params["cluster"])
+                    if params.get("cluster")
+                    else await self._measured_links(),
                     params.get("link_options"),
                 )
                 refused = await self._propose(stage_args, metrics, emit)
@@ -430,19 +526,7 @@ class Driver:
                 workers = [w for w in workers if w not in refused]
             else:
                 raise PlanError("could not place the job's stages after several proposals")
-            job.stages = [
-                {
-                    "stage": a["stage"],
-                    "replica": a["replica"],
-                    "pos": a["pos"],
-                    "peer": a["peer"],
-                    "lo": a["lo"],
-                    "hi": a["hi"],
-                    "n_params": len(a["param_specs"]),
-                    "shared": a["shared_names"],
-                }
-                for a in stage_args
-            ]
+            job.stages = _stage_rows(stage_args)
             job.plan_version = 1
             await emit(
                 {
@@ -464,12 +548,36 @@ class Driver:
                 pipelines=len(job.pipelines),
                 offload=job.offload,
             )
+            t_move = time.perf_counter()
             if job.offload:
                 await self._init_hosts(job, stage_args, full, host_of, params, start_step)
             await self._ship_params(job, stage_args, full)
             job.state = "running"
-            await self._train(job, stage_args, source, metrics, emit, start_step, params)
-            final = await self._fetch_params(job, stage_args, host_of)
+            run = _Run(
+                traced=traced,
+                canonical=canonical,
+                full=full,
+                sample=sample,
+                host_of=host_of,
+                host_index=host_index,
+                params=params,
+                metrics=metrics,
+                emit=emit,
+                flops=flops,
+                strategy=strategy,
+                n_stages=max(len(p.peers) for p in job.pipelines),
+                shares=[p.samples for p in job.pipelines],
+                stage_args=stage_args,
+                seq_len=seq_len,
+                known=set(workers),
+                move_s=time.perf_counter() - t_move,
+                rebalance_every=int(params.get("rebalance_every", DEFAULT_REBALANCE_EVERY) or 0),
+                min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
+                source=source,
+                first_step=start_step,
+            )
+            await self._train(job, run, source, start_step)
+            final = await self._fetch_params(job, run.stage_args, run.host_of)
             result = await self._finish(job, model, final, source, metrics)
             job.state = "done"
             return result
@@ -563,16 +671,7 @@ class Driver:
         params: dict[str, Any],
         start_step: int,
     ) -> None:
-        from fusionnode.optim.store import contributor_key
-
-        expected: dict[str, dict[str, dict[str, Any]]] = {}
-        for a in stage_args:
-            for name in a["param_specs"]:
-                expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
-                    "replica": a["replica"],
-                    "samples": job.pipelines[a["replica"]].samples,
-                    "peer": a["peer"],
-                }
+        expected = self._expected(job, stage_args)
 
         async def init(i: int, host: str) -> None:
             names = sorted(n for n, h in host_of.items() if h == host)
@@ -643,101 +742,44 @@ class Driver:
 
         await asyncio.gather(*(ship(a) for a in stage_args))
 
-    async def _train(
-        self,
-        job: Job,
-        stage_args: list[dict[str, Any]],
-        source: Any,
-        metrics: Any,
-        emit: Any,
-        start_step: int,
-        params: dict[str, Any],
-    ) -> None:
+    async def _train(self, job: Job, run: _Run, source: Any, start_step: int) -> None:
+        """Runs the steps. With offload a step that fails (a peer died, left, or sent bad tensors)
+        is replayed under a new plan without that peer; every `rebalance_every` steps the measured
+        stage speeds decide whether a better layout is worth adopting."""
         from fusionnode.train.spec import lr_at
 
         spec = job.spec
         jid = spec.job_id
-        input_name = next(iter(stage_args[0]["recv_specs"]))
-        seq_len = source.seq_len
-        dump_grads = params.get("dump_grads")
         tokens_total, time_total = 0, 0.0
-        timeout = self.config.step_timeout_s
-        target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
-        for step in range(start_step, spec.steps):
+        step = start_step
+        failures_in_a_row = 0
+        while step < spec.steps:
             t0 = time.perf_counter()
             lr = lr_at(step, spec)
             wire0 = self.t.bytes_sent.get(jid, 0)
-            sends = []
-            shards = source.shard_batches(step, [p.samples for p in job.pipelines])
-            for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
-                first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
-                for mb, (x, y) in enumerate(
-                    zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
-                ):
-                    meta = {"job": jid, "step": step, "mb": mb}
-                    sends.append(
-                        self.t.send(
-                            pipe.peers[0], tensor_message("input", {**meta, "stage": first}, {input_name: x})
-                        )
-                    )
-                    sends.append(
-                        self.t.send(
-                            pipe.peers[-1], tensor_message("target", {**meta, "stage": last}, {"target": y})
-                        )
-                    )
-            await asyncio.gather(*sends)
-            reports = await asyncio.gather(
-                *(
-                    self.t.call(
-                        a["peer"],
-                        "job.step",
-                        {
-                            "job": jid,
-                            "stage": a["stage"],
-                            "step": step,
-                            "micro_batches": job.pipelines[a["replica"]].micro_batches,
-                            "mb_size": job.pipelines[a["replica"]].mb_size,
-                            "target_time_s": target_time_s,
-                        },
-                        timeout=timeout * 2,
-                    )
-                    for a in stage_args
-                )
-            )
-            if dump_grads and step == start_step:
-                await self._dump_grads(job, stage_args, dump_grads)
-            if job.offload:
-                grad_norm, clip = await self._apply_on_hosts(job, step, lr)
-                commit_extra: dict[str, Any] = {}
-            else:
-                shared_sum = await self._sum_shared(job, stage_args, step)
-                sq = sum(r["grad_sq"] for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
-                grad_norm = math.sqrt(sq)
-                clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
-                for a in stage_args:
-                    mine = {k: shared_sum[k] for k in a["shared_names"]}
-                    if mine:
-                        meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
-                        await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
-                commit_extra = {"lr": lr, "clip_coef": clip}
-            await asyncio.gather(
-                *(
-                    self.t.call(
-                        a["peer"],
-                        "job.commit",
-                        {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
-                        timeout=timeout,
-                    )
-                    for a in stage_args
-                )
-            )
+            try:
+                reports, grad_norm, late = await self._one_step(job, run, step, lr)
+            except _StepFailed as fail:
+                failures_in_a_row += 1
+                if not job.offload:
+                    raise PeerError(
+                        f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
+                        "the optimizer state off the workers (--offload on)"
+                    ) from None
+                if failures_in_a_row > MAX_REPLAYS:
+                    raise PlanError(
+                        f"step {step} failed {failures_in_a_row} times in a row: {fail.summary()}"
+                    ) from None
+                await self._recover(job, run, source, step, fail)
+                continue
+            failures_in_a_row = 0
             step_time = time.perf_counter() - t0
-            target_time_s = max(
+            run.target_time_s = max(
                 r["compute_s"] / job.pipelines[a["replica"]].micro_batches
-                for a, r in zip(stage_args, reports, strict=True)
+                for a, r in zip(run.stage_args, reports, strict=True)
             )
-            loss = self._step_loss(job, stage_args, reports)
-            tokens = spec.batch_size * seq_len
+            loss = self._step_loss(job, run.stage_args, reports)
+            tokens = spec.batch_size * run.seq_len
             tokens_total += tokens
             time_total += step_time
             wire = sum(r["sent_bytes"] for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
@@ -754,26 +796,419 @@ class Driver:
                 "stages": [
                     {
                         "stage": r["stage"],
+                        "peer": a["peer"],
                         "compute_s": round(r["compute_s"], 4),
                         "wait_s": round(r["wait_s"], 4),
+                        "link_s": round(max(0.0, r.get("total_s", 0.0) - r["compute_s"] - r["wait_s"]), 4),
                         "sent_bytes": r["sent_bytes"],
                         "links": r["links"],
                     }
-                    for r in reports
+                    for a, r in zip(run.stage_args, reports, strict=True)
                 ],
             }
-            metrics.step(record)
+            run.metrics.step(record)
             job.history.append(record)
             job.step, job.loss = step + 1, loss
             job.tokens_per_s = tokens_total / time_total
-            await emit({"type": "step", **record, "steps": spec.steps})
+            await run.emit({"type": "step", **record, "steps": spec.steps})
+            run.observe(job, reports)
+            step += 1
+            if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
+                await self._recover(job, run, source, step, late)
+                continue
+            if spec.save_dir and spec.save_every and step % spec.save_every == 0 and step < spec.steps:
+                await self._checkpoint(
+                    job, step, source, await self._fetch_params(job, run.stage_args, run.host_of)
+                )
             if (
-                spec.save_dir
-                and spec.save_every
-                and (step + 1) % spec.save_every == 0
-                and step + 1 < spec.steps
+                job.offload
+                and run.rebalance_every
+                and step < spec.steps
+                and run.steps_on_plan >= run.rebalance_every
             ):
-                await self._checkpoint(job, step + 1, source, await self._fetch_params(job, stage_args, None))
+                await self._maybe_rebalance(job, run, step)
+
+    async def _one_step(
+        self, job: Job, run: _Run, step: int, lr: float
+    ) -> tuple[list[dict[str, Any]], float, _StepFailed | None]:
+        """One step on the plan in force: inputs, `job.step` everywhere, the optimizer, commits.
+
+        Raises _StepFailed when the step did not reach the optimizer (it is to be replayed); returns
+        a _StepFailed as its third value when only a commit failed after the step was applied."""
+        spec = job.spec
+        jid = spec.job_id
+        stage_args = run.stage_args
+        input_name = next(iter(stage_args[0]["recv_specs"]))
+        timeout = self.config.step_timeout_s
+        sends: dict[str, list[Any]] = {}
+        shards = run.source.shard_batches(step, [p.samples for p in job.pipelines])
+        for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
+            first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
+            for mb, (x, y) in enumerate(
+                zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
+            ):
+                meta = {"job": jid, "step": step, "mb": mb}
+                sends.setdefault(pipe.peers[0], []).append(
+                    tensor_message("input", {**meta, "stage": first}, {input_name: x})
+                )
+                sends.setdefault(pipe.peers[-1], []).append(
+                    tensor_message("target", {**meta, "stage": last}, {"target": y})
+                )
+
+        async def feed(peer: str, msgs: list[Any]) -> None:
+            for msg in msgs:
+                await self.t.send(peer, msg)
+
+        calls = {
+            **{("send", peer): feed(peer, msgs) for peer, msgs in sends.items()},
+            **{
+                ("step", a["stage"]): self.t.call(
+                    a["peer"],
+                    "job.step",
+                    {
+                        "job": jid,
+                        "stage": a["stage"],
+                        "step": step,
+                        "micro_batches": job.pipelines[a["replica"]].micro_batches,
+                        "mb_size": job.pipelines[a["replica"]].mb_size,
+                        "target_time_s": run.target_time_s,
+                    },
+                    timeout=timeout * 2,
+                )
+                for a in stage_args
+            },
+        }
+        peer_of = {("step", a["stage"]): a["peer"] for a in stage_args} | {
+            k: k[1] for k in calls if k[0] == "send"
+        }
+        results = await self._gather_or_fail(job, run, step, calls, peer_of)
+        reports = [results[("step", a["stage"])] for a in stage_args]
+        if run.params.get("dump_grads") and step == run.first_step:
+            await self._dump_grads(job, stage_args, run.params["dump_grads"])
+        if job.offload:
+            grad_norm, _clip = await self._apply_on_hosts(job, step, lr)
+            commit_extra: dict[str, Any] = {}
+        else:
+            shared_sum = await self._sum_shared(job, stage_args, step)
+            sq = sum(r["grad_sq"] for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
+            grad_norm = math.sqrt(sq)
+            clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
+            for a in stage_args:
+                mine = {k: shared_sum[k] for k in a["shared_names"]}
+                if mine:
+                    meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
+                    await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
+            commit_extra = {"lr": lr, "clip_coef": clip}
+        commits = {
+            ("commit", a["stage"]): self.t.call(
+                a["peer"],
+                "job.commit",
+                {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
+                timeout=timeout,
+            )
+            for a in stage_args
+        }
+        late = None
+        try:
+            await self._gather_or_fail(
+                job, run, step, commits, {("commit", a["stage"]): a["peer"] for a in stage_args}
+            )
+        except _StepFailed as fail:
+            if not job.offload:
+                raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
+            late = fail
+        return reports, grad_norm, late
+
+    async def _gather_or_fail(
+        self, job: Job, run: _Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]
+    ) -> dict[Any, Any]:
+        """Awaits every call; at the first failure waits a moment for others, cancels the rest, probes
+        the plan's peers and raises _StepFailed (so a dead peer is detected as soon as a stream to it
+        breaks, not after the step deadline)."""
+        tasks = {key: asyncio.ensure_future(coro) for key, coro in calls.items()}
+        pending = set(tasks.values())
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                if any(t.exception() is not None for t in done if not t.cancelled()):
+                    break
+            if pending:
+                _done, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        errors: dict[str, str] = {}
+        for key, t in tasks.items():
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is None:
+                continue
+            if not isinstance(exc, FusionNodeError | OSError | asyncio.TimeoutError):
+                raise exc
+            peer = peer_of[key]
+            errors[peer] = (errors.get(peer, "") + " | " + str(exc)).strip(" |")
+        if not errors:
+            return {key: t.result() for key, t in tasks.items()}
+        unreachable, draining = await self._probe(sorted({a["peer"] for a in run.stage_args}))
+        for p in draining:
+            errors.setdefault(p, LEAVING_MARK)
+        raise _StepFailed(step, errors, unreachable)
+
+    async def _probe(self, peers: list[str]) -> tuple[list[str], list[str]]:
+        """(peers that did not answer a ping in PING_TIMEOUT_S, peers that answered they are leaving)."""
+        res = await asyncio.gather(
+            *(self.t.call(p, "job.ping", {}, timeout=PING_TIMEOUT_S) for p in peers), return_exceptions=True
+        )
+        dead = [p for p, r in zip(peers, res, strict=True) if isinstance(r, BaseException)]
+        leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, dict) and r.get("draining")]
+        return dead, leaving
+
+    async def _recover(self, job: Job, run: _Run, source: Any, step: int, fail: _StepFailed) -> None:
+        """Bans (or forgets) the peers to blame, adopts a plan without them; the step is then replayed."""
+        from fusionnode.train.rebalance import blame
+
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        peers = sorted({a["peer"] for a in run.stage_args})
+        verdict = blame(fail.errors, peers, fail.unreachable)
+        for peer, kind in sorted(verdict.items()):
+            if kind == "leave":
+                run.gone.add(peer)
+                await self._event(run, job, "leave", peer=peer, step=step, reason="the peer drained and left")
+            else:
+                ban_s = run.bans.fail(peer, now)
+                await self._event(
+                    run,
+                    job,
+                    "failure",
+                    peer=peer,
+                    step=step,
+                    reason=fail.errors.get(peer) or "did not answer a liveness probe",
+                    unreachable=peer in fail.unreachable,
+                    ban_s=ban_s,
+                )
+        workers = await self._live_workers(job, run)
+        try:
+            await self._adopt(
+                job, run, workers, reason=f"replacing {sorted(p[:12] for p in verdict)} at step {step}"
+            )
+        except (PlanError, ConfigError) as exc:
+            ckpt = None
+            if job.offload and job.spec.save_dir:
+                with contextlib.suppress(FusionNodeError, OSError):
+                    ckpt = await self._checkpoint(
+                        job,
+                        job.step,
+                        source,
+                        await self._fetch_params(job, [], run.host_of, all_names=run.full),
+                    )
+            raise PlanError(
+                f"the job cannot go on at step {step} without {sorted(p[:12] for p in verdict)}: {exc}"
+                + (f"; checkpoint of step {job.step} in {ckpt}" if ckpt else "")
+            ) from None
+        await self._event(
+            run,
+            job,
+            "recovered",
+            step=step,
+            time_to_recover_s=round(time.perf_counter() - t0, 3),
+            since_failure_s=round(time.perf_counter() - fail.t0, 3),
+            plan_version=job.plan_version,
+            reason="the step is replayed under the new plan",
+        )
+
+    async def _event(self, run: _Run, job: Job, kind: str, **fields: Any) -> None:
+        rec = run.metrics.event(kind, **fields)
+        job.events.append(rec)
+        logger.warning("job %s: %s %s", job.spec.job_id, kind, {k: v for k, v in fields.items()})
+        await run.emit({"type": "event", "kind": kind, **fields})
+
+    async def _live_workers(self, job: Job, run: _Run) -> list[str]:
+        """Worker peers now in the swarm, less the banned and the departed; joins are recorded."""
+        now = time.monotonic()
+        wanted = run.params.get("peers")
+        peers = await self.membership.peers()
+        ids = [
+            p.peer_id
+            for p in peers
+            if "worker" in p.roles and getattr(p, "availability", "available") == "available"
+        ]
+        if wanted:
+            ids = [w for w in ids if w in wanted] + [w for w in ids if w not in wanted]
+        ids = sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid)) if not wanted else ids
+        for pid in ids:
+            if pid not in run.known:
+                run.known.add(pid)
+                await self._event(
+                    run, job, "join", peer=pid, step=job.step, reason="a new worker is in the swarm"
+                )
+        return [p for p in run.bans.allowed(ids, now) if p not in run.gone]
+
+    async def _adopt(
+        self, job: Job, run: _Run, workers: list[str], *, reason: str, layout: Any = None
+    ) -> None:
+        """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
+        step in progress), lays out new ones (with new stage ids, so no message or contribution of
+        the old plan can be taken for the new one), points the optimizer hosts at the new
+        contributors (dropping the pending step's partial gradients) and ships each new stage the
+        current parameters from the hosts."""
+        spec = job.spec
+        t0 = time.perf_counter()
+        old_args = run.stage_args
+        await asyncio.gather(
+            *(
+                self.t.call(
+                    a["peer"],
+                    "job.release",
+                    {"job": spec.job_id, "stage": a["stage"], "abort": True},
+                    timeout=PING_TIMEOUT_S,
+                )
+                for a in old_args
+            ),
+            return_exceptions=True,
+        )
+        current = await self._fetch_params(job, old_args, run.host_of, all_names=run.full)
+        base = job.plan_version * STAGE_ID_STRIDE
+        candidates = list(workers)
+        for _attempt in range(MAX_PROPOSALS):
+            if layout is not None:
+                pipe = job.pipelines[0]
+                job.pipelines = [
+                    Pipeline(0, list(layout.peers), list(layout.bounds), pipe.samples, pipe.micro_batches, 0)
+                ]
+            elif run.strategy == "simple":
+                replicas = len(run.shares)
+                n_stages = max(1, min(run.n_stages, len(candidates) // replicas))
+                job.pipelines = self._layout(spec, run.flops, candidates, n_stages, replicas, run.shares)
+            else:
+                params = dict(run.params)
+                if params.get("cluster"):
+                    keep = set(candidates) | set(job.hosts)
+                    doc = dict(params["cluster"])
+                    doc["devices"] = [d for d in doc.get("devices", []) if d["id"] in keep]
+                    params["cluster"] = doc
+                job.pipelines, _hosts, _pred = await self._planned_layout(
+                    run.strategy, spec, run.traced.graph, candidates, params, job.offload, run.seq_len
+                )
+            for p in job.pipelines:
+                p.first_stage += base
+            stage_args = self._stage_args(
+                job,
+                run.traced,
+                run.canonical,
+                run.full,
+                run.sample,
+                run.host_of,
+                run.host_index,
+                await self._measured_links(),
+                run.params.get("link_options"),
+            )
+            refused = await self._propose(stage_args, run.metrics, run.emit)
+            if not refused:
+                break
+            candidates = [w for w in candidates if w not in refused]
+            layout = None
+            if not candidates:
+                break
+        else:
+            raise PlanError("could not place the job's stages after several proposals")
+        if not candidates:
+            raise PlanError("no worker is left that accepts the job's stages")
+        if job.offload:
+            expected = self._expected(job, stage_args)
+            await asyncio.gather(
+                *(
+                    self.t.call(
+                        h,
+                        "opt.replan",
+                        {
+                            "job": spec.job_id,
+                            "expected": {n: expected[n] for n in expected if run.host_of[n] == h},
+                        },
+                        timeout=self.config.step_timeout_s,
+                    )
+                    for h in job.hosts
+                )
+            )
+        await self._ship_params(job, stage_args, current)
+        run.stage_args = stage_args
+        run.steps_on_plan = 0
+        run.target_time_s = None
+        run.move_s = time.perf_counter() - t0
+        job.plan_version += 1
+        job.stages = _stage_rows(stage_args)
+        await run.emit(
+            {
+                "type": "plan",
+                "planner": run.strategy,
+                "prediction": {},
+                "plan_version": job.plan_version,
+                "stages": job.stages,
+                "num_nodes": run.traced.graph.num_nodes,
+                "offload": job.offload,
+                "optimizer_hosts": job.hosts,
+            }
+        )
+        await self._event(
+            run,
+            job,
+            "replan",
+            reason=reason,
+            plan_version=job.plan_version,
+            step=job.step,
+            peers=[a["peer"] for a in stage_args],
+            bounds=[[a["lo"], a["hi"]] for a in stage_args],
+            move_s=round(run.move_s, 3),
+        )
+
+    async def _maybe_rebalance(self, job: Job, run: _Run, step: int) -> None:
+        """Straggler rebalancing and use of joined peers (one pipeline): adopt a better layout when
+        the measured speeds predict a gain above the threshold that outweighs the cost of moving."""
+        from fusionnode.train.rebalance import Layout, decide, fill_speeds
+
+        run.steps_on_plan = 0  # next check after another window
+        if len(job.pipelines) != 1:
+            return
+        workers = await self._live_workers(job, run)
+        pipe = job.pipelines[0]
+        spares = [w for w in workers if w not in pipe.peers]
+        advertised = {
+            r.peer_id: float(r.device.tflops_fp32)
+            for r in await self.membership.peers()
+            if r.peer_id in set(workers)
+        }
+        speeds = fill_speeds(run.speeds(), advertised, [*pipe.peers, *spares])
+        current = Layout(tuple(pipe.peers), tuple(pipe.bounds))
+        d = decide(
+            current,
+            run.flops,
+            speeds,
+            pipe.micro_batches,
+            spares=spares,
+            steps_left=job.spec.steps - step,
+            move_cost_s=run.move_s,
+            min_gain=run.min_gain,
+        )
+        logger.info("rebalance check at step %d: %s", step, d.reason)
+        if d.adopt and d.layout is not None:
+            await self._adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout=d.layout)
+
+    @staticmethod
+    def _expected(job: Job, stage_args: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+        from fusionnode.optim.store import contributor_key
+
+        expected: dict[str, dict[str, dict[str, Any]]] = {}
+        for a in stage_args:
+            for name in a["param_specs"]:
+                expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
+                    "replica": a["replica"],
+                    "samples": job.pipelines[a["replica"]].samples,
+                    "peer": a["peer"],
+                }
+        return expected
 
     @staticmethod
     def _step_loss(job: Job, stage_args: list[dict[str, Any]], reports: list[dict[str, Any]]) -> float:
@@ -862,17 +1297,23 @@ class Driver:
         return out
 
     async def _fetch_params(
-        self, job: Job, stage_args: list[dict[str, Any]], host_of: dict[str, str] | None
+        self,
+        job: Job,
+        stage_args: list[dict[str, Any]],
+        host_of: dict[str, str] | None,
+        all_names: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
+        """The current parameters: from the optimizer hosts with offload (every name of `all_names`,
+        or those the stages hold), else from replica 0's stages."""
         if not job.offload:
             return await self._fetch(job, stage_args, "params")
         out: dict[str, torch.Tensor] = {}
+        held = set(all_names) if all_names is not None else {n for a in stage_args for n in a["param_specs"]}
         for i, host in enumerate(job.hosts):
-            names = sorted(
-                n for a in stage_args for n in a["param_specs"] if (host_of or {}).get(n, host) == host
-            )
-            names = sorted(set(names))
-            tag = -(job.step + 1)  # distinct from any pull a worker makes
+            names = sorted(n for n in held if (host_of or {}).get(n, host) == host)
+            if not names:
+                continue
+            tag = -next(self._tags)  # distinct from any pull a worker makes (those are step numbers)
             res = await self.t.call(
                 host,
                 "opt.pull",

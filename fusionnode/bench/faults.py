@@ -1,0 +1,262 @@
+"""`fusionnode bench faults`: straggler rebalancing and worker kills on a real local swarm.
+
+Method (real `fusionnode join` daemons on loopback, started with FUSIONNODE_DEBUG=1 so a
+worker reads a slow-down factor from `<state dir>/debug_slow`):
+
+- straggler: 4 workers. First the reference: the same job on the 3 workers that will stay
+  healthy (3 stages) — the best plan without the slowed peer's capacity, measured on the same
+  machine (all peers share its cores, so this comparison is the meaningful one). Then the job on
+  all 4 (4 stages, offload, a rebalance check every `--check-every` steps); after `--slow-at`
+  steps one worker (not the driver's) is slowed `--factor` times. Reported: median tokens/s of the
+  healthy steps, of the slowed steps before the re-plan, of the steps after it (leaving out the
+  first step of each plan), the reference's, and the steps from the slow-down to the re-plan.
+- kill: 4 peers (driver and optimizer host on peer 0, 2 stages, spares), `--kills` times a random
+  non-driver worker of the plan is SIGKILLed at a random moment of a step and a fresh peer is
+  started to keep a spare. Reported: steps completed, failures and recoveries in the metrics,
+  time to recover (failure detected -> new plan running), and the largest loss difference to
+  the same job trained in one process (with offload a replayed step is exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEBUG_ENV = "FUSIONNODE_DEBUG"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="fusionnode bench faults",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--scenario", choices=["straggler", "kill", "all"], default="all")
+    p.add_argument("--steps", type=int, default=30, help="steps of each job")
+    p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down")
+    p.add_argument("--slow-at", type=int, default=6, help="step after which the straggler slows down")
+    p.add_argument("--check-every", type=int, default=3, help="steps between rebalance checks")
+    p.add_argument("--kills", type=int, default=5)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _spec(args: argparse.Namespace, metrics: Path) -> Any:
+    from fusionnode.train.spec import JobSpec
+
+    return JobSpec(
+        model="gpt2-tiny",
+        steps=args.steps,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        grad_clip=1.0,
+        lr=3e-3,
+        warmup_steps=2,
+        metrics_out=str(metrics),
+    )
+
+
+async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tuple[dict, list[dict]]:
+    from fusionnode import control
+
+    events: list[dict] = []
+    async for obj in control.call_stream(swarm.control(0), "train", params, timeout=None):
+        if "event" not in obj:
+            return obj["result"], events
+        events.append(obj["event"])
+        if on_event is not None:
+            await on_event(obj["event"], events)
+    raise RuntimeError("the driver closed the job without a result")
+
+
+def _swarm(workdir: Path, n: int) -> Any:
+    from fusionnode.demo import LocalSwarm
+
+    os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug slow-down hook is on
+    workdir.mkdir(parents=True, exist_ok=True)
+    swarm = LocalSwarm(workdir, n, log=sys.stderr)
+    swarm.start()
+    asyncio.run(swarm.wait_connected())
+    return swarm
+
+
+def _median_tps(steps: list[dict]) -> float | None:
+    return statistics.median(e["tokens_per_s"] for e in steps) if steps else None
+
+
+def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The straggler scenario; returns its figures."""
+    swarm = _swarm(workdir / "straggler", 4)
+    try:
+        ids = [r["peer_id"] for r in swarm.ready]
+        driver = ids[0]
+        order = [driver, *sorted(ids[1:])]  # the driver's layout order: itself first, then by id
+        victim = order[2]
+        healthy = [p for p in order if p != victim]
+        ref_spec = _spec(args, workdir / "straggler-reference.jsonl")
+        _res, ref_events = asyncio.run(
+            _train(
+                swarm,
+                {
+                    "spec": ref_spec.to_dict(),
+                    "stages": 3,
+                    "peers": healthy,
+                    "offload": "on",
+                    "rebalance_every": 0,
+                },
+            )
+        )
+        ref_steps = [e for e in ref_events if e["type"] == "step"][2:]
+        spec = _spec(args, workdir / "straggler.jsonl")
+        slow_file = swarm.state_dir(ids.index(victim)) / "debug_slow"
+        slow_file.unlink(missing_ok=True)
+
+        async def on_event(ev: dict, events: list[dict]) -> None:
+            if ev["type"] == "step" and ev["step"] == args.slow_at - 1:
+                slow_file.write_text(str(args.factor))
+
+        _res, events = asyncio.run(
+            _train(
+                swarm,
+                {
+                    "spec": spec.to_dict(),
+                    "stages": 4,
+                    "peers": order,
+                    "offload": "on",
+                    "rebalance_every": args.check_every,
+                },
+                on_event,
+            )
+        )
+        slow_file.unlink(missing_ok=True)
+        steps = [e for e in events if e["type"] == "step"]
+        replans = [e for e in events if e.get("kind") == "replan" and e.get("plan_version", 1) > 1]
+        replan_step = replans[0]["step"] if replans else None
+        before = [e for e in steps if 1 <= e["step"] < args.slow_at]
+        slowed = [
+            e for e in steps if e["step"] >= args.slow_at and (replan_step is None or e["step"] < replan_step)
+        ]
+        after = [e for e in steps if replan_step is not None and e["step"] > replan_step]
+        ref_tps = _median_tps(ref_steps)
+        after_tps = _median_tps(after)
+        return {
+            "scenario": "straggler",
+            "factor": args.factor,
+            "reference_3_peers_tokens_per_s": ref_tps,
+            "healthy_4_peers_tokens_per_s": _median_tps(before),
+            "slowed_tokens_per_s": _median_tps(slowed[1:] or slowed),
+            "after_rebalance_tokens_per_s": after_tps,
+            "recovered_fraction_of_reference": (after_tps / ref_tps) if after_tps and ref_tps else None,
+            "steps_to_rebalance": (replan_step - args.slow_at) if replan_step is not None else None,
+            "replan_reason": replans[0]["reason"] if replans else None,
+            "new_plan": [[p[:12], *b] for p, b in zip(replans[0]["peers"], replans[0]["bounds"], strict=True)]
+            if replans
+            else None,
+            "slowed_peer": victim,
+        }
+    finally:
+        swarm.stop()
+
+
+def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The kill scenario; returns its figures."""
+    from fusionnode.train.local import train_local
+    from fusionnode.train.metrics import read_metrics
+
+    swarm = _swarm(workdir / "kill", 4)
+    rng = random.Random(args.seed)
+    metrics = workdir / "kill.jsonl"
+    spec = _spec(args, metrics)
+    killed: list[str] = []
+    spawning: list[asyncio.Task] = []
+    every = max(3, args.steps // (args.kills + 1))
+    try:
+        driver = swarm.ready[0]["peer_id"]
+
+        async def on_event(ev: dict, events: list[dict]) -> None:
+            if ev["type"] != "step" or len(killed) >= args.kills or (ev["step"] + 1) % every:
+                return
+            plan = [e for e in events if e["type"] == "plan"][-1]
+            victims = [s["peer"] for s in plan["stages"] if s["peer"] != driver]
+            if not victims:
+                return
+            victim = rng.choice(victims)
+            await asyncio.sleep(rng.uniform(0.0, ev["step_time_s"]))  # a random moment of the next step
+            i = next(k for k, r in enumerate(swarm.ready) if r["peer_id"] == victim)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(swarm.procs[i].pid, signal.SIGKILL)
+            killed.append(victim)
+            spawning.append(asyncio.create_task(asyncio.to_thread(swarm.add_peer)))  # keep a spare
+
+        t0 = time.monotonic()
+        result, _events = asyncio.run(
+            _train(
+                swarm, {"spec": spec.to_dict(), "stages": 2, "offload": "on", "rebalance_every": 0}, on_event
+            )
+        )
+        wall = time.monotonic() - t0
+        steps, evs = read_metrics(metrics)
+        ref = train_local(spec.replace(metrics_out=None)).losses
+        losses = [s["loss"] for s in steps]
+        rec = [e for e in evs if e["event"] == "recovered"]
+        return {
+            "scenario": "kill",
+            "kills": len(killed),
+            "steps_completed": len(steps),
+            "steps_planned": spec.steps,
+            "step_ids_in_order": [s["step"] for s in steps] == list(range(spec.steps)),
+            "failures": sum(e["event"] == "failure" for e in evs),
+            "recoveries": len(rec),
+            "time_to_recover_s": [e["time_to_recover_s"] for e in rec],
+            "max_abs_loss_diff_vs_single_process": max(abs(a - b) for a, b in zip(losses, ref, strict=True)),
+            "final_loss": losses[-1],
+            "wall_s": round(wall, 1),
+            "result_steps": result["steps"],
+        }
+    finally:
+        swarm.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fusionnode-faults-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = []
+    if args.scenario in ("straggler", "all"):
+        out.append(run_straggler(args, workdir))
+    if args.scenario in ("kill", "all"):
+        out.append(run_kills(args, workdir))
+    for res in out:
+        if args.json:
+            print(json.dumps(res))
+        else:
+            print(f"[{res['scenario']}]")
+            for k, v in res.items():
+                if k != "scenario":
+                    print(f"  {k:40s} {round(v, 3) if isinstance(v, float) else v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,416 @@
+"""`fusionnode bench testbed`: FusionNode against its baselines on an emulated geo-distributed network.
+
+Method. One real peer (`fusionnode join`) per device of a cluster file, on an
+emulated network with that file's per-link bandwidths:
+- `--network netns` (root with iproute2): deploy/testbed.sh builds one network
+  namespace per device, a veth pair per device pair and a `tc tbf` qdisc per
+  direction; the peers talk over those links.
+- `--network userspace` (anywhere): the peers run on loopback and every tensor
+  stream passes a token bucket set to the link's bandwidth (the same code path
+  otherwise). Chosen automatically where netns is unavailable, and labelled so.
+Latency is not emulated (no netem in this kernel); bandwidth is.
+
+Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
+under four configurations, one after the other on the same peers:
+  1. baseline:  even split of the layers over the devices, no compression, local optimizer
+  2. planner:   OP-Fence / asymmetric DP x PP plan, no compression (optimizer hosts as planned)
+  3. adatopk:   the baseline split with AdaTopK on every stage link
+  4. fusionnode: planner + AdaTopK + optimizer hosts
+Throughput is the median tokens/s of the steps after `--warmup`; the table shows
+each configuration's speedup over the baseline, final loss (mean of the last 3
+steps), bytes on the wire, and the planner's predicted step time next to the
+measured one. The peers share this machine's cores: the compute the planner
+sees for each peer is its measured speed divided by how many peers share a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS = [
+    ("baseline", {"planner": "even", "offload": "off"}, "none"),
+    ("planner", {"planner": "fusion", "offload": "auto"}, "none"),
+    ("adatopk", {"planner": "even", "offload": "off"}, "adatopk"),
+    ("fusionnode", {"planner": "fusion", "offload": "on"}, "adatopk"),
+]
+DEFAULT_CLUSTERS = ("testbed-4-mixed", "testbed-6-two-sites", "testbed-4-slow-compute")
+TESTBED_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "testbed.sh"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="fusionnode bench testbed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--cluster",
+        action="append",
+        default=None,
+        help=f"cluster file or bundled name; repeatable (default: {', '.join(DEFAULT_CLUSTERS)})",
+    )
+    p.add_argument(
+        "--network",
+        choices=["auto", "netns", "userspace"],
+        default="auto",
+        help="how links are emulated (auto: netns when root and iproute2 are there)",
+    )
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS), help="which configurations to run")
+    p.add_argument("--out", default="testbed-results", help="directory for results.json and testbed.png")
+    return p.parse_args(argv)
+
+
+def netns_available() -> tuple[bool, str]:
+    if os.geteuid() != 0:
+        return False, "not root"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return False, "iproute2 (ip, tc) missing"
+    name = f"fnprobe{os.getpid()}"
+    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
+    if ok:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        return True, ""
+    return False, "`ip netns add` failed (no CAP_SYS_ADMIN?)"
+
+
+class Testbed:
+    """Peers on an emulated network; `controls[i]` is device i's control socket."""
+
+    def __init__(self, cluster_path: Path, network: str, workdir: Path, n: int):
+        self.cluster_path = cluster_path
+        self.network = network
+        self.workdir = workdir
+        self.n = n
+        self.peer_ids: list[str] = []
+        self.controls: list[Path] = []
+        self._proc: subprocess.Popen | None = None
+        self._swarm: Any = None
+
+    def start(self) -> None:
+        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe"]
+        if self.network == "netns":
+            self._proc = subprocess.Popen(
+                [
+                    "bash",
+                    str(TESTBED_SCRIPT),
+                    str(self.cluster_path),
+                    "--workdir",
+                    str(self.workdir),
+                    "--",
+                    *join_flags,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=open(self.workdir / "testbed.log", "ab"),  # noqa: SIM115
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                line = self._proc.stdout.readline().decode()
+                if line.startswith("TESTBED READY "):
+                    info = json.loads(line[len("TESTBED READY ") :])
+                    self.peer_ids = [p["peer_id"] for p in info["peers"]]
+                    self.controls = [Path(self.workdir) / f"peer{i}" / "control.sock" for i in range(self.n)]
+                    return
+                if not line and self._proc.poll() is not None:
+                    break
+            raise RuntimeError(f"the netns testbed did not come up; see {self.workdir / 'testbed.log'}")
+        from fusionnode.demo import LocalSwarm
+
+        self._swarm = LocalSwarm(self.workdir, self.n, log=None)
+        self._swarm.extra_args = join_flags
+        self._swarm.start()
+        asyncio.run(self._swarm.wait_connected())
+        self.peer_ids = [r["peer_id"] for r in self._swarm.ready]
+        self.controls = [self._swarm.control(i) for i in range(self.n)]
+
+    def limit_links(self, bandwidth_bps: Any) -> None:
+        """userspace: every peer caps its tensor streams to each other peer at the link's bandwidth."""
+        from fusionnode import control
+
+        async def go() -> None:
+            for i in range(self.n):
+                limits = {self.peer_ids[j]: float(bandwidth_bps[i, j]) for j in range(self.n) if j != i}
+                await control.call(self.controls[i], "set_link_limits", {"limits": limits})
+
+        asyncio.run(go())
+
+    def stop(self) -> None:
+        if self._swarm is not None:
+            self._swarm.stop()
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(60)
+
+
+def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
+    """The cluster document the planner gets: the file's links, keyed by peer id, with each peer's
+    measured compute share of this machine (scaled by the file's relative device speeds)."""
+    from fusionnode.plan.cluster import load_cluster
+
+    c = load_cluster(str(cluster_path))
+    fastest = max(d.tflops for d in c.devices)
+    devices = []
+    for i, d in enumerate(c.devices):
+        devices.append(
+            {
+                "id": peer_ids[i],
+                "tflops": tflops[i] * d.tflops / fastest,
+                "memory_gb": 8.0,
+                "roles": list(d.roles),
+            }
+        )
+    matrix = [
+        [float(c.bandwidth_bps[i, j]) / 1e9 if i != j else 1.0 for j in range(len(devices))]
+        for i in range(len(devices))
+    ]
+    latency = [[float(c.latency_s[i, j]) * 1e3 for j in range(len(devices))] for i in range(len(devices))]
+    return {
+        "version": 1,
+        "name": c.name,
+        "devices": devices,
+        "links": {"matrix": {"bandwidth_gbps": matrix, "latency_ms": latency}},
+    }
+
+
+def calibrate(doc: dict[str, Any], run: dict[str, Any], seq_len: int, warmup: int) -> dict[str, Any]:
+    """The cluster document with each peer's TFLOPS replaced by what it achieved in `run`: the stage's
+    forward FLOPs x 3 (forward + backward) x samples per step over its median compute seconds, divided by
+    the estimator's efficiency factor (it multiplies the advertised figure by that factor)."""
+    from fusionnode.graph.trace import graph_for
+    from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
+
+    graph = graph_for("gpt2-tiny", seq_len)
+    prefix = graph.prefix_flops()
+    steps = run["steps"][warmup:] or run["steps"]
+    achieved: dict[str, float] = {}
+    for st in run["plan"]["stages"]:
+        compute = statistics.median(s["stages"][st["stage"]]["compute_s"] for s in steps)
+        flops = (
+            3
+            * (prefix[st["hi"]] - prefix[st["lo"]])
+            * run["batch_size"]
+            / len({x["replica"] for x in run["plan"]["stages"]})
+        )
+        achieved[st["peer"]] = flops / max(compute, 1e-6) / DEFAULT_EFFICIENCY / 1e12
+    out = json.loads(json.dumps(doc))
+    for d in out["devices"]:
+        if d["id"] in achieved:
+            d["tflops"] = achieved[d["id"]]
+    return out
+
+
+def run_config(control_path: Path, spec: Any, params: dict[str, Any]) -> dict[str, Any]:
+    from fusionnode import control
+
+    async def go() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        events: list[dict[str, Any]] = []
+        async for obj in control.call_stream(
+            control_path, "train", {"spec": spec.to_dict(), **params}, timeout=1800
+        ):
+            if "event" in obj:
+                events.append(obj["event"])
+            else:
+                return obj["result"], events
+        raise RuntimeError("no result")
+
+    t0 = time.time()
+    result, events = asyncio.run(go())
+    steps = [e for e in events if e["type"] == "step"]
+    plan = next(e for e in events if e["type"] == "plan")
+    return {
+        "result": result,
+        "steps": steps,
+        "plan": plan,
+        "wall_s": time.time() - t0,
+        "batch_size": spec.batch_size,
+    }
+
+
+def summarize(name: str, run: dict[str, Any], warmup: int) -> dict[str, Any]:
+    steps = run["steps"]
+    measured = steps[warmup:] or steps
+    pred = (run["plan"].get("prediction") or {}).get("step_time_s")
+    step_time = statistics.median(s["step_time_s"] for s in measured)
+    last_links = [link for st in steps[-1]["stages"] for link in (st.get("links") or {}).values()]
+    dense = sum(link["dense_bytes"] for link in last_links)
+    wire = sum(link["wire_bytes"] for link in last_links)
+    return {
+        "config": name,
+        "tokens_per_s": statistics.median(s["tokens_per_s"] for s in measured),
+        "step_time_s": step_time,
+        "predicted_step_time_s": pred,
+        "prediction_error": (step_time - pred) / pred if pred else None,
+        "wire_bytes": sum(s["wire_bytes"] for s in steps),
+        "link_dense_bytes": dense,
+        "link_wire_bytes": wire,
+        "final_loss": statistics.mean(s["loss"] for s in steps[-3:]),
+        "stages": len(run["plan"]["stages"]),
+        "pipelines": len({st["replica"] for st in run["plan"]["stages"]}),
+        "curve": [
+            {
+                "t": sum(x["step_time_s"] for x in steps[: i + 1]),
+                "loss": s["loss"],
+                "tokens_per_s": s["tokens_per_s"],
+            }
+            for i, s in enumerate(steps)
+        ],
+    }
+
+
+def resolve_cluster_path(cluster: str) -> str:
+    """A cluster file path, or the bundled file of that name (testbed.sh needs a file)."""
+    from importlib import resources
+
+    if Path(cluster).is_file():
+        return cluster
+    res = resources.files("fusionnode.plan") / "clusters" / f"{cluster}.json"
+    if not res.is_file():
+        from fusionnode.plan.cluster import load_cluster
+
+        load_cluster(cluster)  # raises the clear ConfigError naming the bundled clusters
+    return str(res)
+
+
+def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[str, Any]:
+    from fusionnode.plan.cluster import load_cluster
+    from fusionnode.train.spec import JobSpec
+
+    path = Path(resolve_cluster_path(cluster))
+    c = load_cluster(str(path))
+    n = len(c.devices)
+    workdir = Path(tempfile.mkdtemp(prefix="fusionnode-testbed-"))
+    bed = Testbed(path, network, workdir, n)
+    print(f"[{c.name}] starting {n} peers ({network} network) in {workdir}", file=sys.stderr, flush=True)
+    try:
+        bed.start()
+        if network == "userspace":
+            bed.limit_links(c.bandwidth_bps)
+        from fusionnode import control
+
+        peers = asyncio.run(control.call(bed.controls[0], "peers"))["peers"]
+        speed = {p["peer_id"]: float(p["device"]["tflops_fp32"]) for p in peers}
+        share = min(1.0, (os.cpu_count() or 1) / n)
+        doc = peer_cluster(path, bed.peer_ids, [speed.get(pid, 0.01) * share for pid in bed.peer_ids])
+        wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
+        rows = []
+        for name, params, compress in CONFIGS:
+            if name not in wanted:
+                continue
+            spec = JobSpec(
+                model="gpt2-tiny",
+                steps=args.steps,
+                batch_size=args.batch_size,
+                micro_batches=args.micro_batches,
+                seq_len=args.seq_len,
+                seed=0,
+                compress=compress,
+                warmup_steps=min(20, args.steps),
+            )
+            print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
+            run = run_config(bed.controls[0], spec, {**params, "cluster": doc, "peers": bed.peer_ids})
+            rows.append(summarize(name, run, args.warmup))
+            if name == "baseline":  # later plans use the peers' measured speed, not the advertised one
+                doc = calibrate(doc, run, args.seq_len, args.warmup)
+            print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+        base = next((r for r in rows if r["config"] == "baseline"), None)
+        for r in rows:
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+            r["loss_vs_baseline"] = (
+                (r["final_loss"] - base["final_loss"]) / base["final_loss"] if base else None
+            )
+        return {"cluster": c.name, "devices": n, "network": network, "rows": rows}
+    finally:
+        bed.stop()
+
+
+def print_table(res: dict[str, Any]) -> None:
+    label = "tc/netns links" if res["network"] == "netns" else "user-space token buckets on loopback"
+    print(f"\n{res['cluster']}: {res['devices']} peers, {label}")
+    print(
+        f"{'config':<11} {'tokens/s':>9} {'speedup':>8} {'step s':>8} {'pred s':>8} {'err':>6} "
+        f"{'wire MiB':>9} {'loss':>7} {'Δloss':>7} {'pipes':>5} {'stages':>6}"
+    )
+    for r in res["rows"]:
+        pred = f"{r['predicted_step_time_s']:.3f}" if r["predicted_step_time_s"] else "-"
+        err = f"{r['prediction_error']:+.0%}" if r["prediction_error"] is not None else "-"
+        print(
+            f"{r['config']:<11} {r['tokens_per_s']:9.0f} {r['speedup']:7.2f}x {r['step_time_s']:8.3f} {pred:>8} "
+            f"{err:>6} {r['wire_bytes'] / 2**20:9.1f} {r['final_loss']:7.4f} {r['loss_vs_baseline']:+7.1%} "
+            f"{r['pipelines']:5d} {r['stages']:6d}"
+        )
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'fusionnode[bench]')", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 7), squeeze=False)
+    for k, res in enumerate(results):
+        for r in res["rows"]:
+            t = [p["t"] for p in r["curve"]]
+            axes[0][k].plot(t, [p["tokens_per_s"] for p in r["curve"]], label=r["config"])
+            axes[1][k].plot(t, [p["loss"] for p in r["curve"]], label=r["config"])
+        axes[0][k].set_title(f"{res['cluster']} ({res['network']})")
+        axes[0][k].set_ylabel("tokens/s")
+        axes[1][k].set_ylabel("loss")
+        axes[1][k].set_xlabel("training time (s)")
+        axes[0][k].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    network = args.network
+    if network in ("auto", "netns"):
+        ok, why = netns_available()
+        if not ok and network == "netns":
+            print(f"fusionnode bench testbed: --network netns unavailable: {why}", file=sys.stderr)
+            return 2
+        if not ok:
+            print(
+                f"network namespaces unavailable ({why}): emulating links with user-space token buckets "
+                "on loopback",
+                file=sys.stderr,
+            )
+        network = "netns" if ok else "userspace"
+    results = [bench_cluster(c, args, network) for c in (args.cluster or DEFAULT_CLUSTERS)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for res in results:
+        print_table(res)
+    (out / "results.json").write_text(
+        json.dumps({"machine": f"{os.cpu_count()} cores", "results": results}, indent=2)
+    )
+    if plot(results, out / "testbed.png"):
+        print(f"\nwrote {out / 'results.json'} and {out / 'testbed.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,313 @@
+"""Rebalancing decisions: measured stage speeds, candidate layouts, hysteresis, bans, blame.
+
+Pure functions over plain data (no network, no torch): the driver feeds them the stage
+timings its workers report and acts on what they return.
+
+Model. A stage of a pipeline runs operators [lo, hi) of the OP-DAG on one peer. Its
+compute time per step is proportional to the operators' flops divided by the peer's
+speed, so a peer's measured speed is ``flops(lo, hi) / compute_s`` (flops per second of
+compute, forward and backward together: the constant factor cancels when speeds are
+compared). A pipeline of n stages and m micro-batches takes about
+``(m + n - 1) * max_i t_i / m`` per step (1F1B: fill and drain, then the bottleneck stage
+sets the pace), where ``t_i`` is stage i's compute time for the whole step.
+
+Decision. A candidate layout is adopted when its predicted step time beats the current
+one by more than ``min_gain`` (relative) *and* the time saved over the remaining steps
+exceeds the cost of moving (re-assigning stages, shipping parameters) — hysteresis so a
+noisy measurement does not make the plan flap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MIN_GAIN = 0.15  # relative step-time improvement below which a re-plan is not worth it
+DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
+DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
+MAX_BAN_S = 600.0  # seconds: the longest ban
+LEAVING_MARK = "this peer is leaving"  # text of a worker's refusal while it drains
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One pipeline: `peers[i]` runs operators [bounds[i], bounds[i+1])."""
+
+    peers: tuple[str, ...]
+    bounds: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.bounds) != len(self.peers) + 1:
+            raise ValueError(f"{len(self.peers)} peers need {len(self.peers) + 1} bounds, got {self.bounds}")
+        if any(b <= a for a, b in zip(self.bounds, self.bounds[1:], strict=False)):
+            raise ValueError(f"stage bounds must strictly increase: {self.bounds}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    adopt: bool
+    reason: str
+    current_s: float  # predicted step time of the plan in force (seconds)
+    candidate_s: float  # predicted step time of the best candidate (seconds)
+    layout: Layout | None = None  # the candidate (also when not adopted, for the record)
+
+    @property
+    def gain(self) -> float:
+        return 1.0 - self.candidate_s / self.current_s if self.current_s > 0 else 0.0
+
+
+def stage_flops(flops: Sequence[float], lo: int, hi: int) -> float:
+    return float(sum(flops[lo:hi]))
+
+
+def measured_speeds(
+    flops: Sequence[float],
+    samples: Iterable[tuple[str, int, int, float]],
+) -> dict[str, float]:
+    """Flops per second of compute for each peer from (peer, lo, hi, compute_s) samples (mean over
+    its samples: sum of flops / sum of seconds). Samples with no compute time are ignored."""
+    work: dict[str, float] = {}
+    secs: dict[str, float] = {}
+    for peer, lo, hi, compute_s in samples:
+        if compute_s <= 0 or not math.isfinite(compute_s):
+            continue
+        work[peer] = work.get(peer, 0.0) + stage_flops(flops, lo, hi)
+        secs[peer] = secs.get(peer, 0.0) + compute_s
+    return {p: work[p] / secs[p] for p in work if work[p] > 0}
+
+
+def fill_speeds(
+    measured: Mapping[str, float], advertised: Mapping[str, float], peers: Iterable[str]
+) -> dict[str, float]:
+    """Speeds for every peer: measured where known; otherwise the advertised figure scaled by the
+    median measured/advertised ratio of the measured peers (so units agree); 1.0 if nothing is known."""
+    ratios = sorted(
+        measured[p] / advertised[p] for p in measured if advertised.get(p, 0) > 0 and measured[p] > 0
+    )
+    scale = ratios[len(ratios) // 2] if ratios else None
+    known = sorted(measured.values())
+    fallback = known[len(known) // 2] if known else 1.0
+    out = {}
+    for p in peers:
+        if p in measured:
+            out[p] = measured[p]
+        elif scale is not None and advertised.get(p, 0) > 0:
+            out[p] = advertised[p] * scale
+        else:
+            out[p] = fallback
+    return out
+
+
+def calibrate_cluster(doc: Mapping, measured: Mapping[str, float], advertised: Mapping[str, float]) -> dict:
+    """A copy of a cluster document (protocol/CLUSTER.md) whose devices' TFLOPS are replaced by the
+    measured speeds, expressed in the advertised unit (median ratio measured/advertised of the
+    measured peers); devices without a measurement keep their figure."""
+    ratios = sorted(
+        measured[p] / advertised[p] for p in measured if advertised.get(p, 0) > 0 and measured[p] > 0
+    )
+    out = dict(doc)
+    if not ratios:
+        return out
+    scale = ratios[len(ratios) // 2]
+    devices = []
+    for d in doc.get("devices", []):
+        d = dict(d)
+        if d["id"] in measured:
+            d["tflops"] = max(measured[d["id"]] / scale, 1e-6)
+        devices.append(d)
+    out["devices"] = devices
+    return out
+
+
+def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[int, ...]:
+    """Contiguous split of the operators into len(speeds) non-empty stages that minimises the
+    largest stage time flops/speed (binary search on that time, greedy packing)."""
+    n, k = len(flops), len(speeds)
+    if k < 1 or k > n:
+        raise ValueError(f"cannot split {n} operators into {k} stages")
+    if min(speeds) <= 0:
+        raise ValueError("speeds must be positive")
+    w = [max(float(f), 0.0) for f in flops]
+    if not sum(w):
+        w = [1.0] * n
+
+    def pack(limit: float) -> list[int] | None:
+        bounds, i = [0], 0
+        for s in range(k):
+            left_stages = k - s - 1
+            acc, j = 0.0, i
+            # take at least one operator; stop when the next would exceed the limit or starve later stages
+            while j < n - left_stages:
+                if j > i and (acc + w[j]) / speeds[s] > limit:
+                    break
+                acc += w[j]
+                j += 1
+            if s == k - 1 and j < n:
+                return None
+            bounds.append(j)
+            i = j
+        return bounds if bounds[-1] == n else None
+
+    lo, hi = 0.0, sum(w) / min(speeds)
+    best = pack(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        got = pack(mid)
+        if got is not None:
+            best, hi = got, mid
+        else:
+            lo = mid
+    assert best is not None
+    return tuple(best)
+
+
+def predict_step_s(
+    layout: Layout, flops: Sequence[float], speeds: Mapping[str, float], micro_batches: int
+) -> float:
+    """Predicted step time (seconds) of one pipeline under the 1F1B schedule."""
+    times = [
+        stage_flops(flops, layout.bounds[i], layout.bounds[i + 1]) / speeds[p]
+        for i, p in enumerate(layout.peers)
+    ]
+    n, m = len(times), max(1, micro_batches)
+    return (m + n - 1) * max(times) / m
+
+
+def candidates(
+    current: Layout, flops: Sequence[float], speeds: Mapping[str, float], spares: Sequence[str]
+) -> list[Layout]:
+    """Layouts worth predicting: the current peers with speed-weighted bounds; the slowest peer
+    swapped for the fastest spare; the slowest peer dropped; the fastest spare added."""
+    peers = list(current.peers)
+    out: list[Layout] = []
+
+    def add(ps: list[str]) -> None:
+        if not ps or len(ps) > len(flops) or len(set(ps)) != len(ps):
+            return
+        lay = Layout(tuple(ps), weighted_bounds(flops, [speeds[p] for p in ps]))
+        if lay not in out:
+            out.append(lay)
+
+    add(peers)
+    slow = min(peers, key=lambda p: speeds[p])
+    spare = sorted(spares, key=lambda p: -speeds[p])
+    if spare:
+        add([spare[0] if p == slow else p for p in peers])
+        add([*peers, spare[0]])
+    if len(peers) > 1:
+        add([p for p in peers if p != slow])
+    return out
+
+
+def decide(
+    current: Layout,
+    flops: Sequence[float],
+    speeds: Mapping[str, float],
+    micro_batches: int,
+    *,
+    spares: Sequence[str] = (),
+    steps_left: int,
+    move_cost_s: float,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> Decision:
+    """Whether to adopt a better layout now (see the module docstring for the rule)."""
+    cur = predict_step_s(current, flops, speeds, micro_batches)
+    best, best_s = None, math.inf
+    for lay in candidates(current, flops, speeds, spares):
+        t = predict_step_s(lay, flops, speeds, micro_batches)
+        if t < best_s - 1e-12:
+            best, best_s = lay, t
+    if best is None or best == current:
+        return Decision(False, "the current layout is the best candidate", cur, min(cur, best_s), best)
+    gain = 1.0 - best_s / cur
+    saved = (cur - best_s) * steps_left
+    if gain < min_gain:
+        return Decision(False, f"gain {gain:.0%} below the {min_gain:.0%} threshold", cur, best_s, best)
+    if saved <= move_cost_s:
+        return Decision(
+            False,
+            f"saves {saved:.1f} s over {steps_left} steps, moving costs {move_cost_s:.1f} s",
+            cur,
+            best_s,
+            best,
+        )
+    slow = min(current.peers, key=lambda p: speeds[p])
+    return Decision(
+        True,
+        f"predicted step {cur:.3f} s -> {best_s:.3f} s ({gain:.0%} faster; slowest peer {slow[:12]}…)",
+        cur,
+        best_s,
+        best,
+    )
+
+
+@dataclass
+class Bans:
+    """Peers that failed, each banned for an interval that doubles with every failure (Petals)."""
+
+    base_s: float = DEFAULT_BAN_S
+    max_s: float = MAX_BAN_S
+    failures: dict[str, int] = field(default_factory=dict)
+    until: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, peer: str, now: float) -> float:
+        """Records a failure; returns the ban's length in seconds."""
+        n = self.failures.get(peer, 0) + 1
+        self.failures[peer] = n
+        length = min(self.max_s, self.base_s * 2 ** (n - 1))
+        self.until[peer] = now + length
+        return length
+
+    def banned(self, peer: str, now: float) -> bool:
+        return self.until.get(peer, 0.0) > now
+
+    def allowed(self, peers: Iterable[str], now: float) -> list[str]:
+        return [p for p in peers if not self.banned(p, now)]
+
+
+_PEER_IN_ERROR = re.compile(r"peer (\w{6,12})…")
+
+
+def blame(errors: Mapping[str, str], peers: Sequence[str], unreachable: Iterable[str] = ()) -> dict[str, str]:
+    """Which peers to treat as failed after a step went wrong, and why.
+
+    `errors`: peer -> error text of the calls to it that failed; `unreachable`: peers that did not
+    answer a liveness probe. Unreachable peers are failed; a peer that is leaving is marked
+    "leave"; otherwise a peer that another peer's error names (it sent wrong shapes or non-finite
+    values, or its messages never came) is failed; if nobody is named, the peers whose calls failed.
+    Returns {peer: "failure" | "leave"}.
+    """
+    out: dict[str, str] = {p: "failure" for p in unreachable}
+    for p, text in errors.items():
+        if LEAVING_MARK in text and p not in out:
+            out[p] = "leave"
+    if out:
+        return out
+    for text in errors.values():
+        for prefix in _PEER_IN_ERROR.findall(text):
+            for p in peers:
+                if p.startswith(prefix):
+                    out[p] = "failure"
+    if not out:
+        out = {p: "failure" for p in errors}
+    return out
+
+
+__all__ = [
+    "Bans",
+    "Decision",
+    "Layout",
+    "blame",
+    "calibrate_cluster",
+    "candidates",
+    "decide",
+    "fill_speeds",
+    "measured_speeds",
+    "predict_step_s",
+    "weighted_bounds",
+]
