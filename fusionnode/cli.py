@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(p)
     _add_train_job_args(p)
-    p.set_defaults(steps=None)
+    p.set_defaults(steps=None, compress="adatopk")
 
     p = sub.add_parser("config", help="show the effective configuration and where each value comes from")
     p.add_argument("action", choices=["show"])
