@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from fusionnode import control
@@ -153,7 +154,7 @@ def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(
         s.extra_args = ["--max-memory", "1KB"]
         s.add_peer()
         asyncio.run(s.wait_connected())
-        result, events = run_job_n(s, small_spec(steps=2), 2)
+        result, events = run_job(s, small_spec(steps=2), stages=2)
         refused = [e for e in events if e.get("kind") == "refused"]
         assert refused and "offers" in refused[0]["reason"]
         plan = [e for e in events if e["type"] == "plan"][-1]
@@ -161,21 +162,6 @@ def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(
         assert result["steps"] == 2
     finally:
         s.stop()
-
-
-def run_job_n(swarm: LocalSwarm, spec: JobSpec, stages: int) -> tuple[dict, list[dict]]:
-    async def go():
-        events = []
-        async for obj in control.call_stream(
-            swarm.control(0), "train", {"spec": spec.to_dict(), "stages": stages}, timeout=300
-        ):
-            if "event" in obj:
-                events.append(obj["event"])
-            else:
-                return obj["result"], events
-        raise AssertionError("no result")
-
-    return asyncio.run(go())
 
 
 def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
