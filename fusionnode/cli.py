@@ -196,6 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bucket; for tests and for sharing a metered uplink)",
     )
     p.add_argument(
+        "--swarm-key",
+        default=None,
+        metavar="FILE",
+        help="join a private swarm: speak only to peers holding this secret (or $FUSIONNODE_SWARM_KEY_FILE; "
+        "create one with `fusionnode keygen`)",
+    )
+    p.add_argument(
         "--dashboard",
         default=None,
         metavar="HOST:PORT",
@@ -280,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_job_args(p)
     p.set_defaults(steps=None, compress="adatopk")
 
+    p = sub.add_parser("keygen", help="create a private swarm key file (mode 0600) to share with your peers")
+    p.add_argument("--out", required=True, help="where to write the key")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+
     p = sub.add_parser("config", help="show the effective configuration and where each value comes from")
     p.add_argument("action", choices=["show"])
     p.add_argument("--json", action="store_true")
@@ -320,6 +331,7 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             probe_interval_s=args.probe_interval,
             torch_threads=args.threads,
             dashboard=args.dashboard,
+            swarm_key_file=args.swarm_key,
             egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
         )
@@ -610,6 +622,15 @@ def main(argv: list[str] | None = None) -> int:
             from fusionnode.demo import run_demo
 
             return run_demo(args)
+        if args.command == "keygen":
+            from fusionnode.security import write_swarm_key
+
+            key = write_swarm_key(Path(args.out), overwrite=args.force)
+            print(
+                f"wrote swarm key {args.out} (fingerprint {key.fingerprint}); give it to your peers over a "
+                "trusted channel and start each with --swarm-key"
+            )
+            return 0
         if args.command == "config":
             print(settings.show_config(build_parser, args.target or ["join"], as_json=args.json))
             return 0

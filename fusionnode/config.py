@@ -107,6 +107,7 @@ class NodeConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT  # seconds
     lease_s: float = DEFAULT_LEASE  # seconds
     torch_threads: int = 1
+    swarm_key_file: str | None = None  # private swarm: only peers with this secret are spoken to
     dashboard: str | None = None  # "host:port" of the read-only dashboard and /metrics; None = off
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists

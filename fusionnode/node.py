@@ -78,6 +78,7 @@ class Node:
         self.host: Any = None
         self.control: ControlServer | None = None
         self.maddrs: list[str] = []
+        self.swarm_fingerprint: str | None = None
         self.dashboard: Any = None
         self.dashboard_url: str | None = None
         self._stop = asyncio.Event()
@@ -106,12 +107,19 @@ class Node:
         self.lock.acquire()
         self.identity = load_or_create_identity(cfg.state_dir)
         self.profile = await asyncio.to_thread(load_or_measure_profile, cfg.state_dir, force=cfg.reprofile)
+        from fusionnode.security import DHTSwarmAuthorizer, SwarmAuthorizer, swarm_key_from_env_or_path
+
+        key = swarm_key_from_env_or_path(cfg.swarm_key_file)
+        if key is not None:
+            logger.info("private swarm %s", key.fingerprint)
+        self.swarm_fingerprint = key.fingerprint if key is not None else None
         self.dht = await start_dht(
             self.identity,
             list(cfg.listen),
             list(cfg.initial_peers),
             startup_timeout=cfg.startup_timeout_s,
             announce=list(cfg.announce) or None,
+            authorizer=DHTSwarmAuthorizer(key) if key is not None else None,
         )
         t0 = time.monotonic()
         self.p2p = await self.dht.replicate_p2p()
@@ -132,7 +140,11 @@ class Node:
                 probe=ProbeConfig(enabled=cfg.probe, interval_s=cfg.probe_interval_s),
             ),
         )
-        self.transport = Transport(self.p2p, rpc_timeout=cfg.rpc_timeout_s)
+        self.transport = Transport(
+            self.p2p,
+            rpc_timeout=cfg.rpc_timeout_s,
+            authorizer=SwarmAuthorizer(key) if key is not None else None,
+        )
         if cfg.egress_limit_bps:
             self.transport.egress_limit = TokenBucket(cfg.egress_limit_bps)
         await self.transport.start()
@@ -157,7 +169,7 @@ class Node:
                 "peers": self._rpc_peers,
                 "leave": self._rpc_leave,
                 "train": self._rpc_train,
-            "set_link_limits": self._rpc_set_link_limits,
+                "set_link_limits": self._rpc_set_link_limits,
             },
         )
         await self.control.start()
@@ -165,8 +177,9 @@ class Node:
             from fusionnode.web import Dashboard
 
             host, _, port = cfg.dashboard.rpartition(":")
-            self.dashboard = Dashboard(lambda: self._rpc_status({}, None), host=host.strip("[]") or "127.0.0.1",
-                                       port=int(port or 0))
+            self.dashboard = Dashboard(
+                lambda: self._rpc_status({}, None), host=host.strip("[]") or "127.0.0.1", port=int(port or 0)
+            )
             self.dashboard_url = await self.dashboard.start()
         logger.info("node components started in %.2f s", time.monotonic() - t0)
 
@@ -180,7 +193,7 @@ class Node:
                 "peer_id": self.peer_id,
                 "maddrs": self.maddrs,
                 "control": str(self.config.control_path),
-            "dashboard": self.dashboard_url,
+                "dashboard": self.dashboard_url,
                 "pid": os.getpid(),
                 "version": fusionnode.__version__,
             }
@@ -237,6 +250,8 @@ class Node:
             "peers": [p.to_wire() for p in peers],
             "serving": self.worker.status(),
             "hosting": self.host.status() if self.host is not None else [],
+            "private_swarm": self.swarm_fingerprint,
+            "security": self.transport.security_status(),
             "jobs": self.driver.status(),
         }
 

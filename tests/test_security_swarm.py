@@ -209,7 +209,10 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
     async def main():
         async with peers(None, None, None) as (h, w, m):
             svc = OptimizerHostService(
-                h, state_dir=tmp_path, step_deadline_s=5.0, guard=GuardConfig(ban_base_s=0.1, min_history=3)
+                h,
+                state_dir=tmp_path,
+                step_deadline_s=5.0,
+                guard=GuardConfig(ban_base_s=0.1, min_history=3, norm_factor=10),
             )
             expected = {
                 "w": {

@@ -1,0 +1,63 @@
+"""A private swarm of real `fusionnode join` processes: members train together, an outsider gets nowhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fusionnode import control
+from fusionnode.demo import LocalSwarm
+from fusionnode.train.spec import JobSpec
+
+pytestmark = pytest.mark.e2e
+
+
+def keygen(path) -> None:
+    subprocess.run([sys.executable, "-m", "fusionnode", "keygen", "--out", str(path)], check=True,
+                   capture_output=True, timeout=60)
+
+
+def test_members_train_and_an_outsider_cannot_join(tmp_path):
+    keygen(tmp_path / "swarm.key")
+    keygen(tmp_path / "other.key")
+    swarm = LocalSwarm(tmp_path / "members", 2, log=None)
+    (tmp_path / "members").mkdir()
+    swarm.extra_args = ["--swarm-key", str(tmp_path / "swarm.key")]
+    try:
+        swarm.start()
+        asyncio.run(swarm.wait_connected())
+        status = asyncio.run(control.call(swarm.control(0), "status"))
+        assert status["private_swarm"]
+
+        async def train() -> list[dict]:
+            spec = JobSpec(model="gpt2-tiny", steps=2, batch_size=4, micro_batches=2, seq_len=16, seed=1)
+            events = []
+            async for obj in control.call_stream(swarm.control(0), "train", {"spec": spec.to_dict(), "stages": 2},
+                                                 timeout=300):
+                if "event" in obj:
+                    events.append(obj["event"])
+                else:
+                    return events
+            return events
+
+        steps = [e for e in asyncio.run(train()) if e["type"] == "step"]
+        assert len(steps) == 2 and all(s["wire_bytes"] > 0 for s in steps)
+
+        # an outsider with another key, dialing a member, is not let into the swarm
+        out = subprocess.run(
+            [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(tmp_path / "outsider"),
+             "--listen", "/ip4/127.0.0.1/tcp/0", "--swarm-key", str(tmp_path / "other.key"),
+             "--initial-peers", *swarm.ready[0]["maddrs"], "--startup-timeout", "30"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr
+        members = {p["peer_id"] for p in asyncio.run(control.call(swarm.control(1), "peers"))["peers"]}
+        assert members == {r["peer_id"] for r in swarm.ready}
+        assert json.dumps(status)  # the status stays serialisable with the security section
+    finally:
+        swarm.stop()
