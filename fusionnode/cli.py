@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnode import __version__
+from fusionnode.availability import parse_percent
 from fusionnode.config import (
     DEFAULT_HEARTBEAT,
     DEFAULT_LISTEN,
@@ -37,6 +38,8 @@ BENCHMARKS = {
     "optim": "fusionnode.bench.optim",
     "pipeline": "fusionnode.bench.pipeline",
     "testbed": "fusionnode.bench.testbed",
+    "memory": "fusionnode.bench.memory",
+    "faults": "fusionnode.bench.faults",
 }
 
 
@@ -196,6 +199,26 @@ def build_parser() -> argparse.ArgumentParser:
         "bucket; for tests and for sharing a metered uplink)",
     )
     p.add_argument(
+        "--when",
+        choices=["always", "idle"],
+        default="always",
+        help="idle: contribute only while the machine's owner is not using it (yield within seconds, "
+        "come back after --idle-grace); always: whenever the daemon runs (default)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        metavar="HH:MM-HH:MM[,...]",
+        help="contribute only inside these local-time windows, e.g. 22:00-07:00",
+    )
+    p.add_argument("--max-util", default=None, metavar="PERCENT", help="cap this peer's compute, e.g. 80%%")
+    p.add_argument(
+        "--idle-grace",
+        type=float,
+        default=60.0,
+        help="seconds the owner must stay idle before contributing again (default %(default)s)",
+    )
+    p.add_argument(
         "--swarm-key",
         default=None,
         metavar="FILE",
@@ -222,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the local daemon, the swarm and running jobs")
     _state_dir_arg(p)
     p.add_argument("--json", action="store_true")
+
+    for name, text in (
+        ("pause", "stop contributing for now (in-flight work finishes, stages are released)"),
+        ("resume", "contribute again after a pause"),
+    ):
+        p = sub.add_parser(name, help=text)
+        _state_dir_arg(p)
 
     p = sub.add_parser("leave", help="ask the local daemon to leave the swarm gracefully")
     _state_dir_arg(p)
@@ -332,6 +362,10 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             torch_threads=args.threads,
             dashboard=args.dashboard,
             swarm_key_file=args.swarm_key,
+            when=args.when,
+            schedule=args.schedule,
+            max_util_percent=parse_percent(args.max_util) if args.max_util else None,
+            idle_grace_s=args.idle_grace,
             egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
         )
@@ -610,6 +644,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "leave":
             return cmd_leave(args)
+        if args.command in ("pause", "resume"):
+            from fusionnode import control
+
+            res = _run(control.call(_control_path(args), args.command, timeout=None))
+            print(f"{res['availability']}" + (f" ({res['reason']})" if res.get("reason") else ""))
+            return 0
         if args.command == "train":
             return cmd_train(args, parser)
         if args.command in ("plan", "simulate"):

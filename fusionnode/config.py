@@ -107,6 +107,12 @@ class NodeConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT  # seconds
     lease_s: float = DEFAULT_LEASE  # seconds
     torch_threads: int = 1
+    when: str = "always"  # "idle": yield the device to its owner; "always": contribute whenever running
+    schedule: str | None = None  # "HH:MM-HH:MM[,...]" local time windows to contribute in; None = any time
+    max_util_percent: float | None = None  # cap on this peer's compute, percent of the device
+    idle_grace_s: float = 60.0  # seconds the owner must stay idle before we contribute again
+    activity_interval_s: float = 2.0  # seconds between owner-activity checks
+    owner_cpu_cores: float = 0.5  # cores busy in other processes that mean the owner is using the machine
     swarm_key_file: str | None = None  # private swarm: only peers with this secret are spoken to
     dashboard: str | None = None  # "host:port" of the read-only dashboard and /metrics; None = off
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
@@ -117,6 +123,11 @@ class NodeConfig:
             raise ConfigError(
                 f"record TTL ({self.record_ttl_s} s) must be at least twice the heartbeat ({self.heartbeat_s} s)"
             )
+        from fusionnode.availability import AvailabilityPolicy, Schedule
+
+        AvailabilityPolicy(when=self.when, grace_s=self.idle_grace_s)  # raises ConfigError on bad values
+        if self.schedule:
+            Schedule.parse(self.schedule)
         for name in ("startup_timeout_s", "heartbeat_s", "rpc_timeout_s", "step_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

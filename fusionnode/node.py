@@ -79,6 +79,7 @@ class Node:
         self.control: ControlServer | None = None
         self.maddrs: list[str] = []
         self.swarm_fingerprint: str | None = None
+        self.availability: Any = None
         self.dashboard: Any = None
         self.dashboard_url: str | None = None
         self._stop = asyncio.Event()
@@ -162,6 +163,32 @@ class Node:
                 self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
             )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
+        from fusionnode.availability import (
+            ActivityThresholds,
+            AvailabilityController,
+            AvailabilityPolicy,
+            Schedule,
+            apply_memory_cap,
+            apply_util_cap,
+            build_monitor,
+            describe,
+        )
+
+        if cfg.max_util_percent:
+            apply_util_cap(cfg.max_util_percent, requested_threads=cfg.torch_threads)
+        if cfg.max_memory_bytes and self.profile.kind == "cuda":
+            apply_memory_cap(cfg.max_memory_bytes)
+        monitor = (
+            build_monitor(self.profile.kind, ActivityThresholds(cpu_cores=cfg.owner_cpu_cores))
+            if cfg.when == "idle"
+            else None
+        )
+        policy = AvailabilityPolicy(when=cfg.when, grace_s=cfg.idle_grace_s)
+        schedule = Schedule.parse(cfg.schedule) if cfg.schedule else None
+        self.availability = AvailabilityController(
+            monitor, schedule, self._on_availability, policy=policy, interval_s=cfg.activity_interval_s
+        )
+        logger.info(describe(policy, schedule, monitor.signals if monitor else ()))
         self.control = ControlServer(
             cfg.control_path,
             {
@@ -170,6 +197,8 @@ class Node:
                 "leave": self._rpc_leave,
                 "train": self._rpc_train,
                 "set_link_limits": self._rpc_set_link_limits,
+                "pause": lambda params, emit: self.availability.pause(),
+                "resume": lambda params, emit: self.availability.resume(),
             },
         )
         await self.control.start()
@@ -203,7 +232,9 @@ class Node:
         async with asyncio.TaskGroup() as tg:
             membership_task = tg.create_task(self.membership.run(), name="membership")
             worker_task = tg.create_task(self.worker.run(), name="worker")
+            availability_task = tg.create_task(self.availability.run(), name="availability")
             await self._stop.wait()
+            availability_task.cancel()  # before leaving, so a resume cannot re-advertise after the withdrawal
             await self.graceful_leave()
             membership_task.cancel()
             worker_task.cancel()
@@ -251,6 +282,7 @@ class Node:
             "serving": self.worker.status(),
             "hosting": self.host.status() if self.host is not None else [],
             "private_swarm": self.swarm_fingerprint,
+            "availability": self.availability.status(),
             "security": self.transport.security_status(),
             "jobs": self.driver.status(),
         }
@@ -258,6 +290,18 @@ class Node:
     async def _rpc_leave(self, params: dict, emit) -> dict:
         asyncio.get_running_loop().call_later(0.2, self.stop)
         return {"leaving": True, "peer_id": self.peer_id}
+
+    async def _on_availability(self, availability: str, next_window: str | None) -> None:
+        """The owner came back (or left), a schedule window closed (or opened), or a manual pause/resume."""
+        from fusionnode.availability import free_accelerator_memory
+
+        self.membership.set_availability(availability, next_window)  # planners skip a paused peer
+        if availability == "paused":
+            await self.worker.drain()  # steps in flight finish; new work is refused, so the driver re-plans
+            self.worker.release_all()
+            await asyncio.to_thread(free_accelerator_memory)
+        else:
+            self.worker.undrain()
 
     async def _rpc_set_link_limits(self, params: dict, emit) -> dict:
         """User-space bandwidth caps on this peer's tensor streams, per destination peer (bits/s; 0 = none).

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusionnode.compress.boundary import BoundaryConfig, CompressionBoundary, LinkCounters, transmit
+from fusionnode.compress.boundary import (
+    BoundaryConfig,
+    CompressionBoundary,
+    LinkCounters,
+    adatopk_config,
+    transmit,
+)
 from fusionnode.compress.topk import keep_count
 from fusionnode.wire.tensors import encode_tensor, pack_encoded
 
@@ -92,3 +98,29 @@ def test_bad_config() -> None:
         BoundaryConfig(forward_mode="column")
     with pytest.raises(ValueError):
         BoundaryConfig(dense_codec="zip")
+
+
+def test_adatopk_config_quantizes_gradients_and_warmup() -> None:
+    boundary = CompressionBoundary(adatopk_config(warmup_steps=1))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 16, 32, generator=g) + 2.0
+    w = torch.randn(4, 16, 32, generator=g) * 1e-4
+    x0 = x.clone().requires_grad_(True)
+    y = boundary(x0)  # warm-up: q8 both ways, close but not exact
+    assert (
+        not torch.equal(y.detach(), x) and float((y.detach() - x).abs().max()) <= float(x.abs().max()) / 127
+    )
+    (y * w).sum().backward()
+    assert float((x0.grad - w).norm() / w.norm()) < 0.02
+    assert (
+        boundary.forward_counters.wire_bytes < boundary.forward_counters.dense_bytes / 3
+    )  # q8 + scales + framing
+    boundary.next_step()
+    boundary.forward_ratio = boundary.backward_ratio = 0.05  # as a policy would set them
+    x1 = x.clone().requires_grad_(True)
+    y = boundary(x1)  # centered global top-k: dropped elements decode to the channel mean
+    mean = x.view(-1, 32).mean(0).half().float()  # what the sender sends as channel means
+    assert int(torch.count_nonzero(y.detach() != mean)) <= keep_count(x.numel(), 0.05)
+    (y * w).sum().backward()
+    assert int(torch.count_nonzero(x1.grad)) > 0.9 * x.numel()  # q8, not top-k
+    assert float((x1.grad - w).norm() / w.norm()) < 0.02

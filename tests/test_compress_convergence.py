@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from fusionnode.bench.adatopk import build_parser, train
-from fusionnode.compress.boundary import BoundaryConfig
+from fusionnode.bench.adatopk import build_parser, main, train
+from fusionnode.compress.boundary import BoundaryConfig, adatopk_config
 from fusionnode.train.data import BatchSource, load_corpus
 
 LINK_BPS = 8e6  # bit/s: the benchmark's default throttled link
@@ -21,14 +22,8 @@ def _source(batch: int) -> BatchSource:
 
 
 def _config() -> BoundaryConfig:
-    # ratios start dense; the policy sets them from the simulated link every step
-    return BoundaryConfig(
-        forward_ratio=None,
-        backward_ratio=None,
-        forward_mode="global",
-        backward_mode="global",
-        forward_center=True,
-    )
+    # the AdaTopK default; ratios start dense, the policy sets them from the simulated link every step
+    return adatopk_config()
 
 
 def test_policy_compresses_slow_link_and_training_learns() -> None:
@@ -41,11 +36,18 @@ def test_policy_compresses_slow_link_and_training_learns() -> None:
     dense = train(args, source, None, None)
     comp = train(args, source, _config(), LINK_BPS)
     assert comp.forward_ratio <= 0.10 and comp.backward_ratio <= 0.10
-    assert comp.link.reduction >= 5.0
+    assert comp.link.reduction >= 5.0  # both directions: top-k activations + q8 gradients
+    assert comp.backward_link.reduction > 3.8  # q8: 1 byte per element + one float32 scale per row
     assert dense.link.wire_bytes == 0  # the baseline has no cut
     # it learns: far below the loss of a uniform guess over 256 bytes (5.55 nats)
     assert math.isfinite(comp.final_loss) and comp.final_loss < 0.8 * math.log(256)
     print(
         f"dense {dense.final_loss:.4f} compressed {comp.final_loss:.4f} reduction {comp.link.reduction:.1f}x"
     )
-    assert comp.final_loss < dense.final_loss * 1.25
+    assert comp.final_loss < dense.final_loss * 1.10  # measured +3.2% at 25 steps
+
+
+@pytest.mark.slow
+def test_benchmark_default_meets_issue_target() -> None:
+    """The full benchmark at its defaults (about 4-15 minutes): within 5% of dense, >= 5x fewer bytes."""
+    assert main([]) == 0

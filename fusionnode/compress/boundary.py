@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import fusionnode.compress.quant  # noqa: F401  (registers "q8" and "q4")
 from fusionnode.compress.feedback import ErrorFeedback
 from fusionnode.compress.topk import DEFAULT_VALUE_DTYPE, MODES, VALUE_DTYPES
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
@@ -26,6 +27,7 @@ from fusionnode.wire.tensors import decode_tensor, encode_tensor, pack_encoded, 
 logger = logging.getLogger(__name__)
 
 DENSE_CODECS = ("raw", "fp16")
+QUANT_CODECS = ("q8", "q4")
 DEFAULT_DENSE_CODEC = "raw"  # what "dense" sends: the tensor's own dtype
 
 
@@ -54,13 +56,19 @@ def transmit(
     center: bool = False,
     dense_codec: str = DEFAULT_DENSE_CODEC,
     limits: Limits = DEFAULT_LIMITS,
+    quant: str | None = None,
+    seed: int | None = None,
 ) -> tuple[torch.Tensor, LinkCounters]:
     """Encode, pack, unpack and decode `tensor` as a link would: (received tensor, bytes).
 
-    `ratio` None or 1.0 sends it dense with `dense_codec`; otherwise top-k at `ratio`.
+    `ratio` None or 1.0 sends it dense with `dense_codec`; otherwise top-k at `ratio`, or,
+    when `quant` ("q8" | "q4") is given, that quantizing codec instead of top-k (`seed`:
+    its stochastic rounding seed, None = round to nearest).
     """
     if ratio is None or ratio >= 1.0:
         enc = encode_tensor(tensor, dense_codec)
+    elif quant is not None:
+        enc = encode_tensor(tensor, quant, seed=seed)
     else:
         enc = encode_tensor(tensor, "topk", ratio=ratio, value_dtype=value_dtype, mode=mode, center=center)
     packed = pack_encoded(enc)
@@ -84,6 +92,10 @@ class BoundaryConfig:
     backward_feedback: bool = False  # error feedback on activation gradients
     warmup_steps: int = 0  # steps sent dense before compression starts
     dense_codec: str = DEFAULT_DENSE_CODEC  # codec of dense sends: "raw" or "fp16"
+    backward_quant: str | None = None  # "q8" | "q4": quantize gradients instead of top-k when compressing
+    stochastic: bool = True  # stochastic (seeded, unbiased) rounding for backward_quant
+    forward_quant_warmup: str | None = None  # "q8" | "q4": send activations with it during warm-up
+    backward_quant_warmup: str | None = None  # same, gradients during warm-up
 
     def __post_init__(self) -> None:
         for name in ("forward_ratio", "backward_ratio"):
@@ -97,8 +109,29 @@ class BoundaryConfig:
             raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}")
         if self.dense_codec not in DENSE_CODECS:
             raise ValueError(f"dense_codec must be one of {DENSE_CODECS}")
+        for name in ("backward_quant", "forward_quant_warmup", "backward_quant_warmup"):
+            if getattr(self, name) not in (None, *QUANT_CODECS):
+                raise ValueError(f"{name} must be None or one of {QUANT_CODECS}")
         if self.warmup_steps < 0:
             raise ValueError("warmup_steps must be >= 0")
+
+
+def adatopk_config(warmup_steps: int = 0) -> BoundaryConfig:
+    """The AdaTopK default (protocol/COMPRESSION.md): activations centered global top-k at the
+    policy's ratio, gradients q8 with stochastic rounding while compressing, warm-up steps q8
+    in both directions. Ratios start dense; a policy sets them per step."""
+    return BoundaryConfig(
+        forward_ratio=None,
+        backward_ratio=None,
+        forward_mode="global",
+        backward_mode="global",
+        forward_center=True,
+        backward_quant="q8",
+        stochastic=True,
+        forward_quant_warmup="q8",
+        backward_quant_warmup="q8",
+        warmup_steps=warmup_steps,
+    )
 
 
 class CompressionBoundary:
@@ -109,6 +142,7 @@ class CompressionBoundary:
         self.name = name
         self.limits = limits
         self.step = 0
+        self._sends = 0
         self.forward_ratio = config.forward_ratio  # may be changed per step by a policy
         self.backward_ratio = config.backward_ratio
         self.forward_counters = LinkCounters()
@@ -128,21 +162,44 @@ class CompressionBoundary:
     def next_step(self) -> None:
         self.step += 1
 
+    def _seed(self) -> int:
+        """Stochastic-rounding seed of the next send: distinct per send, deterministic per run."""
+        self._sends += 1
+        return self._sends
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _BoundaryFunction.apply(x, self)
 
     def send_forward(self, x: torch.Tensor) -> torch.Tensor:
         ratio = None if self.warming_up else self.forward_ratio
+        quant = None
+        if self.warming_up and self.config.forward_quant_warmup is not None:
+            ratio, quant = 0.0, self.config.forward_quant_warmup
         y, c = self._send(
-            x, ratio, self.config.forward_mode, self.config.forward_center, self._forward_ef, "activation"
+            x,
+            ratio,
+            self.config.forward_mode,
+            self.config.forward_center,
+            self._forward_ef,
+            "activation",
+            quant,
         )
         self.forward_counters = self.forward_counters + c
         return y
 
     def send_backward(self, g: torch.Tensor) -> torch.Tensor:
         ratio = None if self.warming_up else self.backward_ratio
+        quant = self.config.backward_quant
+        if self.warming_up and self.config.backward_quant_warmup is not None:
+            ratio, quant = 0.0, self.config.backward_quant_warmup
         y, c = self._send(
-            g, ratio, self.config.backward_mode, self.config.backward_center, self._backward_ef, "gradient"
+            g,
+            ratio,
+            self.config.backward_mode,
+            self.config.backward_center,
+            self._backward_ef,
+            "gradient",
+            quant,
         )
         self.backward_counters = self.backward_counters + c
         return y
@@ -155,6 +212,7 @@ class CompressionBoundary:
         center: bool,
         ef: ErrorFeedback | None,
         key: str,
+        quant: str | None = None,
     ) -> tuple[torch.Tensor, LinkCounters]:
         counters: list[LinkCounters] = []
 
@@ -167,11 +225,14 @@ class CompressionBoundary:
                 center=center,
                 dense_codec=self.config.dense_codec,
                 limits=self.limits,
+                quant=quant,
+                seed=self._seed() if self.config.stochastic else None,
             )
             counters.append(c)
             return y
 
-        y = ef.compress(key, t, link) if ef is not None and ratio is not None and ratio < 1.0 else link(t)
+        sparse = ratio is not None and ratio < 1.0 and quant is None
+        y = ef.compress(key, t, link) if ef is not None and sparse else link(t)
         return y, counters[0]
 
 

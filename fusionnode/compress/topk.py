@@ -365,7 +365,7 @@ def _validated_params(enc: EncodedTensor, max_elements: int) -> dict[str, Any]:
     if encoding not in INDEX_ENCODINGS:
         raise ProtocolError(f"topk index encoding {encoding!r} unknown (known: {INDEX_ENCODINGS})")
     value_dtype = params.get("values")
-    if value_dtype not in VALUE_DTYPES:
+    if not isinstance(value_dtype, str) or value_dtype not in VALUE_DTYPES:
         raise ProtocolError(f"topk value dtype {value_dtype!r} unknown (known: {sorted(VALUE_DTYPES)})")
     k = params.get("k")
     if not isinstance(k, int) or isinstance(k, bool) or not (0 <= k <= numel):

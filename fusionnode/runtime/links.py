@@ -7,6 +7,12 @@ the behaviour: ``none`` (raw), ``fp16``, ``topk:R`` (a fixed keep ratio), or
 pipeline's compute-bound stage time, as sparse as needed when it does not). The
 bandwidth comes from the peer's link probe and is then tracked from the measured
 sends. Counters keep the dense and the wire bytes of the link.
+
+What a compressing link sends (protocol/COMPRESSION.md, "Measurements"): activations
+(message key "act") as centered global top-k at the policy's ratio; activation
+gradients (key "grad") as per-row int8 ("q8", seeded stochastic rounding) instead of
+top-k, because sparsifying gradients is what costs convergence. `LinkOptions.grad_codec`
+"topk" restores top-k gradients; "q4" halves their bytes again.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from typing import Any
 
 import torch
 
+import fusionnode.compress.quant  # noqa: F401  (registers "q8" and "q4")
 from fusionnode.compress.feedback import ErrorFeedback
 from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
+from fusionnode.errors import ConfigError
 from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
@@ -25,15 +33,22 @@ MIN_SPARSE_NUMEL = 4096  # tensors smaller than this always go dense (indices wo
 DENSE_ABOVE = 0.98  # a keep ratio above this is sent dense: top-k would save next to nothing
 MIN_OBSERVED_BYTES = 256 << 10  # smaller sends fit in socket buffers and token-bucket bursts: not timed
 DEFAULT_LATENCY_S = 0.0  # seconds, when nothing better is known
+GRAD_KEY = "grad"  # message key of activation gradients (the backward direction)
+GRAD_CODECS = ("q8", "q4", "topk")  # what a compressing link does to gradients
+WARMUP_CODECS = ("q8", "q4", "raw")  # what warm-up steps of a compressing link send
 
 
 @dataclasses.dataclass
 class LinkOptions:
-    mode: str = "row"  # top-k selection: "row" (per token, the last dimension) or "global"
+    mode: str = "global"  # top-k selection: "row" (per token, the last dimension) or "global"
     value_dtype: str = "float16"
     warmup_steps: int = 0  # steps sent dense before compression starts (AC-SGD's warm-up)
-    error_feedback: bool = False  # carry what top-k dropped into the next message (gradient direction)
+    error_feedback: bool = False  # carry what top-k dropped into the next message (top-k only)
     k_min: float = 0.01
+    center: bool = True  # activations: send channel means, top-k of the centered tensor
+    grad_codec: str = "q8"  # gradients ("grad" messages) on a compressing link: "q8", "q4" or "topk"
+    stochastic: bool = True  # q8/q4: seeded stochastic (unbiased) rounding instead of nearest
+    warmup_codec: str = "q8"  # warm-up steps on a compressing link send this both ways: "q8", "q4" or "raw"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> LinkOptions:
@@ -56,7 +71,14 @@ class LinkCompressor:
         self.policy = AdaTopKPolicy(k_min=self.options.k_min, value_dtype=self.options.value_dtype)
         self.probed_bps = bandwidth_bps
         self.latency_s = latency_s
+        if self.options.grad_codec not in GRAD_CODECS:
+            raise ConfigError(f"grad_codec must be one of {GRAD_CODECS}, got {self.options.grad_codec!r}")
+        if self.options.warmup_codec not in WARMUP_CODECS:
+            raise ConfigError(
+                f"warmup_codec must be one of {WARMUP_CODECS}, got {self.options.warmup_codec!r}"
+            )
         self.feedback = ErrorFeedback() if self.options.error_feedback else None
+        self._sends = 0  # stochastic-rounding seed counter
         self.dense_bytes = 0
         self.wire_bytes = 0
         self.last_ratio = 1.0
@@ -75,8 +97,13 @@ class LinkCompressor:
         return self.probed_bps if seen is None else min(seen, self.probed_bps)
 
     def ratio_for(self, step: int, dense_bytes: int, target_time_s: float | None) -> float:
+        if self.spec.kind in ("none", "fp16") or step < self.options.warmup_steps:
+            return 1.0
+        return self._link_ratio(dense_bytes, target_time_s)
+
+    def _link_ratio(self, dense_bytes: int, target_time_s: float | None) -> float:
         kind = self.spec.kind
-        if kind in ("none", "fp16") or step < self.options.warmup_steps:
+        if kind in ("none", "fp16"):
             return 1.0
         if kind == "topk":
             return float(self.spec.ratio)
@@ -90,23 +117,32 @@ class LinkCompressor:
     def encode(
         self, tensors: dict[str, torch.Tensor], step: int, key: str, target_time_s: float | None = None
     ) -> dict[str, EncodedTensor]:
-        """Encodes one message's tensors; `key` names the message slot for error feedback."""
+        """Encodes one message's tensors; `key` names the message slot ("act" or "grad")."""
         floating = [t for t in tensors.values() if t.is_floating_point()]
         dense = sum(t.numel() * t.element_size() for t in floating)
-        ratio = self.ratio_for(step, dense, target_time_s)
+        warm = step < self.options.warmup_steps
+        link_ratio = self._link_ratio(dense, target_time_s)
+        ratio = 1.0 if warm else link_ratio
+        # warm-up on a link that would compress: both directions quantized, no top-k yet
+        warm_quant = warm and link_ratio < 1.0 and self.options.warmup_codec != "raw"
         self.last_ratio = ratio
         out: dict[str, EncodedTensor] = {}
         for name, t in tensors.items():
             t = t.detach().cpu()
             if not t.is_floating_point():
                 enc = encode_tensor(t, "raw")
+            elif warm_quant:
+                enc = self._quantize(t, self.options.warmup_codec)
+            elif ratio < 1.0 and key == GRAD_KEY and self.options.grad_codec != "topk":
+                enc = self._quantize(t, self.options.grad_codec)
             elif ratio < 1.0 and t.numel() >= MIN_SPARSE_NUMEL:
                 mode = self.options.mode if t.dim() >= 2 else "global"
+                center = self.options.center and key != GRAD_KEY and t.dim() >= 1
                 send = t
                 if self.feedback is not None:
                     send = self.feedback.compensate(f"{key}/{name}", t)
                 enc = encode_tensor(
-                    send, "topk", ratio=ratio, value_dtype=self.options.value_dtype, mode=mode
+                    send, "topk", ratio=ratio, value_dtype=self.options.value_dtype, mode=mode, center=center
                 )
                 if self.feedback is not None:
                     self.feedback.record(f"{key}/{name}", send, decode_tensor(enc))
@@ -118,6 +154,17 @@ class LinkCompressor:
             self.wire_bytes += len(enc.data)
             out[name] = enc
         return out
+
+    def _quantize(self, t: torch.Tensor, codec: str) -> EncodedTensor:
+        """q8/q4 per row (seeded stochastic rounding by default); fp16 when `t` holds non-finite values."""
+        seed = None
+        if self.options.stochastic:
+            self._sends += 1
+            seed = self._sends
+        try:
+            return encode_tensor(t, codec, seed=seed)
+        except ValueError:  # inf/nan have no quantized form; let the receiver see them
+            return encode_tensor(t, "fp16")
 
     def counters(self) -> dict[str, Any]:
         return {

@@ -285,8 +285,11 @@ class Transport:
             with contextlib.suppress(Exception):
                 err = Reply(ok=False, result={}, error=f"ProtocolError: {exc}")
                 await write_message(writer, self._sign_reply(err, sender, nonce))
-        except (ConnectionError, OSError):
-            pass
+        except (ConnectionError, OSError) as exc:
+            logger.debug("RPC stream from %s dropped: %r", sender[:12], exc)
+        except BaseException as exc:  # cancelled mid-call: the caller sees the stream close unanswered
+            logger.warning("RPC from %s aborted before its reply: %r", sender[:12], exc)
+            raise
         finally:
             if reserved[0]:
                 self.peer_limiter.release(sender, reserved[0])

@@ -206,7 +206,16 @@ class WorkerService:
                 await asyncio.gather(sj.pull_task, return_exceptions=True)
 
     async def rpc_ping(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        return {"alive": True, "draining": self.draining, "jobs": len(self.jobs)}
+        """Liveness; with "job", also renews the leases of that job's stages its driver holds here
+        (the driver's keep-alive while it waits on optimizer hosts or re-plans)."""
+        job = args.get("job")
+        held = 0
+        if job is not None:
+            for sj in self.jobs.values():
+                if sj.job == job and sj.driver == sender:
+                    sj.renew()
+                    held += 1
+        return {"alive": True, "draining": self.draining, "jobs": len(self.jobs), "stages": held}
 
     async def rpc_debug_slow(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         if sender != self.t.peer_id or not self.debug:
@@ -224,6 +233,15 @@ class WorkerService:
             pass
         except (OSError, ValueError) as exc:
             logger.warning("cannot read the debug slow-down factor: %s", exc)
+
+    def release_all(self) -> None:
+        """Drops every stage this worker holds (the owner wants the device back); their drivers re-plan."""
+        for key in list(self.jobs):
+            self._drop(key)
+
+    def undrain(self) -> None:
+        """Accepts work again after a pause."""
+        self.draining = False
 
     def status(self) -> list[dict[str, Any]]:
         return [

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Regenerate the golden vectors of the q8/q4 codecs (protocol/COMPRESSION.md): python protocol/vectors/generate_q8.py
+
+Writes q8_<name>.json next to this file (q4 vectors are named q8_q4_*), in the format of generate_topk.py:
+  {"description": str, "kind": "tensor", "hex": pack_encoded bytes, "decoded": tensor JSON,
+   "invalid": [{"description": str, "hex": bytes a receiver must reject with a protocol error}]}
+Each "invalid" entry is a variant of the valid vector breaking one validation rule.
+`--check` compares instead of writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import struct
+import sys
+from typing import Any
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout without `pip install -e .`
+    sys.path.insert(0, str(HERE.parents[1]))
+
+from fusionnode.compress.quant import Q4, Q8  # noqa: E402  (registers "q8" and "q4")
+from fusionnode.wire import pack_encoded  # noqa: E402
+from fusionnode.wire.codec_api import EncodedTensor  # noqa: E402
+from fusionnode.wire.vectors import tensor_json  # noqa: E402
+
+
+def _invalid(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
+    params = changes.pop("params", None)
+    if params is not None:
+        changes["params"] = {**enc.params, **params}
+    return {"description": description, "hex": pack_encoded(dataclasses.replace(enc, **changes)).hex()}
+
+
+def _vector(description: str, enc: EncodedTensor, invalid: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "description": description,
+        "kind": "tensor",
+        "hex": pack_encoded(enc).hex(),
+        "decoded": tensor_json(enc),
+        "invalid": invalid,
+    }
+
+
+def _replace(data: bytes, offset: int, new: bytes) -> bytes:
+    return data[:offset] + new + data[offset + len(new) :]
+
+
+def build_vectors() -> dict[str, dict[str, Any]]:
+    vectors: dict[str, dict[str, Any]] = {}
+
+    # q8, float32 [3, 4], round to nearest, float32 scales (12 bytes) then 12 int8 values
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.0], [-2.0, 1.0, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    enc = Q8.encode(x)
+    data = bytes(enc.data)
+    without_scale = dict(enc.params)
+    del without_scale["scale"]
+    vectors["q8_rows"] = _vector(
+        "q8, float32 [3, 4], nearest rounding: float32 scales [1/127, 2/127, 0] then int8 values "
+        "(row 0: 127 -64 32 0); an all-zero row has scale 0",
+        enc,
+        [
+            _invalid("payload truncated by one byte", enc, data=data[:-1]),
+            _invalid("one trailing byte", enc, data=data + b"\x00"),
+            _invalid("value -128 (outside [-127, 127])", enc, data=_replace(data, 12, b"\x80")),
+            _invalid("negative scale", enc, data=_replace(data, 0, struct.pack("<f", -1.0))),
+            _invalid("NaN scale", enc, data=_replace(data, 4, struct.pack("<f", float("nan")))),
+            _invalid("infinite scale", enc, data=_replace(data, 8, struct.pack("<f", float("inf")))),
+            _invalid("row_len != shape[-1]", enc, params={"row_len": 3}),
+            _invalid("unknown scale dtype", enc, params={"scale": "float64"}),
+            _invalid("unknown format version", enc, params={"v": 2}),
+            _invalid("unknown extra param", enc, params={"seed": 1}),
+            {
+                "description": "missing param scale",
+                "hex": pack_encoded(dataclasses.replace(enc, params=without_scale)).hex(),
+            },
+            _invalid("integer logical dtype", enc, dtype="int32"),
+            _invalid("scale declared float16 (length no longer matches)", enc, params={"scale": "float16"}),
+        ],
+    )
+
+    # q8, bfloat16 [2, 3] with float16 scales (4 bytes) then 6 int8 values
+    y = torch.tensor([[0.5, -0.25, 0.125], [3.0, 1.5, -3.0]], dtype=torch.bfloat16)
+    enc = Q8.encode(y, scale_dtype="float16")
+    vectors["q8_float16_scales_bfloat16"] = _vector(
+        "q8, bfloat16 [2, 3], float16 scales (per row absmax / 127), nearest rounding",
+        enc,
+        [_invalid("payload truncated by one byte", enc, data=bytes(enc.data)[:-1])],
+    )
+
+    # q8 scalar: one row of one element
+    enc = Q8.encode(torch.tensor(-0.75, dtype=torch.float64))
+    vectors["q8_scalar"] = _vector(
+        "q8, float64 scalar []: row_len 1, one float32 scale 0.75/127, value -127",
+        enc,
+        [_invalid("row_len 0 for a scalar", enc, params={"row_len": 0})],
+    )
+
+    # empty tensor: no rows, no payload
+    enc = Q8.encode(torch.zeros(0, 4))
+    vectors["q8_empty"] = _vector(
+        "q8, float32 [0, 4]: no rows, empty payload",
+        enc,
+        [_invalid("one byte for an empty tensor", enc, data=b"\x00")],
+    )
+
+    # q4, odd element count: two nibbles per byte, low nibble first, a zero padding nibble
+    z = torch.tensor([[0.7, -0.35, 0.1], [0.0, 1.4, -0.7], [-0.05, 0.05, 0.0]])
+    enc = Q4.encode(z)
+    data = bytes(enc.data)
+    last = data[-1]
+    vectors["q8_q4_odd"] = _vector(
+        "q4, float32 [3, 3], nearest rounding: float32 scales (absmax / 7), then 9 signed 4-bit values "
+        "(two's complement nibbles, low nibble first) in 5 bytes; the last high nibble is zero padding",
+        enc,
+        [
+            _invalid("payload truncated by one byte", enc, data=data[:-1]),
+            _invalid(
+                "nibble 0x8 (-8, outside [-7, 7])",
+                enc,
+                data=_replace(data, 12, bytes([0x08 | (data[12] & 0xF0)])),
+            ),
+            _invalid("padding nibble not zero", enc, data=data[:-1] + bytes([last | 0x10])),
+            _invalid("q4 payload declared as q8", enc, codec="q8"),
+        ],
+    )
+    return vectors
+
+
+def render(vector: dict[str, Any]) -> str:
+    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the files on disk instead of writing"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    stale = []
+    for name, vector in build_vectors().items():
+        path = HERE / f"{name}.json"
+        text = render(vector)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
