@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the owner must stay idle before contributing again (default %(default)s)",
     )
     p.add_argument(
+        "--debug",
+        action="store_true",
+        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, for tests)",
+    )
+    p.add_argument(
         "--swarm-key",
         default=None,
         metavar="FILE",
@@ -294,6 +299,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
         "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
         "(even layers, memory-proportional)",
+    )
+    p.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, re-plan if measured stage times promise a faster layout (needs "
+        "--offload on; 0 = never, the default)",
+    )
+    p.add_argument(
+        "--rebalance-gain",
+        type=float,
+        default=0.25,
+        help="predicted speed-up a re-plan must promise, counting the cost of moving (default %(default)s)",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a worker keeps its stage when this driver goes silent (default 60)",
     )
     p.add_argument("--optimizer-hosts", type=int, default=1, help="optimizer hosts to shard the state over")
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
@@ -394,6 +420,8 @@ def cmd_join(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from fusionnode.node import run_node
 
     config = _node_config(args, parser)
+    if args.debug:
+        os.environ["FUSIONNODE_DEBUG"] = "1"
     torch.set_num_threads(max(1, config.torch_threads))
     return _run(run_node(config))
 
@@ -516,6 +544,9 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "offload": args.offload,
         "optimizer_hosts": args.optimizer_hosts,
         "planner": args.planner,
+        "rebalance_every": args.rebalance_every,
+        "rebalance_gain": args.rebalance_gain,
+        "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
     }

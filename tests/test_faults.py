@@ -107,3 +107,141 @@ def test_a_worker_killed_mid_step_is_replaced_and_no_step_is_lost_or_repeated(tm
         assert time.monotonic() - t0 < 120
     finally:
         swarm.stop()
+
+
+def status(swarm: LocalSwarm, i: int) -> dict:
+    return asyncio.run(control.call(swarm.control(i), "status"))
+
+
+def final_losses(steps: list[dict]) -> dict[int, float]:
+    """Step -> loss of its last run (a replayed step is recorded again)."""
+    return {e["step"]: e["loss"] for e in steps}
+
+
+@pytest.mark.slow
+def test_leave_driver_death_resume_and_optimizer_host_death(tmp_path):
+    """One swarm of 4 for the slower faults: a graceful leave, an optimizer host SIGKILLed (restored
+    from its shard checkpoint, steps since replayed), and the driver SIGKILLed (the workers drop
+    the job when its lease runs out; `train --resume` from another peer finishes it)."""
+    swarm = LocalSwarm(tmp_path, 4, log=sys.stderr)
+    try:
+        swarm.start()
+        asyncio.run(swarm.wait_connected())
+        ids = [r["peer_id"] for r in swarm.ready]
+        ref_spec = spec_for(tmp_path)
+        ref = train_local(ref_spec.replace(metrics_out=None)).losses
+
+        # 1. graceful leave: SIGTERM a worker of the plan; it drains, the driver re-plans without it
+        left: list[str] = []
+
+        async def on_leave(ev: dict, events: list[dict]) -> None:
+            if ev["type"] == "step" and ev["step"] == 3 and not left:
+                plan = next(e for e in events if e["type"] == "plan")
+                victim = next(s["peer"] for s in plan["stages"] if s["peer"] != ids[0])
+                swarm.procs[ids.index(victim)].send_signal(signal.SIGTERM)
+                left.append(victim)
+
+        spec = ref_spec.replace(metrics_out=str(tmp_path / "leave.jsonl"))
+        _res, events = asyncio.run(
+            train(
+                swarm, {"spec": spec.to_dict(), "stages": 2, "offload": "on", "rebalance_every": 0}, on_leave
+            )
+        )
+        steps = [e for e in events if e["type"] == "step"]
+        assert [e["step"] for e in steps] == list(range(spec.steps))
+        assert max(abs(a - b) for a, b in zip([e["loss"] for e in steps], ref, strict=True)) < LOSS_TOL
+        ev = metrics_events(spec.metrics_out)
+        leave = next(e for e in ev if e["event"] == "leave")
+        assert leave["peer"] == left[0]
+        assert not any(e["event"] == "failure" for e in ev)  # a leave is not a failure: no ban
+        swarm.procs[ids.index(left[0])].wait(30)
+        swarm.add_peer()
+        ids = [r["peer_id"] for r in swarm.ready]
+        alive = [i for i, p in enumerate(swarm.procs) if p.poll() is None]
+
+        # 2. the optimizer host dies: hosts restore the last shard checkpoint, steps since are replayed
+        host = ids[alive[-1]]
+        workers = [ids[i] for i in alive if ids[i] != host]
+        killed: list[str] = []
+
+        async def on_host(ev: dict, events: list[dict]) -> None:
+            if ev["type"] == "step" and ev["step"] == 6 and not killed:
+                kill(swarm, ids.index(host))
+                killed.append(host)
+
+        spec = ref_spec.replace(
+            metrics_out=str(tmp_path / "host.jsonl"), save_dir=str(tmp_path / "ck-host"), save_every=4
+        )
+        params = {
+            "spec": spec.to_dict(),
+            "stages": 2,
+            "offload": "on",
+            "rebalance_every": 0,
+            "peers": workers,
+            "optimizer_peers": [host],
+        }
+        _res, events = asyncio.run(train(swarm, params, on_host))
+        plan = next(e for e in events if e["type"] == "plan")
+        assert plan["optimizer_hosts"] == [host]
+        steps = [e for e in events if e["type"] == "step"]
+        got = final_losses(steps)
+        assert sorted(got) == list(range(spec.steps))
+        assert max(abs(got[i] - ref[i]) for i in got) < LOSS_TOL
+        ev = metrics_events(spec.metrics_out)
+        rec = next(e for e in ev if e["event"] == "recovered" and e.get("role") == "optimizer")
+        assert rec["replay_from"] == 4  # the shard checkpoint of step 4
+        assert any(e["event"] == "failure" and e["peer"] == host for e in ev)
+
+        # 3. the driver dies: its workers drop the job once its lease runs out; resume elsewhere
+        alive = [i for i, p in enumerate(swarm.procs) if p.poll() is None]
+        drv = alive[1]  # a driver that is not peer 0, whose control socket resumes the job
+        spec = ref_spec.replace(
+            metrics_out=str(tmp_path / "drv.jsonl"), save_dir=str(tmp_path / "ck-drv"), save_every=4
+        )
+        params = {"spec": spec.to_dict(), "stages": 2, "offload": "on", "rebalance_every": 0, "lease_s": 4}
+
+        async def drive_then_die() -> None:
+            async for obj in control.call_stream(swarm.control(drv), "train", params, timeout=600):
+                ev = obj.get("event", {})
+                if ev.get("type") == "step" and ev["step"] == 6:
+                    kill(swarm, drv)
+                    return
+
+        asyncio.run(drive_then_die())
+        others = [i for i in alive if i != drv]
+        deadline = time.monotonic() + 40
+        while any(status(swarm, i)["serving"] for i in others):
+            assert time.monotonic() < deadline, "workers kept the stages of a dead driver"
+            time.sleep(0.5)
+        res_params = {**params, "resume": True, "lease_s": None}
+        result, events = asyncio.run(train_on(swarm, others[0], res_params))
+        steps = [e for e in events if e["type"] == "step"]
+        assert steps[0]["step"] == 4 and steps[-1]["step"] == spec.steps - 1
+        for e in steps:
+            assert abs(e["loss"] - ref[e["step"]]) < LOSS_TOL, e["step"]
+        assert result["steps"] == spec.steps
+    finally:
+        swarm.stop()
+
+
+async def train_on(swarm: LocalSwarm, i: int, params: dict) -> tuple[dict, list[dict]]:
+    events = []
+    async for obj in control.call_stream(swarm.control(i), "train", params, timeout=600):
+        if "event" not in obj:
+            return obj["result"], events
+        events.append(obj["event"])
+    raise AssertionError("no result")
+
+
+@pytest.mark.slow
+def test_five_kills_at_random_moments_with_spares_lose_no_step(tmp_path):
+    import argparse
+
+    from fusionnode.bench.faults import run_kills
+
+    args = argparse.Namespace(steps=40, kills=5, seq_len=32, batch_size=8, micro_batches=2, seed=3, lr=3e-3)
+    res = run_kills(args, tmp_path)
+    assert res["kills"] == 5
+    assert res["step_ids_in_order"] and res["steps_completed"] == args.steps
+    assert res["failures"] >= 5 and res["recoveries"] >= 5
+    assert res["max_abs_loss_diff_vs_single_process"] < LOSS_TOL

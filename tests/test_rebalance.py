@@ -105,9 +105,15 @@ def test_blame():
     assert blame({"QmCCCCCCCCCCCCCC": "refused: this peer is leaving"}, peers) == {
         "QmCCCCCCCCCCCCCC": "leave"
     }
+    gone = blame({"QmCCCCCCCCCCCCCC": "refused: this peer is leaving"}, peers, ["QmCCCCCCCCCCCCCC"])
+    assert gone == {"QmCCCCCCCCCCCCCC": "leave"}  # it said so before it went: no ban
     named = {"QmAAAAAAAAAAAAAA": "refused 'job.step': peer QmCCCCCCCCCC… sent non-finite values in 'h'"}
     assert blame(named, peers) == {"QmCCCCCCCCCCCCCC": "failure"}
     assert blame({"QmAAAAAAAAAAAAAA": "deadline"}, peers) == {"QmAAAAAAAAAAAAAA": "failure"}
+    limited = {
+        "QmAAAAAAAAAAAAAA": "peer QmAAAAAAAAAA… closed the 'job.commit' call unanswered (a rate limit)"
+    }
+    assert blame(limited, peers) == {}
 
 
 def test_calibrated_cluster_feeds_the_planner_estimator():

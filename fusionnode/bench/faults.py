@@ -10,10 +10,11 @@ worker reads a slow-down factor from `<state dir>/debug_slow`):
   steps one worker (not the driver's) is slowed `--factor` times. Reported: median tokens/s of the
   healthy steps, of the slowed steps before the re-plan, of the steps after it (leaving out the
   first step of each plan), the reference's, and the steps from the slow-down to the re-plan.
-- kill: 4 peers (driver and optimizer host on peer 0, 2 stages, spares), `--kills` times a random
-  non-driver worker of the plan is SIGKILLed at a random moment of a step and a fresh peer is
-  started to keep a spare. Reported: steps completed, failures and recoveries in the metrics,
-  time to recover (failure detected -> new plan running), and the largest loss difference to
+- kill: 2 + `--kills` peers (the driver, also the optimizer host, and one worker form 2 stages;
+  the rest are spares); `--kills` times, at least 3 steps apart, a random non-driver worker of
+  the plan in force is SIGKILLed at a random moment of a step. Reported: steps completed,
+  failures and recoveries in the metrics, time to recover (failure detected -> new plan
+  running), and the largest loss difference to
   the same job trained in one process (with offload a replayed step is exact).
 """
 
@@ -45,13 +46,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scenario", choices=["straggler", "kill", "all"], default="all")
     p.add_argument("--steps", type=int, default=30, help="steps of each job")
     p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down")
-    p.add_argument("--slow-at", type=int, default=6, help="step after which the straggler slows down")
-    p.add_argument("--check-every", type=int, default=3, help="steps between rebalance checks")
+    p.add_argument("--slow-at", type=int, default=8, help="step after which the straggler slows down")
+    p.add_argument("--check-every", type=int, default=4, help="steps between rebalance checks")
     p.add_argument("--kills", type=int, default=5)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
@@ -68,7 +70,7 @@ def _spec(args: argparse.Namespace, metrics: Path) -> Any:
         seq_len=args.seq_len,
         seed=args.seed,
         grad_clip=1.0,
-        lr=3e-3,
+        lr=args.lr,
         warmup_steps=2,
         metrics_out=str(metrics),
     )
@@ -98,6 +100,19 @@ def _swarm(workdir: Path, n: int) -> Any:
     return swarm
 
 
+async def _seen_by_driver(swarm: Any, peer_id: str, timeout: float = 60.0) -> None:
+    """Waits until the driver's peer sees `peer_id` in the swarm."""
+    from fusionnode import control
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        res = await control.call(swarm.control(0), "peers")
+        if peer_id in {p["peer_id"] for p in res["peers"]}:
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"peer {peer_id[:12]} did not join within {timeout:.0f} s")
+
+
 def _median_tps(steps: list[dict]) -> float | None:
     return statistics.median(e["tokens_per_s"] for e in steps) if steps else None
 
@@ -107,11 +122,24 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     swarm = _swarm(workdir / "straggler", 4)
     try:
         ids = [r["peer_id"] for r in swarm.ready]
-        driver = ids[0]
-        order = [driver, *sorted(ids[1:])]  # the driver's layout order: itself first, then by id
-        victim = order[2]
+        order = [ids[0], *sorted(ids[1:])]  # the driver's layout order: itself first, then by id
+        spec = _spec(args, workdir / "straggler.jsonl")
+        slowed: list[str] = []
+
+        async def on_event(ev: dict, events: list[dict]) -> None:
+            if ev["type"] == "step" and ev["step"] == args.slow_at - 1 and not slowed:
+                plan = [e for e in events if e["type"] == "plan"][-1]
+                peers = [st["peer"] for st in plan["stages"]]
+                victim = peers[len(peers) // 2]  # a middle stage of the plan in force
+                (swarm.state_dir(ids.index(victim)) / "debug_slow").write_text(str(args.factor))
+                slowed.append(victim)
+
+        params = {"spec": spec.to_dict(), "stages": 4, "peers": order, "offload": "on"}
+        _res, events = asyncio.run(_train(swarm, {**params, "rebalance_every": args.check_every}, on_event))
+        victim = slowed[0]
+        (swarm.state_dir(ids.index(victim)) / "debug_slow").unlink(missing_ok=True)
         healthy = [p for p in order if p != victim]
-        ref_spec = _spec(args, workdir / "straggler-reference.jsonl")
+        ref_spec = _spec(args, workdir / "straggler-reference.jsonl").replace(job_id="straggler-reference")
         _res, ref_events = asyncio.run(
             _train(
                 swarm,
@@ -125,33 +153,15 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
         )
         ref_steps = [e for e in ref_events if e["type"] == "step"][2:]
-        spec = _spec(args, workdir / "straggler.jsonl")
-        slow_file = swarm.state_dir(ids.index(victim)) / "debug_slow"
-        slow_file.unlink(missing_ok=True)
-
-        async def on_event(ev: dict, events: list[dict]) -> None:
-            if ev["type"] == "step" and ev["step"] == args.slow_at - 1:
-                slow_file.write_text(str(args.factor))
-
-        _res, events = asyncio.run(
-            _train(
-                swarm,
-                {
-                    "spec": spec.to_dict(),
-                    "stages": 4,
-                    "peers": order,
-                    "offload": "on",
-                    "rebalance_every": args.check_every,
-                },
-                on_event,
-            )
-        )
-        slow_file.unlink(missing_ok=True)
         steps = [e for e in events if e["type"] == "step"]
-        replans = [e for e in events if e.get("kind") == "replan" and e.get("plan_version", 1) > 1]
+        replans = [
+            e
+            for e in events
+            if e.get("kind") == "replan" and e["step"] >= args.slow_at and victim[:12] in e["reason"]
+        ] or [e for e in events if e.get("kind") == "replan" and e["step"] >= args.slow_at]
         replan_step = replans[0]["step"] if replans else None
         before = [e for e in steps if 1 <= e["step"] < args.slow_at]
-        slowed = [
+        during = [
             e for e in steps if e["step"] >= args.slow_at and (replan_step is None or e["step"] < replan_step)
         ]
         after = [e for e in steps if replan_step is not None and e["step"] > replan_step]
@@ -160,17 +170,20 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return {
             "scenario": "straggler",
             "factor": args.factor,
-            "reference_3_peers_tokens_per_s": ref_tps,
-            "healthy_4_peers_tokens_per_s": _median_tps(before),
-            "slowed_tokens_per_s": _median_tps(slowed[1:] or slowed),
+            "reference_without_slowed_peer_tokens_per_s": ref_tps,
+            "before_slowdown_tokens_per_s": _median_tps(before),
+            "slowed_before_replan_tokens_per_s": _median_tps(during),
             "after_rebalance_tokens_per_s": after_tps,
             "recovered_fraction_of_reference": (after_tps / ref_tps) if after_tps and ref_tps else None,
-            "steps_to_rebalance": (replan_step - args.slow_at) if replan_step is not None else None,
+            "steps_from_slowdown_to_replan": (replan_step - args.slow_at)
+            if replan_step is not None
+            else None,
+            "replans_in_run": sum(e.get("kind") == "replan" for e in events),
             "replan_reason": replans[0]["reason"] if replans else None,
             "new_plan": [[p[:12], *b] for p, b in zip(replans[0]["peers"], replans[0]["bounds"], strict=True)]
             if replans
             else None,
-            "slowed_peer": victim,
+            "slowed_peer": victim[:12],
         }
     finally:
         swarm.stop()
@@ -181,30 +194,37 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from fusionnode.train.local import train_local
     from fusionnode.train.metrics import read_metrics
 
-    swarm = _swarm(workdir / "kill", 4)
+    swarm = _swarm(workdir / "kill", 2 + args.kills)  # the driver, a worker, a spare for every kill
     rng = random.Random(args.seed)
     metrics = workdir / "kill.jsonl"
     spec = _spec(args, metrics)
     killed: list[str] = []
     spawning: list[asyncio.Task] = []
-    every = max(3, args.steps // (args.kills + 1))
+    every = 3  # steps at least between kills
     try:
         driver = swarm.ready[0]["peer_id"]
 
-        async def on_event(ev: dict, events: list[dict]) -> None:
-            if ev["type"] != "step" or len(killed) >= args.kills or (ev["step"] + 1) % every:
-                return
+        state = {"next_step": every, "busy": False}
+
+        async def kill_soon(ev: dict, events: list[dict]) -> None:
             plan = [e for e in events if e["type"] == "plan"][-1]
             victims = [s["peer"] for s in plan["stages"] if s["peer"] != driver]
-            if not victims:
+            if victims:
+                victim = rng.choice(victims)
+                await asyncio.sleep(rng.uniform(0.0, ev["step_time_s"]))  # a random moment of the next step
+                i = next(k for k, r in enumerate(swarm.ready) if r["peer_id"] == victim)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(swarm.procs[i].pid, signal.SIGKILL)
+                killed.append(victim)
+            state["next_step"] = ev["step"] + every
+            state["busy"] = False
+
+        async def on_event(ev: dict, events: list[dict]) -> None:
+            if ev["type"] != "step" or len(killed) >= args.kills or state["busy"]:
                 return
-            victim = rng.choice(victims)
-            await asyncio.sleep(rng.uniform(0.0, ev["step_time_s"]))  # a random moment of the next step
-            i = next(k for k, r in enumerate(swarm.ready) if r["peer_id"] == victim)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(swarm.procs[i].pid, signal.SIGKILL)
-            killed.append(victim)
-            spawning.append(asyncio.create_task(asyncio.to_thread(swarm.add_peer)))  # keep a spare
+            if ev["step"] >= state["next_step"]:
+                state["busy"] = True
+                spawning.append(asyncio.create_task(kill_soon(ev, list(events))))
 
         t0 = time.monotonic()
         result, _events = asyncio.run(
@@ -240,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the swarms' cleanup on SIGTERM too
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fusionnode-faults-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     out = []

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
 DEBUG_ENV = "FUSIONNODE_DEBUG"  # "1" enables the slow-down hook (tests, benchmarks)
 DEBUG_SLOW_FILE = "debug_slow"  # in the state dir: a float factor >= 1 multiplying compute time
+MAX_CONCURRENT_PUSHES = 16  # gradient pushes in flight at once (hosts limit streams per peer)
 LEAVING_MARK = "this peer is leaving"  # in the refusal of a draining worker (the driver looks for it)
 
 
@@ -170,6 +171,7 @@ class WorkerService:
         self.draining = False
         self.debug = os.environ.get(DEBUG_ENV) == "1"
         self.slow_factor = 1.0  # debug: compute time multiplier
+        self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         for name, fn in {
@@ -356,7 +358,14 @@ class WorkerService:
             "samples": int(off["samples"]),
         }
         msg = tensor_message("push", meta, {name: grad})
-        sj.push_tasks.append(asyncio.ensure_future(self.t.send(off["hosts"][name], msg)))
+        sj.push_tasks.append(asyncio.ensure_future(self._send_push(off["hosts"][name], msg)))
+
+    async def _send_push(self, host: str, msg: TensorMessage) -> int:
+        """At most MAX_CONCURRENT_PUSHES pushes in flight (a host's per-peer stream limit)."""
+        if self.push_slots is None:
+            self.push_slots = asyncio.Semaphore(MAX_CONCURRENT_PUSHES)
+        async with self.push_slots:
+            return await self.t.send(host, msg)
 
     async def _pull(self, sj: StageJob, step: int) -> None:
         """Fetches this stage's parameters from their optimizer hosts and installs them."""

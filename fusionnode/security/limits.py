@@ -16,7 +16,7 @@ from typing import Any
 
 from fusionnode.errors import ProtocolError
 
-DEFAULT_MAX_STREAMS_PER_PEER = 64  # concurrent inbound streams (RPC + data) from one peer
+DEFAULT_MAX_STREAMS_PER_PEER = 256  # concurrent inbound streams (RPC + data) from one peer
 DEFAULT_MAX_INFLIGHT_BYTES_PER_PEER = 512 << 20  # bytes of frames being received/handled (512 MiB)
 DEFAULT_RPC_RATE_PER_PEER = 500.0  # RPC calls per second, sustained, from one peer
 DEFAULT_RPC_BURST_PER_PEER = 1000  # RPC calls allowed in a burst

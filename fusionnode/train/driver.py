@@ -38,6 +38,7 @@ from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, DEFAULT_WINDOW, Bans
 
 logger = logging.getLogger(__name__)
 
+ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
 OFFLOAD_CHOICES = ("auto", "on", "off")
@@ -45,7 +46,9 @@ STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: n
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
 FAILURE_GRACE_S = 0.5  # seconds to let other calls of a failing step report before cancelling them
 PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
-DEFAULT_REBALANCE_EVERY = 5  # steps between straggler checks (0: never re-plan for speed)
+DEFAULT_REBALANCE_EVERY = (
+    0  # steps between straggler checks; 0 (default): re-plan only on failures and leaves
+)
 
 
 def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
@@ -216,6 +219,10 @@ class _StepFailed(FusionNodeError):
         return "; ".join(parts)
 
 
+class _HostFailed(_StepFailed):
+    """An optimizer host died: restore every host from the last shard checkpoint and replay."""
+
+
 @dataclasses.dataclass
 class _Run:
     """What a running job's plan changes need (the driver's mutable state of one run)."""
@@ -303,6 +310,9 @@ class Driver:
             if missing:
                 raise ConfigError(f"requested peers are not available {role}s in the swarm: {missing}")
             return list(wanted)
+        # a record outlives its peer by up to its TTL: keep those that answer a ping
+        dead, _leaving = await self._probe(ids)
+        ids = [p for p in ids if p not in dead]
         # the driver's own peer first (it feeds the first stage without a hop), then by id
         return sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid))
 
@@ -447,6 +457,10 @@ class Driver:
         from fusionnode.train.spec import JobSpec, resolve_seq_len
 
         spec = JobSpec.from_dict(params.get("spec") or {})
+        if spec.compress == "adatopk":  # warm-up on 8-bit links first: what kept convergence (COMPRESSION.md)
+            link_options = dict(params.get("link_options") or {})
+            link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
+            params = {**params, "link_options": link_options}
         offload_choice = params.get("offload") or "auto"
         if offload_choice not in OFFLOAD_CHOICES:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
@@ -550,7 +564,27 @@ class Driver:
             )
             t_move = time.perf_counter()
             if job.offload:
-                await self._init_hosts(job, stage_args, full, host_of, params, start_step)
+                applied = await self._init_hosts(job, stage_args, full, host_of, params, None)
+                if params.get("resume"):
+                    # the hosts hold the masters and optimizer state: continue from their common step
+                    # (their shards may be newer than the driver's checkpoint; data depend only on the step)
+                    if len(set(applied)) != 1:
+                        raise PlanError(f"the optimizer hosts resumed at different steps {applied}")
+                    if applied[0] < start_step:
+                        raise PlanError(
+                            f"--resume: the optimizer hosts found their shard checkpoint of step {applied[0]} "
+                            f"only, the driver's checkpoint is of step {start_step} (is the job the same, "
+                            f"with the same --save directory?)"
+                        )
+                    if applied[0] != start_step:
+                        metrics.event(
+                            "resume",
+                            reason="optimizer hosts' checkpoint differs from the driver's",
+                            step=applied[0],
+                            driver_checkpoint_step=start_step,
+                        )
+                        start_step = applied[0]
+                    full = await self._fetch_params(job, stage_args, host_of, all_names=full)
             await self._ship_params(job, stage_args, full)
             job.state = "running"
             run = _Run(
@@ -669,8 +703,11 @@ class Driver:
         full: dict[str, torch.Tensor],
         host_of: dict[str, str],
         params: dict[str, Any],
-        start_step: int,
-    ) -> None:
+        start_step: int | None,
+    ) -> list[int]:
+        """Gives each host its shard (and, with "resume" in params, has it load its latest shard
+        checkpoint); returns the hosts' applied steps. With a start_step, a host that resumed at
+        another step is an error."""
         expected = self._expected(job, stage_args)
 
         async def init(i: int, host: str) -> None:
@@ -695,13 +732,18 @@ class Driver:
                 },
                 timeout=self.config.step_timeout_s,
             )
-            if params.get("resume") and int(res.get("applied_step", 0)) != start_step:
+            if (
+                start_step is not None
+                and params.get("resume")
+                and int(res.get("applied_step", 0)) != start_step
+            ):
                 raise PlanError(
                     f"optimizer host {host[:12]}… resumed at step {res.get('applied_step')}, "
                     f"the checkpoint at {start_step}"
                 )
+            return int(res.get("applied_step", 0))
 
-        await asyncio.gather(*(init(i, h) for i, h in enumerate(job.hosts)))
+        return list(await asyncio.gather(*(init(i, h) for i, h in enumerate(job.hosts))))
 
     async def _propose(self, stage_args: list[dict[str, Any]], metrics: Any, emit: Any) -> list[str]:
         results = await asyncio.gather(
@@ -746,6 +788,27 @@ class Driver:
         """Runs the steps. With offload a step that fails (a peer died, left, or sent bad tensors)
         is replayed under a new plan without that peer; every `rebalance_every` steps the measured
         stage speeds decide whether a better layout is worth adopting."""
+        keepalive = asyncio.ensure_future(self._keep_alive(job, run))
+        try:
+            await self._steps(job, run, source, start_step)
+        finally:
+            keepalive.cancel()
+            await asyncio.gather(keepalive, return_exceptions=True)
+
+    async def _keep_alive(self, job: Job, run: _Run) -> None:
+        """Renews the stages' leases while steps or plan changes take long (a ping a third of a lease)."""
+        while True:
+            await asyncio.sleep(job.lease_s / 3)
+            peers = sorted({a["peer"] for a in run.stage_args})
+            await asyncio.gather(
+                *(
+                    self.t.call(p, "job.ping", {"job": job.spec.job_id}, timeout=PING_TIMEOUT_S)
+                    for p in peers
+                ),
+                return_exceptions=True,
+            )
+
+    async def _steps(self, job: Job, run: _Run, source: Any, start_step: int) -> None:
         from fusionnode.train.spec import lr_at
 
         spec = job.spec
@@ -759,6 +822,12 @@ class Driver:
             wire0 = self.t.bytes_sent.get(jid, 0)
             try:
                 reports, grad_norm, late = await self._one_step(job, run, step, lr)
+            except _HostFailed as fail:
+                failures_in_a_row += 1
+                if failures_in_a_row > MAX_REPLAYS:
+                    raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
+                step = await self._recover_hosts(job, run, step, fail)
+                continue
             except _StepFailed as fail:
                 failures_in_a_row += 1
                 if not job.offload:
@@ -859,8 +928,15 @@ class Driver:
             for msg in msgs:
                 await self.t.send(peer, msg)
 
+        # inputs first (as a step always did: the stages find them waiting), then the steps
+        await self._gather_or_fail(
+            job,
+            run,
+            step,
+            {("send", p): feed(p, msgs) for p, msgs in sends.items()},
+            {("send", p): p for p in sends},
+        )
         calls = {
-            **{("send", peer): feed(peer, msgs) for peer, msgs in sends.items()},
             **{
                 ("step", a["stage"]): self.t.call(
                     a["peer"],
@@ -878,15 +954,19 @@ class Driver:
                 for a in stage_args
             },
         }
-        peer_of = {("step", a["stage"]): a["peer"] for a in stage_args} | {
-            k: k[1] for k in calls if k[0] == "send"
-        }
+        peer_of = {("step", a["stage"]): a["peer"] for a in stage_args}
         results = await self._gather_or_fail(job, run, step, calls, peer_of)
         reports = [results[("step", a["stage"])] for a in stage_args]
         if run.params.get("dump_grads") and step == run.first_step:
             await self._dump_grads(job, stage_args, run.params["dump_grads"])
         if job.offload:
-            grad_norm, _clip = await self._apply_on_hosts(job, step, lr)
+            try:
+                grad_norm, _clip = await self._apply_on_hosts(job, step, lr)
+            except (FusionNodeError, OSError, asyncio.TimeoutError) as exc:
+                dead, _leaving = await self._probe(list(job.hosts))
+                if not dead:
+                    raise
+                raise _HostFailed(step, {h: str(exc) for h in dead}, dead) from None
             commit_extra: dict[str, Any] = {}
         else:
             shared_sum = await self._sum_shared(job, stage_args, step)
@@ -952,7 +1032,14 @@ class Driver:
             errors[peer] = (errors.get(peer, "") + " | " + str(exc)).strip(" |")
         if not errors:
             return {key: t.result() for key, t in tasks.items()}
-        unreachable, draining = await self._probe(sorted({a["peer"] for a in run.stage_args}))
+        unreachable, draining = await self._probe(
+            sorted({a["peer"] for a in run.stage_args} | set(job.hosts))
+        )
+        dead_hosts = [h for h in job.hosts if h in unreachable]
+        if dead_hosts:
+            raise _HostFailed(
+                step, {h: errors.get(h, "did not answer a liveness probe") for h in dead_hosts}, dead_hosts
+            )
         for p in draining:
             errors.setdefault(p, LEAVING_MARK)
         raise _StepFailed(step, errors, unreachable)
@@ -974,6 +1061,11 @@ class Driver:
         now = time.monotonic()
         peers = sorted({a["peer"] for a in run.stage_args})
         verdict = blame(fail.errors, peers, fail.unreachable)
+        verdict.pop(self.t.peer_id, None)  # the driver's own peer answered (it is running this)
+        if not verdict:
+            logger.warning(
+                "step %d failed with every peer alive (%s): re-planning the same peers", step, fail.summary()
+            )
         for peer, kind in sorted(verdict.items()):
             if kind == "leave":
                 run.gone.add(peer)
@@ -1019,6 +1111,66 @@ class Driver:
             plan_version=job.plan_version,
             reason="the step is replayed under the new plan",
         )
+
+    async def _recover_hosts(self, job: Job, run: _Run, step: int, fail: _StepFailed) -> int:
+        """Replaces dead optimizer hosts: each takes a dead host's shard (same index, same names),
+        every host reloads its latest shard checkpoint (the survivors roll back with it, so all
+        hosts agree), the workers are re-planned to the new hosts, and the steps since that
+        checkpoint are replayed. Returns the step to continue from."""
+        t0 = time.perf_counter()
+        spec = job.spec
+        if not (spec.save_dir and spec.save_every):
+            raise PlanError(
+                f"optimizer host(s) {[h[:12] for h in fail.unreachable]} died at step {step} and the job "
+                "keeps no optimizer checkpoints to restore them from (--save DIR --save-every N)"
+            )
+        now = time.monotonic()
+        for h in fail.unreachable:
+            ban_s = run.bans.fail(h, now)
+            await self._event(
+                run, job, "failure", peer=h, step=step, role="optimizer", reason=fail.errors[h], ban_s=ban_s
+            )
+        peers = await self.membership.peers()
+        spares = [
+            p.peer_id
+            for p in sorted(peers, key=lambda r: r.peer_id)
+            if "optimizer" in p.roles
+            and p.peer_id not in job.hosts
+            and not run.bans.banned(p.peer_id, now)
+            and p.peer_id not in run.gone
+        ]
+        workers = {a["peer"] for a in run.stage_args}
+        spares.sort(key=lambda h: (h in workers, h))  # prefer peers that are not the job's workers
+        hosts = list(job.hosts)
+        for i, h in enumerate(hosts):
+            if h in fail.unreachable:
+                if not spares:
+                    raise PlanError(f"no optimizer peer is left to replace host {h[:12]}… at step {step}")
+                hosts[i] = spares.pop(0)
+        replaced = dict(zip(job.hosts, hosts, strict=True))
+        job.hosts = hosts
+        run.host_of = {n: replaced[h] for n, h in (run.host_of or {}).items()}
+        applied = await self._init_hosts(job, run.stage_args, run.full, run.host_of, {"resume": True}, None)
+        if len(set(applied)) != 1:
+            raise PlanError(
+                f"the optimizer hosts restored different steps {applied}: cannot replay consistently"
+            )
+        resume_at = applied[0]
+        workers_now = await self._live_workers(job, run)
+        await self._adopt(job, run, workers_now, reason=f"new optimizer host(s) at step {step}")
+        job.step = resume_at
+        await self._event(
+            run,
+            job,
+            "recovered",
+            step=step,
+            role="optimizer",
+            replay_from=resume_at,
+            time_to_recover_s=round(time.perf_counter() - t0, 3),
+            plan_version=job.plan_version,
+            reason=f"hosts restored from the step-{resume_at} shard checkpoint; steps {resume_at}..{step} replayed",
+        )
+        return resume_at
 
     async def _event(self, run: _Run, job: Job, kind: str, **fields: Any) -> None:
         rec = run.metrics.event(kind, **fields)

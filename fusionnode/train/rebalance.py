@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MIN_GAIN = 0.15  # relative step-time improvement below which a re-plan is not worth it
+DEFAULT_MIN_GAIN = 0.25  # relative step-time improvement below which a re-plan is not worth it
 DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
 DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
 MAX_BAN_S = 600.0  # seconds: the longest ban
 LEAVING_MARK = "this peer is leaving"  # text of a worker's refusal while it drains
+TRANSIENT_MARK = "call unanswered"  # a live peer closed a call (its per-peer limits): not a failure
 
 
 @dataclass(frozen=True)
@@ -125,8 +126,9 @@ def calibrate_cluster(doc: Mapping, measured: Mapping[str, float], advertised: M
 
 
 def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[int, ...]:
-    """Contiguous split of the operators into len(speeds) non-empty stages that minimises the
-    largest stage time flops/speed (binary search on that time, greedy packing)."""
+    """Contiguous split of the operators into len(speeds) non-empty stages (stage i on the peer of
+    speed speeds[i]) that minimises the largest stage time flops/speed: exact, by dynamic
+    programming over (stage, first operator of the next stage), O(stages x operators^2)."""
     n, k = len(flops), len(speeds)
     if k < 1 or k > n:
         raise ValueError(f"cannot split {n} operators into {k} stages")
@@ -135,35 +137,31 @@ def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[in
     w = [max(float(f), 0.0) for f in flops]
     if not sum(w):
         w = [1.0] * n
-
-    def pack(limit: float) -> list[int] | None:
-        bounds, i = [0], 0
-        for s in range(k):
-            left_stages = k - s - 1
-            acc, j = 0.0, i
-            # take at least one operator; stop when the next would exceed the limit or starve later stages
-            while j < n - left_stages:
-                if j > i and (acc + w[j]) / speeds[s] > limit:
-                    break
-                acc += w[j]
-                j += 1
-            if s == k - 1 and j < n:
-                return None
-            bounds.append(j)
-            i = j
-        return bounds if bounds[-1] == n else None
-
-    lo, hi = 0.0, sum(w) / min(speeds)
-    best = pack(hi)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        got = pack(mid)
-        if got is not None:
-            best, hi = got, mid
-        else:
-            lo = mid
-    assert best is not None
-    return tuple(best)
+    prefix = [0.0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    inf = math.inf
+    best = [[inf] * (n + 1) for _ in range(k + 1)]  # best[s][j]: first s stages cover ops [0, j)
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for s in range(1, k + 1):
+        sp = speeds[s - 1]
+        for j in range(s, n - (k - s) + 1):
+            b, arg = inf, s - 1
+            for i in range(s - 1, j):
+                prev = best[s - 1][i]
+                if prev >= b:
+                    continue
+                t = max(prev, (prefix[j] - prefix[i]) / sp)
+                if t < b:
+                    b, arg = t, i
+            best[s][j], cut[s][j] = b, arg
+    bounds = [n]
+    j = n
+    for s in range(k, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    return tuple(reversed(bounds))
 
 
 def predict_step_s(
@@ -270,24 +268,28 @@ class Bans:
         return [p for p in peers if not self.banned(p, now)]
 
 
-_PEER_IN_ERROR = re.compile(r"peer (\w{6,12})…")
+_PEER_IN_ERROR = re.compile(r"peer (\w{6,12})… sent")  # a receiver naming who sent it bad tensors
 
 
 def blame(errors: Mapping[str, str], peers: Sequence[str], unreachable: Iterable[str] = ()) -> dict[str, str]:
     """Which peers to treat as failed after a step went wrong, and why.
 
     `errors`: peer -> error text of the calls to it that failed; `unreachable`: peers that did not
-    answer a liveness probe. Unreachable peers are failed; a peer that is leaving is marked
-    "leave"; otherwise a peer that another peer's error names (it sent wrong shapes or non-finite
-    values, or its messages never came) is failed; if nobody is named, the peers whose calls failed.
+    answer a liveness probe. A peer that said it is leaving is marked "leave" (also once it is
+    gone); other unreachable peers are failed; otherwise a peer that another peer's error names (it sent wrong shapes or non-finite
+    values, or its messages never came) is failed; if nobody is named, the peers whose calls failed,
+    except calls a live peer closed unanswered (its rate or stream limits: transient, nobody is
+    blamed and the step is simply replayed).
     Returns {peer: "failure" | "leave"}.
     """
-    out: dict[str, str] = {p: "failure" for p in unreachable}
-    for p, text in errors.items():
-        if LEAVING_MARK in text and p not in out:
-            out[p] = "leave"
+    out: dict[str, str] = {p: "leave" for p, text in errors.items() if LEAVING_MARK in text}
+    for p in unreachable:
+        out.setdefault(p, "failure")  # a peer that said it is leaving may be gone already: still a leave
     if out:
         return out
+    errors = {p: t for p, t in errors.items() if TRANSIENT_MARK not in t}
+    if not errors:  # every failed call was refused by a live peer's limits: retry, blame nobody
+        return {}
     for text in errors.values():
         for prefix in _PEER_IN_ERROR.findall(text):
             for p in peers:
