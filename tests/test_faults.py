@@ -102,7 +102,9 @@ def test_a_worker_killed_mid_step_is_replaced_and_no_step_is_lost_or_repeated(tm
         recovered = next(e for e in ev if e["event"] == "recovered")
         assert recovered["ts"] >= failure["ts"] and recovered["time_to_recover_s"] > 0
         replans = [e for e in ev if e["event"] == "replan"]
-        assert len(replans) == 2 and killed[0] not in replans[-1]["peers"]
+        # the initial plan and the one replacing the victim; a transient error elsewhere under load may add
+        # a re-plan, which must still leave every step done exactly once (checked above)
+        assert len(replans) >= 2 and killed[0] not in replans[-1]["peers"]
         assert result["steps"] == spec.steps
         assert time.monotonic() - t0 < 120
     finally:

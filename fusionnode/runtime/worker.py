@@ -91,6 +91,13 @@ def decode_checked(
     return out
 
 
+def expect_sender(sender: str, planned: str, what: str) -> None:
+    """Messages of a job count only from the peer the plan names for them (any peer can write to a
+    mailbox key; libp2p authenticates who did)."""
+    if sender != planned:
+        raise PeerError(f"{what} came from {sender[:12]}…, not from the planned peer {planned[:12]}…")
+
+
 class StageJob:
     """One accepted stage of one job on this worker."""
 
@@ -299,6 +306,8 @@ class WorkerService:
                 f"{free / 2**20:.0f} MiB (capacity {self.capacity_bytes / 2**20:.0f} MiB)"
             )
         if key in self.jobs:
+            if self.jobs[key].driver != sender:
+                raise PeerError(f"stage {key[1]} of job {key[0]} belongs to another driver")
             self._drop(key)
         self.jobs[key] = StageJob(args, lease_s=float(args.get("lease_s", self.config.lease_s)))
         if self.on_jobs_changed:
@@ -313,6 +322,7 @@ class WorkerService:
         params: dict[str, torch.Tensor] = {}
         for idx in range(len(sj.param_specs)):
             msg, src = await self.t.mailbox.get(("params", sj.job, -1, idx, sj.stage), timeout)
+            expect_sender(src, sj.driver, "parameters")
             sj.renew()
             params.update(decode_checked(msg, sj.param_specs, None, src))
         if set(params) != set(sj.param_specs):
@@ -386,6 +396,7 @@ class WorkerService:
             got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
                 msg, src = await self.t.mailbox.get((f"pulled{hidx}", sj.job, step, idx, sj.stage), timeout)
+                expect_sender(src, host, "pulled parameters")
                 got.update(decode_checked(msg, {n: sj.param_specs[n] for n in names}, None, src))
             return got
 
@@ -471,6 +482,7 @@ class WorkerService:
             msg, src = await self.t.mailbox.get(
                 ("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s
             )
+            expect_sender(src, sj.driver, "summed shared gradients")
             summed = decode_checked(msg, {n: sj.param_specs[n] for n in shared}, None, src)
         lr = float(args["lr"])
         clip = float(args.get("clip_coef", 1.0))
@@ -514,6 +526,8 @@ class WorkerService:
             t0 = time.perf_counter()
             out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout)
             wait_s += time.perf_counter() - t0
+            planned = {"act": sj.prev, "grad": sj.next}.get(kind, sj.driver)  # input, target: the driver
+            expect_sender(out[1], planned, kind)
             return out
 
         def send(
