@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError
+from fusionnode.fsutil import fsync_dir
 from fusionnode.optim.store import ParameterStore, StepOrderError
 
 logger = logging.getLogger(__name__)
@@ -70,14 +71,6 @@ def _shard_dir(root: Path, job_id: str, host_id: str) -> Path:
 def _write_chunk(f: BinaryIO, data: memoryview | bytes) -> None:
     """One write call (module-level so tests can inject a full disk)."""
     f.write(data)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _flatten(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -184,7 +177,7 @@ def save_shard(
             _write_chunk(f, json.dumps(manifest, indent=1, sort_keys=True).encode())
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             trash = shard_dir / f".trash-{final.name}-{secrets.token_hex(4)}"
             os.rename(final, trash)
@@ -192,7 +185,7 @@ def save_shard(
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(shard_dir)
+        fsync_dir(shard_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         code = exc.errno if exc.errno is not None else errno.EIO

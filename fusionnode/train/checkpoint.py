@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fusionnode.errors import ConfigError
+from fusionnode.fsutil import fsync_dir, fsync_file
 from fusionnode.train.spec import JobSpec
 
 logger = logging.getLogger(__name__)
@@ -75,20 +76,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name == "nt":  # directories cannot be opened for fsync on Windows
-        return
-    _fsync_file(path)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -166,9 +153,9 @@ def _join_state(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST_FILE}.{uuid.uuid4().hex}"
     tmp.write_text(name + "\n", encoding="utf-8")
-    _fsync_file(tmp)
+    fsync_file(tmp)
     os.replace(tmp, root / LATEST_FILE)
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -226,8 +213,8 @@ def save_checkpoint(
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, allow_nan=False), encoding="utf-8")
         for f in (MODEL_FILE, OPTIMIZER_FILE, MANIFEST_FILE):
-            _fsync_file(tmp / f)
-        _fsync_dir(tmp)
+            fsync_file(tmp / f)
+        fsync_dir(tmp)
 
         final = root / name
         trash = None
@@ -235,7 +222,7 @@ def save_checkpoint(
             trash = root / f".tmp-step-trash-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
     except BaseException:
