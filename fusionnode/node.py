@@ -149,6 +149,7 @@ class Node:
         if cfg.egress_limit_bps:
             self.transport.egress_limit = TokenBucket(cfg.egress_limit_bps)
         await self.transport.start()
+        self.membership.prober.auth = self.transport.preamble_hooks()
         self.worker = WorkerService(
             self.transport,
             capacity_bytes=int(capacity),

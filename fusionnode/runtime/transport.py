@@ -416,6 +416,13 @@ class Transport:
 
         return admit
 
+    def preamble_hooks(self) -> tuple[Any, Any] | None:
+        """(write, read) of the signed stream preamble, for handlers outside the Transport (link probes);
+        None in a public swarm."""
+        if self.authorizer is None:
+            return None
+        return self._write_preamble, self._read_preamble
+
     async def _write_preamble(self, writer: asyncio.StreamWriter, receiver: str, proto: str) -> None:
         if self.authorizer is not None:
             hello = self.authorizer.sign(

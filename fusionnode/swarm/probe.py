@@ -16,6 +16,7 @@ import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -76,6 +77,9 @@ class LinkProber:
         self._serving = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
         self._started = False
         self._last_round = float("-inf")  # time.monotonic() of the last round that probed someone
+        # private swarms: (write_preamble(writer, peer, proto), read_preamble(reader, peer, proto)) of the
+        # Transport's authorizer, so an outsider cannot use our probe either
+        self.auth: tuple[Any, Any] | None = None
 
     async def start(self) -> None:
         """Register the probe handler (no-op when probing is disabled)."""
@@ -108,6 +112,12 @@ class LinkProber:
             return
         async with self._serving:
             try:
+                if self.auth is not None:
+                    try:
+                        await self.auth[1](reader, str(info.peer_id), PROBE_PROTOCOL)
+                    except Exception as exc:  # no valid preamble: closed without a byte back
+                        logger.debug("refusing probe from %s: %s", info.peer_id, exc)
+                        return
                 await asyncio.wait_for(self._serve_one(reader, writer), SERVE_TIMEOUT)
             except (ProtocolError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
                 logger.debug("probe from %s ended: %r", info.peer_id, exc)
@@ -154,6 +164,8 @@ class LinkProber:
         ) as exc:  # the daemon reports an unreachable peer or missing handler as various errors
             raise PeerError(f"cannot open probe stream to {pid}: {exc}") from exc
         try:
+            if self.auth is not None:
+                await self.auth[0](writer, pid.to_base58(), PROBE_PROTOCOL)
             writer.write(_HEADER.pack(PROBE_MAGIC, PROBE_VERSION, cfg.pings, 0, cfg.probe_bytes))
             rtts = []
             for _ in range(cfg.pings):
