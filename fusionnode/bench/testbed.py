@@ -8,7 +8,9 @@ emulated network with that file's per-link bandwidths:
 - `--network userspace` (anywhere): the peers run on loopback and every tensor
   stream passes a token bucket set to the link's bandwidth (the same code path
   otherwise). Chosen automatically where netns is unavailable, and labelled so.
-Latency is not emulated (no netem in this kernel); bandwidth is.
+Latency is not emulated (no netem in this kernel); bandwidth is, and so are the file's relative
+device speeds: a device k times slower than the fastest stretches its compute k times (the
+`fusionnode join --debug` hook), since all peers here share the same CPU.
 
 Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
 under four configurations, one after the other on the same peers:
@@ -105,7 +107,7 @@ class Testbed:
         self._swarm: Any = None
 
     def start(self) -> None:
-        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe"]
+        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe", "--debug"]
         if self.network == "netns":
             self._proc = subprocess.Popen(
                 [
@@ -140,6 +142,13 @@ class Testbed:
         asyncio.run(self._swarm.wait_connected())
         self.peer_ids = [r["peer_id"] for r in self._swarm.ready]
         self.controls = [self._swarm.control(i) for i in range(self.n)]
+
+    def slow_compute(self, factors: list[float]) -> None:
+        """Emulates slower devices: each peer's worker stretches its compute by its factor (the
+        `--debug` hook reading <state dir>/debug_slow before each step)."""
+        for i, factor in enumerate(factors):
+            if factor > 1.0:
+                (Path(self.workdir) / f"peer{i}" / "debug_slow").write_text(f"{factor:.4f}\n")
 
     def limit_links(self, bandwidth_bps: Any) -> None:
         """userspace: every peer caps its tensor streams to each other peer at the link's bandwidth."""
@@ -304,6 +313,8 @@ def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[
         bed.start()
         if network == "userspace":
             bed.limit_links(c.bandwidth_bps)
+        fastest = max(d.tflops for d in c.devices)
+        bed.slow_compute([fastest / d.tflops for d in c.devices])  # the file's relative device speeds
         from fusionnode import control
 
         peers = asyncio.run(control.call(bed.controls[0], "peers"))["peers"]
