@@ -289,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload",
         choices=["auto", "on", "off"],
         default="auto",
-        help="optimizer state on optimizer hosts (on), on each worker (off), or on when "
-        "there are several pipelines (auto, the default)",
+        help="optimizer state on optimizer hosts (on), on each worker (off), or on whenever a peer offers "
+        "the optimizer role (auto, the default); offloaded jobs survive failed workers",
     )
     p.add_argument(
         "--planner",

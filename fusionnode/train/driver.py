@@ -484,7 +484,12 @@ class Driver:
             if params.get("resume"):
                 start_step, full = self._load_resume(spec, source, full)
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
-            job.offload = offload_choice == "on" or (offload_choice == "auto" and replicas > 1)
+            # auto: offload whenever an optimizer host is available, which also lets the job survive a
+            # failed worker (its step is replayed on a new plan); a local optimizer cannot
+            hosts_available = bool(await self._candidates(params.get("optimizer_peers"), "optimizer"))
+            job.offload = offload_choice == "on" or (
+                offload_choice == "auto" and (replicas > 1 or hosts_available)
+            )
             if replicas > 1 and not job.offload:
                 raise ConfigError(
                     "several pipelines synchronise through optimizer hosts: use --offload on|auto"
