@@ -179,6 +179,7 @@ class Job:
         self.started = time.time()
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
+        self.aliases: dict[str, str] = {}  # tied parameter names -> the name named_parameters() reports
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
@@ -479,6 +480,7 @@ class Driver:
             sample = torch.zeros(1, seq_len, dtype=torch.long)
             traced = await asyncio.to_thread(trace_model, model, sample, spec.model)
             canonical = _canonical_names(model)
+            job.aliases = {name: canon for name, canon in canonical.items() if name != canon}
             full = {name: p.detach() for name, p in model.named_parameters()}
             start_step = 0
             if params.get("resume"):
@@ -1504,10 +1506,13 @@ class Driver:
         return step, {name: ckpt.params[name].float() for name in full}
 
     async def _checkpoint(self, job: Job, step: int, source: Any, params: dict[str, torch.Tensor]) -> str:
+        """Saves every state-dict name (tied weights under each of their names, stored once), so the
+        checkpoint loads strictly into the model (`fusionnode generate`, `export`)."""
         from fusionnode.train.checkpoint import save_checkpoint
 
+        full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
         path = await asyncio.to_thread(
-            save_checkpoint, job.spec.save_dir, step, params, {}, source.state(step), job.spec
+            save_checkpoint, job.spec.save_dir, step, full, {}, source.state(step), job.spec
         )
         return str(path)
 
