@@ -17,8 +17,12 @@ pytestmark = pytest.mark.e2e
 
 
 def keygen(path) -> None:
-    subprocess.run([sys.executable, "-m", "fusionnode", "keygen", "--out", str(path)], check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "fusionnode", "keygen", "--out", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def test_members_train_and_an_outsider_cannot_join(tmp_path):
@@ -36,8 +40,9 @@ def test_members_train_and_an_outsider_cannot_join(tmp_path):
         async def train() -> list[dict]:
             spec = JobSpec(model="gpt2-tiny", steps=2, batch_size=4, micro_batches=2, seq_len=16, seed=1)
             events = []
-            async for obj in control.call_stream(swarm.control(0), "train", {"spec": spec.to_dict(), "stages": 2},
-                                                 timeout=300):
+            async for obj in control.call_stream(
+                swarm.control(0), "train", {"spec": spec.to_dict(), "stages": 2}, timeout=300
+            ):
                 if "event" in obj:
                     events.append(obj["event"])
                 else:
@@ -49,10 +54,25 @@ def test_members_train_and_an_outsider_cannot_join(tmp_path):
 
         # an outsider with another key, dialing a member, is not let into the swarm
         out = subprocess.run(
-            [sys.executable, "-m", "fusionnode", "join", "--state-dir", str(tmp_path / "outsider"),
-             "--listen", "/ip4/127.0.0.1/tcp/0", "--swarm-key", str(tmp_path / "other.key"),
-             "--initial-peers", *swarm.ready[0]["maddrs"], "--startup-timeout", "30"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "fusionnode",
+                "join",
+                "--state-dir",
+                str(tmp_path / "outsider"),
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--swarm-key",
+                str(tmp_path / "other.key"),
+                "--initial-peers",
+                *swarm.ready[0]["maddrs"],
+                "--startup-timeout",
+                "30",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 2, out.stdout + out.stderr
         assert "Traceback" not in out.stderr

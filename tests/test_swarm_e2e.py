@@ -19,7 +19,10 @@ pytestmark = pytest.mark.e2e
 def peers_json(swarm: LocalSwarm, i: int) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "fusionnode", "peers", "--json", "--state-dir", str(swarm.state_dir(i))],
-        capture_output=True, text=True, timeout=60, check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     return json.loads(out.stdout)
 
@@ -55,20 +58,32 @@ def test_three_peers_find_each_other_measure_links_and_forget_a_killed_one(tmp_p
         assert link["bandwidth_bps"] > 0 and link["rtt_s"] > 0
 
         # the table form is readable and names every peer
-        table = subprocess.run([sys.executable, "-m", "fusionnode", "peers", "--state-dir", str(swarm.state_dir(0))],
-                               capture_output=True, text=True, timeout=60, check=True).stdout
+        table = subprocess.run(
+            [sys.executable, "-m", "fusionnode", "peers", "--state-dir", str(swarm.state_dir(0))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert all(pid[:16] in table for pid in ids)
 
         victim = swarm.ready[1]["peer_id"]
         os.kill(swarm.procs[1].pid, signal.SIGKILL)  # no goodbye: its record must expire (TTL 8 s)
         t0 = time.monotonic()
-        wait_for(lambda: victim not in {p["peer_id"] for p in peers_json(swarm, 0)["peers"]}, 40,
-                 "the killed peer to disappear")
+        wait_for(
+            lambda: victim not in {p["peer_id"] for p in peers_json(swarm, 0)["peers"]},
+            40,
+            "the killed peer to disappear",
+        )
         assert time.monotonic() - t0 < 40
 
         # graceful leave: the daemon exits by itself with code 0
-        out = subprocess.run([sys.executable, "-m", "fusionnode", "leave", "--state-dir", str(swarm.state_dir(2))],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "fusionnode", "leave", "--state-dir", str(swarm.state_dir(2))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0 and "leaving" in out.stdout
         assert swarm.procs[2].wait(timeout=60) == 0
     finally:
@@ -76,7 +91,11 @@ def test_three_peers_find_each_other_measure_links_and_forget_a_killed_one(tmp_p
 
 
 def test_commands_without_a_daemon_say_so(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fusionnode", "peers", "--state-dir", str(tmp_path / "none")],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "fusionnode", "peers", "--state-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "no daemon is running" in out.stderr and "Traceback" not in out.stderr

@@ -23,8 +23,13 @@ pytestmark = pytest.mark.e2e
 
 
 def cli(swarm: LocalSwarm, i: int, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "fusionnode", *args, "--state-dir", str(swarm.state_dir(i))],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "fusionnode", *args, "--state-dir", str(swarm.state_dir(i))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return out.stdout
 
 
@@ -33,15 +38,26 @@ def test_a_paused_worker_leaves_the_job_which_finishes_every_step_once(tmp_path)
     try:
         swarm.start()
         asyncio.run(swarm.wait_connected())
-        spec = JobSpec(model="gpt2-tiny", steps=14, batch_size=8, micro_batches=2, seq_len=32, seed=2,
-                       metrics_out=str(tmp_path / "m.jsonl"))
+        spec = JobSpec(
+            model="gpt2-tiny",
+            steps=14,
+            batch_size=8,
+            micro_batches=2,
+            seq_len=32,
+            seed=2,
+            metrics_out=str(tmp_path / "m.jsonl"),
+        )
         victim = 2
         timing: dict[str, float] = {}
 
         async def go() -> list[dict]:
             events: list[dict] = []
-            params = {"spec": spec.to_dict(), "stages": 3, "offload": "on",
-                      "peers": [r["peer_id"] for r in swarm.ready]}
+            params = {
+                "spec": spec.to_dict(),
+                "stages": 3,
+                "offload": "on",
+                "peers": [r["peer_id"] for r in swarm.ready],
+            }
             async for obj in control.call_stream(swarm.control(0), "train", params, timeout=300):
                 if "event" not in obj:
                     return events
