@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
@@ -23,7 +24,16 @@ DEFAULT_STEPS = 100
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", required=True, help="cluster JSON file, or a bundled cluster's name")
+    parser.add_argument("--cluster", default=None, help="cluster JSON file, or a bundled cluster's name")
+    parser.add_argument(
+        "--swarm",
+        action="store_true",
+        help="plan over the live swarm instead: the peers the local daemon sees, with their measured "
+        "devices and links (see --state-dir)",
+    )
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, help="the local daemon's state dir (with --swarm)"
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="gpt2-tiny|small|medium|large|xl")
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="samples per step")
     parser.add_argument(
@@ -53,13 +63,37 @@ def _inputs(args: argparse.Namespace) -> tuple[OpGraph, Cluster]:
         raise ConfigError(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if args.seq_len is not None and args.seq_len < 1:
         raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
-    cluster = load_cluster(args.cluster)
+    if bool(args.cluster) == bool(args.swarm):
+        raise ConfigError("give exactly one of --cluster FILE|NAME or --swarm")
+    cluster = swarm_cluster(args.state_dir) if args.swarm else load_cluster(args.cluster)
     try:
         from fusionnode.graph.trace import graph_for
     except ImportError as exc:
         raise ConfigError("model tracing (fusionnode.graph.trace) is not available in this install") from exc
     graph = graph_for(args.model, args.seq_len)
     return graph, cluster
+
+
+def swarm_cluster(state_dir: Path | None) -> Cluster:
+    """The live swarm as the local daemon sees it: its peers' signed records (measured TFLOPS, offered
+    memory, probed links) as a cluster, the way a job's driver builds it."""
+    import asyncio
+
+    from fusionnode import control
+    from fusionnode.config import default_state_dir
+    from fusionnode.plan.cluster import load_cluster_dict
+    from fusionnode.swarm.records import PeerRecord
+    from fusionnode.train.driver import cluster_from_records
+
+    path = (state_dir or default_state_dir()).expanduser().resolve() / "control.sock"
+    res = asyncio.run(control.call(path, "peers"))
+    records = [PeerRecord.from_wire(p) for p in res["peers"]]
+    live = [r for r in records if r.availability == "available"]
+    workers = [r.peer_id for r in live if "worker" in r.roles]
+    hosts = [r.peer_id for r in live if "optimizer" in r.roles]
+    if not workers:
+        raise ConfigError("the swarm has no available worker peers to plan over")
+    return load_cluster_dict(cluster_from_records(records, workers, hosts), "swarm")
 
 
 def format_plan(p: Plan) -> str:
