@@ -26,6 +26,7 @@ factor can be set by the ``debug.slow`` RPC, which only the peer itself may call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -141,7 +142,10 @@ class StageJob:
         self.last_step = -1
         self.step_now = -1
         self.micro_batches_now = 0
-        self.device = torch.device("cpu")
+        # the sub-DAG runs on the GPU when there is one (bf16 autocast where supported); the wire
+        # carries float32 either way, so peers on different devices interoperate
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
 
     def renew(self) -> None:
         self.lease_until = time.monotonic() + self.lease_s
@@ -491,7 +495,7 @@ class WorkerService:
             with torch.no_grad():
                 for name, p in sj.params.items():
                     if name in summed:
-                        p.grad = summed[name].to(p.dtype).clone()
+                        p.grad = summed[name].to(device=p.device, dtype=p.dtype).clone()
                     if p.grad is not None and clip != 1.0:
                         p.grad.mul_(clip)
                 sj.opt.step(lr)
@@ -536,6 +540,8 @@ class WorkerService:
             meta = {"job": sj.job, "step": step, "mb": mb, "stage": stage}
             # the link must carry one micro-batch's tensors in the time the slowest stage computes one
             target = target_time_s or (compute_s / max(1, f + b) if f + b else None)
+            # the wire carries float32 activations and gradients whatever precision this device computes in
+            tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
             enc = link.encode(tensors, step, kind, target)
             msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
             sends.append(asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe)))
@@ -560,12 +566,16 @@ class WorkerService:
                     if t.is_floating_point():
                         t.requires_grad_(True)
                     leaves[name] = t
-                outs = module({n: leaves[n] for n in module.input_names})
+                ctx = (
+                    torch.autocast("cuda", dtype=torch.bfloat16) if sj.autocast else contextlib.nullcontext()
+                )
+                with ctx:
+                    outs = module({n: leaves[n] for n in module.input_names})
                 loss_val = None
                 if sj.is_last:
                     logits = next(iter(outs.values())) if len(outs) == 1 else outs[module.output_names[0]]
                     loss = torch.nn.functional.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
+                        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).to(logits.device)
                     )
                     loss_val = float(loss.detach())
                     outs = {"__loss__": loss / m}
@@ -601,7 +611,11 @@ class WorkerService:
                 if sj.is_last:
                     outs["__loss__"].backward()
                 else:
-                    pairs = [(outs[n], g.to(sj.device)) for n, g in grads.items() if outs[n].requires_grad]
+                    pairs = [
+                        (outs[n], g.to(device=outs[n].device, dtype=outs[n].dtype))
+                        for n, g in grads.items()
+                        if outs[n].requires_grad
+                    ]
                     if pairs:
                         torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
                 return {
