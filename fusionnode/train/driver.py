@@ -179,7 +179,8 @@ class Job:
         self.started = time.time()
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
-        self.aliases: dict[str, str] = {}  # tied parameter names -> the name named_parameters() reports
+        self.aliases: dict[str, str] = {}
+        self.host_counters: list[dict[str, Any]] = []  # the optimizer hosts' push counters, last step  # tied parameter names -> the name named_parameters() reports
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
@@ -882,6 +883,8 @@ class Driver:
                     for a, r in zip(run.stage_args, reports, strict=True)
                 ],
             }
+            if job.offload:
+                record["optimizer_hosts"] = job.host_counters
             run.metrics.step(record)
             job.history.append(record)
             job.step, job.loss = step + 1, loss
@@ -1398,7 +1401,7 @@ class Driver:
                 )
         grad_norm = math.sqrt(sum(r["grad_sq"] for r in ready))
         clip = 1.0 if job.spec.grad_clip is None else min(1.0, job.spec.grad_clip / (grad_norm + 1e-6))
-        await asyncio.gather(
+        applied = await asyncio.gather(
             *(
                 self.t.call(
                     h,
@@ -1409,6 +1412,11 @@ class Driver:
                 for h, r in zip(job.hosts, ready, strict=True)
             )
         )
+        # what the hosts accepted and rejected (with reasons), for the metrics file
+        job.host_counters = [
+            {"host": h, **res.get("counters", {}), "rejected": res.get("rejected", {})}
+            for h, res in zip(job.hosts, applied, strict=True)
+        ]
         return grad_norm, clip
 
     async def _sum_shared(
