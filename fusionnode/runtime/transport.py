@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 PROTO_RPC = "/fusionnode/rpc/1"
 PROTO_DATA = "/fusionnode/data/1"
 MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
+MAX_PENDING_TOTAL = 16384  # messages waiting across all job ids (a peer may invent job ids)
 PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
 PREAUTH_TIMEOUT_S = 10.0  # seconds for the opener of a stream to deliver its preamble
 AUTH_OPEN_METHOD = "auth.open"  # the preamble's Call.method
@@ -77,6 +78,8 @@ class Mailbox:
             return
         if self._per_job[job] >= MAX_PENDING_PER_JOB:
             raise ProtocolError(f"too many pending messages for job {job!r}")
+        if len(self._items) >= MAX_PENDING_TOTAL:
+            raise ProtocolError("too many pending messages in the mailbox")
         self._items[key] = (msg, sender)
         self._per_job[job] += 1
 
