@@ -68,9 +68,26 @@ def test_three_peers_find_each_other_measure_links_and_forget_a_killed_one(tmp_p
         assert all(pid[:16] in table for pid in ids)
 
         # offline-style planning over the live swarm: every device of the plan is a peer of the swarm
-        out = subprocess.run([sys.executable, "-m", "fusionnode", "plan", "--swarm", "--state-dir",
-                              str(swarm.state_dir(0)), "--model", "gpt2-tiny", "--batch-size", "16", "--json"],
-                             capture_output=True, text=True, timeout=120, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fusionnode",
+                "plan",
+                "--swarm",
+                "--state-dir",
+                str(swarm.state_dir(0)),
+                "--model",
+                "gpt2-tiny",
+                "--batch-size",
+                "16",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         plan = json.loads(out.stdout)
         devices = {d for pipe in plan["pipelines"] for st in pipe["stages"] for d in st["devices"]}
         assert devices and devices <= ids

@@ -180,7 +180,9 @@ class Job:
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
         self.aliases: dict[str, str] = {}
-        self.host_counters: list[dict[str, Any]] = []  # the optimizer hosts' push counters, last step  # tied parameter names -> the name named_parameters() reports
+        self.host_counters: list[
+            dict[str, Any]
+        ] = []  # the optimizer hosts' push counters, last step  # tied parameter names -> the name named_parameters() reports
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
@@ -1072,9 +1074,14 @@ class Driver:
         peers = sorted({a["peer"] for a in run.stage_args})
         verdict = blame(fail.errors, peers, fail.unreachable)
         verdict.pop(self.t.peer_id, None)  # the driver's own peer answered (it is running this)
-        if not verdict:
-            logger.warning(
-                "step %d failed with every peer alive (%s): re-planning the same peers", step, fail.summary()
+        if not verdict:  # a transient error (a stream reset, say): recorded, and the step replayed
+            await self._event(
+                run,
+                job,
+                "failure",
+                peer=None,
+                step=step,
+                reason=f"transient, every peer still answers ({fail.summary()}); re-planning the same peers",
             )
         for peer, kind in sorted(verdict.items()):
             if kind == "leave":
