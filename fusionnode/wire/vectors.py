@@ -7,7 +7,13 @@ msgpack values map to JSON one to one, except: bin -> {"$bytes": "<hex>"}, and n
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +21,7 @@ import torch
 from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
 from fusionnode.wire.messages import Call, Hello, Message, Reply, TensorMessage
-from fusionnode.wire.tensors import decode_tensor
+from fusionnode.wire.tensors import decode_tensor, pack_encoded
 
 
 def json_value(v: Any) -> Any:
@@ -70,3 +76,54 @@ def message_json(msg: Message, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any
     else:
         raise TypeError(f"not a wire message: {type(msg).__name__}")
     return {"type": type(msg).__name__, "fields": fields}
+
+
+# ---- shared by the golden-vector generators in protocol/vectors/ ------------------------------
+def render_vector(vector: dict[str, Any]) -> str:
+    """The canonical text of one golden-vector file."""
+    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+
+
+def invalid_variant(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
+    """A variant of `enc` breaking one rule (`params` entries are merged into the original's)."""
+    params = changes.pop("params", None)
+    if params is not None:
+        changes["params"] = {**enc.params, **params}
+    return {"description": description, "hex": pack_encoded(dataclasses.replace(enc, **changes)).hex()}
+
+
+def tensor_vector(description: str, enc: EncodedTensor, invalid: list[dict[str, str]]) -> dict[str, Any]:
+    """A codec vector: the encoded bytes, their meaning, and variants a receiver must refuse."""
+    return {
+        "description": description,
+        "kind": "tensor",
+        "hex": pack_encoded(enc).hex(),
+        "decoded": tensor_json(enc),
+        "invalid": invalid,
+    }
+
+
+def write_or_check(
+    build: Callable[[], dict[str, dict[str, Any]]], directory: Path, argv: list[str] | None, doc: str
+) -> int:
+    """A generator script's main: write `build()`'s vectors into `directory`, or with --check report
+    the files that differ (exit 1)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the files on disk instead of writing"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    stale = []
+    for name, vector in build().items():
+        path = directory / f"{name}.json"
+        text = render_vector(vector)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0

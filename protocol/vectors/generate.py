@@ -9,8 +9,6 @@ fusionnode/compress and are not touched here. `--check` compares instead of writ
 
 from __future__ import annotations
 
-import argparse
-import json
 import pathlib
 import sys
 from typing import Any
@@ -22,7 +20,7 @@ if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout with
     sys.path.insert(0, str(HERE.parents[1]))
 
 from fusionnode.wire import Call, Hello, Reply, TensorMessage, encode_message, encode_tensor, pack_encoded  # noqa: E402
-from fusionnode.wire.vectors import message_json, tensor_json  # noqa: E402
+from fusionnode.wire.vectors import message_json, render_vector, tensor_json, write_or_check  # noqa: E402
 
 
 def _tensor(description: str, t: torch.Tensor, codec: str = "raw") -> dict[str, Any]:
@@ -143,29 +141,11 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     }
 
 
-def render(vector: dict[str, Any]) -> str:
-    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+render = render_vector
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="compare with the files on disk instead of writing"
-    )
-    args = parser.parse_args(argv)
-    stale = []
-    for name, vector in build_vectors().items():
-        path = HERE / f"{name}.json"
-        text = render(vector)
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.name)
-        else:
-            path.write_text(text)
-    if stale:
-        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(build_vectors, HERE, argv, __doc__)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ Each "invalid" entry is a variant of the valid vector breaking one validation ru
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import pathlib
 import struct
 import sys
@@ -26,25 +24,12 @@ if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout with
 
 from fusionnode.compress.quant import Q4, Q8  # noqa: E402  (registers "q8" and "q4")
 from fusionnode.wire import pack_encoded  # noqa: E402
-from fusionnode.wire.codec_api import EncodedTensor  # noqa: E402
-from fusionnode.wire.vectors import tensor_json  # noqa: E402
-
-
-def _invalid(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
-    params = changes.pop("params", None)
-    if params is not None:
-        changes["params"] = {**enc.params, **params}
-    return {"description": description, "hex": pack_encoded(dataclasses.replace(enc, **changes)).hex()}
-
-
-def _vector(description: str, enc: EncodedTensor, invalid: list[dict[str, str]]) -> dict[str, Any]:
-    return {
-        "description": description,
-        "kind": "tensor",
-        "hex": pack_encoded(enc).hex(),
-        "decoded": tensor_json(enc),
-        "invalid": invalid,
-    }
+from fusionnode.wire.vectors import (  # noqa: E402
+    invalid_variant,
+    render_vector,
+    tensor_vector,
+    write_or_check,
+)
 
 
 def _replace(data: bytes, offset: int, new: bytes) -> bytes:
@@ -60,53 +45,55 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     data = bytes(enc.data)
     without_scale = dict(enc.params)
     del without_scale["scale"]
-    vectors["q8_rows"] = _vector(
+    vectors["q8_rows"] = tensor_vector(
         "q8, float32 [3, 4], nearest rounding: float32 scales [1/127, 2/127, 0] then int8 values "
         "(row 0: 127 -64 32 0); an all-zero row has scale 0",
         enc,
         [
-            _invalid("payload truncated by one byte", enc, data=data[:-1]),
-            _invalid("one trailing byte", enc, data=data + b"\x00"),
-            _invalid("value -128 (outside [-127, 127])", enc, data=_replace(data, 12, b"\x80")),
-            _invalid("negative scale", enc, data=_replace(data, 0, struct.pack("<f", -1.0))),
-            _invalid("NaN scale", enc, data=_replace(data, 4, struct.pack("<f", float("nan")))),
-            _invalid("infinite scale", enc, data=_replace(data, 8, struct.pack("<f", float("inf")))),
-            _invalid("row_len != shape[-1]", enc, params={"row_len": 3}),
-            _invalid("unknown scale dtype", enc, params={"scale": "float64"}),
-            _invalid("unknown format version", enc, params={"v": 2}),
-            _invalid("unknown extra param", enc, params={"seed": 1}),
+            invalid_variant("payload truncated by one byte", enc, data=data[:-1]),
+            invalid_variant("one trailing byte", enc, data=data + b"\x00"),
+            invalid_variant("value -128 (outside [-127, 127])", enc, data=_replace(data, 12, b"\x80")),
+            invalid_variant("negative scale", enc, data=_replace(data, 0, struct.pack("<f", -1.0))),
+            invalid_variant("NaN scale", enc, data=_replace(data, 4, struct.pack("<f", float("nan")))),
+            invalid_variant("infinite scale", enc, data=_replace(data, 8, struct.pack("<f", float("inf")))),
+            invalid_variant("row_len != shape[-1]", enc, params={"row_len": 3}),
+            invalid_variant("unknown scale dtype", enc, params={"scale": "float64"}),
+            invalid_variant("unknown format version", enc, params={"v": 2}),
+            invalid_variant("unknown extra param", enc, params={"seed": 1}),
             {
                 "description": "missing param scale",
                 "hex": pack_encoded(dataclasses.replace(enc, params=without_scale)).hex(),
             },
-            _invalid("integer logical dtype", enc, dtype="int32"),
-            _invalid("scale declared float16 (length no longer matches)", enc, params={"scale": "float16"}),
+            invalid_variant("integer logical dtype", enc, dtype="int32"),
+            invalid_variant(
+                "scale declared float16 (length no longer matches)", enc, params={"scale": "float16"}
+            ),
         ],
     )
 
     # q8, bfloat16 [2, 3] with float16 scales (4 bytes) then 6 int8 values
     y = torch.tensor([[0.5, -0.25, 0.125], [3.0, 1.5, -3.0]], dtype=torch.bfloat16)
     enc = Q8.encode(y, scale_dtype="float16")
-    vectors["q8_float16_scales_bfloat16"] = _vector(
+    vectors["q8_float16_scales_bfloat16"] = tensor_vector(
         "q8, bfloat16 [2, 3], float16 scales (per row absmax / 127), nearest rounding",
         enc,
-        [_invalid("payload truncated by one byte", enc, data=bytes(enc.data)[:-1])],
+        [invalid_variant("payload truncated by one byte", enc, data=bytes(enc.data)[:-1])],
     )
 
     # q8 scalar: one row of one element
     enc = Q8.encode(torch.tensor(-0.75, dtype=torch.float64))
-    vectors["q8_scalar"] = _vector(
+    vectors["q8_scalar"] = tensor_vector(
         "q8, float64 scalar []: row_len 1, one float32 scale 0.75/127, value -127",
         enc,
-        [_invalid("row_len 0 for a scalar", enc, params={"row_len": 0})],
+        [invalid_variant("row_len 0 for a scalar", enc, params={"row_len": 0})],
     )
 
     # empty tensor: no rows, no payload
     enc = Q8.encode(torch.zeros(0, 4))
-    vectors["q8_empty"] = _vector(
+    vectors["q8_empty"] = tensor_vector(
         "q8, float32 [0, 4]: no rows, empty payload",
         enc,
-        [_invalid("one byte for an empty tensor", enc, data=b"\x00")],
+        [invalid_variant("one byte for an empty tensor", enc, data=b"\x00")],
     )
 
     # q4, odd element count: two nibbles per byte, low nibble first, a zero padding nibble
@@ -114,48 +101,29 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     enc = Q4.encode(z)
     data = bytes(enc.data)
     last = data[-1]
-    vectors["q8_q4_odd"] = _vector(
+    vectors["q8_q4_odd"] = tensor_vector(
         "q4, float32 [3, 3], nearest rounding: float32 scales (absmax / 7), then 9 signed 4-bit values "
         "(two's complement nibbles, low nibble first) in 5 bytes; the last high nibble is zero padding",
         enc,
         [
-            _invalid("payload truncated by one byte", enc, data=data[:-1]),
-            _invalid(
+            invalid_variant("payload truncated by one byte", enc, data=data[:-1]),
+            invalid_variant(
                 "nibble 0x8 (-8, outside [-7, 7])",
                 enc,
                 data=_replace(data, 12, bytes([0x08 | (data[12] & 0xF0)])),
             ),
-            _invalid("padding nibble not zero", enc, data=data[:-1] + bytes([last | 0x10])),
-            _invalid("q4 payload declared as q8", enc, codec="q8"),
+            invalid_variant("padding nibble not zero", enc, data=data[:-1] + bytes([last | 0x10])),
+            invalid_variant("q4 payload declared as q8", enc, codec="q8"),
         ],
     )
     return vectors
 
 
-def render(vector: dict[str, Any]) -> str:
-    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+render = render_vector
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="compare with the files on disk instead of writing"
-    )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    stale = []
-    for name, vector in build_vectors().items():
-        path = HERE / f"{name}.json"
-        text = render(vector)
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.name)
-        else:
-            path.write_text(text)
-    if stale:
-        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(build_vectors, HERE, argv, __doc__)
 
 
 if __name__ == "__main__":

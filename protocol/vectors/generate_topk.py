@@ -10,9 +10,6 @@ The "invalid" entries are variants of the valid vector, each breaking one valida
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import pathlib
 import sys
 from typing import Any
@@ -25,39 +22,26 @@ if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout with
     sys.path.insert(0, str(HERE.parents[1]))
 
 from fusionnode.compress.topk import TOPK  # noqa: E402  (registers "topk")
-from fusionnode.wire import pack_encoded  # noqa: E402
 from fusionnode.wire.codec_api import EncodedTensor  # noqa: E402
-from fusionnode.wire.vectors import tensor_json  # noqa: E402
+from fusionnode.wire.vectors import (  # noqa: E402
+    invalid_variant,
+    render_vector,
+    tensor_vector,
+    write_or_check,
+)
 
 
-def _invalid(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
-    params = changes.pop("params", None)
-    if params is not None:
-        changes["params"] = {**enc.params, **params}
-    return {"description": description, "hex": pack_encoded(dataclasses.replace(enc, **changes)).hex()}
-
-
-def _vector(description: str, enc: EncodedTensor, invalid: list[dict[str, str]]) -> dict[str, Any]:
-    return {
-        "description": description,
-        "kind": "tensor",
-        "hex": pack_encoded(enc).hex(),
-        "decoded": tensor_json(enc),
-        "invalid": invalid,
-    }
-
-
-def _common_invalid(enc: EncodedTensor) -> list[dict[str, str]]:
+def _commoninvalid_variant(enc: EncodedTensor) -> list[dict[str, str]]:
     return [
-        _invalid("payload truncated by one byte", enc, data=enc.data[:-1]),
-        _invalid("one trailing byte after the values", enc, data=enc.data + b"\x00"),
-        _invalid("k one more than the payload holds", enc, params={"k": enc.params["k"] + 1}),
-        _invalid("ratio 0 (must be in (0, 1])", enc, params={"ratio": 0.0}),
-        _invalid("ratio 1.5 (must be in (0, 1])", enc, params={"ratio": 1.5}),
-        _invalid("unknown index encoding", enc, params={"index": "u24"}),
-        _invalid("unknown value dtype", enc, params={"values": "float8"}),
-        _invalid("unknown format version", enc, params={"v": 2}),
-        _invalid("integer logical dtype", enc, dtype="int32"),
+        invalid_variant("payload truncated by one byte", enc, data=enc.data[:-1]),
+        invalid_variant("one trailing byte after the values", enc, data=enc.data + b"\x00"),
+        invalid_variant("k one more than the payload holds", enc, params={"k": enc.params["k"] + 1}),
+        invalid_variant("ratio 0 (must be in (0, 1])", enc, params={"ratio": 0.0}),
+        invalid_variant("ratio 1.5 (must be in (0, 1])", enc, params={"ratio": 1.5}),
+        invalid_variant("unknown index encoding", enc, params={"index": "u24"}),
+        invalid_variant("unknown value dtype", enc, params={"values": "float8"}),
+        invalid_variant("unknown format version", enc, params={"v": 2}),
+        invalid_variant("integer logical dtype", enc, dtype="int32"),
     ]
 
 
@@ -75,14 +59,14 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     unsorted = idx[[1, 0, 2]]
     oob = idx.copy()
     oob[2] = 40
-    vectors["topk_global_u8"] = _vector(
+    vectors["topk_global_u8"] = tensor_vector(
         "topk global, float32 [40], ratio 0.075 -> k=3, u8 flat indices [1, 5, 38], float16 values",
         enc,
         [
-            *_common_invalid(enc),
-            _invalid("duplicate index", enc, data=dup.tobytes() + enc.data[3:]),
-            _invalid("indices not increasing", enc, data=unsorted.tobytes() + enc.data[3:]),
-            _invalid("index 40 out of range for 40 elements", enc, data=oob.tobytes() + enc.data[3:]),
+            *_commoninvalid_variant(enc),
+            invalid_variant("duplicate index", enc, data=dup.tobytes() + enc.data[3:]),
+            invalid_variant("indices not increasing", enc, data=unsorted.tobytes() + enc.data[3:]),
+            invalid_variant("index 40 out of range for 40 elements", enc, data=oob.tobytes() + enc.data[3:]),
         ],
     )
 
@@ -92,14 +76,16 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     y[100] = 0.001
     enc = TOPK.encode(y, ratio=0.01, value_dtype="bfloat16")
     assert enc.params["index"] == "u16"
-    vectors["topk_global_u16_bfloat16"] = _vector(
+    vectors["topk_global_u16_bfloat16"] = tensor_vector(
         "topk global, float32 [300], ratio 0.01 -> k=3, u16 indices [7, 256, 299], bfloat16 values",
         enc,
         [
-            _invalid(
+            invalid_variant(
                 "index 300 out of range", enc, data=np.asarray([7, 256, 300], "<u2").tobytes() + enc.data[6:]
             ),
-            _invalid("u16 list declared as u8 (length no longer matches)", enc, params={"index": "u8"}),
+            invalid_variant(
+                "u16 list declared as u8 (length no longer matches)", enc, params={"index": "u8"}
+            ),
         ],
     )
 
@@ -112,12 +98,12 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     pad[1] |= 0x80  # bit 15: past element 9
     fewer = bytearray(bitmap)
     fewer[1] &= 0xFD  # clear bit 9 (element 9 is kept): popcount 4 != k
-    vectors["topk_global_bitmap_float64"] = _vector(
+    vectors["topk_global_bitmap_float64"] = tensor_vector(
         "topk global, float64 [10], ratio 0.5 -> k=5, bitmap (LSB first) of elements 5..9, float16 values",
         enc,
         [
-            _invalid("bitmap bit set past the last element", enc, data=bytes(pad) + enc.data[2:]),
-            _invalid("bitmap popcount 4 != k 5", enc, data=bytes(fewer) + enc.data[2:]),
+            invalid_variant("bitmap bit set past the last element", enc, data=bytes(pad) + enc.data[2:]),
+            invalid_variant("bitmap popcount 4 != k 5", enc, data=bytes(fewer) + enc.data[2:]),
         ],
     )
 
@@ -136,17 +122,19 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     dup_row[3] = dup_row[2]
     out_row = ridx.copy()
     out_row[1] = 32
-    vectors["topk_row_u8"] = _vector(
+    vectors["topk_row_u8"] = tensor_vector(
         "topk row (per token), float32 [2, 3, 32], ratio 0.0625 -> k_row=2, k=12, u8 within-row indices; "
         "ties keep the lower index",
         enc,
         [
-            _invalid("duplicate index within a row", enc, data=dup_row.tobytes() + enc.data[12:]),
-            _invalid("row index 32 out of range for rows of 32", enc, data=out_row.tobytes() + enc.data[12:]),
-            _invalid(
+            invalid_variant("duplicate index within a row", enc, data=dup_row.tobytes() + enc.data[12:]),
+            invalid_variant(
+                "row index 32 out of range for rows of 32", enc, data=out_row.tobytes() + enc.data[12:]
+            ),
+            invalid_variant(
                 "k not a multiple of the 6 rows", enc, params={"k": 11}, data=enc.data[:11] + enc.data[12:34]
             ),
-            _invalid("row_len != shape[-1]", enc, params={"row_len": 16}),
+            invalid_variant("row_len != shape[-1]", enc, params={"row_len": 16}),
         ],
     )
 
@@ -158,50 +146,31 @@ def build_vectors() -> dict[str, dict[str, Any]]:
     c[0, 5] = 0.5
     enc = TOPK.encode(c, ratio=0.125, mode="row", value_dtype="float16", center=True)
     assert enc.params["index"] == "u8" and enc.params["k"] == 3
-    vectors["topk_row_centered"] = _vector(
+    vectors["topk_row_centered"] = tensor_vector(
         "topk row, centered, float32 [3, 8], ratio 0.125 -> 8 float16 channel means, then k_row=1 "
         "u8 index per row and a float16 value of (x - mean); dropped elements decode to their channel mean",
         enc,
         [
-            _invalid("center section missing (payload 16 bytes short)", enc, data=enc.data[16:]),
-            _invalid("center 2 (must be 0 or 1)", enc, params={"center": 2}),
+            invalid_variant("center section missing (payload 16 bytes short)", enc, data=enc.data[16:]),
+            invalid_variant("center 2 (must be 0 or 1)", enc, params={"center": 2}),
         ],
     )
 
     # empty tensor
     enc = TOPK.encode(torch.zeros(0, 4), ratio=0.1, mode="row")
-    vectors["topk_empty"] = _vector(
+    vectors["topk_empty"] = tensor_vector(
         "topk row, float32 [0, 4]: k=0, empty payload",
         enc,
-        [_invalid("k=1 for an empty tensor", enc, params={"k": 1})],
+        [invalid_variant("k=1 for an empty tensor", enc, params={"k": 1})],
     )
     return vectors
 
 
-def render(vector: dict[str, Any]) -> str:
-    return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
+render = render_vector
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--check", action="store_true", help="compare with the files on disk instead of writing"
-    )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    stale = []
-    for name, vector in build_vectors().items():
-        path = HERE / f"{name}.json"
-        text = render(vector)
-        if args.check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.name)
-        else:
-            path.write_text(text)
-    if stale:
-        print(f"stale vectors: {', '.join(stale)}", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(build_vectors, HERE, argv, __doc__)
 
 
 if __name__ == "__main__":
