@@ -533,7 +533,6 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("--resume needs --save DIR (where the checkpoints are)")
     if args.local:
         return _train_local(spec, args)
-    from fusionnode import control
 
     params = {
         "spec": spec.to_dict(),
@@ -553,25 +552,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     progress = Progress(spec.steps)
 
     async def go() -> dict[str, Any]:
-        async for obj in control.call_stream(_control_path(args), "train", params, timeout=None):
-            if "event" in obj:
-                ev = obj["event"]
-                if args.json:
-                    print(json.dumps(ev), flush=True)
-                elif ev.get("type") == "step":
-                    progress.update(ev)
-                elif ev.get("type") == "plan":
-                    for s in ev["stages"]:
-                        print(
-                            f"stage {s['stage']}: ops [{s['lo']}, {s['hi']}) on {s['peer'][:16]}… "
-                            f"({s['n_params']} params)",
-                            file=sys.stderr,
-                        )
-                else:
-                    print(f"event: {ev}", file=sys.stderr)
-            else:
-                return obj["result"]
-        raise FusionNodeError("no result")
+        return await follow_job(_control_path(args), params, progress, as_json=args.json)
 
     result = _run(go())
     if args.json:
@@ -591,6 +572,33 @@ def _parse_shares(text: str | None, parser: argparse.ArgumentParser) -> list[int
     if min(shares) < 1:
         parser.error("--shares: every share must be at least 1")
     return shares
+
+
+async def follow_job(
+    control_path: Path, params: dict[str, Any], progress: Progress, *, as_json: bool = False
+) -> dict[str, Any]:
+    """Runs a training job through the daemon at `control_path` (it drives), showing the plan, the
+    progress and any failure or re-plan as they happen; returns the job's result."""
+    from fusionnode import control
+
+    async for obj in control.call_stream(control_path, "train", params, timeout=None):
+        if "event" not in obj:
+            return obj["result"]
+        ev = obj["event"]
+        if as_json:
+            print(json.dumps(ev), flush=True)
+        elif ev.get("type") == "step":
+            progress.update(ev)
+        elif ev.get("type") == "plan":
+            for s in ev["stages"]:
+                print(
+                    f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer {s['peer'][:16]}… "
+                    f"({s['n_params']} parameter tensors)",
+                    file=sys.stderr,
+                )
+        else:
+            print(f"  event: {ev}", file=sys.stderr)
+    raise FusionNodeError("the driver closed the job without a result")
 
 
 def print_train_summary(result: dict[str, Any]) -> None:

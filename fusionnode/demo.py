@@ -186,7 +186,7 @@ def print_wire_summary(metrics_path: Path, steps: int) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     from fusionnode import control
-    from fusionnode.cli import Progress, _spec_from_args, print_train_summary
+    from fusionnode.cli import Progress, _spec_from_args, follow_job, print_train_summary
 
     if args.peers < 1:
         raise DaemonError("--peers must be at least 1")
@@ -234,20 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     "devices": [{"id": pid, "tflops": 0.05, "memory_gb": 4} for pid in ids],
                     "links": {"inter_site": {"bandwidth_gbps": link_bps / 1e9, "latency_ms": 0.1}},
                 }
-            async for obj in control.call_stream(swarm.control(0), "train", params, timeout=None):
-                ev = obj.get("event")
-                if ev is None:
-                    return obj["result"]
-                if ev.get("type") == "step":
-                    progress.update(ev)
-                elif ev.get("type") == "plan":
-                    for s in ev["stages"]:
-                        print(
-                            f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer "
-                            f"{s['peer'][:16]}… ({s['n_params']} parameter tensors)",
-                            file=sys.stderr,
-                        )
-            raise DaemonError("the driver closed the job without a result")
+            return await follow_job(swarm.control(0), params, progress)
 
         import uvloop
 
