@@ -46,11 +46,49 @@ def test_uniform_pipeline_matches_classic_formula(s, m):
     assert busy == [m * (f + b)] * s
 
 
-def test_link_is_shared_by_both_directions():
-    m, x = 6, 5.0  # the link is the bottleneck: every micro-batch crosses it twice
+def test_link_directions_are_independent():
+    """Full duplex: activations and gradients cross a slow link at the same time, each direction
+    one transfer at a time; the step takes about m transfers, not 2m."""
+    m, x = 6, 5.0  # the link is the bottleneck
     fin, _, lbusy = simulate_pipeline([[0.1] * m] * 2, [[0.2] * m] * 2, [[x] * m], [[x] * m], [0.0])
-    assert lbusy == [2 * m * x]
-    assert max(fin) >= 2 * m * x
+    assert lbusy == [2 * m * x]  # busy seconds of both directions together
+    assert (m + 1) * x <= max(fin) < 2 * m * x
+
+
+def test_closed_form_pipeline_time_tracks_simulator():
+    """PipelineCost.pipeline_time against the event simulation of the same stage and link times."""
+    from fusionnode.plan.estimator import PipelineCost
+
+    rng = random.Random(3)
+    ratios = []
+    for _ in range(300):
+        s, m = rng.randint(1, 6), rng.randint(1, 12)
+        c = [rng.uniform(0.1, 2) for _ in range(s)]
+        ser = [rng.choice([0.0, rng.uniform(0, 2), rng.uniform(0, 0.2)]) for _ in range(s - 1)]
+        lat = [rng.uniform(0, 0.1) for _ in range(s - 1)]
+        fin, _, _ = simulate_pipeline(
+            [[x / 3] * m for x in c],
+            [[2 * x / 3] * m for x in c],
+            [[x] * m for x in ser],
+            [[x] * m for x in ser],
+            lat,
+        )
+        cost = PipelineCost(
+            devices=tuple(range(s)),
+            split=tuple(range(s + 1)),
+            micro_batch_size=1,
+            compute_s=tuple(c),
+            comm_s=(*(2 * (a + b) for a, b in zip(lat, ser, strict=True)), 0.0),
+            ratios=(1.0,) * s,
+            memory_bytes=(0.0,) * s,
+            param_bytes=(0.0,) * s,
+            fits=True,
+        )
+        ratios.append(max(fin) / cost.pipeline_time(m))
+    ratios.sort()
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0, abs=0.02)
+    assert ratios[len(ratios) // 10] >= 0.9 and ratios[9 * len(ratios) // 10] <= 1.1
+    assert ratios[0] >= 0.75 and ratios[-1] <= 1.5
 
 
 def test_simulator_tracks_closed_form():

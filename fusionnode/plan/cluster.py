@@ -62,6 +62,7 @@ class Cluster:
     devices: tuple[Device, ...]
     bandwidth_bps: np.ndarray  # [i, j] bit/s from device i to device j (diagonal: SELF_BANDWIDTH_BPS)
     latency_s: np.ndarray  # [i, j] seconds (diagonal 0)
+    step_overhead_s: float = 0.0  # the runtime's fixed cost per training step (measured; 0 if unknown)
 
     def __post_init__(self) -> None:
         self.bandwidth_bps.setflags(write=False)
@@ -89,6 +90,7 @@ class Cluster:
             devices=tuple(self.devices[i] for i in idx),
             bandwidth_bps=self.bandwidth_bps[np.ix_(idx, idx)].copy(),
             latency_s=self.latency_s[np.ix_(idx, idx)].copy(),
+            step_overhead_s=self.step_overhead_s,
         )
 
 
@@ -267,7 +269,8 @@ def load_cluster_dict(d: Any, name: str = "cluster") -> Cluster:
     np.fill_diagonal(lat, 0.0)
     if not any(dev.is_worker for dev in devs):
         raise ConfigError(f"{name}: no device has the 'worker' role")
-    return Cluster(name=name, devices=tuple(devs), bandwidth_bps=bw, latency_s=lat)
+    overhead = _num(d, "step_overhead_ms", name, positive=False, default=0.0) / 1e3
+    return Cluster(name=name, devices=tuple(devs), bandwidth_bps=bw, latency_s=lat, step_overhead_s=overhead)
 
 
 def bundled_clusters() -> list[str]:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 DP_ITERATIONS = 3  # split DP re-runs with AdaTopK targets from the previous split
 DP_ITERATIONS_LARGE = 2  # the same on clusters larger than SMALL_CLUSTER
+REFINE_PASSES = 4  # coordinate-descent passes of refine_split over a pipeline's boundaries
 SYNC_CAP_FRACTIONS = (0.75, 0.5, 0.25)  # sync caps (x the fastest split's sync) the DP is re-run with
 MAX_PIPELINE_COUNTS = 8  # pipeline counts tried per grouping
 TRIM_SPEED_RATIO = 0.5  # only try dropping devices slower than this x the pipeline's fastest
@@ -176,6 +177,34 @@ def best_split(
     return best
 
 
+def refine_split(
+    est: Estimator, chain: Chain, cost: PipelineCost, price: Callable[[PipelineCost], float]
+) -> PipelineCost:
+    """Coordinate descent on the split's boundaries (each moved by one block at a time) towards a
+    lower `price` (the pipeline's time for its samples, sync included). The DP minimises the
+    slowest stage, which ignores the pipeline's fill (every stage and link once, there and back):
+    with few micro-batches a split that moves work away from a slow link's side can be faster."""
+    best, t_best = cost, price(cost)
+    s = cost.stages
+    for _ in range(REFINE_PASSES):
+        improved = False
+        for k in range(1, s):
+            for delta in (-1, 1):
+                split = list(best.split)
+                split[k] += delta
+                if not split[k - 1] < split[k] < split[k + 1]:
+                    continue
+                c = est.evaluate(chain, best.devices, split, best.micro_batch_size)
+                if not c.fits:
+                    continue
+                t = price(c)
+                if t and t < t_best * (1 - 1e-9):
+                    best, t_best, improved = c, t, True
+        if not improved:
+            break
+    return best
+
+
 # ------------------------------------------------------------------------------------------------
 # pipelines, shares, whole configurations
 # ------------------------------------------------------------------------------------------------
@@ -197,8 +226,7 @@ class Option:
 
     def capacity(self, tau: float) -> int:
         """Most samples this option runs within tau seconds."""
-        m = math.floor((tau - self.sync_s) / self.cost.bottleneck_s * (1 + 1e-12)) - self.cost.stages + 1
-        return max(0, m) * self.u
+        return self.cost.capacity(tau - self.sync_s) * self.u
 
 
 @dataclasses.dataclass
@@ -233,6 +261,19 @@ class Context:
         if cost is None or cost.devices == devices:
             return cost
         return dataclasses.replace(cost, devices=devices)
+
+    def refine(self, cost: PipelineCost, multi: bool, samples: int) -> PipelineCost:
+        """refine_split for a pipeline running `samples` samples, cached like the splits."""
+        if cost.stages < 2:
+            return cost
+        key = ("refine", tuple(self.hosts), multi, *self._key(cost.devices, cost.micro_batch_size))
+        key = (*key, cost.split, samples)
+        if key not in self._splits:
+            self._splits[key] = refine_split(
+                self.est, self.chain, cost, lambda c: Option(c, self.sync(c, multi)).time(samples)
+            )
+        c = self._splits[key]
+        return c if c.devices == cost.devices else dataclasses.replace(c, devices=cost.devices)
 
     def reprice(self, cost: PipelineCost, u: int) -> PipelineCost | None:
         """The same split at another micro-batch size (AdaTopK ratios re-chosen)."""
@@ -364,6 +405,9 @@ class Context:
                     costs[best_u] = c
         out = []
         for u, c in sorted(costs.items()):
+            refined = self.refine(c, multi, hint)
+            if refined is not c:
+                out.append(Option(refined, self.sync(refined, multi)))
             out.append(Option(c, self.sync(c, multi)))
             if self.exhaustive_sizes or u == u0:
                 out.extend(Option(v, self.sync(v, multi)) for v in self.sync_variants(c, multi))
@@ -406,14 +450,15 @@ def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evalu
     flat = [(k, o) for k, i in enumerate(live) for o in opts[i]]
     owner = np.array([k for k, _ in flat])
     uu = np.array([o.u for _, o in flat], dtype=float)
-    tt = np.array([o.cost.bottleneck_s for _, o in flat])
-    ss = np.array([o.cost.stages for _, o in flat], dtype=float)
+    tt = np.array([o.cost.period_s for _, o in flat])
+    ff = np.array([o.cost.fill_s for _, o in flat])
     yy = np.array([o.sync_s for _, o in flat])
     mcap = np.full(len(flat), np.inf) if fixed_m is None else np.full(len(flat), float(fixed_m))
     starts = np.searchsorted(owner, np.arange(len(live)))
 
     def capacities(tau: float) -> np.ndarray:
-        m = np.floor((tau - yy) / tt * (1 + 1e-12)) - ss + 1
+        left = tau - yy - ff
+        m = np.where(left >= -1e-12 * ff, np.floor(np.maximum(left, 0.0) / tt * (1 + 1e-12)) + 1, 0.0)
         per = np.minimum(np.maximum(m, 0.0), mcap) * uu
         return np.maximum.reduceat(per, starts)
 
@@ -451,7 +496,7 @@ def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evalu
         choices.append(o)
         times.append(t)
     total_params = float(ctx.chain.params[-1])
-    step = max(max(times), ctx.est.host_bound(total_params, ctx.hosts, len(used)))
+    step = max(max(times), ctx.est.host_bound(total_params, ctx.hosts, len(used))) + ctx.est.step_overhead_s
     return Evaluated(
         step_s=step,
         pipelines=tuple(pipes[i] for i in used),
@@ -937,7 +982,10 @@ def evaluate_plan(graph: OpGraph, cluster: Cluster, p: Plan, estimator: Estimato
         cost = est.evaluate(chain, devs, split, pl.micro_batch_size, ratios=ratios)
         ctx = Context(est, chain, p.batch_size, hosts, workers)
         times.append(cost.pipeline_time(pl.micro_batches) + ctx.sync(cost, multi))
-    return max(max(times), est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)))
+    return (
+        max(max(times), est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)))
+        + est.step_overhead_s
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1050,7 +1098,10 @@ def _exhaustive_search(ctx: Context, batch_size: int) -> Evaluated | None:
                     choice.append(ch)
                 if not math.isfinite(g[B]):
                     continue
-                step = max(float(g[B]), est.host_bound(float(chain.params[-1]), ctx.hosts, len(parts)))
+                step = (
+                    max(float(g[B]), est.host_bound(float(chain.params[-1]), ctx.hosts, len(parts)))
+                    + est.step_overhead_s
+                )
                 if best is None or step < best.step_s * (1 - 1e-12):
                     shares, tot = [], B
                     for ch in reversed(choice):

@@ -2,13 +2,15 @@
 
 Per pipeline: every stage runs its 1F1B sequence (min(S - k - 1, m) warm-up forwards, then one
 forward / one backward, then the remaining backwards), one op at a time; an op starts when the
-stage is free and its input has arrived. Each stage-to-stage link carries one transfer at a time
-(FIFO by request time); forward activations and backward gradients share it; a transfer occupies
-the link for its serialisation time and arrives one latency later. The last micro-batch may be
+stage is free and its input has arrived. Sends are asynchronous (a stage computes on while its
+output travels). Each stage-to-stage link is full duplex: each direction carries one transfer at a
+time (FIFO by request time), forward activations one way and backward gradients the other; a
+transfer occupies its direction for its serialisation time and arrives one latency later. The last micro-batch may be
 partial (its times scale with its size). After its last backward a stage pushes its gradients to
-every optimizer host and pulls the parameters back (sequentially, per host); each host's own link
-is a FIFO resource shared by all stages of all pipelines. Without offload, the data-parallel
-exchange of the estimator is used after the stage's last backward. Step time = the last finish.
+every optimizer host and pulls the parameters back (to all hosts at once, as the runtime's push
+tasks do); each host's own link is a FIFO resource shared by all stages of all pipelines. Without offload, the data-parallel
+exchange of the estimator is used after the stage's last backward. Step time = the last finish,
+plus the estimator's fixed per-step overhead (the runtime's RPC rounds).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ class SimResult:
     pipeline_finish_s: tuple[float, ...]  # last backward of each pipeline (before sync)
     sync_finish_s: tuple[float, ...]  # each pipeline's last stage sync done
     stage_busy_s: tuple[tuple[float, ...], ...]  # compute seconds per stage, per pipeline
-    link_busy_s: tuple[tuple[float, ...], ...]  # serialisation seconds per link, per pipeline
+    link_busy_s: tuple[
+        tuple[float, ...], ...
+    ]  # serialisation seconds per link (both directions), per pipeline
 
 
 def one_f_one_b(stages: int, k: int, m: int) -> list[tuple[str, int]]:
@@ -70,8 +74,9 @@ def simulate_pipeline(
     act_in = [[k == 0] * m for k in range(s)]
     grad_in = [[False] * m for _ in range(s)]
     f_done = [[False] * m for _ in range(s)]
-    link_busy = [False] * max(0, s - 1)
-    link_q: list[list[tuple[float, int, str, int]]] = [[] for _ in range(max(0, s - 1))]
+    # one FIFO per link direction: index 2k carries activations k -> k+1, 2k+1 gradients k+1 -> k
+    link_busy = [False] * max(0, 2 * (s - 1))
+    link_q: list[list[tuple[float, int, str, int]]] = [[] for _ in range(max(0, 2 * (s - 1)))]
     finish = [0.0] * s
     busy = [0.0] * s
     lbusy = [0.0] * max(0, s - 1)
@@ -96,14 +101,15 @@ def simulate_pipeline(
         busy[k] += dur
         push(now + dur, "F" if op == "F" else "B", k, i)
 
-    def try_link(k: int, now: float) -> None:
-        if link_busy[k] or not link_q[k]:
+    def try_link(q: int, now: float) -> None:
+        if link_busy[q] or not link_q[q]:
             return
-        _, _, what, i = heapq.heappop(link_q[k])
+        _, _, what, i = heapq.heappop(link_q[q])
+        k = q // 2
         ser = act_ser[k][i] if what == "act" else grad_ser[k][i]
-        link_busy[k] = True
+        link_busy[q] = True
         lbusy[k] += ser
-        push(now + ser, "free", k, 0)
+        push(now + ser, "free", q, 0)
         push(now + ser + latency[k], "arrive_" + what, k, i)
 
     for k in range(s):
@@ -120,15 +126,15 @@ def simulate_pipeline(
             if kind == "F":
                 f_done[k][i] = True
                 if k < s - 1:
-                    heapq.heappush(link_q[k], (now, qseq, "act", i))
+                    heapq.heappush(link_q[2 * k], (now, qseq, "act", i))
                     qseq += 1
-                    touched_links.append(k)
+                    touched_links.append(2 * k)
             else:
                 finish[k] = now
                 if k > 0:
-                    heapq.heappush(link_q[k - 1], (now, qseq, "grad", i))
+                    heapq.heappush(link_q[2 * (k - 1) + 1], (now, qseq, "grad", i))
                     qseq += 1
-                    touched_links.append(k - 1)
+                    touched_links.append(2 * (k - 1) + 1)
         elif kind == "free":
             link_busy[k] = False
             touched_links.append(k)
@@ -210,15 +216,15 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
         done_at: dict[int, float] = {}
         for ready, d, p in sorted(pending):
             t = ready
-            for h, share in hosts:
+            for h, share in hosts:  # a stage pushes to (and pulls from) all its hosts at once
                 if h == d or share <= 0 or p <= 0:
                     continue
                 nbytes = p * share
                 bw, la = est.link(d, h)
                 own = 2.0 * (la + nbytes * 8.0 / bw)
-                start = max(t, host_free[h])
+                start = max(ready, host_free[h])
                 host_free[h] = start + 2.0 * nbytes * 8.0 / host_bw[h]
-                t = max(start + own, host_free[h])
+                t = max(t, start + own, host_free[h])
             done_at[d] = t
         for p_i, pl in enumerate(plan.pipelines):
             s = len(pl.stages)
@@ -226,7 +232,7 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
     for p_i in range(len(sync_finish)):
         if math.isnan(sync_finish[p_i]):
             sync_finish[p_i] = pipe_finish[p_i]
-    step = max(sync_finish)
+    step = max(sync_finish) + est.step_overhead_s
     return SimResult(
         step_time_s=float(step),
         pipeline_finish_s=tuple(pipe_finish),
