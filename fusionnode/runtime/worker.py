@@ -12,6 +12,7 @@ Protocol (RPCs from the job's driver, data messages peer to peer; see protocol/S
 - ``job.commit``: apply the optimizer step (gradients of parameters shared with
   other stages are summed by the driver first and arrive as ``shared_sum``).
 - ``job.fetch``: send parameters or gradients to the driver (checkpoints, checks).
+- ``job.step_result``: the report of a step whose ``job.step`` reply was lost in transit.
 - ``job.release``: drop the stage (``abort``: cancel a step in progress first, for a re-plan).
 - ``job.ping``: liveness probe (any peer); answers whether this peer is draining.
 
@@ -20,7 +21,11 @@ next ones with ``LEAVING_MARK`` in the error, so the driver re-plans without it.
 environment variable ``FUSIONNODE_DEBUG=1`` a worker reads a slow-down factor from the
 file ``<state dir>/debug_slow`` before each step and sleeps ``(factor - 1) x`` its compute
 time after each forward and backward (a straggler for tests and benchmarks); the same
-factor can be set by the ``debug.slow`` RPC, which only the peer itself may call.
+factor can be set by the ``debug.slow`` RPC, which only the peer itself may call. It also reads
+an emulated device speed in TFLOP/s from ``<state dir>/debug_pace``: a forward of n samples
+then takes at least ``n x flops_per_sample / speed`` seconds and a backward twice that (it
+sleeps out the rest), so a testbed of peers sharing one CPU computes at the speeds of the
+devices it emulates whatever else the CPU is doing (`fusionnode bench testbed`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
 DEBUG_ENV = "FUSIONNODE_DEBUG"  # "1" enables the slow-down hook (tests, benchmarks)
 DEBUG_SLOW_FILE = "debug_slow"  # in the state dir: a float factor >= 1 multiplying compute time
+DEBUG_PACE_FILE = "debug_pace"  # in the state dir: emulated TFLOP/s (forward + backward paced to it)
 MAX_CONCURRENT_PUSHES = 16  # gradient pushes in flight at once (hosts limit streams per peer)
 LEAVING_MARK = "this peer is leaving"  # in the refusal of a draining worker (the driver looks for it)
 
@@ -99,6 +106,11 @@ def expect_sender(sender: str, planned: str, what: str) -> None:
         raise PeerError(f"{what} came from {sender[:12]}…, not from the planned peer {planned[:12]}…")
 
 
+def mb_rows(tensors: dict[str, torch.Tensor]) -> int:
+    """Samples in a micro-batch: the leading dimension of its tensors (0 if it has none)."""
+    return min((int(t.shape[0]) for t in tensors.values() if t.dim() > 0), default=0)
+
+
 class StageJob:
     """One accepted stage of one job on this worker."""
 
@@ -127,10 +139,15 @@ class StageJob:
         )  # activations to the next stage
         self.bwd = LinkCompressor(compress, opts, bandwidth_bps=args.get("bw_prev"))  # their gradients back
         self.need_bytes: int = int(args.get("need_bytes", 0))
+        self.flops_per_sample: float = float(
+            args.get("flops_per_sample") or 0.0
+        )  # forward, for --debug pacing
         # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
         self.offload: dict[str, Any] | None = args.get("offload")
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None
+        self.step_task_step = -1  # the step step_task runs (or ran last)
+        self.last_report: tuple[int, dict[str, Any]] | None = None  # (step, report) of the last finished step
         self.push_tasks: list[asyncio.Future] = []
         self.grad_counts: dict[str, int] = {}
         self.lease_s = lease_s
@@ -182,6 +199,7 @@ class WorkerService:
         self.draining = False
         self.debug = os.environ.get(DEBUG_ENV) == "1"
         self.slow_factor = 1.0  # debug: compute time multiplier
+        self.pace_tflops = 0.0  # debug: emulated device speed (0: off)
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -189,6 +207,7 @@ class WorkerService:
             "job.assign": self.rpc_assign,
             "job.start": self.rpc_start,
             "job.step": self.rpc_step,
+            "job.step_result": self.rpc_step_result,
             "job.commit": self.rpc_commit,
             "job.fetch": self.rpc_fetch,
             "job.release": self.rpc_release,
@@ -246,6 +265,14 @@ class WorkerService:
             pass
         except (OSError, ValueError) as exc:
             logger.warning("cannot read the debug slow-down factor: %s", exc)
+        try:
+            with open(os.path.join(self.state_dir, DEBUG_PACE_FILE), encoding="utf-8") as f:
+                pace = float(f.read().strip() or 0.0)
+            self.pace_tflops = pace if pace > 0 and math.isfinite(pace) else 0.0
+        except FileNotFoundError:
+            self.pace_tflops = 0.0
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot read the debug device speed: %s", exc)
 
     def release_all(self) -> None:
         """Drops every stage this worker holds (the owner wants the device back); their drivers re-plan."""
@@ -460,7 +487,7 @@ class WorkerService:
                     args.get("target_time_s"),
                 )
             )
-            sj.step_task = task
+            sj.step_task, sj.step_task_step = task, int(args["step"])
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
@@ -470,7 +497,23 @@ class WorkerService:
                 sj.step_task = None
             if task.cancelled():
                 raise PeerError(f"step {args['step']} of stage {sj.stage} aborted by the driver")
+            sj.last_report = (int(args["step"]), task.result())
+            return sj.last_report[1]
+
+    async def rpc_step_result(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
+        the step ran on): waits for the step if it is still running."""
+        sj = self._get(args, sender)
+        step = int(args["step"])
+        task = sj.step_task
+        if task is not None and sj.step_task_step == step:
+            await asyncio.wait({task})
+            if task.cancelled():
+                raise PeerError(f"step {step} of stage {sj.stage} was aborted")
             return task.result()
+        if sj.last_report is not None and sj.last_report[0] == step:
+            return sj.last_report[1]
+        raise PeerError(f"stage {sj.stage} has no report of step {step}")
 
     async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
@@ -480,6 +523,8 @@ class WorkerService:
             sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
             sj.last_step = step
             return {"applied": step, "prefetching": True}
+        if sj.last_step >= step:  # a retried commit whose first reply was lost: applied already
+            return {"applied": step, "again": True}
         shared = sorted(sj.shared_names & set(sj.params))
         summed: dict[str, torch.Tensor] = {}
         if shared:
@@ -506,10 +551,14 @@ class WorkerService:
             sj.last_step = step
         return {"applied": step}
 
-    async def _debug_delay(self, compute_s: float) -> None:
-        """Debug straggler: stretch a compute of `compute_s` seconds by the slow-down factor."""
-        if self.slow_factor > 1.0:
-            await asyncio.sleep((self.slow_factor - 1.0) * compute_s)
+    async def _debug_delay(self, compute_s: float, flops: float = 0.0) -> None:
+        """Debug: stretch a compute of `compute_s` seconds by the slow-down factor, and to at least
+        `flops` at the emulated device speed."""
+        extra = (self.slow_factor - 1.0) * compute_s if self.slow_factor > 1.0 else 0.0
+        if self.pace_tflops > 0 and flops > 0:
+            extra = max(extra, flops / (self.pace_tflops * 1e12) - compute_s)
+        if extra > 0:
+            await asyncio.sleep(extra)
 
     # ---- the pipeline schedule -----------------------------------------------------------------
     async def _run_step(
@@ -588,7 +637,7 @@ class WorkerService:
 
             t0 = time.perf_counter()
             leaves, outs, loss_val = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0)
+            await self._debug_delay(time.perf_counter() - t0, sj.flops_per_sample * mb_rows(recv))
             compute_s += time.perf_counter() - t0
             saved[mb] = (leaves, outs)
             if loss_val is not None:
@@ -627,7 +676,7 @@ class WorkerService:
 
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0)
+            await self._debug_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * mb_rows(leaves))
             compute_s += time.perf_counter() - t0
             if not sj.is_first and in_grads:
                 send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)

@@ -179,10 +179,11 @@ class Job:
         self.started = time.time()
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
-        self.aliases: dict[str, str] = {}
-        self.host_counters: list[
-            dict[str, Any]
-        ] = []  # the optimizer hosts' push counters, last step  # tied parameter names -> the name named_parameters() reports
+        self.aliases: dict[str, str] = {}  # tied parameter names -> the name named_parameters() reports
+        self.host_counters: list[dict[str, Any]] = []  # the optimizer hosts' push counters, last step
+        self.phases: dict[
+            str, float
+        ] = {}  # seconds of the last step's phases (feed, stages, optimizer, commit)
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
@@ -436,6 +437,7 @@ class Driver:
                     "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
                     "lease_s": job.lease_s,
                     "lo": lo,
+                    "flops_per_sample": float(sum(node.flops for node in graph.nodes[lo:hi])),
                     "hi": hi,
                     "peer": pipe.peers[i],
                     "link_options": link_options or {},
@@ -670,11 +672,19 @@ class Driver:
         if offload and not plan_hosts:
             plan_hosts = await self._pick_hosts(params, workers)
         pred = p.prediction
+        simulated = pred.simulated_step_time_s if pred else None
+        if pred and simulated is None:  # the event simulation of the same plan, for the record
+            from fusionnode.plan.simulator import simulate
+
+            try:
+                simulated = (await asyncio.to_thread(simulate, graph, cluster, p)).step_time_s
+            except Exception as exc:  # a second opinion only: never fail the job over it
+                logger.warning("simulating the plan failed: %s", exc)
         prediction = {
             "strategy": p.strategy,
             "step_time_s": pred.step_time_s if pred else None,
             "tokens_per_s": pred.tokens_per_s if pred else None,
-            "simulated_step_time_s": pred.simulated_step_time_s if pred else None,
+            "simulated_step_time_s": simulated,
         }
         return pipelines, plan_hosts, prediction
 
@@ -872,6 +882,7 @@ class Driver:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens / step_time,
+                "phases": job.phases,
                 "stages": [
                     {
                         "stage": r["stage"],
@@ -941,6 +952,8 @@ class Driver:
                 await self.t.send(peer, msg)
 
         # inputs first (as a step always did: the stages find them waiting), then the steps
+        phases: dict[str, float] = {}
+        t_phase = time.perf_counter()
         await self._gather_or_fail(
             job,
             run,
@@ -950,9 +963,10 @@ class Driver:
         )
         calls = {
             **{
-                ("step", a["stage"]): self.t.call(
+                ("step", a["stage"]): self._call_or_recall(
                     a["peer"],
                     "job.step",
+                    "job.step_result",
                     {
                         "job": jid,
                         "stage": a["stage"],
@@ -967,8 +981,12 @@ class Driver:
             },
         }
         peer_of = {("step", a["stage"]): a["peer"] for a in stage_args}
+        phases["feed_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
         results = await self._gather_or_fail(job, run, step, calls, peer_of)
         reports = [results[("step", a["stage"])] for a in stage_args]
+        phases["stages_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
             await self._dump_grads(job, stage_args, run.params["dump_grads"])
         if job.offload:
@@ -991,10 +1009,13 @@ class Driver:
                     meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
                     await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
             commit_extra = {"lr": lr, "clip_coef": clip}
+        phases["optimizer_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
         commits = {
-            ("commit", a["stage"]): self.t.call(
+            ("commit", a["stage"]): self._call_or_recall(
                 a["peer"],
                 "job.commit",
+                "job.commit",  # idempotent: a commit already applied answers so
                 {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
                 timeout=timeout,
             )
@@ -1009,7 +1030,25 @@ class Driver:
             if not job.offload:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
             late = fail
+        phases["commit_s"] = time.perf_counter() - t_phase
+        job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
+
+    async def _call_or_recall(
+        self, peer: str, method: str, again: str, args: dict[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """A call whose stream may close before its reply (a rare libp2p stream reset, with the peer
+        alive and the work done): then asks once more with `again`, which returns the same result
+        without redoing the work (`job.step_result`, or an idempotent method)."""
+        from fusionnode.train.rebalance import TRANSIENT_MARK
+
+        try:
+            return await self.t.call(peer, method, args, timeout=timeout)
+        except PeerError as exc:
+            if TRANSIENT_MARK not in str(exc):
+                raise
+            logger.warning("%s: %s; asking again with %s", method, exc, again)
+            return await self.t.call(peer, again, args, timeout=timeout)
 
     async def _gather_or_fail(
         self, job: Job, run: _Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]
