@@ -8,9 +8,20 @@ emulated network with that file's per-link bandwidths:
 - `--network userspace` (anywhere): the peers run on loopback and every tensor
   stream passes a token bucket set to the link's bandwidth (the same code path
   otherwise). Chosen automatically where netns is unavailable, and labelled so.
-Latency is not emulated (no netem in this kernel); bandwidth is, and so are the file's relative
-device speeds: a device k times slower than the fastest stretches its compute k times (the
-`fusionnode join --debug` hook), since all peers here share the same CPU.
+Latency is not emulated (no netem in this kernel), so the planner is told the links have none;
+bandwidth is, and so are the devices' speeds. All peers share this machine's CPU, so a peer's raw
+compute speed would depend on what the others do at the time (a pipeline's idle stages lend it
+cores, data parallelism takes them back) and on the CPU cost of its own network traffic. Instead
+every peer is paced to the speed of the device it emulates (the `fusionnode join --debug` hook
+`debug_pace`): its forward and backward really run, then it sleeps out the rest of the time that
+device would take for the stage's FLOPs. The fastest device is set to this machine's measured
+per-core speed on the model x cores / peers / `--headroom`, the others in the cluster file's
+proportions; the headroom leaves the real compute and the traffic room to finish inside the pace.
+
+Calibration. Two short runs of the baseline's even split (local optimizer, then optimizer hosts)
+measure what the planner cannot know from the cluster file: each peer's achieved compute speed, and
+the runtime's fixed cost per step in each mode (RPC rounds through p2pd, the hosts' optimizer). The
+cluster document every configuration is planned with carries them (`step_overhead_ms`).
 
 Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
 under four configurations, one after the other on the same peers:
@@ -20,9 +31,9 @@ under four configurations, one after the other on the same peers:
   4. fusionnode: planner + AdaTopK + optimizer hosts
 Throughput is the median tokens/s of the steps after `--warmup`; the table shows
 each configuration's speedup over the baseline, final loss (mean of the last 3
-steps), bytes on the wire, and the planner's predicted step time next to the
-measured one. The peers share this machine's cores: the compute the planner
-sees for each peer is its measured speed divided by how many peers share a core.
+steps), bytes on the wire, and the planner's two predictions of the plan's step time next to
+the measured one: the event simulation of the plan ("sim", plan/simulator.py) and the closed form
+its search minimises ("closed", plan/estimator.py).
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
 
 CONFIGS = [
     ("baseline", {"planner": "even", "offload": "off"}, "none"),
@@ -75,6 +88,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=5,
+        help="steps of each calibration run (the first --warmup of them are not used); 0 skips calibration",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=2.0,
+        help="how much slower than this machine's fair share of a core the fastest emulated device is "
+        "(>= 1; the real compute and the peers' traffic must fit in the pace)",
+    )
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS), help="which configurations to run")
     p.add_argument("--out", default="testbed-results", help="directory for results.json and testbed.png")
     return p.parse_args(argv)
@@ -143,12 +169,11 @@ class Testbed:
         self.peer_ids = [r["peer_id"] for r in self._swarm.ready]
         self.controls = [self._swarm.control(i) for i in range(self.n)]
 
-    def slow_compute(self, factors: list[float]) -> None:
-        """Emulates slower devices: each peer's worker stretches its compute by its factor (the
-        `--debug` hook reading <state dir>/debug_slow before each step)."""
-        for i, factor in enumerate(factors):
-            if factor > 1.0:
-                (Path(self.workdir) / f"peer{i}" / "debug_slow").write_text(f"{factor:.4f}\n")
+    def pace(self, tflops: list[float]) -> None:
+        """Emulated device speeds: peer i computes at tflops[i] (forward-FLOP rate) through the
+        worker's `--debug` pacing hook, read from <state dir>/debug_pace before each step."""
+        for i, speed in enumerate(tflops):
+            (Path(self.workdir) / f"peer{i}" / "debug_pace").write_text(f"{speed:.6g}\n")
 
     def limit_links(self, bandwidth_bps: Any) -> None:
         """userspace: every peer caps its tensor streams to each other peer at the link's bandwidth."""
@@ -171,18 +196,18 @@ class Testbed:
 
 
 def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
-    """The cluster document the planner gets: the file's links, keyed by peer id, with each peer's
-    measured compute share of this machine (scaled by the file's relative device speeds)."""
+    """The cluster document the planner gets: the file's link bandwidths, keyed by peer id, and each
+    peer's TFLOP/s (tflops[i]). The links' latency is 0: the testbed does not emulate it (no netem
+    here), so the planner is not told it."""
     from fusionnode.plan.cluster import load_cluster
 
     c = load_cluster(str(cluster_path))
-    fastest = max(d.tflops for d in c.devices)
     devices = []
     for i, d in enumerate(c.devices):
         devices.append(
             {
                 "id": peer_ids[i],
-                "tflops": tflops[i] * d.tflops / fastest,
+                "tflops": tflops[i],
                 "memory_gb": 8.0,
                 "roles": list(d.roles),
             }
@@ -191,7 +216,7 @@ def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -
         [float(c.bandwidth_bps[i, j]) / 1e9 if i != j else 1.0 for j in range(len(devices))]
         for i in range(len(devices))
     ]
-    latency = [[float(c.latency_s[i, j]) * 1e3 for j in range(len(devices))] for i in range(len(devices))]
+    latency = [[0.0] * len(devices) for _ in devices]
     return {
         "version": 1,
         "name": c.name,
@@ -200,12 +225,21 @@ def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -
     }
 
 
+def step_overhead(run: dict[str, Any], warmup: int) -> float:
+    """The runtime's fixed cost per step in `run`: the median of the step time less its slowest
+    stage's time inside `job.step` (inputs, RPC rounds, the optimizer, commits)."""
+    steps = run["steps"][warmup:] or run["steps"]
+    return statistics.median(
+        s["step_time_s"] - max(st["compute_s"] + st["wait_s"] + st["link_s"] for st in s["stages"])
+        for s in steps
+    )
+
+
 def calibrate(doc: dict[str, Any], run: dict[str, Any], seq_len: int, warmup: int) -> dict[str, Any]:
     """The cluster document with each peer's TFLOPS replaced by what it achieved in `run`: the stage's
     forward FLOPs x 3 (forward + backward) x samples per step over its median compute seconds, divided by
     the estimator's efficiency factor (it multiplies the advertised figure by that factor)."""
     from fusionnode.graph.trace import graph_for
-    from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
 
     graph = graph_for("gpt2-tiny", seq_len)
     prefix = graph.prefix_flops()
@@ -258,6 +292,7 @@ def summarize(name: str, run: dict[str, Any], warmup: int) -> dict[str, Any]:
     steps = run["steps"]
     measured = steps[warmup:] or steps
     pred = (run["plan"].get("prediction") or {}).get("step_time_s")
+    sim = (run["plan"].get("prediction") or {}).get("simulated_step_time_s")
     step_time = statistics.median(s["step_time_s"] for s in measured)
     last_links = [link for st in steps[-1]["stages"] for link in (st.get("links") or {}).values()]
     dense = sum(link["dense_bytes"] for link in last_links)
@@ -268,6 +303,8 @@ def summarize(name: str, run: dict[str, Any], warmup: int) -> dict[str, Any]:
         "step_time_s": step_time,
         "predicted_step_time_s": pred,
         "prediction_error": (step_time - pred) / pred if pred else None,
+        "simulated_step_time_s": sim,
+        "simulation_error": (step_time - sim) / sim if sim else None,
         "wire_bytes": sum(s["wire_bytes"] for s in steps),
         "link_dense_bytes": dense,
         "link_wire_bytes": wire,
@@ -285,6 +322,31 @@ def summarize(name: str, run: dict[str, Any], warmup: int) -> dict[str, Any]:
     }
 
 
+def measured_speed(seq_len: int, batch: int = 4, repeats: int = 5) -> float:
+    """This machine's forward-FLOP rate (TFLOP/s) on gpt2-tiny, forward + backward on one thread:
+    3 x the forward FLOPs of `batch` samples over the median time of `repeats` steps."""
+    import torch
+
+    from fusionnode.graph.trace import graph_for
+    from fusionnode.models import build_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model("gpt2-tiny", seq_len=seq_len)
+        x = torch.randint(0, 256, (batch, seq_len))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = model(x)
+            (out if torch.is_tensor(out) else out[0]).float().mean().backward()
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    flops = graph_for("gpt2-tiny", seq_len).total_flops() * batch
+    return 3.0 * flops / statistics.median(times[1:]) / 1e12
+
+
 def resolve_cluster_path(cluster: str) -> str:
     """A cluster file path, or the bundled file of that name (testbed.sh needs a file)."""
     from importlib import resources
@@ -299,7 +361,10 @@ def resolve_cluster_path(cluster: str) -> str:
     return str(res)
 
 
-def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[str, Any]:
+def bench_cluster(
+    cluster: str, args: argparse.Namespace, network: str, raw: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One testbed's table rows; every run's plan and per-step stage records are appended to `raw`."""
     from fusionnode.plan.cluster import load_cluster
     from fusionnode.train.spec import JobSpec
 
@@ -313,22 +378,19 @@ def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[
         bed.start()
         if network == "userspace":
             bed.limit_links(c.bandwidth_bps)
+        # emulated device speeds: the fastest at this machine's fair share of a core / headroom
         fastest = max(d.tflops for d in c.devices)
-        bed.slow_compute([fastest / d.tflops for d in c.devices])  # the file's relative device speeds
-        from fusionnode import control
+        top = measured_speed(args.seq_len) * min(1.0, (os.cpu_count() or 1) / n) / args.headroom
+        paced = [top * d.tflops / fastest for d in c.devices]
+        bed.pace(paced)
+        # the planner is told those speeds (the estimator takes a device's advertised TFLOP/s at
+        # DEFAULT_EFFICIENCY; the calibration runs below then replace them with what was achieved)
+        doc = peer_cluster(path, bed.peer_ids, [v / DEFAULT_EFFICIENCY for v in paced])
 
-        peers = asyncio.run(control.call(bed.controls[0], "peers"))["peers"]
-        speed = {p["peer_id"]: float(p["device"]["tflops_fp32"]) for p in peers}
-        share = min(1.0, (os.cpu_count() or 1) / n)
-        doc = peer_cluster(path, bed.peer_ids, [speed.get(pid, 0.01) * share for pid in bed.peer_ids])
-        wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
-        rows = []
-        for name, params, compress in CONFIGS:
-            if name not in wanted:
-                continue
-            spec = JobSpec(
+        def job(steps: int, compress: str) -> Any:
+            return JobSpec(
                 model="gpt2-tiny",
-                steps=args.steps,
+                steps=steps,
                 batch_size=args.batch_size,
                 micro_batches=args.micro_batches,
                 seq_len=args.seq_len,
@@ -336,11 +398,72 @@ def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[
                 compress=compress,
                 warmup_steps=min(20, args.steps),
             )
+
+        overhead = {False: 0.0, True: 0.0}
+        if args.calibration_steps > 0:
+            # what the cluster file cannot say: each peer's achieved speed (the even split over all
+            # peers), and the runtime's fixed cost per step in each mode (peer 0 alone, its own
+            # optimizer host: RPC rounds and optimizer work, no emulated link in the way)
+            alone = {
+                **doc,
+                "devices": doc["devices"][:1],
+                "links": {"matrix": {"bandwidth_gbps": [[1.0]], "latency_ms": [[0.0]]}},
+            }
+            calibrations = [
+                ("speeds", {"planner": "even", "offload": "off", "cluster": doc, "peers": bed.peer_ids}),
+                (
+                    "overhead-local",
+                    {"planner": "even", "offload": "off", "cluster": alone, "peers": bed.peer_ids[:1]},
+                ),
+                (
+                    "overhead-offload",
+                    {
+                        "planner": "even",
+                        "offload": "on",
+                        "cluster": alone,
+                        "peers": bed.peer_ids[:1],
+                        "optimizer_peers": bed.peer_ids[:1],
+                    },
+                ),
+            ]
+            calib = {}
+            for what, params in calibrations:
+                print(f"[{c.name}] calibrating: {what} ...", file=sys.stderr, flush=True)
+                calib[what] = run_config(bed.controls[0], job(args.calibration_steps, "none"), params)
+                raw.append(
+                    {
+                        "cluster": c.name,
+                        "config": f"calibration-{what}",
+                        "plan": calib[what]["plan"],
+                        "steps": calib[what]["steps"],
+                    }
+                )
+            overhead = {
+                False: step_overhead(calib["overhead-local"], args.warmup),
+                True: step_overhead(calib["overhead-offload"], args.warmup),
+            }
+            doc = calibrate(doc, calib["speeds"], args.seq_len, args.warmup)
+            print(
+                f"[{c.name}] calibrated: step overhead {overhead[False] * 1e3:.0f} ms (local optimizer), "
+                f"{overhead[True] * 1e3:.0f} ms (optimizer hosts)",
+                file=sys.stderr,
+                flush=True,
+            )
+        wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
+        rows = []
+        for name, params, compress in CONFIGS:
+            if name not in wanted:
+                continue
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
-            run = run_config(bed.controls[0], spec, {**params, "cluster": doc, "peers": bed.peer_ids})
+            offload = params["planner"] != "even" or params["offload"] == "on"
+            planned = {**doc, "step_overhead_ms": overhead[offload] * 1e3}
+            run = run_config(
+                bed.controls[0],
+                job(args.steps, compress),
+                {**params, "cluster": planned, "peers": bed.peer_ids},
+            )
             rows.append(summarize(name, run, args.warmup))
-            if name == "baseline":  # later plans use the peers' measured speed, not the advertised one
-                doc = calibrate(doc, run, args.seq_len, args.warmup)
+            raw.append({"cluster": c.name, "config": name, "plan": run["plan"], "steps": run["steps"]})
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
         base = next((r for r in rows if r["config"] == "baseline"), None)
         for r in rows:
@@ -348,24 +471,36 @@ def bench_cluster(cluster: str, args: argparse.Namespace, network: str) -> dict[
             r["loss_vs_baseline"] = (
                 (r["final_loss"] - base["final_loss"]) / base["final_loss"] if base else None
             )
-        return {"cluster": c.name, "devices": n, "network": network, "rows": rows}
+        return {
+            "cluster": c.name,
+            "devices": n,
+            "network": network,
+            "emulated_tflops": paced,
+            "step_overhead_s": {"local": overhead[False], "offload": overhead[True]},
+            "rows": rows,
+        }
     finally:
         bed.stop()
 
 
 def print_table(res: dict[str, Any]) -> None:
     label = "tc/netns links" if res["network"] == "netns" else "user-space token buckets on loopback"
-    print(f"\n{res['cluster']}: {res['devices']} peers, {label}")
+    speeds = ", ".join(f"{v * 1e3:.1f}" for v in res["emulated_tflops"])
+    print(f"\n{res['cluster']}: {res['devices']} peers, {label}, devices paced at {speeds} GFLOP/s")
     print(
-        f"{'config':<11} {'tokens/s':>9} {'speedup':>8} {'step s':>8} {'pred s':>8} {'err':>6} "
-        f"{'wire MiB':>9} {'loss':>7} {'Δloss':>7} {'pipes':>5} {'stages':>6}"
+        f"{'config':<11} {'tokens/s':>9} {'speedup':>8} {'step s':>8} {'sim s':>7} {'err':>5} {'closed s':>8} "
+        f"{'err':>5} {'wire MiB':>9} {'loss':>7} {'Δloss':>7} {'pipes':>5} {'stages':>6}"
     )
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
     for r in res["rows"]:
-        pred = f"{r['predicted_step_time_s']:.3f}" if r["predicted_step_time_s"] else "-"
-        err = f"{r['prediction_error']:+.0%}" if r["prediction_error"] is not None else "-"
         print(
-            f"{r['config']:<11} {r['tokens_per_s']:9.0f} {r['speedup']:7.2f}x {r['step_time_s']:8.3f} {pred:>8} "
-            f"{err:>6} {r['wire_bytes'] / 2**20:9.1f} {r['final_loss']:7.4f} {r['loss_vs_baseline']:+7.1%} "
+            f"{r['config']:<11} {r['tokens_per_s']:9.0f} {r['speedup']:7.2f}x {r['step_time_s']:8.3f} "
+            f"{num(r['simulated_step_time_s'], '.3f'):>7} {num(r['simulation_error'], '+.0%'):>5} "
+            f"{num(r['predicted_step_time_s'], '.3f'):>8} {num(r['prediction_error'], '+.0%'):>5} "
+            f"{r['wire_bytes'] / 2**20:9.1f} {r['final_loss']:7.4f} {r['loss_vs_baseline']:+7.1%} "
             f"{r['pipelines']:5d} {r['stages']:6d}"
         )
 
@@ -397,6 +532,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.headroom >= 1.0:
+        print(f"fusionnode bench testbed: --headroom must be >= 1, got {args.headroom}", file=sys.stderr)
+        return 2
     network = args.network
     if network in ("auto", "netns"):
         ok, why = netns_available()
@@ -410,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         network = "netns" if ok else "userspace"
-    results = [bench_cluster(c, args, network) for c in (args.cluster or DEFAULT_CLUSTERS)]
+    raw: list[dict[str, Any]] = []
+    results = [bench_cluster(c, args, network, raw) for c in (args.cluster or DEFAULT_CLUSTERS)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for res in results:
@@ -418,8 +557,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(
         json.dumps({"machine": f"{os.cpu_count()} cores", "results": results}, indent=2)
     )
+    (out / "runs.json").write_text(json.dumps(raw))
     if plot(results, out / "testbed.png"):
-        print(f"\nwrote {out / 'results.json'} and {out / 'testbed.png'}")
+        print(
+            f"\nwrote {out / 'results.json'}, {out / 'runs.json'} (every step's stage records) and {out / 'testbed.png'}"
+        )
     return 0
 
 

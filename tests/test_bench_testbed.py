@@ -1,0 +1,136 @@
+"""`fusionnode bench testbed`: its calibration arithmetic, the workers' device pacing, and one real
+run on loopback (user-space token buckets: no root needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import types
+
+import pytest
+
+from fusionnode.bench import testbed
+from fusionnode.plan.cluster import load_cluster_dict
+from fusionnode.runtime.worker import DEBUG_PACE_FILE, DEBUG_SLOW_FILE, WorkerService, mb_rows
+
+
+def _step(step_time, stages, phases=None):
+    return {
+        "step_time_s": step_time,
+        "tokens_per_s": 2048 / step_time,
+        "loss": 3.0,
+        "wire_bytes": 10,
+        "phases": phases or {},
+        "stages": [{"compute_s": c, "wait_s": w, "link_s": link, "links": {}} for c, w, link in stages],
+    }
+
+
+def test_step_overhead_is_the_time_outside_the_slowest_stage():
+    run = {
+        "steps": [_step(9.0, [(1, 1, 1)])]
+        + [_step(1.0 + k * 0.01, [(0.5, 0.3, 0.1), (0.2, 0.1, 0.0)]) for k in range(5)]
+    }
+    # the first step is warm-up; then step - (0.5 + 0.3 + 0.1), median of 0.10 .. 0.14
+    assert testbed.step_overhead(run, warmup=1) == pytest.approx(0.12)
+
+
+def test_peer_cluster_keeps_bandwidth_and_drops_latency():
+    path = testbed.resolve_cluster_path("testbed-4-mixed")
+    doc = testbed.peer_cluster(__import__("pathlib").Path(path), ["a", "b", "c", "d"], [1.0, 2.0, 3.0, 4.0])
+    c = load_cluster_dict(doc)
+    assert [d.tflops for d in c.devices] == [1.0, 2.0, 3.0, 4.0]
+    assert c.bandwidth_bps[0, 1] == pytest.approx(1e9) and c.bandwidth_bps[1, 2] == pytest.approx(8e6)
+    assert float(c.latency_s.max()) == 0.0  # the testbed does not emulate latency: not told to the planner
+    assert c.step_overhead_s == 0.0
+    assert load_cluster_dict({**doc, "step_overhead_ms": 40}).step_overhead_s == pytest.approx(0.04)
+
+
+def test_measured_speed_is_positive_and_plausible():
+    v = testbed.measured_speed(32, batch=2, repeats=2)
+    assert 1e-4 < v < 100  # TFLOP/s of one CPU thread on gpt2-tiny
+
+
+def test_pacing_stretches_compute_to_the_emulated_speed(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSIONNODE_DEBUG", "1")
+    w = types.SimpleNamespace(debug=True, state_dir=str(tmp_path), slow_factor=1.0, pace_tflops=0.0)
+    (tmp_path / DEBUG_PACE_FILE).write_text("0.001\n")  # 1 GFLOP/s
+    (tmp_path / DEBUG_SLOW_FILE).write_text("1.0\n")
+    WorkerService._read_slow_factor(w)
+    assert w.pace_tflops == pytest.approx(0.001)
+
+    async def timed(compute_s, flops):
+        t0 = time.perf_counter()
+        await WorkerService._debug_delay(w, compute_s, flops)
+        return time.perf_counter() - t0
+
+    # 1e8 FLOPs at 1 GFLOP/s = 0.1 s, of which 0.02 s were already computed: sleeps the other 0.08
+    assert 0.075 <= asyncio.run(timed(0.02, 1e8)) < 0.5
+    # compute already slower than the pace: no extra sleep
+    assert asyncio.run(timed(0.2, 1e8)) < 0.05
+    # a slow-down factor still applies, whichever is longer wins
+    w.slow_factor = 3.0
+    assert 0.1 <= asyncio.run(timed(0.05, 1e6)) < 0.5
+    (tmp_path / DEBUG_PACE_FILE).unlink()
+    WorkerService._read_slow_factor(w)
+    assert w.pace_tflops == 0.0
+
+
+def test_mb_rows():
+    import torch
+
+    assert mb_rows({"x": torch.zeros(3, 8), "y": torch.zeros(3)}) == 3
+    assert mb_rows({}) == 0
+
+
+def test_bad_headroom_is_refused(capsys):
+    assert testbed.main(["--headroom", "0.5"]) == 2
+    assert "--headroom" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_testbed_runs_on_loopback(tmp_path, capsys):
+    """The whole benchmark, small: 4 real peers, user-space links, calibration, two configurations."""
+    out = tmp_path / "out"
+    rc = testbed.main(
+        [
+            "--network",
+            "userspace",
+            "--cluster",
+            "testbed-4-slow-compute",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--calibration-steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--configs",
+            "baseline,fusionnode",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "user-space token buckets" in text and "fusionnode" in text
+    res = json.loads((out / "results.json").read_text())["results"][0]
+    assert res["network"] == "userspace" and res["step_overhead_s"]["offload"] >= 0
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", "fusionnode"}
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0
+        assert r["prediction_error"] is not None
+    runs = json.loads((out / "runs.json").read_text())
+    assert [r["config"] for r in runs] == [
+        "calibration-speeds",
+        "calibration-overhead-local",
+        "calibration-overhead-offload",
+        "baseline",
+        "fusionnode",
+    ]
+    assert len(runs[2]["plan"]["stages"]) == 1  # the overhead is measured on one peer, no link in the way
+    assert all("phases" in s for r in runs for s in r["steps"])
