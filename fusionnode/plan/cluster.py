@@ -273,6 +273,28 @@ def load_cluster_dict(d: Any, name: str = "cluster") -> Cluster:
     return Cluster(name=name, devices=tuple(devs), bandwidth_bps=bw, latency_s=lat, step_overhead_s=overhead)
 
 
+def subset_doc(doc: Mapping[str, Any], keep: set[str] | frozenset[str]) -> dict[str, Any]:
+    """A cluster document of only the devices whose id is in `keep`: the device list, the rows and
+    columns of a links matrix, and the device pairs are filtered alike (sites and defaults stay)."""
+    devices = list(doc.get("devices", []))
+    idx = [i for i, d in enumerate(devices) if d.get("id") in keep]
+    out = dict(doc)
+    out["devices"] = [devices[i] for i in idx]
+    links = doc.get("links")
+    if isinstance(links, Mapping):
+        links = dict(links)
+        matrix = links.get("matrix")
+        if isinstance(matrix, Mapping):
+            links["matrix"] = {
+                key: [[rows[i][j] for j in idx] for i in idx] if isinstance(rows, list) else rows
+                for key, rows in matrix.items()
+            }
+        if isinstance(links.get("pairs"), list):
+            links["pairs"] = [p for p in links["pairs"] if p.get("a") in keep and p.get("b") in keep]
+        out["links"] = links
+    return out
+
+
 def bundled_clusters() -> list[str]:
     """Names (file stems) of the example clusters shipped with the package."""
     root = resources.files("fusionnode.plan") / "clusters"

@@ -3,9 +3,15 @@
 Two protocols:
 - ``/fusionnode/rpc/1``: one stream per call; the caller writes a ``Call``, the
   callee answers one ``Reply``. For small control messages.
-- ``/fusionnode/data/1``: one long-lived stream per (sender, receiver) pair; the
-  sender writes ``TensorMessage``s (activations, gradients, parameters, inputs),
-  the receiver drops each into its ``Mailbox`` under a key, where a stage awaits it.
+- ``/fusionnode/data/2``: one long-lived stream per (sender, receiver) pair; the
+  sender opens it with a ``data.open`` Call (its session id and the sequence number of the
+  stream's first message), then writes ``TensorMessage``s (activations, gradients, parameters,
+  inputs), numbered implicitly from there; the receiver drops each into its ``Mailbox`` under a
+  key, where a stage awaits it, and acknowledges it with its sequence number (8 bytes, big
+  endian). A stream that breaks with messages unacknowledged (a libp2p stream reset) is
+  reopened and those messages are written again; the receiver skips the ones it had already
+  delivered (numbers at or below the last it delivered for that session), so each message is
+  delivered once.
 
 A message to ourselves never touches the wire. Every wait has a deadline.
 
@@ -19,8 +25,11 @@ fails is closed without a word, so an outsider learns nothing and makes us alloc
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import secrets
+import struct
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -36,7 +45,11 @@ from fusionnode.wire.stream import read_message, write_message
 logger = logging.getLogger(__name__)
 
 PROTO_RPC = "/fusionnode/rpc/1"
-PROTO_DATA = "/fusionnode/data/1"
+PROTO_DATA = "/fusionnode/data/2"
+DATA_OPEN_METHOD = "data.open"  # the Call that opens a data stream: {"session": hex, "first": seq}
+ACK = struct.Struct(">Q")  # a data stream's acknowledgement: the sequence number delivered
+MAX_RESENDS = 3  # times a message is written again on a new stream before it is given up
+MAX_SESSIONS = 4096  # senders' sessions whose last delivered sequence number a receiver remembers
 MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
 MAX_PENDING_TOTAL = 16384  # messages waiting across all job ids (a peer may invent job ids)
 PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
@@ -154,6 +167,11 @@ class Transport:
         self._data_handlers: dict[str, DataHandler] = {}
         self._out: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._out_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.session = secrets.token_hex(8)  # numbers this process's data messages, per receiver
+        self._next_seq: dict[str, int] = defaultdict(int)  # per receiver: the next message's number
+        self._unacked: dict[str, collections.deque] = defaultdict(collections.deque)  # [seq, msg, tries]
+        self._delivered: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self.resent: dict[str, int] = defaultdict(int)  # per peer id: messages written again
         self._tasks: set[asyncio.Task] = set()
         self.bytes_sent: dict[str, int] = defaultdict(int)  # per job id
         self.bytes_sent_to: dict[str, int] = defaultdict(int)  # per peer id
@@ -310,36 +328,54 @@ class Transport:
     ) -> int:
         """Sends one TensorMessage; returns the bytes written on the wire (0 to ourselves).
 
-        `observe(bytes, seconds)` gets the time the write took once the stream was ours."""
+        `observe(bytes, seconds)` gets the time the write took once the stream was ours. The message
+        stays queued until the receiver acknowledges it: if the stream breaks first, it is written
+        again on a new one (see the module docstring)."""
         if peer_id == self.peer_id:
             self._deliver(msg, self.peer_id)
             return 0
         job = str(msg.meta.get("job", ""))
         async with self._out_locks[peer_id]:
+            pending = self._unacked[peer_id]
+            entry = [self._next_seq[peer_id], msg, 0, 0]  # seq, message, times written, bytes
+            self._next_seq[peer_id] += 1
+            pending.append(entry)
+            t0 = time.perf_counter()
             for attempt in (0, 1):
-                stream = self._out.get(peer_id)
                 try:
+                    stream = self._out.get(peer_id)
                     if stream is None:
-                        stream = await self._open_data(peer_id)
-                    bucket = self.rate_limits.get(peer_id) or self.egress_limit
-                    signed = msg
-                    if self.authorizer is not None:
-                        signed = self.authorizer.sign(msg, self.peer_id, peer_id)
-                    t0 = time.perf_counter()
-                    if bucket is not None:
-                        n = await self._write_limited(stream[1], signed, bucket)
+                        await self._open_data(peer_id)  # writes every pending message, this one too
                     else:
-                        n = await write_message(stream[1], signed)
-                    self.bytes_sent[job] += n
-                    self.bytes_sent_to[peer_id] += n
-                    if observe is not None:
-                        observe(n, time.perf_counter() - t0)
-                    return n
+                        entry[3] = await self._write_data(peer_id, stream[1], msg)
+                        entry[2] += 1
+                    break
                 except (ConnectionError, OSError, PeerError) as exc:
-                    self._out.pop(peer_id, None)
+                    self._drop_out(peer_id)
                     if attempt == 1:
+                        if pending and pending[-1] is entry:  # not sent: take its number back
+                            pending.pop()
+                            self._next_seq[peer_id] -= 1
                         raise PeerError(f"cannot send {msg.kind!r} to peer {peer_id[:12]}…: {exc}") from exc
-        raise AssertionError("unreachable")
+            self.bytes_sent[job] += entry[3]
+            if observe is not None:
+                observe(entry[3], time.perf_counter() - t0)
+            return entry[3]
+
+    async def _write_data(self, peer_id: str, writer: asyncio.StreamWriter, msg: TensorMessage) -> int:
+        bucket = self.rate_limits.get(peer_id) or self.egress_limit
+        signed = self.authorizer.sign(msg, self.peer_id, peer_id) if self.authorizer is not None else msg
+        if bucket is not None:
+            n = await self._write_limited(writer, signed, bucket)
+        else:
+            n = await write_message(writer, signed)
+        self.bytes_sent_to[peer_id] += n
+        return n
+
+    def _drop_out(self, peer_id: str) -> None:
+        stream = self._out.pop(peer_id, None)
+        if stream is not None:
+            stream[1].close()
 
     async def _write_limited(
         self, writer: asyncio.StreamWriter, msg: TensorMessage, bucket: TokenBucket
@@ -356,6 +392,7 @@ class Transport:
         return len(data)
 
     async def _open_data(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A new data stream to peer_id; the messages still unacknowledged are written on it first."""
         from hivemind.p2p import PeerID
 
         try:
@@ -365,8 +402,65 @@ class Transport:
         except Exception as exc:
             raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
         await self._write_preamble(writer, peer_id, PROTO_DATA)
+        pending = self._unacked[peer_id]
+        while pending and pending[0][2] >= MAX_RESENDS:  # the oldest were written the most often
+            _seq, lost, _tries, _n = pending.popleft()
+            logger.warning(
+                "giving up %r (step %s) to %s: %d streams broke under it",
+                lost.kind,
+                lost.meta.get("step"),
+                peer_id[:12],
+                MAX_RESENDS,
+            )
+        first = pending[0][0] if pending else self._next_seq[peer_id]
+        await write_message(
+            writer, Call(method=DATA_OPEN_METHOD, args={"session": self.session, "first": first})
+        )
         self._out[peer_id] = (reader, writer)
+        self._spawn(self._read_acks(peer_id, reader, writer))
+        for entry in list(pending):  # in order: the receiver numbers them from `first`
+            if entry[2] > 0:
+                self.resent[peer_id] += 1
+            entry[3] = await self._write_data(peer_id, writer, entry[1])
+            entry[2] += 1
         return reader, writer
+
+    async def _read_acks(
+        self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Drops acknowledged messages; when the stream breaks with some unacknowledged, opens a new
+        one, which writes them again."""
+        pending = self._unacked[peer_id]
+        try:
+            while True:
+                (seq,) = ACK.unpack(await reader.readexactly(ACK.size))
+                while pending and pending[0][0] <= seq:
+                    pending.popleft()
+        except (ConnectionError, OSError, asyncio.IncompleteReadError):
+            pass
+        current = self._out.get(peer_id)
+        if current is not None and current[1] is not writer:
+            return  # a newer stream already carries this peer's messages
+        if current is not None:
+            self._drop_out(peer_id)
+        if not pending:
+            return
+        logger.info(
+            "data stream to %s broke with %d message(s) unacknowledged: resending", peer_id[:12], len(pending)
+        )
+        try:
+            async with self._out_locks[peer_id]:
+                if peer_id not in self._out:
+                    await self._open_data(peer_id)
+        except (ConnectionError, OSError, PeerError) as exc:
+            self._drop_out(peer_id)
+            logger.warning("cannot resend %d message(s) to %s: %s", len(pending), peer_id[:12], exc)
+            pending.clear()  # the receiver's stage will time out waiting and the step is replayed
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _on_data_stream(
         self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -379,6 +473,14 @@ class Transport:
         admit = self._admitter(sender, reserved)
         try:
             await self._read_preamble(reader, sender, PROTO_DATA)
+            hello = await read_message(reader, PREAUTH_LIMITS, timeout=PREAUTH_TIMEOUT_S)
+            if not isinstance(hello, Call) or hello.method != DATA_OPEN_METHOD:
+                raise ProtocolError("a data stream must open with a data.open call")
+            try:
+                session, seq = str(hello.args["session"]), int(hello.args["first"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(f"bad data.open {hello.args!r}") from exc
+            key = (sender, session)
             while True:
                 try:
                     msg = await read_message(reader, self.limits, admit=admit)
@@ -393,7 +495,14 @@ class Transport:
                         raise ProtocolError(
                             f"expected a TensorMessage on the data stream, got {type(msg).__name__}"
                         )
-                    self._deliver(msg, sender)
+                    if seq > self._delivered.get(key, -1):  # not a copy of one delivered before a break
+                        self._deliver(msg, sender)
+                        self._delivered[key] = seq
+                        self._delivered.move_to_end(key)
+                        if len(self._delivered) > MAX_SESSIONS:
+                            self._delivered.popitem(last=False)
+                    writer.write(ACK.pack(seq))
+                    seq += 1
                 finally:
                     self.peer_limiter.release(sender, reserved[0])
                     reserved[0] = 0

@@ -1294,10 +1294,9 @@ class Driver:
             else:
                 params = dict(run.params)
                 if params.get("cluster"):
-                    keep = set(candidates) | set(job.hosts)
-                    doc = dict(params["cluster"])
-                    doc["devices"] = [d for d in doc.get("devices", []) if d["id"] in keep]
-                    params["cluster"] = doc
+                    from fusionnode.plan.cluster import subset_doc
+
+                    params["cluster"] = subset_doc(params["cluster"], set(candidates) | set(job.hosts))
                 job.pipelines, _hosts, _pred = await self._planned_layout(
                     run.strategy, spec, run.traced.graph, candidates, params, job.offload, run.seq_len
                 )
