@@ -255,3 +255,29 @@ def test_offload_off_needs_more_memory():
     assert math.isfinite(off.prediction.step_time_s)
     names = sorted(n for h in on.optimizer_hosts for n in h.param_names)
     assert names == sorted({n for node in g.nodes for n in node.param_names})
+
+
+def test_subset_doc_filters_devices_matrix_and_pairs():
+    from fusionnode.plan.cluster import subset_doc
+
+    doc = {
+        "version": 1,
+        "devices": [{"id": x, "tflops": 1.0, "memory_gb": 4} for x in "abc"],
+        "links": {
+            "matrix": {
+                "bandwidth_gbps": [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+                "latency_ms": [[0, 1, 2], [3, 4, 5], [6, 7, 8]],
+            },
+            "pairs": [
+                {"a": "a", "b": "c", "bandwidth_gbps": 0.5},
+                {"a": "a", "b": "b", "bandwidth_gbps": 0.1},
+            ],
+        },
+    }
+    sub = subset_doc(doc, {"a", "c"})
+    assert [d["id"] for d in sub["devices"]] == ["a", "c"]
+    assert sub["links"]["matrix"]["bandwidth_gbps"] == [[1, 3], [7, 9]]
+    assert sub["links"]["pairs"] == [{"a": "a", "b": "c", "bandwidth_gbps": 0.5}]
+    c = load_cluster_dict(sub)
+    assert c.size == 2 and c.bandwidth_bps[0, 1] == pytest.approx(3e9)  # the matrix row and column kept
+    assert len(doc["devices"]) == 3  # the original is untouched
