@@ -55,8 +55,11 @@ def _baseline(
     seq_len: int | None,
     offload: bool,
     efficiency: float | None,
+    compress: bool = False,
 ) -> Plan:
-    ctx = _context(graph, cluster, batch_size, micro_batches, offload, efficiency, None, fence.MAX_BLOCKS)
+    ctx = _context(
+        graph, cluster, batch_size, micro_batches, offload, efficiency, None, fence.MAX_BLOCKS, compress
+    )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers
     s = min(len(workers), chain.blocks)
@@ -73,7 +76,7 @@ def _baseline(
         opts = []
         sizes = ctx.sizes if micro_batches is None else [max(1, -(-share // micro_batches))]
         for u in sizes:
-            cost = est.evaluate(chain, devs, split, u, compress=False)
+            cost = est.evaluate(chain, devs, split, u)
             if cost.fits:
                 opts.append(Option(cost, ctx.sync(cost, multi)))
         t, opt = _pipe_time(opts, share, micro_batches)
@@ -81,7 +84,7 @@ def _baseline(
             worst = max(
                 (
                     (m - est.capacity(d)) / 1e9
-                    for devs_cost in [est.evaluate(chain, devs, split, 1, compress=False)]
+                    for devs_cost in [est.evaluate(chain, devs, split, 1)]
                     for m, d in zip(devs_cost.memory_bytes, devs_cost.devices, strict=False)
                 ),
                 default=0.0,
@@ -92,7 +95,7 @@ def _baseline(
             )
         choices.append(opt)
         times.append(t)
-    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count))
+    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count)) + est.step_overhead_s
     ev = Evaluated(step, tuple(pipes), tuple(shares), tuple(choices), tuple(ctx.hosts))
     return build_plan(graph, ctx, ev, seq_len, strategy=weight)
 
@@ -106,9 +109,13 @@ def even_plan(
     seq_len: int | None = None,
     offload: bool = True,
     efficiency: float | None = None,
+    compress: bool = False,
 ) -> Plan:
-    """Layers split evenly over devices in file order (see the module docstring)."""
-    return _baseline(graph, cluster, batch_size, "even", micro_batches, seq_len, offload, efficiency)
+    """Layers split evenly over devices in file order (see the module docstring); `compress`:
+    price the links with AdaTopK (the baseline split itself never changes)."""
+    return _baseline(
+        graph, cluster, batch_size, "even", micro_batches, seq_len, offload, efficiency, compress
+    )
 
 
 def memory_plan(
@@ -120,9 +127,12 @@ def memory_plan(
     seq_len: int | None = None,
     offload: bool = True,
     efficiency: float | None = None,
+    compress: bool = False,
 ) -> Plan:
     """Layers split in proportion to device memory, devices in file order (exo / Petals style)."""
-    return _baseline(graph, cluster, batch_size, "memory", micro_batches, seq_len, offload, efficiency)
+    return _baseline(
+        graph, cluster, batch_size, "memory", micro_batches, seq_len, offload, efficiency, compress
+    )
 
 
 def contiguous_split_plan(

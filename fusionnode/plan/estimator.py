@@ -174,6 +174,7 @@ class Estimator:
         efficiency: float = DEFAULT_EFFICIENCY,
         offload: bool = True,
         step_overhead_s: float | None = None,
+        compress: bool = True,
     ):
         if not 0 < efficiency <= 1:
             raise ConfigError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -181,6 +182,7 @@ class Estimator:
         if not (overhead >= 0 and math.isfinite(overhead)):
             raise ConfigError(f"the step overhead must be >= 0 seconds, got {overhead}")
         self.step_overhead_s = float(overhead)
+        self.compress = compress  # AdaTopK on slow links (evaluate's default)
         self.cluster = cluster
         self.efficiency = efficiency
         self.offload = offload
@@ -240,13 +242,15 @@ class Estimator:
         devices: Sequence[int],
         split: Sequence[int],
         micro_batch_size: int,
-        compress: bool = True,
+        compress: bool | None = None,
         ratios: Sequence[float] | None = None,
     ) -> PipelineCost:
         """Cost of one pipeline: devices[k] runs chain blocks [split[k], split[k+1]).
 
         Keep-ratios are chosen by `choose_ratio` (or 1.0 when compress is False) unless `ratios`
-        gives them (one per stage, the last ignored)."""
+        gives them (one per stage, the last ignored); compress None means the estimator's own setting."""
+        if compress is None:
+            compress = self.compress
         s = len(devices)
         if len(split) != s + 1 or split[0] != 0 or split[-1] != chain.blocks:
             raise ValueError(

@@ -35,6 +35,7 @@ from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import (
+    DEFAULT_EFFICIENCY,
     K_MIN,
     OPTIMIZER_BYTES_FACTOR,
     TOPK_WIRE_FACTOR,
@@ -135,7 +136,9 @@ def split_dp(
         cost = dflops * (u * spf[d])
         if k < s - 1:
             bw, lat = est.link(d, devices[k + 1])
-            cost = cost + _link_cost_vector(X * u, bw, lat, target / 2.0)[None, :]
+            cost = (
+                cost + _link_cost_vector(X * u, bw, lat, target / 2.0 if est.compress else math.inf)[None, :]
+            )
         ok = valid_shape & (dparam + dact * (s - k) <= cap[d])
         if sync_terms is not None and math.isfinite(sync_cap):
             raw = dparam / est.param_factor()
@@ -764,10 +767,14 @@ def _context(
     efficiency: float | None,
     estimator: Estimator | None,
     max_blocks: int,
+    compress: bool = True,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
-    est = estimator or (
-        Estimator(cluster, offload=offload) if efficiency is None else Estimator(cluster, efficiency, offload)
+    est = estimator or Estimator(
+        cluster,
+        DEFAULT_EFFICIENCY if efficiency is None else efficiency,
+        offload=offload,
+        compress=compress,
     )
     chain = Chain.from_graph(graph, fence.coarsen(graph, max_blocks))
     workers = _workers(cluster)
@@ -797,10 +804,14 @@ def plan(
     estimator: Estimator | None = None,
     max_blocks: int = fence.MAX_BLOCKS,
     local_search: bool = True,
+    compress: bool = True,
 ) -> Plan:
-    """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits)."""
+    """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
+    `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it."""
     t0 = time.perf_counter()
-    ctx = _context(graph, cluster, batch_size, micro_batches, offload, efficiency, estimator, max_blocks)
+    ctx = _context(
+        graph, cluster, batch_size, micro_batches, offload, efficiency, estimator, max_blocks, compress
+    )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers
     need = float(chain.params[-1]) * est.param_factor()

@@ -658,7 +658,12 @@ class Driver:
         if missing:
             raise ConfigError(f"the cluster given for planning does not describe workers {missing[:3]}")
         cluster = load_cluster_dict(doc, "swarm")
-        kwargs = {"micro_batches": spec.micro_batches, "seq_len": seq_len, "offload": offload}
+        kwargs = {
+            "micro_batches": spec.micro_batches,
+            "seq_len": seq_len,
+            "offload": offload,
+            "compress": spec.compress == "adatopk",  # the plan may count on AdaTopK only when it runs
+        }
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
         p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
         pipelines, first = [], 0
