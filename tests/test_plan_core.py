@@ -14,7 +14,15 @@ from fusionnode.errors import ConfigError, PlanError
 from fusionnode.plan import fence
 from fusionnode.plan.baselines import contiguous_split_plan
 from fusionnode.plan.cluster import bundled_clusters, load_cluster, load_cluster_dict
-from fusionnode.plan.estimator import TOPK_WIRE_FACTOR, Chain, Estimator, choose_ratio, link_time, wire_bytes
+from fusionnode.plan.estimator import (
+    TOPK_WIRE_FACTOR,
+    Chain,
+    Estimator,
+    choose_ratio,
+    link_comm,
+    link_time,
+    wire_bytes,
+)
 from fusionnode.plan.plan import Plan
 from fusionnode.plan.planner import _link_cost_vector, plan, split_dp
 
@@ -116,7 +124,7 @@ def test_link_cost_vector_matches_choose_ratio():
     x = rng.uniform(0, 1e7, 50)
     for bw, lat, target in [(1e8, 0.01, 0.05), (1e9, 0.001, 0.5), (8e6, 0.03, 0.02)]:
         vec = _link_cost_vector(x, bw, lat, target)
-        ref = [2 * link_time(wire_bytes(v, choose_ratio(v, bw, lat, target)), bw, lat) for v in x]
+        ref = [link_comm(v, bw, lat, choose_ratio(v, bw, lat, target))[0] for v in x]
         np.testing.assert_allclose(vec, ref, rtol=1e-12)
 
 

@@ -4,14 +4,18 @@ Cost model (all per training step; u = micro-batch size in samples, m = micro-ba
 
 * stage compute (forward + backward) on device d for node range [lo, hi):
   ``c = (1 + BACKWARD_FACTOR) * flops[lo:hi] * u / (tflops_d * 1e12 * efficiency) * calib_d``
-* link after stage k (activation forward + its gradient backward, one micro-batch):
-  ``l = 2 * (latency + wire_bytes(cut_bytes[hi] * u, r) * 8 / bandwidth)``, where the keep-ratio r
-  is chosen by `choose_ratio` so the link fits in the bottleneck compute time (AdaTopK rule);
-  top-k sends (value, index) pairs: TOPK_WIRE_FACTOR x the dense bytes per kept element.
+* link after stage k (activation forward + its gradient backward, one micro-batch, the link taken
+  as symmetric): ``l = 2 * latency + (act + grad) * 8 / bandwidth`` with ``act =
+  wire_bytes(cut_bytes[hi] * u, r)``, the keep-ratio r chosen by `choose_ratio` so one direction
+  fits in LINK_TARGET_FRACTION of the bottleneck compute time (the runtime's AdaTopK rule), top-k
+  sending (value, index) pairs (TOPK_WIRE_FACTOR x the dense bytes per kept element), and ``grad``
+  the dense bytes, or Q8_WIRE_FACTOR of them when the link compresses (the runtime quantises
+  gradients to 8 bits rather than dropping them).
 * pipeline time (1F1B, sends asynchronous, links full duplex): the first micro-batch's way through
   every stage and link and back, then one period per further micro-batch, the period being the
   slowest resource per micro-batch: a stage's compute or one direction of a link,
-  ``sum_k c_k + sum_k l_k + (m - 1) * max(max_k c_k, max_k l_k / 2, max_k R_k / (S - k))``, where
+  ``sum_k c_k + sum_k l_k + (m - 1) * max(max_k c_k, max_k d_k, max_k R_k / (S - k))`` (d_k the
+  link's slower direction), where
   ``R_k = sum_{j >= k} (c_j + l_j)`` is stage k's round trip: 1F1B lets it have only S - k
   micro-batches in flight, which slow links make the limit.  With identical stages and free links
   this is the classic ``(m + S - 1) * c``; against the event simulator (plan/simulator.py) it is
@@ -53,6 +57,8 @@ DENSE_ELEMENT_BYTES = 4  # fp32 activation element
 TOPK_BYTES_PER_KEPT = 6  # fp16 value (2) + int32 index (4) per kept element
 TOPK_WIRE_FACTOR = TOPK_BYTES_PER_KEPT / DENSE_ELEMENT_BYTES  # wire bytes per kept dense byte
 K_MIN = 0.01  # smallest keep-ratio AdaTopK may pick
+LINK_TARGET_FRACTION = 0.8  # AdaTopK aims each link direction at this fraction of the bottleneck compute
+Q8_WIRE_FACTOR = 0.26  # wire bytes per dense byte of a q8 gradient (1 byte per element + row scales)
 USABLE_MEMORY_FRACTION = 0.9  # of a device's memory_gb that a stage may fill
 OPTIMIZER_BYTES_FACTOR = 4  # fp32 master + grad accumulator + Adam m, v on a host, x param bytes
 WORKER_PARAM_FACTOR_OFFLOAD = 2  # weights + grads on a worker when the optimizer is offloaded
@@ -81,6 +87,15 @@ def choose_ratio(
         return k_min
     ratio = avail * bandwidth_bps / 8.0 / (nbytes * TOPK_WIRE_FACTOR)
     return float(min(1.0, max(k_min, ratio)))
+
+
+def link_comm(nbytes: float, bandwidth_bps: float, latency_s: float, ratio: float) -> tuple[float, float]:
+    """(both directions' seconds, the slower direction's serialisation) of one micro-batch over a
+    link, as the runtime's AdaTopK sends it: the activation top-k compressed to `ratio`, and its
+    gradient back q8-quantised whenever the link compresses at all (dense otherwise)."""
+    act = wire_bytes(nbytes, ratio) * 8.0 / bandwidth_bps
+    grad = (nbytes * Q8_WIRE_FACTOR if ratio < 1.0 else nbytes) * 8.0 / bandwidth_bps
+    return 2.0 * latency_s + act + grad, max(act, grad)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -128,6 +143,7 @@ class PipelineCost:
     memory_bytes: tuple[float, ...]
     param_bytes: tuple[float, ...]
     fits: bool  # every stage within its device's usable memory
+    serial_s: tuple[float, ...] | None = None  # the outgoing link's slower direction per micro-batch
 
     @property
     def stages(self) -> int:
@@ -146,7 +162,8 @@ class PipelineCost:
         s = self.stages
         tail = np.cumsum(np.asarray(self.compute_s[::-1]) + np.asarray(self.comm_s[::-1]))[::-1]
         window = float(np.max(tail / np.arange(s, 0, -1)))
-        return max(max(self.compute_s), max(self.comm_s) / 2.0, window, 1e-12)
+        directions = self.serial_s if self.serial_s is not None else [x / 2.0 for x in self.comm_s]
+        return max(max(self.compute_s), max(directions), window, 1e-12)
 
     @functools.cached_property
     def fill_s(self) -> float:
@@ -271,17 +288,20 @@ class Estimator:
             act = (chain.acts[hi] - chain.acts[lo] + chain.cut[lo]) * u * inflight
             memory.append(p * pf + float(act))
         target = max(compute)
-        comm, chosen = [], []
+        comm, chosen, serial = [], [], []
         for k in range(s - 1):
             bw, lat = self.link(devices[k], devices[k + 1])
             x = float(chain.cut[split[k + 1]]) * u
             if ratios is not None:
                 r = float(ratios[k])
             else:
-                r = choose_ratio(x, bw, lat, target / 2.0) if compress else 1.0
+                r = choose_ratio(x, bw, lat, LINK_TARGET_FRACTION * target) if compress else 1.0
             chosen.append(r)
-            comm.append(2.0 * link_time(wire_bytes(x, r), bw, lat))
+            both, slower = link_comm(x, bw, lat, r)
+            comm.append(both)
+            serial.append(slower)
         comm.append(0.0)
+        serial.append(0.0)
         chosen.append(1.0)
         fits = all(mem <= self._cap[d] for mem, d in zip(memory, devices, strict=False))
         return PipelineCost(
@@ -290,6 +310,7 @@ class Estimator:
             micro_batch_size=u,
             compute_s=tuple(compute),
             comm_s=tuple(comm),
+            serial_s=tuple(serial),
             ratios=tuple(chosen),
             memory_bytes=tuple(memory),
             param_bytes=tuple(params),

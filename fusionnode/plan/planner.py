@@ -37,7 +37,9 @@ from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import (
     DEFAULT_EFFICIENCY,
     K_MIN,
+    LINK_TARGET_FRACTION,
     OPTIMIZER_BYTES_FACTOR,
+    Q8_WIRE_FACTOR,
     TOPK_WIRE_FACTOR,
     USABLE_MEMORY_FRACTION,
     Chain,
@@ -74,7 +76,8 @@ def micro_batch_sizes(batch: int) -> list[int]:
 # the split DP
 # ------------------------------------------------------------------------------------------------
 def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np.ndarray:
-    """2 * link time for each dense size in x, with the AdaTopK ratio of estimator.choose_ratio."""
+    """estimator.link_comm for each dense size in x (both directions), with the AdaTopK ratio of
+    estimator.choose_ratio at `target` seconds per direction (math.inf: dense)."""
     dense = lat + x * 8.0 / bw
     if not math.isfinite(target):
         return 2.0 * dense
@@ -82,8 +85,9 @@ def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np
     with np.errstate(divide="ignore", invalid="ignore"):
         r = np.where(avail <= 0, K_MIN, np.clip(avail * bw / 8.0 / (x * TOPK_WIRE_FACTOR), K_MIN, 1.0))
     r = np.where((dense <= target) | (x <= 0), 1.0, r)
-    wire = np.where(r >= 1.0, x, x * r * TOPK_WIRE_FACTOR)
-    return 2.0 * (lat + wire * 8.0 / bw)
+    act = np.where(r >= 1.0, x, x * r * TOPK_WIRE_FACTOR)
+    grad = np.where(r >= 1.0, x, x * Q8_WIRE_FACTOR)
+    return 2.0 * lat + (act + grad) * 8.0 / bw
 
 
 _MATRIX_CACHE: dict[tuple[int, int, int], tuple[np.ndarray, ...]] = {}
@@ -121,7 +125,7 @@ def split_dp(
     sync_terms: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[int] | None:
     """Exact min-max split of the chain over devices in this order (each gets >= 1 block): stage
-    time = compute + outgoing link (AdaTopK at per-direction target/2), within memory, and with
+    time = compute + outgoing link (AdaTopK at LINK_TARGET_FRACTION of target), within memory, and with
     every stage's sync time (fixed[d] + param bytes * per_byte[d]) at most sync_cap."""
     s, n = len(devices), chain.blocks
     if s > n:
@@ -137,7 +141,10 @@ def split_dp(
         if k < s - 1:
             bw, lat = est.link(d, devices[k + 1])
             cost = (
-                cost + _link_cost_vector(X * u, bw, lat, target / 2.0 if est.compress else math.inf)[None, :]
+                cost
+                + _link_cost_vector(
+                    X * u, bw, lat, LINK_TARGET_FRACTION * target if est.compress else math.inf
+                )[None, :]
             )
         ok = valid_shape & (dparam + dact * (s - k) <= cap[d])
         if sync_terms is not None and math.isfinite(sync_cap):

@@ -25,7 +25,7 @@ import numpy as np
 
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
-from fusionnode.plan.estimator import Chain, Estimator, wire_bytes
+from fusionnode.plan.estimator import Q8_WIRE_FACTOR, Chain, Estimator, wire_bytes
 from fusionnode.plan.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -183,9 +183,9 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
                 bw, la = est.link(devs[k], devs[k + 1])
                 x = float(chain.cut[hi])
                 r = pl.stages[k].keep_ratio
-                ser = [wire_bytes(x * n, r) * 8.0 / bw for n in sizes]
-                act.append(ser)
-                grad.append(ser)
+                act.append([wire_bytes(x * n, r) * 8.0 / bw for n in sizes])
+                # the runtime's AdaTopK quantises gradients (q8) on a link that compresses
+                grad.append([x * n * (Q8_WIRE_FACTOR if r < 1.0 else 1.0) * 8.0 / bw for n in sizes])
                 lat.append(la)
         finish, busy, lbusy = simulate_pipeline(fwd, bwd, act, grad, lat)
         busy_all.append(tuple(busy))
