@@ -445,7 +445,7 @@ class Transport:
             self._drop_out(peer_id)
         if not pending:
             return
-        logger.info(
+        logger.warning(
             "data stream to %s broke with %d message(s) unacknowledged: resending", peer_id[:12], len(pending)
         )
         try:

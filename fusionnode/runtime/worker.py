@@ -574,8 +574,19 @@ class WorkerService:
         sends: list[asyncio.Task] = []
         t_start = time.perf_counter()
 
+        send_failed: list[BaseException] = []
+
+        def check_sent(task: asyncio.Task) -> None:
+            # a send that failed would leave a neighbour waiting for its deadline: fail this step now
+            if task.cancelled() or task.exception() is None or send_failed:
+                return
+            send_failed.append(task.exception())
+            self.t.mailbox.fail_job(sj.job, PeerError(f"step {step} of stage {sj.stage}: {task.exception()}"))
+
         async def receive(kind: str, mb: int) -> tuple[TensorMessage, str]:
             nonlocal wait_s
+            if send_failed:
+                raise PeerError(f"step {step} of stage {sj.stage}: {send_failed[0]}")
             t0 = time.perf_counter()
             out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout)
             wait_s += time.perf_counter() - t0
@@ -593,7 +604,9 @@ class WorkerService:
             tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
             enc = link.encode(tensors, step, kind, target)
             msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
-            sends.append(asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe)))
+            task = asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe))
+            task.add_done_callback(check_sent)
+            sends.append(task)
 
         async def forward(mb: int) -> None:
             nonlocal compute_s
