@@ -101,6 +101,25 @@ def test_gradients_equal_single_process_autograd(swarm, tmp_path):
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
 
 
+def test_a_stage_that_passes_only_integers_on_still_finishes_its_backward(swarm, tmp_path):
+    """Cut after the position ids (nodes 0-3: token ids and integer arithmetic): no gradient flows
+    back into the first stage, yet it must hear that its backward is done (it once waited out the
+    deadline for a gradient message that never came); the gradients still match autograd."""
+    spec = small_spec()
+    dump = tmp_path / "grads.safetensors"
+    _result, events = run_job(swarm, spec, stages=2, bounds=[0, 4, 103], dump_grads=str(dump))
+    plan = next(e for e in events if e["type"] == "plan")
+    assert [(s["lo"], s["hi"]) for s in plan["stages"]] == [(0, 4), (4, 103)]
+    got = load_file(str(dump))
+    model = build_job_model(spec)
+    for x, y in BatchSource.from_spec(spec, 32).microbatches(0, spec.micro_batches):
+        (lm_loss(model(x), y) * loss_scale(x.size(0), spec.batch_size)).backward()
+    for name, p in model.named_parameters():
+        assert (got[name] - p.grad).norm() / p.grad.norm().clamp_min(1e-12) < 1e-5, name
+    with pytest.raises(Exception, match="bounds"):
+        run_job(swarm, spec, stages=2, bounds=[0, 103])
+
+
 def test_training_follows_the_single_process_loss_curve(swarm, tmp_path):
     steps = 30 if not os.environ.get("FUSIONNODE_LONG") else 50
     spec = small_spec(steps=steps, grad_clip=1.0, metrics_out=str(tmp_path / "m.jsonl"))

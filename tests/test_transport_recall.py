@@ -30,6 +30,21 @@ async def _pair() -> tuple[list, list]:
     return p2ps, ts
 
 
+async def _close(p2ps: list, ts: tuple) -> None:
+    for t in ts:
+        await t.close()
+    for p in p2ps:
+        await p.shutdown()
+
+
+async def _until(cond, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def test_an_unanswered_step_is_fetched_not_rerun():
     async def main():
         p2ps, (a, b) = await _pair()
@@ -59,10 +74,7 @@ def test_an_unanswered_step_is_fetched_not_rerun():
             with pytest.raises(PeerError, match="no such stage"):
                 await Driver._call_or_recall(driver, b.peer_id, "job.refuse", "job.step_result", args, 10)
         finally:
-            for t in (a, b):
-                await t.close()
-            for p in p2ps:
-                await p.shutdown()
+            await _close(p2ps, (a, b))
 
     asyncio.run(main())
 
@@ -100,25 +112,16 @@ def test_a_broken_data_stream_loses_nothing_and_duplicates_nothing():
             writer.close()
             for i in range(6, 10):
                 await a.send(b.peer_id, _tmsg(i))
-            for _ in range(500):
-                if len(got) >= 10 and not a._unacked[b.peer_id]:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(got) >= 10 and not a._unacked[b.peer_id], "10 messages acknowledged")
             assert got == list(range(10))
             assert a.resent[b.peer_id] >= 1 and not a._unacked[b.peer_id]
             # a copy of a delivered message (its ack lost) is skipped: replay the whole history
             a._unacked[b.peer_id].extend([[k, _tmsg(k), 1, 0] for k in range(10)])
             a._drop_out(b.peer_id)
             await a.send(b.peer_id, _tmsg(10))
-            for _ in range(500):
-                if len(got) >= 11 and not a._unacked[b.peer_id]:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: len(got) >= 11 and not a._unacked[b.peer_id], "11 messages acknowledged")
             assert got == list(range(11))
         finally:
-            for t in (a, b):
-                await t.close()
-            for p in p2ps:
-                await p.shutdown()
+            await _close(p2ps, (a, b))
 
     asyncio.run(main())

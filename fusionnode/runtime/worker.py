@@ -691,7 +691,8 @@ class WorkerService:
             in_grads = await loop.run_in_executor(self.executor, run)
             await self._debug_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * mb_rows(leaves))
             compute_s += time.perf_counter() - t0
-            if not sj.is_first and in_grads:
+            if not sj.is_first:  # even with no gradient (only integer tensors came in): the previous
+                # stage waits for this message to finish its backward
                 send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)
 
         # 1F1B: warm up with forwards, then alternate, then drain the backwards

@@ -329,9 +329,11 @@ class Driver:
         n_stages: int,
         replicas: int,
         shares: list[int] | None = None,
+        bounds: list[int] | None = None,
     ) -> list[Pipeline]:
         """`replicas` pipelines of `n_stages` stages each over the first workers; the batch is shared
-        evenly, or by `shares` (samples per replica, summing to the batch size)."""
+        evenly, or by `shares` (samples per replica, summing to the batch size); the operators are
+        split to balance FLOPs, or at `bounds` (n_stages + 1 operator indices from 0 to the count)."""
         if replicas < 1 or n_stages < 1:
             raise PlanError("need at least one pipeline of at least one stage")
         if replicas * n_stages > len(workers):
@@ -355,7 +357,17 @@ class Driver:
             raise ConfigError(
                 f"batch shares {bad} do not split into {spec.micro_batches} equal micro-batches"
             )
-        bounds = balanced_bounds(flops, n_stages)
+        if bounds is None:
+            bounds = balanced_bounds(flops, n_stages)
+        elif (
+            len(bounds) != n_stages + 1
+            or bounds[0] != 0
+            or bounds[-1] != len(flops)
+            or any(b <= a for a, b in itertools.pairwise(bounds))
+        ):
+            raise ConfigError(
+                f"bounds {bounds} must be {n_stages + 1} increasing operator indices from 0 to {len(flops)}"
+            )
         out, first = [], 0
         for r in range(replicas):
             out.append(
@@ -520,7 +532,9 @@ class Driver:
                 host_index: dict[str, int] = {}
                 if strategy == "simple":
                     n_stages = max(1, min(n_stages, len(workers) // replicas))
-                    job.pipelines = self._layout(spec, flops, workers, n_stages, replicas, shares)
+                    job.pipelines = self._layout(
+                        spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
+                    )
                     if job.offload:
                         job.hosts = await self._pick_hosts(params, workers)
                 else:
