@@ -73,6 +73,19 @@ def test_an_unanswered_step_is_fetched_not_rerun():
             # a refusal is an answer: not asked again
             with pytest.raises(PeerError, match="no such stage"):
                 await Driver._call_or_recall(driver, b.peer_id, "job.refuse", "job.step_result", args, 10)
+            # an idempotent call is simply made again, once
+            flaky: list[int] = []
+
+            async def read(args, sender):
+                flaky.append(1)
+                if len(flaky) % 2:
+                    raise asyncio.CancelledError
+                return {"value": 42}
+
+            b.add_rpc("opt.read", read)
+            assert await a.call(b.peer_id, "opt.read", {}, timeout=10, idempotent=True) == {"value": 42}
+            with pytest.raises(PeerError, match="unanswered"):
+                await a.call(b.peer_id, "opt.read", {}, timeout=10)
         finally:
             await _close(p2ps, (a, b))
 
@@ -125,3 +138,14 @@ def test_a_broken_data_stream_loses_nothing_and_duplicates_nothing():
             await _close(p2ps, (a, b))
 
     asyncio.run(main())
+
+
+def test_unanswered_is_about_this_call_only():
+    from fusionnode.runtime.transport import unanswered
+
+    direct = PeerError("peer QmX… closed the 'job.step' call unanswered (a stream reset, ...)")
+    nested = PeerError(
+        "peer QmX… refused 'job.step': PeerError: peer QmY… closed the 'opt.pull' call unanswered (...)"
+    )
+    assert unanswered(direct, "job.step") and not unanswered(direct, "job.commit")
+    assert not unanswered(nested, "job.step") and not unanswered(nested, "opt.pull")

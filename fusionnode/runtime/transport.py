@@ -60,6 +60,20 @@ RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
 
+UNANSWERED = "call unanswered"  # in the error of a call whose stream closed before its reply
+
+
+def unanswered(exc: BaseException, method: str) -> bool:
+    """Whether `exc` says that this very call closed unanswered (not a refusal quoting another call
+    the peer made in turn that did)."""
+    head = str(exc).split(" (", 1)[0]
+    return (
+        head.startswith("peer ")
+        and " refused " not in head
+        and head.endswith(f"closed the {method!r} {UNANSWERED}")
+    )
+
+
 def message_key(msg: TensorMessage) -> tuple:
     m = msg.meta
     return (
@@ -215,20 +229,34 @@ class Transport:
         self._rpc[method] = handler
 
     async def call(
-        self, peer_id: str, method: str, args: dict[str, Any] | None = None, timeout: float | None = None
+        self,
+        peer_id: str,
+        method: str,
+        args: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        *,
+        idempotent: bool = False,
     ) -> dict[str, Any]:
+        """Calls `method` on a peer. `idempotent`: the call may run twice without harm, so when its
+        stream closes before the reply (a rare libp2p stream reset) it is made once more."""
         timeout = timeout or self.rpc_timeout
         if peer_id == self.peer_id:
             handler = self._rpc.get(method)
             if handler is None:
                 raise PeerError(f"no RPC {method!r} here")
             return await asyncio.wait_for(handler(args or {}, self.peer_id), timeout)
-        try:
-            return await asyncio.wait_for(self._call_remote(peer_id, method, args or {}), timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineError(
-                f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s"
-            ) from None
+        for attempt in (0, 1):
+            try:
+                return await asyncio.wait_for(self._call_remote(peer_id, method, args or {}), timeout)
+            except asyncio.TimeoutError:
+                raise DeadlineError(
+                    f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s"
+                ) from None
+            except PeerError as exc:
+                if not (idempotent and attempt == 0 and unanswered(exc, method)):
+                    raise
+                logger.warning("%s; calling again", exc)
+        raise AssertionError("unreachable")
 
     async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
         from hivemind.p2p import PeerID
@@ -251,8 +279,8 @@ class Transport:
         except ProtocolError as exc:
             if "truncated" in str(exc):  # a private swarm closes unanswered on peers without its key
                 raise PeerError(
-                    f"peer {peer_id[:12]}… closed the {method!r} call unanswered "
-                    "(a private swarm whose key this peer lacks, or a rate limit)"
+                    f"peer {peer_id[:12]}… closed the {method!r} {UNANSWERED} "
+                    "(a stream reset, a private swarm whose key this peer lacks, or a rate limit)"
                 ) from exc
             raise
         finally:

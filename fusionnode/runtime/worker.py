@@ -422,6 +422,7 @@ class WorkerService:
                 "opt.pull",
                 {"job": sj.job, "names": names, "tag": step, "stage": sj.stage},
                 timeout=timeout,
+                idempotent=True,  # a read: at worst its parameters arrive twice
             )
             hidx = off["host_index"][names[0]]
             got: dict[str, torch.Tensor] = {}

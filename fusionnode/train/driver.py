@@ -1031,12 +1031,12 @@ class Driver:
         phases["optimizer_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         commits = {
-            ("commit", a["stage"]): self._call_or_recall(
+            ("commit", a["stage"]): self.t.call(
                 a["peer"],
                 "job.commit",
-                "job.commit",  # idempotent: a commit already applied answers so
                 {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
                 timeout=timeout,
+                idempotent=True,  # a commit already applied answers so
             )
             for a in stage_args
         }
@@ -1059,12 +1059,12 @@ class Driver:
         """A call whose stream may close before its reply (a rare libp2p stream reset, with the peer
         alive and the work done): then asks once more with `again`, which returns the same result
         without redoing the work (`job.step_result`, or an idempotent method)."""
-        from fusionnode.train.rebalance import TRANSIENT_MARK
+        from fusionnode.runtime.transport import unanswered
 
         try:
             return await self.t.call(peer, method, args, timeout=timeout)
         except PeerError as exc:
-            if TRANSIENT_MARK not in str(exc):
+            if not unanswered(exc, method):
                 raise
             logger.warning("%s: %s; asking again with %s", method, exc, again)
             return await self.t.call(peer, again, args, timeout=timeout)
@@ -1453,7 +1453,11 @@ class Driver:
         ready = await asyncio.gather(
             *(
                 self.t.call(
-                    h, "opt.ready", {"job": jid, "step": ostep}, timeout=self.config.step_timeout_s + 5
+                    h,
+                    "opt.ready",
+                    {"job": jid, "step": ostep},
+                    timeout=self.config.step_timeout_s + 5,
+                    idempotent=True,
                 )
                 for h in job.hosts
             )
@@ -1550,6 +1554,7 @@ class Driver:
                 "opt.pull",
                 {"job": job.spec.job_id, "names": names, "tag": tag, "stage": -1},
                 timeout=self.config.step_timeout_s,
+                idempotent=True,
             )
             for idx in range(int(res["count"])):
                 msg, src = await self.t.mailbox.get(
