@@ -1476,6 +1476,7 @@ class Driver:
                     "opt.apply",
                     {"job": jid, "step": ostep, "lr": lr, "clip_coef": clip, "force": not r["complete"]},
                     timeout=self.config.step_timeout_s,
+                    idempotent=True,  # a host re-applying an applied step answers with the earlier result
                 )
                 for h, r in zip(job.hosts, ready, strict=True)
             )
