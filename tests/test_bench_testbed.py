@@ -83,9 +83,13 @@ def test_mb_rows():
     assert mb_rows({}) == 0
 
 
-def test_bad_headroom_is_refused(capsys):
+def test_bad_arguments_are_refused(capsys):
     assert testbed.main(["--headroom", "0.5"]) == 2
     assert "--headroom" in capsys.readouterr().err
+    assert testbed.main(["--configs", "baseline,turbo"]) == 2
+    assert "turbo" in capsys.readouterr().err
+    assert testbed.main(["--steps", "0"]) == 2
+    assert "--steps" in capsys.readouterr().err
 
 
 @pytest.mark.e2e

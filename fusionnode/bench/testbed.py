@@ -83,11 +83,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="how links are emulated (auto: netns when root and iproute2 are there)",
     )
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=12, help="training steps per configuration (default 12)")
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians (default 3)")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per step (default 16)")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     p.add_argument(
         "--calibration-steps",
         type=int,
@@ -102,7 +102,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(>= 1; the real compute and the peers' traffic must fit in the pace)",
     )
     p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS), help="which configurations to run")
-    p.add_argument("--out", default="testbed-results", help="directory for results.json and testbed.png")
+    p.add_argument(
+        "--out",
+        default="testbed-results",
+        help="directory for results.json (the table), runs.json (every step) and testbed.png",
+    )
     return p.parse_args(argv)
 
 
@@ -533,6 +537,20 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = [x for x in args.configs.split(",") if x.strip() and x.strip() not in {c[0] for c in CONFIGS}]
+    if unknown:
+        print(
+            f"fusionnode bench testbed: unknown configuration(s) {unknown}; choose from "
+            f"{', '.join(c[0] for c in CONFIGS)}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.steps < 1 or args.warmup < 0 or args.calibration_steps < 0:
+        print(
+            "fusionnode bench testbed: --steps must be >= 1, --warmup and --calibration-steps >= 0",
+            file=sys.stderr,
+        )
+        return 2
     if not args.headroom >= 1.0:
         print(f"fusionnode bench testbed: --headroom must be >= 1, got {args.headroom}", file=sys.stderr)
         return 2
