@@ -149,3 +149,25 @@ def test_unanswered_is_about_this_call_only():
     )
     assert unanswered(direct, "job.step") and not unanswered(direct, "job.commit")
     assert not unanswered(nested, "job.step") and not unanswered(nested, "opt.pull")
+
+
+def test_a_peer_that_never_acknowledges_cannot_make_us_hold_everything(monkeypatch):
+    from fusionnode.runtime import transport as T
+
+    monkeypatch.setattr(T, "MAX_UNACKED", 3)
+
+    async def main():
+        p2ps, (a, b) = await _pair()
+        try:
+            b._delivered.clear()
+            real = T.ACK  # the receiver writes no acknowledgements
+            monkeypatch.setattr(
+                T, "ACK", types.SimpleNamespace(pack=lambda seq: b"", size=real.size, unpack=real.unpack)
+            )
+            for i in range(6):
+                await a.send(b.peer_id, _tmsg(i))
+            assert [e[0] for e in a._unacked[b.peer_id]] == [3, 4, 5]
+        finally:
+            await _close(p2ps, (a, b))
+
+    asyncio.run(main())

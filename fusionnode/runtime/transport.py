@@ -50,6 +50,8 @@ DATA_OPEN_METHOD = "data.open"  # the Call that opens a data stream: {"session":
 ACK = struct.Struct(">Q")  # a data stream's acknowledgement: the sequence number delivered
 MAX_RESENDS = 3  # times a message is written again on a new stream before it is given up
 MAX_SESSIONS = 4096  # senders' sessions whose last delivered sequence number a receiver remembers
+MAX_UNACKED = 1024  # messages per receiver kept for a resend; beyond, the oldest are let go (a peer
+# that never acknowledges cannot make us hold everything we ever sent it)
 MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
 MAX_PENDING_TOTAL = 16384  # messages waiting across all job ids (a peer may invent job ids)
 PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
@@ -368,6 +370,8 @@ class Transport:
             entry = [self._next_seq[peer_id], msg, 0, 0]  # seq, message, times written, bytes
             self._next_seq[peer_id] += 1
             pending.append(entry)
+            while len(pending) > MAX_UNACKED:
+                pending.popleft()
             t0 = time.perf_counter()
             for attempt in (0, 1):
                 try:
