@@ -20,7 +20,14 @@ import numpy as np
 import torch
 
 from fusionnode.errors import ProtocolError
-from fusionnode.wire.codec_api import DTYPE_NAMES, DTYPES, EncodedTensor, register_codec
+from fusionnode.wire.codec_api import (
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_DTYPES,
+    EncodedTensor,
+    check_float_header,
+    register_codec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +37,6 @@ BITS: dict[str, int] = {"q8": 8, "q4": 4}
 SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16}
 SCALE_BYTES: dict[str, int] = {"float32": 4, "float16": 2}
 DEFAULT_SCALE_DTYPE = "float32"  # float16 scales underflow for small gradients (< 6e-8 * 127)
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 PARAM_KEYS = frozenset({"v", "row_len", "scale"})
 _LITTLE = sys.byteorder == "little"
 _CHUNK_ELEMENTS = 1 << 16  # elements quantized per pass (256 KiB of float32 temporaries)
@@ -135,18 +141,8 @@ class QuantCodec:
     def decode(self, enc: EncodedTensor, max_elements: int) -> torch.Tensor:
         """Validate everything (raising ProtocolError) and return the dense tensor."""
         name = self.name
-        if enc.codec != name:
-            raise ProtocolError(f"{name} decoder given codec {enc.codec!r}")
-        if enc.dtype not in FLOAT_DTYPES:
-            raise ProtocolError(f"{name} tensor dtype must be one of {FLOAT_DTYPES}, got {enc.dtype!r}")
+        numel = check_float_header(enc, name, max_elements)
         shape = enc.shape
-        if not isinstance(shape, (tuple, list)) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise ProtocolError(f"{name} shape must be non-negative ints, got {shape!r}")
-        numel = math.prod(shape)
-        if numel > max_elements:
-            raise ProtocolError(f"{name} tensor of {numel} elements exceeds the limit of {max_elements}")
         params = enc.params
         if not isinstance(params, dict) or set(params) != PARAM_KEYS:
             keys = sorted(params) if isinstance(params, dict) else type(params).__name__

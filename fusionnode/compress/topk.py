@@ -30,7 +30,14 @@ import numpy as np
 import torch
 
 from fusionnode.errors import ProtocolError
-from fusionnode.wire.codec_api import DTYPE_NAMES, DTYPES, EncodedTensor, register_codec
+from fusionnode.wire.codec_api import (
+    DTYPE_NAMES,
+    DTYPES,
+    FLOAT_DTYPES,
+    EncodedTensor,
+    check_float_header,
+    register_codec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,6 @@ INDEX_LISTS: dict[str, tuple[int, str]] = {
 BITMAP = "bitmap"
 INDEX_ENCODINGS = (*INDEX_LISTS, BITMAP)
 # floating dtypes the codec accepts (the decoded tensor gets this dtype back)
-FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 PARAM_KEYS = frozenset({"v", "mode", "k", "ratio", "index", "values", "row_len", "center"})
 
 FLOAT16_MAX = 65504.0  # largest finite float16; larger finite kept values saturate to it
@@ -334,18 +340,8 @@ class TopKCodec:
 
 
 def _validated_params(enc: EncodedTensor, max_elements: int) -> dict[str, Any]:
-    if enc.codec != CODEC_NAME:
-        raise ProtocolError(f"topk decoder given codec {enc.codec!r}")
-    if enc.dtype not in FLOAT_DTYPES:
-        raise ProtocolError(f"topk tensor dtype must be one of {FLOAT_DTYPES}, got {enc.dtype!r}")
+    numel = check_float_header(enc, CODEC_NAME, max_elements)
     shape = enc.shape
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-    ):
-        raise ProtocolError(f"topk shape must be non-negative ints, got {shape!r}")
-    numel = math.prod(shape)
-    if numel > max_elements:
-        raise ProtocolError(f"topk tensor of {numel} elements exceeds the limit of {max_elements}")
     params = enc.params
     if not isinstance(params, dict):
         raise ProtocolError("topk params must be a map")

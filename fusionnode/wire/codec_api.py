@@ -10,6 +10,7 @@ allocating more than the limits allow.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +31,25 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a lossy codec may carry
+
+
+def check_float_header(enc: EncodedTensor, name: str, max_elements: int) -> int:
+    """A lossy codec's first checks: its codec name, a float dtype, a shape of non-negative ints
+    within `max_elements`. Returns the element count; raises ProtocolError."""
+    if enc.codec != name:
+        raise ProtocolError(f"{name} decoder given codec {enc.codec!r}")
+    if enc.dtype not in FLOAT_DTYPES:
+        raise ProtocolError(f"{name} tensor dtype must be one of {FLOAT_DTYPES}, got {enc.dtype!r}")
+    shape = enc.shape
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+    ):
+        raise ProtocolError(f"{name} shape must be non-negative ints, got {shape!r}")
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise ProtocolError(f"{name} tensor of {numel} elements exceeds the limit of {max_elements}")
+    return numel
 
 
 @dataclasses.dataclass(frozen=True)
