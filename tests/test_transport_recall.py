@@ -11,7 +11,6 @@ from hivemind.p2p import P2P
 
 from fusionnode.errors import PeerError
 from fusionnode.runtime.transport import Transport
-from fusionnode.train.driver import Driver
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -64,15 +63,14 @@ def test_an_unanswered_step_is_fetched_not_rerun():
             b.add_rpc("job.step", step)
             b.add_rpc("job.step_result", step_result)
             b.add_rpc("job.refuse", refuse)
-            driver = types.SimpleNamespace(t=a)
             args = {"job": "j", "stage": 0, "step": 7}
             with pytest.raises(PeerError, match="unanswered"):
                 await a.call(b.peer_id, "job.step", args, timeout=10)
-            got = await Driver._call_or_recall(driver, b.peer_id, "job.step", "job.step_result", args, 10)
+            got = await a.call(b.peer_id, "job.step", args, timeout=10, recall="job.step_result")
             assert got == {"report": 7, "runs": 2}  # asked again, the step itself did not run a third time
             # a refusal is an answer: not asked again
             with pytest.raises(PeerError, match="no such stage"):
-                await Driver._call_or_recall(driver, b.peer_id, "job.refuse", "job.step_result", args, 10)
+                await a.call(b.peer_id, "job.refuse", args, timeout=10, recall="job.step_result")
             # an idempotent call is simply made again, once
             flaky: list[int] = []
 

@@ -238,26 +238,32 @@ class Transport:
         timeout: float | None = None,
         *,
         idempotent: bool = False,
+        recall: str | None = None,
     ) -> dict[str, Any]:
-        """Calls `method` on a peer. `idempotent`: the call may run twice without harm, so when its
-        stream closes before the reply (a rare libp2p stream reset) it is made once more."""
+        """Calls `method` on a peer. When the call's stream closes before its reply (a rare libp2p
+        stream reset, the peer alive and its work done), it asks once more: the same method if it is
+        `idempotent` (runs twice without harm), else `recall`, a method that returns the result of the
+        work already done (say `job.step_result` for `job.step`); with neither, it raises."""
         timeout = timeout or self.rpc_timeout
         if peer_id == self.peer_id:
             handler = self._rpc.get(method)
             if handler is None:
                 raise PeerError(f"no RPC {method!r} here")
             return await asyncio.wait_for(handler(args or {}, self.peer_id), timeout)
+        again = method if idempotent else recall
+        name = method
         for attempt in (0, 1):
             try:
-                return await asyncio.wait_for(self._call_remote(peer_id, method, args or {}), timeout)
+                return await asyncio.wait_for(self._call_remote(peer_id, name, args or {}), timeout)
             except asyncio.TimeoutError:
                 raise DeadlineError(
-                    f"peer {peer_id[:12]}… did not answer {method!r} within {timeout:.0f} s"
+                    f"peer {peer_id[:12]}… did not answer {name!r} within {timeout:.0f} s"
                 ) from None
             except PeerError as exc:
-                if not (idempotent and attempt == 0 and unanswered(exc, method)):
+                if not (again and attempt == 0 and unanswered(exc, method)):
                     raise
-                logger.warning("%s; calling again", exc)
+                logger.warning("%s; asking again with %s", exc, again)
+                name = again
         raise AssertionError("unreachable")
 
     async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -982,10 +982,9 @@ class Driver:
         )
         calls = {
             **{
-                ("step", a["stage"]): self._call_or_recall(
+                ("step", a["stage"]): self.t.call(
                     a["peer"],
                     "job.step",
-                    "job.step_result",
                     {
                         "job": jid,
                         "stage": a["stage"],
@@ -995,6 +994,7 @@ class Driver:
                         "target_time_s": run.target_time_s,
                     },
                     timeout=timeout * 2,
+                    recall="job.step_result",  # a reply lost to a stream reset: fetch it, the step ran
                 )
                 for a in stage_args
             },
@@ -1052,22 +1052,6 @@ class Driver:
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
-
-    async def _call_or_recall(
-        self, peer: str, method: str, again: str, args: dict[str, Any], timeout: float
-    ) -> dict[str, Any]:
-        """A call whose stream may close before its reply (a rare libp2p stream reset, with the peer
-        alive and the work done): then asks once more with `again`, which returns the same result
-        without redoing the work (`job.step_result`, or an idempotent method)."""
-        from fusionnode.runtime.transport import unanswered
-
-        try:
-            return await self.t.call(peer, method, args, timeout=timeout)
-        except PeerError as exc:
-            if not unanswered(exc, method):
-                raise
-            logger.warning("%s: %s; asking again with %s", method, exc, again)
-            return await self.t.call(peer, again, args, timeout=timeout)
 
     async def _gather_or_fail(
         self, job: Job, run: _Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]

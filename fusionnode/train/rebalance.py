@@ -25,6 +25,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fusionnode.runtime.transport import UNANSWERED
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_GAIN = 0.25  # relative step-time improvement below which a re-plan is not worth it
@@ -32,7 +34,7 @@ DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
 DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
 MAX_BAN_S = 600.0  # seconds: the longest ban
 LEAVING_MARK = "this peer is leaving"  # text of a worker's refusal while it drains
-TRANSIENT_MARK = "call unanswered"  # a live peer closed a call (its per-peer limits): not a failure
+TRANSIENT_MARK = UNANSWERED  # a live peer closed a call (a stream reset, its per-peer limits): not a failure
 
 
 @dataclass(frozen=True)
