@@ -21,11 +21,10 @@ import torch
 
 from fusionnode.errors import ProtocolError
 from fusionnode.wire.codec_api import (
-    DTYPE_NAMES,
     DTYPES,
-    FLOAT_DTYPES,
     EncodedTensor,
     check_float_header,
+    float_input,
     register_codec,
 )
 
@@ -82,13 +81,7 @@ class QuantCodec:
             raise ValueError(f"unknown {self.name} options {sorted(options)}")
         if scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {sorted(SCALE_DTYPES)}, got {scale_dtype!r}")
-        dtype_name = DTYPE_NAMES.get(tensor.dtype)
-        if dtype_name not in FLOAT_DTYPES:
-            raise ValueError(f"{self.name} encodes floating tensors only, got {tensor.dtype}")
-        x = tensor.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        shape = tuple(int(s) for s in x.shape)
+        dtype_name, x, shape = float_input(tensor, self.name)
         rows, row_len = quant_rows(shape)
         params = {"v": FORMAT_VERSION, "row_len": row_len, "scale": scale_dtype}
         if rows == 0:

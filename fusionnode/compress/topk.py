@@ -31,11 +31,10 @@ import torch
 
 from fusionnode.errors import ProtocolError
 from fusionnode.wire.codec_api import (
-    DTYPE_NAMES,
     DTYPES,
-    FLOAT_DTYPES,
     EncodedTensor,
     check_float_header,
+    float_input,
     register_codec,
 )
 
@@ -235,13 +234,7 @@ class TopKCodec:
             raise ValueError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {value_dtype!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        dtype_name = DTYPE_NAMES.get(tensor.dtype)
-        if dtype_name not in FLOAT_DTYPES:
-            raise ValueError(f"topk encodes floating tensors only, got {tensor.dtype}")
-        x = tensor.detach()
-        if x.device.type != "cpu":
-            x = x.cpu()
-        shape = tuple(int(s) for s in x.shape)
+        dtype_name, x, shape = float_input(tensor, CODEC_NAME)
         flat = x.reshape(-1)
         numel = flat.numel()
         if mode == "row" and x.dim() == 0:

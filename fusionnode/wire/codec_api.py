@@ -34,6 +34,18 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")  # what a lossy codec may carry
 
 
+def float_input(tensor: torch.Tensor, name: str) -> tuple[str, torch.Tensor, tuple[int, ...]]:
+    """A lossy codec's input: (dtype name, the tensor detached on the CPU, its shape). Raises
+    ValueError for a tensor that is not floating point."""
+    dtype_name = DTYPE_NAMES.get(tensor.dtype)
+    if dtype_name not in FLOAT_DTYPES:
+        raise ValueError(f"{name} encodes floating tensors only, got {tensor.dtype}")
+    x = tensor.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    return dtype_name, x, tuple(int(s) for s in x.shape)
+
+
 def check_float_header(enc: EncodedTensor, name: str, max_elements: int) -> int:
     """A lossy codec's first checks: its codec name, a float dtype, a shape of non-negative ints
     within `max_elements`. Returns the element count; raises ProtocolError."""
