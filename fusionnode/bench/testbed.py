@@ -57,7 +57,7 @@ from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
 
 CONFIGS = [
     ("baseline", {"planner": "even", "offload": "off"}, "none"),
-    ("planner", {"planner": "fusion", "offload": "auto"}, "none"),
+    ("planner", {"planner": "fusion", "offload": "on"}, "none"),  # the driver's choice for a planned job
     ("adatopk", {"planner": "even", "offload": "off"}, "adatopk"),
     ("fusionnode", {"planner": "fusion", "offload": "on"}, "adatopk"),
 ]
@@ -385,12 +385,15 @@ def bench_cluster(
             bed.limit_links(c.bandwidth_bps)
         # emulated device speeds: the fastest at this machine's fair share of a core / headroom
         fastest = max(d.tflops for d in c.devices)
-        top = measured_speed(args.seq_len) * min(1.0, (os.cpu_count() or 1) / n) / args.headroom
+        top = args.machine_tflops * min(1.0, (os.cpu_count() or 1) / n) / args.headroom
         paced = [top * d.tflops / fastest for d in c.devices]
         bed.pace(paced)
         # the planner is told those speeds (the estimator takes a device's advertised TFLOP/s at
         # DEFAULT_EFFICIENCY; the calibration runs below then replace them with what was achieved)
         doc = peer_cluster(path, bed.peer_ids, [v / DEFAULT_EFFICIENCY for v in paced])
+
+        def record(config: str, run: dict[str, Any]) -> None:
+            raw.append({"cluster": c.name, "config": config, "plan": run["plan"], "steps": run["steps"]})
 
         def job(steps: int, compress: str) -> Any:
             return JobSpec(
@@ -435,14 +438,7 @@ def bench_cluster(
             for what, params in calibrations:
                 print(f"[{c.name}] calibrating: {what} ...", file=sys.stderr, flush=True)
                 calib[what] = run_config(bed.controls[0], job(args.calibration_steps, "none"), params)
-                raw.append(
-                    {
-                        "cluster": c.name,
-                        "config": f"calibration-{what}",
-                        "plan": calib[what]["plan"],
-                        "steps": calib[what]["steps"],
-                    }
-                )
+                record(f"calibration-{what}", calib[what])
             overhead = {
                 False: step_overhead(calib["overhead-local"], args.warmup),
                 True: step_overhead(calib["overhead-offload"], args.warmup),
@@ -460,15 +456,14 @@ def bench_cluster(
             if name not in wanted:
                 continue
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
-            offload = params["planner"] != "even" or params["offload"] == "on"
-            planned = {**doc, "step_overhead_ms": overhead[offload] * 1e3}
+            planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
             run = run_config(
                 bed.controls[0],
                 job(args.steps, compress),
                 {**params, "cluster": planned, "peers": bed.peer_ids},
             )
             rows.append(summarize(name, run, args.warmup))
-            raw.append({"cluster": c.name, "config": name, "plan": run["plan"], "steps": run["steps"]})
+            record(name, run)
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
         base = next((r for r in rows if r["config"] == "baseline"), None)
         for r in rows:
@@ -567,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         network = "netns" if ok else "userspace"
+    args.machine_tflops = measured_speed(args.seq_len)  # once: every testbed paces from the same figure
     raw: list[dict[str, Any]] = []
     results = [bench_cluster(c, args, network, raw) for c in (args.cluster or DEFAULT_CLUSTERS)]
     out = Path(args.out)
