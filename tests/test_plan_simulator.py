@@ -79,6 +79,7 @@ def test_closed_form_pipeline_time_tracks_simulator():
             micro_batch_size=1,
             compute_s=tuple(c),
             comm_s=(*(2 * (a + b) for a, b in zip(lat, ser, strict=True)), 0.0),
+            serial_s=(*ser, 0.0),
             ratios=(1.0,) * s,
             memory_bytes=(0.0,) * s,
             param_bytes=(0.0,) * s,

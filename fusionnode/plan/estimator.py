@@ -139,11 +139,11 @@ class PipelineCost:
     micro_batch_size: int
     compute_s: tuple[float, ...]  # fwd + bwd per micro-batch, per stage
     comm_s: tuple[float, ...]  # outgoing link fwd + bwd per micro-batch (0 for the last stage)
+    serial_s: tuple[float, ...]  # the outgoing link's slower direction per micro-batch (0 for the last)
     ratios: tuple[float, ...]  # keep-ratio of each outgoing link (1.0 for the last stage)
     memory_bytes: tuple[float, ...]
     param_bytes: tuple[float, ...]
     fits: bool  # every stage within its device's usable memory
-    serial_s: tuple[float, ...] | None = None  # the outgoing link's slower direction per micro-batch
 
     @property
     def stages(self) -> int:
@@ -162,8 +162,7 @@ class PipelineCost:
         s = self.stages
         tail = np.cumsum(np.asarray(self.compute_s[::-1]) + np.asarray(self.comm_s[::-1]))[::-1]
         window = float(np.max(tail / np.arange(s, 0, -1)))
-        directions = self.serial_s if self.serial_s is not None else [x / 2.0 for x in self.comm_s]
-        return max(max(self.compute_s), max(directions), window, 1e-12)
+        return max(max(self.compute_s), max(self.serial_s), window, 1e-12)
 
     @functools.cached_property
     def fill_s(self) -> float:
