@@ -169,3 +169,30 @@ def test_a_peer_that_never_acknowledges_cannot_make_us_hold_everything(monkeypat
             await _close(p2ps, (a, b))
 
     asyncio.run(main())
+
+
+def test_a_repeated_offload_commit_starts_no_second_pull():
+    """An offloaded stage's commit starts the prefetch of the new parameters; the same commit asked
+    again (its reply lost) must not start another pull, which would race the first for its messages."""
+    from fusionnode.runtime.worker import WorkerService
+
+    pulls: list[int] = []
+
+    async def pull(sj, step):
+        pulls.append(step)
+
+    sj = types.SimpleNamespace(offload={"hosts": {}}, last_step=-1, pull_task=None)
+    w = types.SimpleNamespace(_get=lambda args, sender: sj, _pull=pull)
+
+    async def main():
+        args = {"job": "j", "stage": 1, "step": 7}
+        first = await WorkerService.rpc_commit(w, args, "driver")
+        again = await WorkerService.rpc_commit(w, args, "driver")
+        await sj.pull_task
+        assert first == {"applied": 7, "prefetching": True} and again["again"] is True
+        assert pulls == [7]
+        assert (await WorkerService.rpc_commit(w, {**args, "step": 8}, "driver"))["prefetching"]
+        await sj.pull_task
+        assert pulls == [7, 8]
+
+    asyncio.run(main())

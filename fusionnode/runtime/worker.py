@@ -519,13 +519,13 @@ class WorkerService:
     async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         sj = self._get(args, sender)
         step = int(args["step"])
+        if sj.last_step >= step:  # a retried commit whose first reply was lost: applied (or pulling) already
+            return {"applied": step, "again": True}
         if sj.offload:
             # the hosts applied the step: prefetch the new parameters while the driver prepares the next one
             sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
             sj.last_step = step
             return {"applied": step, "prefetching": True}
-        if sj.last_step >= step:  # a retried commit whose first reply was lost: applied already
-            return {"applied": step, "again": True}
         shared = sorted(sj.shared_names & set(sj.params))
         summed: dict[str, torch.Tensor] = {}
         if shared:
