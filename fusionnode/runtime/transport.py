@@ -450,13 +450,16 @@ class Transport:
                 peer_id[:12],
                 MAX_RESENDS,
             )
-        first = pending[0][0] if pending else self._next_seq[peer_id]
+        # the messages this stream carries first, taken with their first number at once: an older
+        # stream's acknowledgements may still drop some from `pending` while we write
+        entries = list(pending)
+        first = entries[0][0] if entries else self._next_seq[peer_id]
         await write_message(
             writer, Call(method=DATA_OPEN_METHOD, args={"session": self.session, "first": first})
         )
         self._out[peer_id] = (reader, writer)
         self._spawn(self._read_acks(peer_id, reader, writer))
-        for entry in list(pending):  # in order: the receiver numbers them from `first`
+        for entry in entries:  # in order: the receiver numbers them from `first`
             if entry[2] > 0:
                 self.resent[peer_id] += 1
             entry[3] = await self._write_data(peer_id, writer, entry[1])
