@@ -21,7 +21,9 @@ from fusionnode.config import (
     DEFAULT_RECORD_TTL,
     DEFAULT_STARTUP_TIMEOUT,
     NodeConfig,
+    add_network_arguments,
     default_state_dir,
+    network_options,
     parse_rate,
     parse_roles,
     parse_size,
@@ -169,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--announce", action="append", default=[], metavar="MADDR", help="addresses to advertise instead"
     )
+    add_network_arguments(p)
     p.add_argument(
         "--role", default="worker,optimizer", help="roles offered: worker, optimizer (default: both)"
     )
@@ -394,6 +397,7 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             idle_grace_s=args.idle_grace,
             egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
+            network=network_options(args),
         )
     except FusionNodeError as exc:
         parser.error(str(exc))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -23,6 +25,14 @@ DEFAULT_RPC_TIMEOUT = 30.0  # seconds for one control RPC between peers
 DEFAULT_STEP_TIMEOUT = 120.0  # seconds a pipeline stage waits for one message before declaring failure
 DEFAULT_LEASE = 60.0  # seconds a stage assignment lives without renewal by its driver
 ROLES = ("worker", "optimizer")
+# libp2p beyond the listen addresses (README "Network"; applied by fusionnode.swarm.libp2p)
+AUTO_CHOICES = ("auto", "on", "off")
+DHT_MODES = ("server", "client")
+DEFAULT_NAT_PORT_MAP = "auto"  # UPnP/NAT-PMP on the gateway: on unless every listen address is loopback
+DEFAULT_AUTONAT = "auto"  # AutoNAT (swarm peers dial back to say whether we are reachable): same rule
+DEFAULT_RELAY_CLIENT = True  # dial peers through circuit relays (sends nothing by itself)
+DEFAULT_RELAY_SERVICE = False  # relay other peers' traffic over this uplink (p2pd's own default is on)
+DEFAULT_DHT_MODE = "server"  # libp2p Kademlia: answer other peers' routing queries (hivemind's default)
 ENV_STATE_DIR = "FUSIONNODE_STATE_DIR"
 
 
@@ -90,6 +100,119 @@ def parse_roles(text: str | list[str]) -> tuple[str, ...]:
     return roles
 
 
+def is_loopback(maddr: str) -> bool:
+    """True for /ip4/127.x, /ip6/::1 and /dns*/localhost multiaddrs (their first address part)."""
+    parts = str(maddr).strip("/").split("/")
+    if len(parts) < 2:
+        return False
+    proto, value = parts[0], parts[1]
+    if proto in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(value).is_loopback
+        except ValueError:
+            return False
+    return proto in ("dns", "dns4", "dns6") and value == "localhost"
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkOptions:
+    """What the libp2p daemon may do beyond listening on its addresses. ``auto`` = on unless every
+    listen address is loopback: a home peer behind a router needs its port mapped to be dialable; a
+    loopback daemon (tests, demo, benchmarks) must send no packet off the machine."""
+
+    nat_port_map: str = DEFAULT_NAT_PORT_MAP  # "auto" | "on" | "off": UPnP and NAT-PMP toward the gateway
+    autonat: str = DEFAULT_AUTONAT  # "auto" | "on" | "off"
+    relay_client: bool = DEFAULT_RELAY_CLIENT
+    relay_service: bool = DEFAULT_RELAY_SERVICE
+    dht_mode: str = DEFAULT_DHT_MODE  # "server" | "client"
+
+    def __post_init__(self) -> None:
+        for name in ("nat_port_map", "autonat"):
+            if getattr(self, name) not in AUTO_CHOICES:
+                raise ConfigError(
+                    f"{name} must be one of {', '.join(AUTO_CHOICES)}, got {getattr(self, name)!r}"
+                )
+        if self.dht_mode not in DHT_MODES:
+            raise ConfigError(f"dht_mode must be one of {', '.join(DHT_MODES)}, got {self.dht_mode!r}")
+        if self.relay_service and not self.relay_client:
+            raise ConfigError(
+                "the relay service needs the relay client on (p2pd ties both to its -relay flag)"
+            )
+
+    def resolve(self, listen: tuple[str, ...] | list[str]) -> dict[str, bool | str]:
+        """The effective settings for these listen addresses."""
+        local = bool(listen) and all(is_loopback(a) for a in listen)
+
+        def on(value: str) -> bool:
+            return value == "on" or (value == "auto" and not local)
+
+        return {
+            "nat_port_map": on(self.nat_port_map),
+            "autonat": on(self.autonat),
+            "relay_client": self.relay_client,
+            "relay_service": self.relay_service,
+            "dht_mode": self.dht_mode,
+        }
+
+
+LOCAL_ONLY = NetworkOptions(nat_port_map="off", autonat="off", relay_service=False)
+# the same as `fusionnode join` flags: the demo, the benchmarks and the tests pass them explicitly
+LOCAL_JOIN_FLAGS = ("--nat-port-map", "off", "--autonat", "off", "--relay-service", "off")
+
+
+def add_network_arguments(p: argparse.ArgumentParser) -> None:
+    """`join`'s flags for what libp2p may do beyond the listen addresses (README "Network")."""
+    onoff = {True: "on", False: "off"}
+    p.add_argument(
+        "--nat-port-map",
+        choices=AUTO_CHOICES,
+        default=DEFAULT_NAT_PORT_MAP,
+        help="ask the router to forward the listen port (UPnP/SSDP multicast, NAT-PMP to the gateway) so "
+        "peers outside the home network can dial in; auto: on unless every --listen address is "
+        "loopback (default %(default)s)",
+    )
+    p.add_argument(
+        "--autonat",
+        choices=AUTO_CHOICES,
+        default=DEFAULT_AUTONAT,
+        help="AutoNAT: ask swarm peers to dial back to learn whether this peer is reachable; auto: on "
+        "unless every --listen address is loopback (default %(default)s)",
+    )
+    p.add_argument(
+        "--relay-client",
+        choices=["on", "off"],
+        default=onoff[DEFAULT_RELAY_CLIENT],
+        help="dial peers through libp2p circuit relays when they cannot be dialed directly (sends "
+        "nothing by itself; AutoRelay, reserving a relay slot for this peer, stays off) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--relay-service",
+        choices=["on", "off"],
+        default=onoff[DEFAULT_RELAY_SERVICE],
+        help="relay other peers' connections over this peer's uplink once it is publicly reachable "
+        "(p2pd's own default is on; FusionNode's is %(default)s); needs --relay-client on",
+    )
+    p.add_argument(
+        "--dht-mode",
+        choices=DHT_MODES,
+        default=DEFAULT_DHT_MODE,
+        help="libp2p DHT: server answers other peers' routing queries (so peers on one LAN find each "
+        "other), client only asks (default %(default)s)",
+    )
+
+
+def network_options(args: argparse.Namespace) -> NetworkOptions:
+    """The `NetworkOptions` of parsed `add_network_arguments` flags; ConfigError on a bad combination."""
+    return NetworkOptions(
+        nat_port_map=args.nat_port_map,
+        autonat=args.autonat,
+        relay_client=args.relay_client == "on",
+        relay_service=args.relay_service == "on",
+        dht_mode=args.dht_mode,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeConfig:
     state_dir: Path
@@ -117,6 +240,7 @@ class NodeConfig:
     dashboard: str | None = None  # "host:port" of the read-only dashboard and /metrics; None = off
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists
+    network: NetworkOptions = NetworkOptions()  # libp2p beyond the listen addresses
 
     def __post_init__(self) -> None:
         if self.record_ttl_s < 2 * self.heartbeat_s:

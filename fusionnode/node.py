@@ -121,6 +121,7 @@ class Node:
             startup_timeout=cfg.startup_timeout_s,
             announce=list(cfg.announce) or None,
             authorizer=DHTSwarmAuthorizer(key) if key is not None else None,
+            options=cfg.network,
         )
         t0 = time.monotonic()
         self.p2p = await self.dht.replicate_p2p()
@@ -224,6 +225,7 @@ class Node:
                 "maddrs": self.maddrs,
                 "control": str(self.config.control_path),
                 "dashboard": self.dashboard_url,
+                "libp2p": self.config.network.resolve(list(self.config.listen)),  # beyond the listen addrs
                 "pid": os.getpid(),
                 "version": fusionnode.__version__,
             }

@@ -16,10 +16,11 @@ from collections.abc import Callable
 import psutil
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.utils.multiaddr import Multiaddr
 
+from fusionnode.config import LOCAL_ONLY
 from fusionnode.errors import DaemonError, PeerError
 from fusionnode.optim.host import OptimizerHostService
 from fusionnode.optim.optimizers import job_optimizer_config
@@ -34,6 +35,7 @@ from fusionnode.security import (
     SwarmKey,
 )
 from fusionnode.swarm import load_or_create_identity, start_dht, stop_dht
+from fusionnode.swarm.libp2p import create_p2p
 from fusionnode.train.spec import JobSpec
 from fusionnode.wire.messages import Call, TensorMessage, encode_message
 
@@ -61,7 +63,7 @@ async def peers(*authorizers, peer_limits: PeerLimits | None = None):
     async with stack:
         first = None
         for auth in authorizers:
-            p2p = await P2P.create(initial_peers=first, host_maddrs=LOOPBACK, startup_timeout=30)
+            p2p = await create_p2p(LOOPBACK, first, options=LOCAL_ONLY, startup_timeout=30)
             stack.push_async_callback(p2p.shutdown)
             if first is None:
                 first = await p2p.get_visible_maddrs()

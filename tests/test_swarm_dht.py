@@ -10,11 +10,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
-from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.utils.timed_storage import get_dht_time
 
+from fusionnode.config import LOCAL_ONLY
 from fusionnode.errors import ConfigError, DaemonError
 from fusionnode.swarm import (
     Membership,
@@ -24,6 +24,7 @@ from fusionnode.swarm import (
     start_dht,
     stop_dht,
 )
+from fusionnode.swarm.libp2p import OptionsDHT
 from fusionnode.swarm.profile import DeviceProfile
 from fusionnode.swarm.records import MAX_RECORD_TTL, PEERS_KEY
 
@@ -203,7 +204,7 @@ def test_three_peers_find_each_other_probe_and_leave(tmp_path):
     asyncio.run(main())
 
 
-async def _stored_entries(_dht: DHT, node) -> dict[bytes, tuple[float, bytes]]:
+async def _stored_entries(_dht: OptionsDHT, node) -> dict[bytes, tuple[float, bytes]]:
     """Runs inside a DHT process: {subkey: (expiration, signed value bytes)} held under PEERS_KEY."""
     key_id = DHTID.generate(source=PEERS_KEY)
     entries = {}
@@ -223,7 +224,8 @@ def test_live_nodes_reject_forged_and_far_future_records(tmp_path):
         dht = await start_dht(honest, LOOPBACK, [])
         # the attacker runs modified software: it signs with its own key but skips the binding and schema checks
         evil = await asyncio.to_thread(
-            DHT,
+            OptionsDHT,
+            options=LOCAL_ONLY,
             initial_peers=[str(m) for m in dht.get_visible_maddrs()],
             start=True,
             host_maddrs=LOOPBACK,

@@ -7,10 +7,11 @@ import asyncio
 import types
 
 import pytest
-from hivemind.p2p import P2P
 
+from fusionnode.config import LOCAL_ONLY
 from fusionnode.errors import PeerError
 from fusionnode.runtime.transport import Transport
+from fusionnode.swarm.libp2p import create_p2p
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -19,7 +20,7 @@ async def _pair() -> tuple[list, list]:
     p2ps, ts = [], []
     first = None
     for _ in range(2):
-        p2p = await P2P.create(initial_peers=first, host_maddrs=LOOPBACK, startup_timeout=30)
+        p2p = await create_p2p(LOOPBACK, first, options=LOCAL_ONLY, startup_timeout=30)
         p2ps.append(p2p)
         if first is None:
             first = await p2p.get_visible_maddrs()

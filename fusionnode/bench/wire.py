@@ -206,16 +206,16 @@ async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: 
 async def _bench_p2p(
     total: int, chunk: int, repeats: int, msg: TensorMessage, frame_bytes: int, limits: Limits
 ) -> list[dict[str, Any]]:
-    from hivemind.p2p import P2P
+    from fusionnode.config import LOCAL_ONLY
+    from fusionnode.swarm.libp2p import create_p2p
 
     rows = []
+    loopback = ["/ip4/127.0.0.1/tcp/0"]
     async with contextlib.AsyncExitStack() as stack:
-        p2p_a = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=P2P_STARTUP_TIMEOUT)
+        p2p_a = await create_p2p(loopback, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
         stack.push_async_callback(p2p_a.shutdown)
         maddrs = await p2p_a.get_visible_maddrs()
-        p2p_b = await P2P.create(
-            initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], startup_timeout=P2P_STARTUP_TIMEOUT
-        )
+        p2p_b = await create_p2p(loopback, maddrs, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
         stack.push_async_callback(p2p_b.shutdown)
         for framed in (False, True):
             name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"

@@ -13,8 +13,10 @@ from hivemind.dht import DHT
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from fusionnode.config import LOCAL_ONLY, NetworkOptions
 from fusionnode.errors import ConfigError, DaemonError
 from fusionnode.swarm.identity import Identity
+from fusionnode.swarm.libp2p import OptionsDHT
 from fusionnode.swarm.records import make_validators
 
 logger = logging.getLogger(__name__)
@@ -47,8 +49,10 @@ def _start_blocking(
     startup_timeout: float,
     announce: list[str] | None,
     authorizer: Any = None,
+    options: NetworkOptions = LOCAL_ONLY,
 ) -> DHT:
-    dht = DHT(
+    dht = OptionsDHT(
+        options=options,
         initial_peers=initial_peers or None,
         start=True,
         await_ready=False,
@@ -87,13 +91,15 @@ async def start_dht(
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     announce: list[str] | None = None,
     authorizer: Any = None,
+    options: NetworkOptions = LOCAL_ONLY,
 ) -> DHT:
     """Start a DHT node (a forked process running p2pd) with this node's identity and record validators.
 
     Raises DaemonError if p2pd does not start, if none of ``initial_peers`` answers, or on timeout;
     ConfigError for malformed multiaddrs. Runs the blocking start in a thread so the loop stays live.
     ``authorizer`` (a `fusionnode.security.DHTSwarmAuthorizer`) makes every DHT RPC carry and require
-    the swarm MAC: a private swarm.
+    the swarm MAC: a private swarm. ``options``: what p2pd may do beyond listening (port mapping,
+    AutoNAT, relays, DHT mode); nothing unless told (`fusionnode.swarm.libp2p.LOCAL_ONLY`).
     """
     listen = _check_maddrs(listen, "listen address", need_peer_id=False)
     initial_peers = _check_maddrs(initial_peers, "initial peer", need_peer_id=True)
@@ -103,7 +109,7 @@ async def start_dht(
     t0 = time.monotonic()
     try:
         dht = await asyncio.to_thread(
-            _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer
+            _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer, options
         )
     except (TimeoutError, concurrent.futures.TimeoutError) as exc:
         raise DaemonError(
@@ -129,7 +135,12 @@ async def start_dht(
                 f"none of the initial peers {initial_peers} answered a DHT ping: {exc}"
             ) from exc
         raise DaemonError(f"DHT failed to start: {exc}") from exc
-    logger.info("DHT started in %.2f s as %s", time.monotonic() - t0, identity.peer_id)
+    logger.info(
+        "DHT started in %.2f s as %s; libp2p beyond the listen addresses: %s",
+        time.monotonic() - t0,
+        identity.peer_id,
+        options.resolve(listen),
+    )
     return dht
 
 
