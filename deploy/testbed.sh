@@ -136,7 +136,9 @@ PEERS_JSON=""
 if ((DAEMONS)); then
   BOOT_ID=""
   for ((i = 0; i < N; i++)); do
-    args=(join --state-dir "$WORKDIR/peer$i" --listen "/ip4/0.0.0.0/tcp/$JOIN_PORT")
+    # no UPnP/NAT-PMP, AutoNAT or relay service: a daemon speaks only to the testbed's own addresses
+    args=(join --state-dir "$WORKDIR/peer$i" --listen "/ip4/0.0.0.0/tcp/$JOIN_PORT"
+          --nat-port-map off --autonat off --relay-service off)
     if ((i > 0)); then args+=(--initial-peers "/ip4/${ADDR[0,$i]}/tcp/$JOIN_PORT/p2p/$BOOT_ID"); fi
     ip netns exec "$PREFIX-$i" fusionnode "${args[@]}" "${EXTRA[@]}" >"$WORKDIR/peer$i.log" 2>&1 &
     PIDS+=($!)

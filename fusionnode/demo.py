@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fusionnode.config import parse_rate
+from fusionnode.config import LOCAL_JOIN_FLAGS, parse_rate
 from fusionnode.errors import DaemonError
 
 DEFAULT_PEERS = 3
@@ -98,6 +98,7 @@ class LocalSwarm:
             "8",
             "--probe-interval",
             "10",
+            *LOCAL_JOIN_FLAGS,  # loopback: no port mapping, AutoNAT or relay service, said explicitly
         ]
         cmd += self.extra_args
         if i == 0:

@@ -1,4 +1,5 @@
-"""Shared test fixtures: one torch thread per process, and no child process left behind."""
+"""Shared test fixtures: one torch thread per process, no child process left behind, and no libp2p
+discovery beyond loopback from any daemon the tests start."""
 
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# Every `fusionnode join` the tests spawn inherits these (besides LocalSwarm's explicit flags and the
+# in-process helpers' LOCAL_ONLY): no UPnP/NAT-PMP toward a gateway, no AutoNAT, no relay service.
+os.environ.update(
+    {"FUSIONNODE_NAT_PORT_MAP": "off", "FUSIONNODE_AUTONAT": "off", "FUSIONNODE_RELAY_SERVICE": "off"}
+)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -163,7 +163,8 @@ def test_a_loopback_daemon_sends_no_packet_off_the_machine(tmp_path):
         pytest.skip(why)
     from fusionnode.node import READY_PREFIX
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSIONNODE_")}  # not conftest's
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with (
         CapturedNamespace("guard", "192.0.2", tmp_path) as guard,
         CapturedNamespace("ctl", "198.51.100", tmp_path) as ctl,

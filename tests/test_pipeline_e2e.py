@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from fusionnode import control
+from fusionnode.config import LOCAL_JOIN_FLAGS
 from fusionnode.demo import LocalSwarm
 from fusionnode.train.data import BatchSource, loss_scale
 from fusionnode.train.local import build_job_model, lm_loss, train_local
@@ -150,6 +151,7 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused(swarm):
             str(swarm.state_dir(0)),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
+            *LOCAL_JOIN_FLAGS,
         ],
         capture_output=True,
         text=True,
@@ -195,6 +197,7 @@ def test_unreachable_initial_peer_is_a_clear_error(tmp_path):
             str(tmp_path / "p"),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
+            *LOCAL_JOIN_FLAGS,
             "--initial-peers",
             "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
             "--startup-timeout",

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fusionnode import control
+from fusionnode.config import LOCAL_JOIN_FLAGS
 from fusionnode.demo import LocalSwarm
 from fusionnode.train.spec import JobSpec
 
@@ -63,6 +64,7 @@ def test_members_train_and_an_outsider_cannot_join(tmp_path):
                 str(tmp_path / "outsider"),
                 "--listen",
                 "/ip4/127.0.0.1/tcp/0",
+                *LOCAL_JOIN_FLAGS,
                 "--swarm-key",
                 str(tmp_path / "other.key"),
                 "--initial-peers",

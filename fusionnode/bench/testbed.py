@@ -137,7 +137,10 @@ class Testbed:
         self._swarm: Any = None
 
     def start(self) -> None:
-        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe", "--debug"]
+        from fusionnode.config import LOCAL_JOIN_FLAGS
+
+        # no port mapping, AutoNAT or relay service: the peers reach only the testbed's own addresses
+        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe", "--debug", *LOCAL_JOIN_FLAGS]
         if self.network == "netns":
             self._proc = subprocess.Popen(
                 [
