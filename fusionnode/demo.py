@@ -47,6 +47,18 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def fusionnode_command() -> list[str]:
+    """The argv prefix that runs this very fusionnode (the package this process imported) in a new
+    Python process, whatever that process's working directory: `python -m fusionnode` would put the
+    working directory first on sys.path, where a folder named `fusionnode` (a clone, say) shadows
+    the installed package."""
+    import fusionnode
+
+    root = str(Path(fusionnode.__file__).resolve().parent.parent)
+    boot = f"import sys; sys.path[0] = {root!r}; from fusionnode.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", boot]
+
+
 class LocalSwarm:
     """N daemons started as real processes; stopped with SIGTERM, then SIGKILL."""
 
@@ -84,9 +96,7 @@ class LocalSwarm:
 
     def _spawn(self, i: int, initial: list[str]) -> subprocess.Popen:
         cmd = [
-            sys.executable,
-            "-m",
-            "fusionnode",
+            *fusionnode_command(),
             "join",
             "--state-dir",
             str(self.state_dir(i)),
