@@ -31,7 +31,11 @@ SWARM_TIMEOUT = 60.0  # seconds for every peer to see every other
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", type=int, default=DEFAULT_PEERS, help="daemons to start (default %(default)s)")
+    from fusionnode.cli import _int_at_least
+
+    p.add_argument(
+        "--peers", type=_int_at_least(1), default=DEFAULT_PEERS, help="daemons to start (default %(default)s)"
+    )
     p.add_argument(
         "--workdir",
         default=None,
@@ -43,7 +47,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RATE",
         help="emulate a slow network: cap every link between the peers at RATE, e.g. 20Mbit "
-        "(user-space token buckets; AdaTopK then compresses)",
+        "(user-space token buckets; AdaTopK then compresses; default: no cap)",
     )
 
 
@@ -208,7 +212,6 @@ def run_demo(args: argparse.Namespace) -> int:
         args.metrics_out = str(workdir / "metrics.jsonl")
     if args.save_dir is None:
         args.save_dir = str(workdir / "checkpoint")
-    args.save_every = 0 if args.save_every == 100 else args.save_every
     spec = _spec_from_args(args)
     print(
         f"FusionNode demo: {args.peers} peers on loopback, {spec.model}, {spec.steps} steps "
