@@ -1,0 +1,92 @@
+"""Every command and option of `fusionnode` explains itself: a description per command, help text
+per option, and the default wherever an option has one; the bench commands name themselves."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from fusionnode import cli, settings
+
+_NO_DEFAULT = (None, False, [], argparse.SUPPRESS)
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+def undocumented(p: argparse.ArgumentParser) -> list[str]:
+    """The parser's options without help, or with a default their help does not state."""
+    bad = []
+    for a in p._actions:
+        if isinstance(a, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
+            continue
+        if a.help == argparse.SUPPRESS:
+            continue
+        name = "/".join(a.option_strings) or a.dest
+        if not (a.help or "").strip():
+            bad.append(f"{p.prog} {name}: no help text")
+        elif a.default not in _NO_DEFAULT and a.option_strings and "default" not in a.help.lower():
+            bad.append(f"{p.prog} {name}: default {a.default!r} not stated in its help")
+    return bad
+
+
+def bench_parser(name: str, monkeypatch: pytest.MonkeyPatch) -> argparse.ArgumentParser:
+    """The benchmark's own parser, captured when its main() parses (before any work starts)."""
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    mod = importlib.import_module(cli.BENCHMARKS[name])
+    with pytest.raises(_Captured) as info:
+        mod.main([])
+    monkeypatch.undo()
+    return info.value.parser
+
+
+def test_every_command_has_a_description_and_every_option_help_with_its_default():
+    parser = cli.build_parser()
+    problems = undocumented(parser)
+    for name, sub in settings.subparsers(parser).items():
+        if not (sub.description or "").strip():
+            problems.append(f"fusionnode {name}: no description")
+        problems += undocumented(sub)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
+def test_every_benchmark_option_is_documented(name, monkeypatch):
+    p = bench_parser(name, monkeypatch)
+    assert p.prog == f"fusionnode bench {name}"
+    assert (p.description or "").strip(), f"{p.prog}: no description"
+    assert not undocumented(p), "\n".join(undocumented(p))
+
+
+def test_the_walker_catches_an_undocumented_option():
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--a", type=int, default=3, help="a count")
+    p.add_argument("--b")
+    assert undocumented(p) == ["x --a: default 3 not stated in its help", "x --b: no help text"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fusionnode", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_of_demo_and_config_show_through_the_cli():
+    out = run_cli("demo", "--help")
+    assert out.returncode == 0
+    assert "default None" not in out.stdout and "(default 300)" in out.stdout
+    out = run_cli("config", "show", "--help")
+    assert out.returncode == 0 and "usage: fusionnode config" in out.stdout
+    out = run_cli("bench", "plan", "--help")
+    assert out.returncode == 0 and "usage: fusionnode bench plan" in out.stdout
