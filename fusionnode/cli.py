@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,8 @@ from fusionnode.config import (
 from fusionnode.errors import FusionNodeError
 
 logger = logging.getLogger("fusionnode")
+
+SHORT_PEER_CHARS = 8  # characters of a peer id's end shown in tables and events
 
 BENCHMARKS = {
     "wire": "fusionnode.bench.wire",
@@ -701,19 +704,25 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def short_peer(peer_id: str) -> str:
+    """How human-readable output names a peer everywhere: the end of its id (ids share their start)."""
+    return "…" + str(peer_id)[-SHORT_PEER_CHARS:]
+
+
 def format_peers(peers: list[dict[str, Any]], me: str | None = None) -> str:
     rows = [("PEER", "DEVICE", "MEMORY", "TFLOPS", "LINKS", "ROLES", "STATE", "SEEN")]
     now = time.time()
+    present = {p["peer_id"] for p in peers}
     for p in peers:
         dev = p.get("device") or {}
-        links = p.get("links") or {}
+        links = {k: v for k, v in (p.get("links") or {}).items() if k in present}  # not departed peers'
         link_txt = ", ".join(
-            f"{k[-6:]}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
+            f"{short_peer(k)}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
         )
         pid = p["peer_id"]
         rows.append(
             (
-                ("*" if pid == me else " ") + pid[:16] + "…",
+                ("*" if pid == me else " ") + short_peer(pid),
                 f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
                 f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
                 f"{dev.get('tflops_fp32') or 0:.2f}",
@@ -739,10 +748,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"address   {' '.join(res['maddrs'][:3])}")
     print(f"uptime    {res['uptime_s']:.0f} s    roles {','.join(res['roles'])}")
     print(f"device    {dev.get('kind')} {dev.get('name')}  {dev.get('tflops_fp32', 0):.2f} TFLOPS fp32")
-    print(f"swarm     {len(res['peers'])} peer(s)")
+    private = res.get("private_swarm")
+    kind = f"private (swarm key {private})" if private else "public (no --swarm-key)"
+    print(f"swarm     {len(res['peers'])} peer(s), {kind}")
     print(format_peers(res["peers"], res["peer_id"]))
     for s in res.get("serving") or []:
-        print(f"serving   job {s['job']} stage {s['stage']}/{s['num_stages']} step {s['last_step']}")
+        from fusionnode.train.driver import STAGE_ID_STRIDE  # stage ids count on across re-plans
+
+        version, index = divmod(int(s["stage"]), STAGE_ID_STRIDE)
+        print(
+            f"serving   job {s['job']}: stage {index} of plan version {version + 1} "
+            f"({s['num_stages']} stages a pipeline), step {s['last_step']}"
+        )
     for j in res.get("jobs") or []:
         print(
             f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
@@ -774,7 +791,7 @@ class Progress:
         util = "/".join(f"{s['compute_s'] / max(rec['step_time_s'], 1e-9):.0%}" for s in stages)
         text = (
             f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
-            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" util {util}" if util else "")
+            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" stages busy {util}" if util else "")
         )
         if self.tty:
             width = 24
@@ -861,15 +878,77 @@ async def follow_job(
         elif ev.get("type") == "step":
             progress.update(ev)
         elif ev.get("type") == "plan":
-            for s in ev["stages"]:
-                print(
-                    f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer {s['peer'][:16]}… "
-                    f"({s['n_params']} parameter tensors)",
-                    file=sys.stderr,
-                )
+            print("\n".join(format_plan(ev)), file=sys.stderr)
         else:
-            print(f"  event: {ev}", file=sys.stderr)
+            print(f"  {format_event(ev)}", file=sys.stderr)
     raise FusionNodeError("the driver closed the job without a result")
+
+
+def format_plan(ev: dict[str, Any]) -> list[str]:
+    """A plan event as lines: the pipelines (data-parallel replicas), each one's stages in order."""
+    stages = ev.get("stages") or []
+    pipelines: dict[int, list[dict[str, Any]]] = {}
+    for s in stages:
+        pipelines.setdefault(int(s.get("replica", 0)), []).append(s)
+    version = ev.get("plan_version", 1)
+    hosts = ev.get("optimizer_hosts") or []
+    opt = (
+        f"optimizer state on {len(hosts)} optimizer host(s)"
+        if ev.get("offload")
+        else "optimizer state on the workers"
+    )
+    head = "plan" if version == 1 else f"new plan (version {version})"
+    lines = [
+        f"  {head} ({ev.get('planner', 'simple')} planner): {len(pipelines)} pipeline(s) over "
+        f"{len(stages)} worker(s), {opt}"
+    ]
+    for replica, rows in sorted(pipelines.items()):
+        for s in sorted(rows, key=lambda s: s.get("pos", 0)):
+            lines.append(
+                f"    pipeline {replica} stage {s.get('pos', 0)}: OP-DAG nodes [{s['lo']}, {s['hi']}) "
+                f"on {short_peer(s['peer'])} ({s['n_params']} parameter tensors)"
+            )
+    return lines
+
+
+def _why(reason: Any) -> str:
+    """A peer's error as part of a sentence: the transport's "peer X… refused 'job.step': PeerError: ..."
+    becomes "it refused job.step: ..."."""
+    text = str(reason or "no reason given")
+    text = re.sub(r"peer \S+ refused '([\w.]+)': (?:\w+Error: )?", r"it refused \1: ", text)
+    return text[:300]
+
+
+def format_event(ev: dict[str, Any]) -> str:
+    """A job event as a sentence: who failed or left, what was re-planned, how long recovery took."""
+    kind = ev.get("kind")
+    at = f"step {ev['step']}: " if ev.get("step") is not None else ""
+    who = f"{ev.get('role') or 'worker'} {short_peer(ev['peer'])}" if ev.get("peer") else ""
+    if kind == "refused":
+        return f"worker {short_peer(ev['peer'])} declined its stage ({_why(ev.get('reason'))}); planning without it"
+    if kind == "failure" and who:
+        ban = f"; it is left out of plans for {ev['ban_s']:.0f} s" if ev.get("ban_s") else ""
+        return f"{at}{who} failed ({_why(ev.get('reason'))}){ban}"
+    if kind == "failure":
+        return f"{at}a step failed but every peer still answers ({_why(ev.get('reason'))}); retrying"
+    if kind == "leave":
+        return f"{at}{who} left the swarm (it finished its work in flight first)"
+    if kind == "join":
+        return f"{at}worker {short_peer(ev['peer'])} joined the swarm"
+    if kind == "recovered":
+        took = ev.get("time_to_recover_s")
+        since = ev.get("since_failure_s")
+        timing = f" in {took:.2f} s" if took is not None else ""
+        timing += f" ({since:.2f} s after the failure)" if since is not None else ""
+        return f"{at}recovered{timing}: {ev.get('reason', '')}"
+    if kind == "replan":
+        moved = f"; moving the stages took {ev['move_s']:.2f} s" if ev.get("move_s") is not None else ""
+        return f"{at}re-planned (plan version {ev.get('plan_version')}): {ev.get('reason', '')}{moved}"
+    if kind == "rebalance_off":
+        return f"--rebalance-every is off for this job: {ev.get('reason', '')}"
+    if ev.get("reason"):
+        return f"{at}{str(kind).replace('_', ' ')}: {ev['reason']}"
+    return f"{at}{kind}: " + ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("type", "kind"))
 
 
 def print_train_summary(result: dict[str, Any]) -> None:
@@ -880,6 +959,7 @@ def print_train_summary(result: dict[str, Any]) -> None:
     )
     if result.get("checkpoint"):
         print(f"checkpoint: {result['checkpoint']}")
+        print(next_steps(result["checkpoint"]))
     if result.get("metrics_out"):
         print(f"metrics:    {result['metrics_out']}")
     print("sample:\n" + result.get("sample", ""))
@@ -892,16 +972,28 @@ def _train_local(spec: Any, args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     progress = Progress(spec.steps)
-    res = train_local(
-        spec, progress=lambda rec: progress.update({"wire_bytes": 0, **rec}), resume=args.resume
-    )
+
+    def show(rec: dict[str, Any]) -> None:
+        tokens_per_s = rec.get("tokens", 0) / max(rec.get("step_time_s", 0.0), 1e-9)
+        progress.update({"wire_bytes": 0, "tokens_per_s": tokens_per_s, **rec})
+
+    res = train_local(spec, progress=show, resume=args.resume)
     print(
         f"local: {len(res.losses)} steps, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} "
         f"(validation {res.val_loss:.4f}), {res.tokens_per_s:.0f} tokens/s"
     )
     if res.checkpoint:
         print(f"checkpoint: {res.checkpoint}")
+        print(next_steps(res.checkpoint))
     return 0
+
+
+def next_steps(checkpoint: str) -> str:
+    """The commands to try on a checkpoint just written."""
+    return (
+        f"next:       fusionnode generate --checkpoint {checkpoint} --prompt 'def '\n"
+        f"            fusionnode export --checkpoint {checkpoint} --out model.safetensors"
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

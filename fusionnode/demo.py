@@ -28,6 +28,7 @@ DEFAULT_PEERS = 3
 DEFAULT_DEMO_STEPS = 300
 READY_TIMEOUT = 120.0  # seconds for a daemon to print its ready line
 SWARM_TIMEOUT = 60.0  # seconds for every peer to see every other
+NOTHING_SAVED = 0.01  # compression that saves less than this fraction of the bytes is reported as none
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,11 +192,22 @@ def print_wire_summary(metrics_path: Path, steps: int) -> None:
                 wire += link.get("wire_bytes", 0)
     print(f"wire:       {total_wire / 2**20:.1f} MiB between peers in {steps} steps")
     if dense:
-        saved = dense - wire
-        print(
-            f"compressed: stage links carried {wire / 2**20:.1f} MiB for {dense / 2**20:.1f} MiB of activations "
-            f"and gradients ({saved / 2**20:.1f} MiB saved, {dense / max(wire, 1):.1f}x)"
+        print(compression_line(dense, wire))
+
+
+def compression_line(dense: int, wire: int) -> str:
+    """What compression did on the stage links: `dense` bytes of activations and gradients, `wire`
+    bytes sent for them."""
+    if wire >= dense * (1 - NOTHING_SAVED):
+        return (
+            f"compressed: nothing needed: the links kept up with the compute, so the stage links "
+            f"carried the {dense / 2**20:.1f} MiB of activations and gradients dense (AdaTopK "
+            "compresses only a link that is the bottleneck; try --link-limit 20Mbit)"
         )
+    return (
+        f"compressed: stage links carried {wire / 2**20:.1f} MiB for {dense / 2**20:.1f} MiB of activations "
+        f"and gradients ({(dense - wire) / 2**20:.1f} MiB saved, {dense / max(wire, 1):.1f}x fewer bytes)"
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
+JOBS_KEPT = 5  # finished jobs the driver's status still lists
+HISTORY_KEPT = 500  # step records of a job the status lists (the metrics file has them all)
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
 OFFLOAD_CHOICES = ("auto", "on", "off")
 STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
@@ -203,7 +205,7 @@ class Job:
                 {k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
                 for s in self.stages
             ],
-            "history": self.history[-500:],
+            "history": self.history[-HISTORY_KEPT:],
         }
 
 
@@ -301,6 +303,12 @@ class Driver:
 
     def status(self) -> list[dict[str, Any]]:
         return [job.to_dict() for job in self.jobs.values()]
+
+    def _forget_old_jobs(self) -> None:
+        """Keeps the status bounded: the newest JOBS_KEPT finished jobs, and every running one."""
+        finished = [jid for jid, j in self.jobs.items() if j.state not in ("planning", "running")]
+        for jid in finished[: max(0, len(finished) - JOBS_KEPT)]:
+            del self.jobs[jid]
 
     # ---- planning ------------------------------------------------------------------------------
     async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
@@ -486,6 +494,8 @@ class Driver:
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
+        self._forget_old_jobs()
+        self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         self.jobs[spec.job_id] = job
@@ -522,6 +532,16 @@ class Driver:
             if strategy != "simple" and offload_choice != "off":
                 job.offload = True
             n_stages = int(params.get("stages") or max(1, len(workers) // replicas))
+            if params.get("stages") and n_stages * replicas > len(workers):
+                raise PlanError(
+                    f"--stages {n_stages} x {replicas} pipeline(s) need {n_stages * replicas} workers; the "
+                    f"swarm has {len(workers)} available: start more peers, or ask for fewer stages"
+                )
+            if int(params.get("rebalance_every") or 0) > 0 and not job.offload:
+                # --offload auto found no optimizer host: say so rather than never rebalance in silence
+                reason = "no optimizer host in the swarm, so the optimizer state stays on the workers"
+                metrics.event("rebalance_off", reason=reason)
+                await emit({"type": "event", "kind": "rebalance_off", "reason": reason})
             flops = [node.flops for node in traced.graph.nodes]
             stage_args: list[dict[str, Any]] = []
             prediction: dict[str, Any] = {}
@@ -531,7 +551,12 @@ class Driver:
                 host_of: dict[str, str] | None = None
                 host_index: dict[str, int] = {}
                 if strategy == "simple":
-                    n_stages = max(1, min(n_stages, len(workers) // replicas))
+                    fewer = max(1, min(n_stages, len(workers) // replicas))
+                    if fewer != n_stages:
+                        reason = f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
+                        metrics.event("fewer_stages", reason=reason)
+                        await emit({"type": "event", "kind": "fewer_stages", "reason": reason})
+                    n_stages = fewer
                     job.pipelines = self._layout(
                         spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
                     )
@@ -919,6 +944,8 @@ class Driver:
                 record["optimizer_hosts"] = job.host_counters
             run.metrics.step(record)
             job.history.append(record)
+            if len(job.history) > 2 * HISTORY_KEPT:  # the status shows the last HISTORY_KEPT
+                del job.history[:-HISTORY_KEPT]
             job.step, job.loss = step + 1, loss
             job.tokens_per_s = tokens_total / time_total
             await run.emit({"type": "step", **record, "steps": spec.steps})
