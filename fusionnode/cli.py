@@ -1055,7 +1055,9 @@ def main(argv: list[str] | None = None) -> int:
             subs[cmd].error(str(exc))
     args = parser.parse_args(argv)
     try:
-        return _dispatch(args, subs[args.command])
+        rc = _dispatch(args, subs[args.command])
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return rc
     except BrokenPipeError:  # `fusionnode status | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
