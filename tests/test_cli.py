@@ -301,3 +301,49 @@ def test_resume_explains_a_pause_the_schedule_keeps():
     text = cli.describe_availability("resume", res)
     assert text.startswith("not resumed") and "--schedule 22:00-07:00" in text and "2026-01-01T22:00" in text
     assert cli.describe_availability("resume", {"availability": "available"}).startswith("resumed")
+
+
+# ---- against a real daemon --------------------------------------------------------------------------
+@pytest.mark.e2e
+def test_one_daemon_as_a_new_user_meets_it(tmp_path):
+    """A private daemon kept paused by its schedule: `status` says the swarm is private, `resume` says
+    why it stays paused (exit 1), a second daemon on its port is refused, and `status` into a closed
+    pipe ends quietly."""
+    from fusionnode.demo import LocalSwarm
+
+    assert run_cli("keygen", "--out", str(tmp_path / "swarm.key")).returncode == 0
+    now = time.localtime()
+    window = f"{(now.tm_hour + 2) % 24:02d}:00-{(now.tm_hour + 3) % 24:02d}:00"  # an hour that is not now
+    swarm = LocalSwarm(tmp_path, 1, log=None)
+    swarm.extra_args = ["--swarm-key", str(tmp_path / "swarm.key"), "--schedule", window, "--no-probe"]
+    try:
+        swarm.start()
+        state = ["--state-dir", str(swarm.state_dir(0))]
+        status = run_cli("status", *state)
+        assert status.returncode == 0, status.stderr
+        assert "private (swarm key " in status.stdout
+
+        resume = run_cli("resume", *state)
+        assert resume.returncode == 1
+        assert resume.stdout.startswith(
+            f"not resumed: the manual pause is lifted, but it is outside its --schedule {window}"
+        )
+
+        port = next(m for m in swarm.ready[0]["maddrs"] if "/tcp/" in m).split("/tcp/")[1].split("/")[0]
+        second = run_cli(
+            "join", "--state-dir", str(tmp_path / "second"), "--listen", f"/ip4/127.0.0.1/tcp/{port}"
+        )
+        assert second.returncode == 2 and f"TCP port {port} is already in use" in second.stderr
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fusionnode", "status", *state],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        proc.stdout.close()
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 141 and b"Traceback" not in err
+    finally:
+        swarm.stop()
+    log = (tmp_path / "peer0.log").read_text()
+    assert "Traceback" not in log and "[INFO]" not in log
