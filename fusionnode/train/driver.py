@@ -553,7 +553,9 @@ class Driver:
                 if strategy == "simple":
                     fewer = max(1, min(n_stages, len(workers) // replicas))
                     if fewer != n_stages:
-                        reason = f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
+                        reason = (
+                            f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
+                        )
                         metrics.event("fewer_stages", reason=reason)
                         await emit({"type": "event", "kind": "fewer_stages", "reason": reason})
                     n_stages = fewer
@@ -1635,8 +1637,17 @@ class Driver:
         }
 
     async def _release(self, job: Job) -> None:
+        # a job that failed or was cancelled (its `train` client hung up) may have a step in flight on
+        # the workers, waiting for micro-batches that will not come: abort it rather than let the
+        # release (and any later `leave`) wait out the step's deadline
+        abort = job.state != "done"
         calls = [
-            self.t.call(s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5)
+            self.t.call(
+                s["peer"],
+                "job.release",
+                {"job": job.spec.job_id, "stage": s["stage"], "abort": abort},
+                timeout=5,
+            )
             for s in job.stages
         ]
         calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]
