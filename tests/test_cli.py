@@ -347,3 +347,48 @@ def test_one_daemon_as_a_new_user_meets_it(tmp_path):
         swarm.stop()
     log = (tmp_path / "peer0.log").read_text()
     assert "Traceback" not in log and "[INFO]" not in log
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_killed_train_leaves_workers_quiet_and_free_to_leave(tmp_path):
+    """SIGTERM to `fusionnode train` mid-job: the driver releases the stages with their step aborted,
+    so the workers log no tracebacks and a `leave` right after is prompt."""
+    import signal
+
+    from fusionnode.demo import LocalSwarm
+
+    swarm = LocalSwarm(tmp_path, 2, log=None)
+    swarm.extra_args = ["--no-probe"]
+    try:
+        swarm.start()
+        import asyncio
+
+        asyncio.run(swarm.wait_connected())
+        train = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "fusionnode", "train", "--state-dir", str(swarm.state_dir(0))),
+                *("--steps", "500", "--stages", "2", "--offload", "off", "--seq-len", "64"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for line in train.stderr:  # progress lines: wait for the job to be under way
+            if line.startswith("step 1/"):
+                break
+        time.sleep(1.0)
+        train.send_signal(signal.SIGTERM)
+        train.wait(timeout=60)
+        time.sleep(2.0)  # the driver's release reaches the workers
+        out = run_cli("leave", "--state-dir", str(swarm.state_dir(1)))
+        t0 = time.monotonic()
+        assert out.returncode == 0, out.stderr
+        swarm.procs[1].wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        swarm.stop()
+    assert took < 12, f"the worker took {took:.1f} s to leave"
+    for i in range(2):
+        log = (tmp_path / f"peer{i}.log").read_text()
+        assert "Traceback" not in log, log[-3000:]
