@@ -39,7 +39,7 @@ DEFAULT_RECORD_TTL = 15.0  # seconds a published record stays valid
 DEFAULT_LEAVE_TTL = 3.0  # seconds the "leaving" record of a graceful leave stays valid
 DEFAULT_DHT_TIMEOUT = 10.0  # seconds for one DHT store or get
 EXPIRATION_EPSILON = 1e-3  # seconds: a newer record must expire strictly later than the one it replaces
-PUBLISH_FAILURES_WARN = 3  # refused publications in a row before a warning (a lone peer has nobody to store with)
+PUBLISH_FAILURES_WARN = 3  # refused publications in a row before a warning (a lone peer: none to store with)
 
 
 @dataclass(frozen=True)
