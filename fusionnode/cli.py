@@ -944,8 +944,8 @@ def format_event(ev: dict[str, Any]) -> str:
     if kind == "replan":
         moved = f"; moving the stages took {ev['move_s']:.2f} s" if ev.get("move_s") is not None else ""
         return f"{at}re-planned (plan version {ev.get('plan_version')}): {ev.get('reason', '')}{moved}"
-    if kind == "rebalance_off":
-        return f"--rebalance-every is off for this job: {ev.get('reason', '')}"
+    if kind == "notice":
+        return f"{at}{ev.get('reason', '')}"
     if ev.get("reason"):
         return f"{at}{str(kind).replace('_', ' ')}: {ev['reason']}"
     return f"{at}{kind}: " + ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("type", "kind"))

@@ -252,7 +252,14 @@ def test_events_read_as_sentences():
         "reason": "replayed",
     }
     assert cli.format_event(recovered) == "step 12: recovered in 0.50 s: replayed"
-    for ev in (refused, failure, recovered):
+    notice = {
+        "type": "event",
+        "kind": "notice",
+        "what": "fewer_stages",
+        "reason": "2 stages planned, 1 placed",
+    }
+    assert cli.format_event(notice) == "2 stages planned, 1 placed"
+    for ev in (refused, failure, recovered, notice):
         assert "{" not in cli.format_event(ev) and "ban_s" not in cli.format_event(ev)
 
 

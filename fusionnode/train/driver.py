@@ -539,9 +539,12 @@ class Driver:
                 )
             if int(params.get("rebalance_every") or 0) > 0 and not job.offload:
                 # --offload auto found no optimizer host: say so rather than never rebalance in silence
-                reason = "no optimizer host in the swarm, so the optimizer state stays on the workers"
-                metrics.event("rebalance_off", reason=reason)
-                await emit({"type": "event", "kind": "rebalance_off", "reason": reason})
+                reason = (
+                    "--rebalance-every is off for this job: no optimizer host in the swarm, so the "
+                    "optimizer state stays on the workers"
+                )
+                metrics.event("notice", what="rebalance_off", reason=reason)
+                await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
             flops = [node.flops for node in traced.graph.nodes]
             stage_args: list[dict[str, Any]] = []
             prediction: dict[str, Any] = {}
@@ -556,8 +559,10 @@ class Driver:
                         reason = (
                             f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
                         )
-                        metrics.event("fewer_stages", reason=reason)
-                        await emit({"type": "event", "kind": "fewer_stages", "reason": reason})
+                        metrics.event("notice", what="fewer_stages", reason=reason)
+                        await emit(
+                            {"type": "event", "kind": "notice", "what": "fewer_stages", "reason": reason}
+                        )
                     n_stages = fewer
                     job.pipelines = self._layout(
                         spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
