@@ -1178,7 +1178,10 @@ class Driver:
         workers = await self._live_workers(job, run)
         try:
             await self._adopt(
-                job, run, workers, reason=f"replacing {sorted(p[:12] for p in verdict)} at step {step}"
+                job,
+                run,
+                workers,
+                reason=f"replacing {', '.join(sorted('…' + p[-8:] for p in verdict))} at step {step}",
             )
         except (PlanError, ConfigError) as exc:
             ckpt = None
