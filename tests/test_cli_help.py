@@ -96,3 +96,16 @@ def test_help_of_demo_config_show_and_bench_plan(capsys):
         assert "default None" not in text
         if argv[0] == "demo":
             assert "optimizer steps (default 300)" in " ".join(text.split())
+
+
+def test_what_a_new_user_read_wrong_in_the_help_and_config_show():
+    subs = settings.subparsers(cli.build_parser())
+    join_help = subs["join"].format_help()
+    assert "12D3" not in join_help and "/p2p/Qm..." in join_help  # peer ids here start "Qm"
+    assert "another port" in " ".join(join_help.split())  # --listen says what a second daemon needs
+    helps = {a.dest: a.help % vars(a) for a in subs["plan"]._actions if a.help}
+    assert "geo-48" in helps["cluster"] and "two-universities" in helps["cluster"]  # the bundled clusters
+    assert "(default 512, a capacity-planning batch; `train` defaults to 16)" in helps["batch_size"]
+    shown = settings.show_config(cli.build_parser, ["join"], env={})
+    assert "# max-memory = (what is free)" in shown and "# listen = (/ip4/0.0.0.0/tcp/31337)" in shown
+    assert "(unset)" not in shown.replace("# config file", "")
