@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fusionnode import __version__, cli
+from fusionnode import __version__, cli, messages
 from fusionnode.demo import compression_line, fusionnode_command
 from fusionnode.train.generate import decode_whole
 
@@ -226,7 +226,7 @@ def test_events_read_as_sentences():
         "peer": A,
         "reason": f"peer {A[:12]}… refused 'job.assign': PeerError: not enough memory for the stage",
     }
-    assert cli.format_event(refused) == (
+    assert messages.format_event(refused) == (
         f"worker …{A[-8:]} declined its stage (it refused job.assign: not enough memory for the stage); "
         "planning without it"
     )
@@ -239,7 +239,7 @@ def test_events_read_as_sentences():
         "unreachable": False,
         "ban_s": 30.0,
     }
-    text = cli.format_event(failure)
+    text = messages.format_event(failure)
     assert (
         text
         == f"step 12: worker …{B[-8:]} failed (it refused job.commit: draining); it is left out of plans for 30 s"
@@ -251,16 +251,16 @@ def test_events_read_as_sentences():
         "time_to_recover_s": 0.5,
         "reason": "replayed",
     }
-    assert cli.format_event(recovered) == "step 12: recovered in 0.50 s: replayed"
+    assert messages.format_event(recovered) == "step 12: recovered in 0.50 s: replayed"
     notice = {
         "type": "event",
         "kind": "notice",
         "what": "fewer_stages",
         "reason": "2 stages planned, 1 placed",
     }
-    assert cli.format_event(notice) == "2 stages planned, 1 placed"
+    assert messages.format_event(notice) == "2 stages planned, 1 placed"
     for ev in (refused, failure, recovered, notice):
-        assert "{" not in cli.format_event(ev) and "ban_s" not in cli.format_event(ev)
+        assert "{" not in messages.format_event(ev) and "ban_s" not in messages.format_event(ev)
 
 
 def test_a_plan_shows_its_pipelines_and_numbers_stages_within_them():
@@ -270,7 +270,7 @@ def test_a_plan_shows_its_pipelines_and_numbers_stages_within_them():
             [(0, 0, A, 0, 103), (0, 1, B, 103, 200), (1, 0, GONE, 0, 200)]
         )
     ]
-    lines = cli.format_plan(
+    lines = messages.format_plan(
         {
             "type": "plan",
             "planner": "fusion",
@@ -305,9 +305,9 @@ def test_resume_explains_a_pause_the_schedule_keeps():
         "schedule": "22:00-07:00",
         "next_window": "2026-01-01T22:00",
     }
-    text = cli.describe_availability("resume", res)
+    text = messages.describe_availability("resume", res)
     assert text.startswith("not resumed") and "--schedule 22:00-07:00" in text and "2026-01-01T22:00" in text
-    assert cli.describe_availability("resume", {"availability": "available"}).startswith("resumed")
+    assert messages.describe_availability("resume", {"availability": "available"}).startswith("resumed")
 
 
 # ---- against a real daemon --------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_a_paused_worker_leaves_the_job_which_finishes_every_step_once(tmp_path)
         replans = [r for r in records if r.get("event") == "replan"]
         gone = swarm.ready[victim]["peer_id"]
         assert len(replans) >= 2 and gone not in replans[-1]["peers"]
-        from fusionnode.cli import format_event, format_plan
+        from fusionnode.messages import format_event, format_plan
 
         told = [line for e in events if e["type"] == "plan" for line in format_plan(e)]
         told += [format_event(e) for e in events if e["type"] == "event"]
