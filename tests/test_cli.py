@@ -173,11 +173,15 @@ def test_the_driver_keeps_a_bounded_job_history():
         d.jobs[job.spec.job_id] = job
     running = D.Job(JobSpec(seed=99), "me")
     running.state = "running"
+    running.history = [{"step": s} for s in range(D.HISTORY_KEPT + 10)]
     d.jobs = {running.spec.job_id: running, **d.jobs}
     d._forget_old_jobs()
     assert running.spec.job_id in d.jobs
     assert len(d.jobs) == D.JOBS_KEPT + 1
-    assert all(len(j["history"]) <= D.HISTORY_KEPT for j in d.status())
+    for j in d.status():
+        limit = D.HISTORY_KEPT if j["state"] == "running" else D.FINISHED_HISTORY_POINTS
+        assert j["history"] and len(j["history"]) <= limit
+        assert j["history"][-1]["step"] == D.HISTORY_KEPT + 9  # ends with the last record
 
 
 # ---- messages that mislead --------------------------------------------------------------------------

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
-HISTORY_KEPT = 500  # step records of a job the status lists (the metrics file has them all)
+HISTORY_KEPT = 500  # step records of a running job the status lists (the metrics file has them all)
+FINISHED_HISTORY_POINTS = 100  # step records of a finished job the status lists (about 2 KB each)
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
 OFFLOAD_CHOICES = ("auto", "on", "off")
 STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
@@ -205,8 +206,18 @@ class Job:
                 {k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
                 for s in self.stages
             ],
-            "history": self.history[-HISTORY_KEPT:],
+            "history": self.history[-HISTORY_KEPT:] if self.state == "running" else self._thin_history(),
         }
+
+    def _thin_history(self) -> list[dict[str, Any]]:
+        """A finished job's curve in at most FINISHED_HISTORY_POINTS records: evenly spaced, with
+        the last ones whole (what the dashboard reads the stages' utilisation from)."""
+        hist = self.history[-HISTORY_KEPT:]
+        if len(hist) <= FINISHED_HISTORY_POINTS:
+            return hist
+        tail = FINISHED_HISTORY_POINTS // 10
+        stride = math.ceil((len(hist) - tail) / (FINISHED_HISTORY_POINTS - tail))
+        return hist[: len(hist) - tail : stride] + hist[-tail:]
 
 
 class _StepFailed(FusionNodeError):
