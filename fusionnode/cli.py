@@ -29,6 +29,7 @@ from fusionnode.config import (
     parse_size,
 )
 from fusionnode.errors import FusionNodeError
+from fusionnode.messages import describe_availability, format_event, format_plan, next_steps, short_peer
 
 logger = logging.getLogger("fusionnode")
 
@@ -72,42 +73,146 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
         help="a text file or directory of text files (default: the Python "
         "standard library's source, present on every machine)",
     )
-    p.add_argument("--steps", type=int, default=S.DEFAULT_STEPS, help="optimizer steps (default %(default)s)")
+    p.add_argument(
+        "--steps",
+        type=_int_at_least(1),
+        default=S.DEFAULT_STEPS,
+        help="optimizer steps (default %(default)s)",
+    )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=_int_at_least(1),
         default=S.DEFAULT_BATCH_SIZE,
         help="sequences per step (default %(default)s)",
     )
     p.add_argument(
         "--micro-batches",
-        type=int,
+        type=_int_at_least(1),
         default=4,
         help="micro-batches per step in the pipeline (default %(default)s)",
     )
     p.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sequence (default: the model's context)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", choices=S.OPTIMIZERS, default="adamw")
-    p.add_argument("--lr", type=float, default=S.DEFAULT_LR, help="peak learning rate (default %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=S.DEFAULT_WARMUP_STEPS)
-    p.add_argument("--weight-decay", type=float, default=S.DEFAULT_WEIGHT_DECAY)
-    p.add_argument("--grad-clip", type=float, default=S.DEFAULT_GRAD_CLIP, help="global norm; 0 = off")
-    p.add_argument("--save", dest="save_dir", default=None, help="checkpoint directory")
-    p.add_argument("--save-every", type=int, default=S.DEFAULT_SAVE_EVERY, help="steps between checkpoints")
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the last complete checkpoint in --save"
+        "--seq-len",
+        type=_int_at_least(1),
+        default=None,
+        help="tokens per sequence (default: the model's context)",
     )
     p.add_argument(
-        "--metrics-out", default=None, help="write one JSON record per step (and events) to this file"
+        "--seed",
+        type=_int_at_least(0),
+        default=0,
+        help="seed of the model's initialisation and the data order (default %(default)s)",
+    )
+    p.add_argument(
+        "--optimizer", choices=S.OPTIMIZERS, default="adamw", help="the optimizer (default %(default)s)"
+    )
+    p.add_argument(
+        "--lr", type=_float_above(0), default=S.DEFAULT_LR, help="peak learning rate (default %(default)s)"
+    )
+    p.add_argument(
+        "--warmup-steps",
+        type=_int_at_least(0),
+        default=S.DEFAULT_WARMUP_STEPS,
+        help="steps of linear learning-rate warm-up before the cosine decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--weight-decay",
+        type=_float_at_least(0),
+        default=S.DEFAULT_WEIGHT_DECAY,
+        help="decoupled weight decay on matrices (default %(default)s)",
+    )
+    p.add_argument(
+        "--grad-clip",
+        type=_float_at_least(0),
+        default=S.DEFAULT_GRAD_CLIP,
+        help="clip the gradients' global norm to this; 0 = off (default %(default)s)",
+    )
+    p.add_argument(
+        "--save",
+        dest="save_dir",
+        default=None,
+        metavar="DIR",
+        help="write checkpoints under DIR (default: none are written)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=_int_at_least(0),
+        default=S.DEFAULT_SAVE_EVERY,
+        help="steps between checkpoints; 0 = only at the end (default %(default)s)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last complete checkpoint in --save (default: start afresh)",
+    )
+    p.add_argument(
+        "--metrics-out",
+        default=None,
+        help="write one JSON record per step (and events) to this file (default: none)",
     )
     p.add_argument(
         "--compress",
+        type=_compress_arg,
         default="none",
         help="activations and their gradients between stages: none, fp16, topk:RATIO, or adatopk "
         "(ratio chosen per link from its measured bandwidth; default %(default)s)",
     )
+
+
+def _int_at_least(lo: int) -> Any:
+    """An argparse type: an integer >= lo."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+
+    parse.__name__ = f"whole number >= {lo}"  # how config errors name it: "expected a whole number >= 1"
+    return parse
+
+
+def _float_bound(lo: float, strict: bool) -> Any:
+    op = ">" if strict else ">="
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not (value > lo if strict else value >= lo) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number {op} {lo:g}, got {text!r}")
+        return value
+
+    parse.__name__ = f"number {op} {lo:g}"
+    return parse
+
+
+def _float_above(lo: float) -> Any:
+    """An argparse type: a finite number > lo."""
+    return _float_bound(lo, strict=True)
+
+
+def _float_at_least(lo: float) -> Any:
+    """An argparse type: a finite number >= lo."""
+    return _float_bound(lo, strict=False)
+
+
+def _compress_arg(text: str) -> str:
+    """An argparse type for --compress: checked here, so a bad value never reaches the workers."""
+    from fusionnode.compress.policy import parse_compress
+
+    try:
+        parse_compress(text)
+    except FusionNodeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+_compress_arg.__name__ = "compression setting"  # "expected a compression setting" in config errors
 
 
 def _spec_from_args(args: argparse.Namespace) -> Any:
@@ -143,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default=os.environ.get("FUSIONNODE_LOG_LEVEL", "WARNING"),
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="how much to log on stderr (default %(default)s; env FUSIONNODE_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -159,17 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         default=[],
         metavar="MADDR",
-        help="multiaddrs of peers already in the swarm (/ip4/1.2.3.4/tcp/31337/p2p/12D3...)",
+        help="multiaddrs of peers already in the swarm, as their READY line or `fusionnode status` "
+        "prints them (/ip4/1.2.3.4/tcp/31337/p2p/Qm...; default: none, this peer starts a swarm)",
     )
     p.add_argument(
         "--listen",
         action="append",
         default=None,
         metavar="MADDR",
-        help=f"where to accept peers (default {DEFAULT_LISTEN}; /ip4/127.0.0.1/tcp/0 for a random loopback port)",
+        help=f"where to accept peers (default {DEFAULT_LISTEN}; a second daemon on the same host needs "
+        "another port: /ip4/0.0.0.0/tcp/0 picks a free one, /ip4/127.0.0.1/tcp/0 a loopback one)",
     )
     p.add_argument(
-        "--announce", action="append", default=[], metavar="MADDR", help="addresses to advertise instead"
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MADDR",
+        help="addresses to advertise instead of the listening ones (default: the listening ones)",
     )
     add_network_arguments(p)
     p.add_argument(
@@ -178,15 +290,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)"
     )
-    p.add_argument("--no-probe", action="store_true", help="do not measure links (for metered connections)")
     p.add_argument(
-        "--probe-interval", type=float, default=DEFAULT_PROBE_INTERVAL, help="seconds between link probes"
+        "--no-probe",
+        action="store_true",
+        help="do not measure links (for metered connections; default: measure them)",
     )
     p.add_argument(
-        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT, help="seconds between advertisements"
+        "--probe-interval",
+        type=float,
+        default=DEFAULT_PROBE_INTERVAL,
+        help="seconds between link probes (default %(default)s)",
     )
     p.add_argument(
-        "--record-ttl", type=float, default=DEFAULT_RECORD_TTL, help="seconds an advertisement lives"
+        "--heartbeat",
+        type=float,
+        default=DEFAULT_HEARTBEAT,
+        help="seconds between advertisements (default %(default)s)",
+    )
+    p.add_argument(
+        "--record-ttl",
+        type=float,
+        default=DEFAULT_RECORD_TTL,
+        help="seconds an advertisement lives (default %(default)s)",
     )
     p.add_argument(
         "--startup-timeout",
@@ -199,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RATE",
         help="cap this peer's outgoing tensor traffic, e.g. 8Mbit, 100Mbit, 1Gbit (user-space token "
-        "bucket; for tests and for sharing a metered uplink)",
+        "bucket; for tests and for sharing a metered uplink; default: no cap)",
     )
     p.add_argument(
         "--when",
@@ -212,9 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         default=None,
         metavar="HH:MM-HH:MM[,...]",
-        help="contribute only inside these local-time windows, e.g. 22:00-07:00",
+        help="contribute only inside these local-time windows, e.g. 22:00-07:00 (default: at any time)",
     )
-    p.add_argument("--max-util", default=None, metavar="PERCENT", help="cap this peer's compute, e.g. 80%%")
+    p.add_argument(
+        "--max-util",
+        default=None,
+        metavar="PERCENT",
+        help="cap this peer's compute, e.g. 80%% (default: no cap)",
+    )
     p.add_argument(
         "--idle-grace",
         type=float,
@@ -224,44 +354,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--debug",
         action="store_true",
-        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, for tests)",
+        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, for tests; "
+        "default: off)",
     )
     p.add_argument(
         "--swarm-key",
         default=None,
         metavar="FILE",
         help="join a private swarm: speak only to peers holding this secret (or $FUSIONNODE_SWARM_KEY_FILE; "
-        "create one with `fusionnode keygen`)",
+        "create one with `fusionnode keygen`; default: none, a public swarm)",
     )
     p.add_argument(
         "--dashboard",
         default=None,
         metavar="HOST:PORT",
-        help="serve the read-only dashboard and /metrics here, e.g. 127.0.0.1:8080 (port 0 = random)",
+        help="serve the read-only dashboard and /metrics here, e.g. 127.0.0.1:8080 (port 0 = random; "
+        "default: no dashboard)",
     )
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)"
     )
     p.add_argument(
-        "--reprofile", action="store_true", help="measure the device again instead of using the cache"
+        "--reprofile",
+        action="store_true",
+        help="measure the device again instead of using the cache (default: use the cache)",
     )
 
-    p = sub.add_parser("peers", help="list the swarm's peers as the local daemon sees them")
+    p = _command(
+        sub,
+        "peers",
+        "list the swarm's peers as the local daemon sees them",
+        "List the peers the local daemon sees: device, memory, speed, measured links, roles, "
+        "availability and how fresh each record is.",
+    )
     _state_dir_arg(p)
-    p.add_argument("--json", action="store_true")
+    _json_arg(p)
 
-    p = sub.add_parser("status", help="the local daemon, the swarm and running jobs")
+    p = _command(
+        sub,
+        "status",
+        "the local daemon, the swarm and running jobs",
+        "Show the local daemon (peer id, addresses, device, availability, whether the swarm is "
+        "private), the peers it sees, the stages it serves and the jobs it drives.",
+    )
     _state_dir_arg(p)
-    p.add_argument("--json", action="store_true")
+    _json_arg(p)
 
-    for name, text in (
-        ("pause", "stop contributing for now (in-flight work finishes, stages are released)"),
-        ("resume", "contribute again after a pause"),
+    for name, text, desc in (
+        (
+            "pause",
+            "stop contributing for now (in-flight work finishes, stages are released)",
+            "Stop contributing until `fusionnode resume`: steps in flight finish, this peer's stages "
+            "are released (their jobs re-plan without it) and it advertises itself as paused.",
+        ),
+        (
+            "resume",
+            "contribute again after a pause",
+            "Lift a `fusionnode pause`. If --schedule or --when idle still keep the peer paused, "
+            "says so and until when, and exits with status 1.",
+        ),
     ):
-        p = sub.add_parser(name, help=text)
+        p = _command(sub, name, text, desc)
         _state_dir_arg(p)
 
-    p = sub.add_parser("leave", help="ask the local daemon to leave the swarm gracefully")
+    p = _command(
+        sub,
+        "leave",
+        "ask the local daemon to leave the swarm gracefully",
+        "Ask the local daemon to leave: it finishes steps in flight, withdraws its record from the "
+        "DHT and exits.",
+    )
     _state_dir_arg(p)
 
     p = sub.add_parser(
@@ -272,14 +434,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _state_dir_arg(p)
     _add_train_job_args(p)
-    p.add_argument("--local", action="store_true", help="single process, no swarm: the reference trajectory")
     p.add_argument(
-        "--stages", type=int, default=None, help="pipeline stages (default: one per available worker)"
+        "--local",
+        action="store_true",
+        help="single process, no swarm: the reference trajectory (default: train on the swarm)",
     )
-    p.add_argument("--peers", nargs="*", default=None, help="use exactly these worker peer ids, in order")
+    p.add_argument(
+        "--stages",
+        type=_int_at_least(1),
+        default=None,
+        help="pipeline stages; refused if the swarm has fewer workers (default: one per available worker)",
+    )
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        default=None,
+        metavar="PEER_ID",
+        help="use exactly these worker peer ids, in order (default: any available workers)",
+    )
     p.add_argument(
         "--replicas",
-        type=int,
+        type=_int_at_least(1),
         default=1,
         help="data-parallel pipelines; they synchronise through optimizer hosts (default %(default)s)",
     )
@@ -305,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rebalance-every",
-        type=int,
+        type=_int_at_least(0),
         default=0,
         metavar="N",
         help="every N steps, re-plan if measured stage times promise a faster layout (needs "
@@ -313,59 +488,152 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rebalance-gain",
-        type=float,
+        type=_float_at_least(0),
         default=0.25,
         help="predicted speed-up a re-plan must promise, counting the cost of moving (default %(default)s)",
     )
     p.add_argument(
         "--lease",
-        type=float,
+        type=_float_above(0),
         default=None,
         metavar="SECONDS",
         help="how long a worker keeps its stage when this driver goes silent (default 60)",
     )
-    p.add_argument("--optimizer-hosts", type=int, default=1, help="optimizer hosts to shard the state over")
+    p.add_argument(
+        "--optimizer-hosts",
+        type=_int_at_least(1),
+        default=1,
+        help="optimizer hosts to shard the state over, with --offload (default %(default)s)",
+    )
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="print progress and the result as JSON lines")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print progress and the result as JSON lines (default: a progress line and a summary)",
+    )
 
-    p = sub.add_parser("plan", help="plan a job over a cluster file (offline) and print it")
+    p = _command(
+        sub,
+        "plan",
+        "plan a job over a cluster file (offline) and print it",
+        "Plan a job over a cluster file (or the live swarm with --swarm) and print the pipelines, "
+        "their stages and the predicted step time; nothing is trained. Its defaults describe "
+        "capacity planning (gpt2-xl, batch 512), not `train`'s (gpt2-tiny, batch 16).",
+    )
     _add_plan_args(p, "plan")
-    p = sub.add_parser("simulate", help="simulate a plan's throughput against the baselines")
+    p = _command(
+        sub,
+        "simulate",
+        "simulate a plan's throughput against the baselines",
+        "Plan a job over a cluster file, then simulate its throughput against the even-split and "
+        "memory-split baselines; nothing is trained.",
+    )
     _add_plan_args(p, "simulate")
 
-    p = sub.add_parser("bench", help="run a benchmark and print its figures")
-    p.add_argument("name", choices=sorted(BENCHMARKS))
+    p = _command(
+        sub,
+        "bench",
+        "run a benchmark and print its figures",
+        "Run one of the benchmarks the README quotes and print its figures; "
+        "`fusionnode bench NAME --help` lists its options.",
+    )
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark: %(choices)s")
     p.add_argument(
         "bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)"
     )
 
-    p = sub.add_parser("demo", help="start a local swarm, train gpt2-tiny on it, and show the result")
-    from fusionnode.demo import add_demo_arguments
+    p = _command(
+        sub,
+        "demo",
+        "start a local swarm, train gpt2-tiny on it, and show the result",
+        "Start a local swarm of real daemons on loopback, train gpt2-tiny over all of them with live "
+        "progress, print a summary with a text sample, and stop every process it started.",
+    )
+    from fusionnode.demo import DEFAULT_DEMO_STEPS, add_demo_arguments
 
     add_demo_arguments(p)
     _add_train_job_args(p)
-    p.set_defaults(steps=None, compress="adatopk")
+    p.set_defaults(steps=DEFAULT_DEMO_STEPS, compress="adatopk", save_every=0)
 
-    p = sub.add_parser("keygen", help="create a private swarm key file (mode 0600) to share with your peers")
-    p.add_argument("--out", required=True, help="where to write the key")
-    p.add_argument("--force", action="store_true", help="overwrite an existing file")
+    p = _command(
+        sub,
+        "keygen",
+        "create a private swarm key file (mode 0600) to share with your peers",
+        "Create a private swarm key: peers started with --swarm-key FILE speak only to peers holding "
+        "the same key. Refuses to overwrite an existing file unless --force.",
+    )
+    p.add_argument("--out", required=True, help="where to write the key (required)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file (default: refuse)")
 
-    p = sub.add_parser("config", help="show the effective configuration and where each value comes from")
-    p.add_argument("action", choices=["show"])
-    p.add_argument("--json", action="store_true")
-    p.add_argument("target", nargs=argparse.REMAINDER, help="COMMAND [FLAGS...] (default: join)")
+    p = _command(
+        sub,
+        "config",
+        "show the effective configuration and where each value comes from",
+        "`fusionnode config show COMMAND [FLAGS...]` prints the options COMMAND would run with and "
+        "where each value came from: a flag, a FUSIONNODE_* environment variable, the config file, "
+        "or the built-in default.",
+    )
+    p.add_argument("action", choices=["show"], help="what to do: show")
+    _json_arg(p)
+    p.add_argument(
+        "target", nargs=argparse.REMAINDER, help="COMMAND [FLAGS...] to show it for (default: join)"
+    )
 
-    p = sub.add_parser("generate", help="sample text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (as written by --save)")
-    p.add_argument("--prompt", default="def ")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p = _command(
+        sub,
+        "generate",
+        "sample text from a checkpoint",
+        "Sample text from a trained model: a checkpoint (the --save directory or one of its step-* "
+        "directories) or a file written by `fusionnode export`.",
+    )
+    from fusionnode.train.generate import DEFAULT_TEMPERATURE
 
-    p = sub.add_parser("export", help="export a checkpoint's model as one safetensors file")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the --save directory (its newest checkpoint), one step-* directory in it, or an "
+        "exported .safetensors file (required)",
+    )
+    p.add_argument("--prompt", default="def ", help="text to continue (default %(default)r)")
+    p.add_argument(
+        "--tokens", type=_int_at_least(1), default=200, help="tokens to generate (default %(default)s)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=_float_at_least(0),
+        default=DEFAULT_TEMPERATURE,
+        help="sampling temperature; 0 = always the likeliest token (default %(default)s)",
+    )
+    p.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="seed of the sampling (default %(default)s)"
+    )
+
+    p = _command(
+        sub,
+        "export",
+        "export a checkpoint's model as one safetensors file",
+        "Write a checkpoint's parameters, with the job spec in the metadata, as one .safetensors "
+        "file that `fusionnode generate --checkpoint` also reads.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="the --save directory (its newest checkpoint) or one step-* directory in it (required)",
+    )
+    p.add_argument(
+        "--out", required=True, help="the .safetensors file to write, or a directory for it (required)"
+    )
+    p.add_argument("--force", action="store_true", help="overwrite an existing file (default: refuse)")
     return parser
+
+
+def _command(sub: Any, name: str, text: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand with its one-line help (in `fusionnode --help`) and its description."""
+    return sub.add_parser(name, help=text, description=description)
+
+
+def _json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON instead of text (default: text)")
 
 
 def _add_plan_args(p: argparse.ArgumentParser, which: str) -> None:
@@ -444,16 +712,17 @@ def cmd_peers(args: argparse.Namespace) -> int:
 def format_peers(peers: list[dict[str, Any]], me: str | None = None) -> str:
     rows = [("PEER", "DEVICE", "MEMORY", "TFLOPS", "LINKS", "ROLES", "STATE", "SEEN")]
     now = time.time()
+    present = {p["peer_id"] for p in peers}
     for p in peers:
         dev = p.get("device") or {}
-        links = p.get("links") or {}
+        links = {k: v for k, v in (p.get("links") or {}).items() if k in present}  # not departed peers'
         link_txt = ", ".join(
-            f"{k[-6:]}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
+            f"{short_peer(k)}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
         )
         pid = p["peer_id"]
         rows.append(
             (
-                ("*" if pid == me else " ") + pid[:16] + "…",
+                ("*" if pid == me else " ") + short_peer(pid),
                 f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
                 f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
                 f"{dev.get('tflops_fp32') or 0:.2f}",
@@ -479,10 +748,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"address   {' '.join(res['maddrs'][:3])}")
     print(f"uptime    {res['uptime_s']:.0f} s    roles {','.join(res['roles'])}")
     print(f"device    {dev.get('kind')} {dev.get('name')}  {dev.get('tflops_fp32', 0):.2f} TFLOPS fp32")
-    print(f"swarm     {len(res['peers'])} peer(s)")
+    private = res.get("private_swarm")
+    kind = f"private (swarm key {private})" if private else "public (no --swarm-key)"
+    print(f"swarm     {len(res['peers'])} peer(s), {kind}")
     print(format_peers(res["peers"], res["peer_id"]))
     for s in res.get("serving") or []:
-        print(f"serving   job {s['job']} stage {s['stage']}/{s['num_stages']} step {s['last_step']}")
+        from fusionnode.train.driver import STAGE_ID_STRIDE  # stage ids count on across re-plans
+
+        version, index = divmod(int(s["stage"]), STAGE_ID_STRIDE)
+        print(
+            f"serving   job {s['job']}: stage {index} of plan version {version + 1} "
+            f"({s['num_stages']} stages a pipeline), step {s['last_step']}"
+        )
     for j in res.get("jobs") or []:
         print(
             f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
@@ -514,7 +791,7 @@ class Progress:
         util = "/".join(f"{s['compute_s'] / max(rec['step_time_s'], 1e-9):.0%}" for s in stages)
         text = (
             f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
-            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" util {util}" if util else "")
+            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" stages busy {util}" if util else "")
         )
         if self.tty:
             width = 24
@@ -535,6 +812,13 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     if args.resume and not spec.save_dir:
         parser.error("--resume needs --save DIR (where the checkpoints are)")
+    if args.offload == "off" and args.rebalance_every:
+        parser.error(
+            "--rebalance-every moves stages between workers, which needs the optimizer state on "
+            "optimizer hosts: use --offload on (or auto), or leave --rebalance-every out"
+        )
+    if args.offload == "off" and (args.replicas > 1 or args.shares):
+        parser.error("several pipelines synchronise through optimizer hosts: use --offload on (or auto)")
     if args.local:
         return _train_local(spec, args)
 
@@ -594,14 +878,9 @@ async def follow_job(
         elif ev.get("type") == "step":
             progress.update(ev)
         elif ev.get("type") == "plan":
-            for s in ev["stages"]:
-                print(
-                    f"  stage {s['stage']}: OP-DAG nodes [{s['lo']}, {s['hi']}) on peer {s['peer'][:16]}… "
-                    f"({s['n_params']} parameter tensors)",
-                    file=sys.stderr,
-                )
+            print("\n".join(format_plan(ev)), file=sys.stderr)
         else:
-            print(f"  event: {ev}", file=sys.stderr)
+            print(f"  {format_event(ev)}", file=sys.stderr)
     raise FusionNodeError("the driver closed the job without a result")
 
 
@@ -613,6 +892,7 @@ def print_train_summary(result: dict[str, Any]) -> None:
     )
     if result.get("checkpoint"):
         print(f"checkpoint: {result['checkpoint']}")
+        print(next_steps(result["checkpoint"]))
     if result.get("metrics_out"):
         print(f"metrics:    {result['metrics_out']}")
     print("sample:\n" + result.get("sample", ""))
@@ -625,15 +905,19 @@ def _train_local(spec: Any, args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     progress = Progress(spec.steps)
-    res = train_local(
-        spec, progress=lambda rec: progress.update({"wire_bytes": 0, **rec}), resume=args.resume
-    )
+
+    def show(rec: dict[str, Any]) -> None:
+        tokens_per_s = rec.get("tokens", 0) / max(rec.get("step_time_s", 0.0), 1e-9)
+        progress.update({"wire_bytes": 0, "tokens_per_s": tokens_per_s, **rec})
+
+    res = train_local(spec, progress=show, resume=args.resume)
     print(
         f"local: {len(res.losses)} steps, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} "
         f"(validation {res.val_loss:.4f}), {res.tokens_per_s:.0f} tokens/s"
     )
     if res.checkpoint:
         print(f"checkpoint: {res.checkpoint}")
+        print(next_steps(res.checkpoint))
     return 0
 
 
@@ -656,7 +940,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from fusionnode.train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.force)
     print(f"wrote {out}")
     return 0
 
@@ -666,18 +950,36 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    cmd = next((a for a in argv if a in settings.subparsers(parser)), None)
+    subs = settings.subparsers(parser)
+    cmd = next((a for a in argv if a in subs), None)
     if cmd and cmd != "config":
         try:
             settings.layered_defaults(parser, argv, cmd)
         except FusionNodeError as exc:
-            parser.error(str(exc))
+            subs[cmd].error(str(exc))
     args = parser.parse_args(argv)
+    try:
+        rc = _dispatch(args, subs[args.command])
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return rc
+    except BrokenPipeError:  # `fusionnode status | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # what a shell reports for a process killed by SIGPIPE
+
+
+def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs the parsed command; `parser` is the command's own parser, so its errors show its usage."""
+    from fusionnode import settings
+
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if args.log_level != "DEBUG":
-        logging.getLogger("hivemind").setLevel(logging.ERROR)
+    # hivemind sets its logger's level from $HIVEMIND_LOGLEVEL (default INFO) when first imported,
+    # which happens later (and in the processes it forks): set the variable, not only the level
+    hivemind_level = "DEBUG" if args.log_level == "DEBUG" else "ERROR"
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", hivemind_level)
+    logging.getLogger("hivemind").setLevel(hivemind_level)
     try:
         if args.command == "join":
             return cmd_join(args, parser)
@@ -691,8 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             from fusionnode import control
 
             res = _run(control.call(_control_path(args), args.command, timeout=None))
-            print(f"{res['availability']}" + (f" ({res['reason']})" if res.get("reason") else ""))
-            return 0
+            print(describe_availability(args.command, res))
+            return 0 if args.command == "pause" or res.get("availability") != "paused" else 1
         if args.command == "train":
             return cmd_train(args, parser)
         if args.command in ("plan", "simulate"):
@@ -715,6 +1017,14 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
         if args.command == "config":
+            if args.target and args.target[0] in ("-h", "--help"):
+                parser.print_help()
+                return 0
+            if args.target and args.target[0] not in settings.subparsers(build_parser()):
+                parser.error(
+                    f"config show: {args.target[0]!r} is not a command; name one, e.g. "
+                    "`fusionnode config show join --max-memory 8GB`"
+                )
             print(settings.show_config(build_parser, args.target or ["join"], as_json=args.json))
             return 0
         if args.command == "generate":

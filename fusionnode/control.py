@@ -84,6 +84,8 @@ class ControlServer:
             hangup = asyncio.ensure_future(reader.read(1))
             done, _ = await asyncio.wait({call, hangup}, return_when=asyncio.FIRST_COMPLETED)
             if call not in done:
+                if not hangup.cancelled() and hangup.exception() is not None:
+                    logger.debug("control client of %s went away: %r", method, hangup.exception())
                 call.cancel()
                 with contextlib.suppress(BaseException):
                     await call

@@ -28,10 +28,15 @@ DEFAULT_PEERS = 3
 DEFAULT_DEMO_STEPS = 300
 READY_TIMEOUT = 120.0  # seconds for a daemon to print its ready line
 SWARM_TIMEOUT = 60.0  # seconds for every peer to see every other
+NOTHING_SAVED = 0.01  # compression that saves less than this fraction of the bytes is reported as none
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peers", type=int, default=DEFAULT_PEERS, help="daemons to start (default %(default)s)")
+    from fusionnode.cli import _int_at_least
+
+    p.add_argument(
+        "--peers", type=_int_at_least(1), default=DEFAULT_PEERS, help="daemons to start (default %(default)s)"
+    )
     p.add_argument(
         "--workdir",
         default=None,
@@ -43,8 +48,20 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RATE",
         help="emulate a slow network: cap every link between the peers at RATE, e.g. 20Mbit "
-        "(user-space token buckets; AdaTopK then compresses)",
+        "(user-space token buckets; AdaTopK then compresses; default: no cap)",
     )
+
+
+def fusionnode_command() -> list[str]:
+    """The argv prefix that runs this very fusionnode (the package this process imported) in a new
+    Python process, whatever that process's working directory: `python -m fusionnode` would put the
+    working directory first on sys.path, where a folder named `fusionnode` (a clone, say) shadows
+    the installed package."""
+    import fusionnode
+
+    root = str(Path(fusionnode.__file__).resolve().parent.parent)
+    boot = f"import sys; sys.path[0] = {root!r}; from fusionnode.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", boot]
 
 
 class LocalSwarm:
@@ -84,9 +101,7 @@ class LocalSwarm:
 
     def _spawn(self, i: int, initial: list[str]) -> subprocess.Popen:
         cmd = [
-            sys.executable,
-            "-m",
-            "fusionnode",
+            *fusionnode_command(),
             "join",
             "--state-dir",
             str(self.state_dir(i)),
@@ -178,11 +193,22 @@ def print_wire_summary(metrics_path: Path, steps: int) -> None:
                 wire += link.get("wire_bytes", 0)
     print(f"wire:       {total_wire / 2**20:.1f} MiB between peers in {steps} steps")
     if dense:
-        saved = dense - wire
-        print(
-            f"compressed: stage links carried {wire / 2**20:.1f} MiB for {dense / 2**20:.1f} MiB of activations "
-            f"and gradients ({saved / 2**20:.1f} MiB saved, {dense / max(wire, 1):.1f}x)"
+        print(compression_line(dense, wire))
+
+
+def compression_line(dense: int, wire: int) -> str:
+    """What compression did on the stage links: `dense` bytes of activations and gradients, `wire`
+    bytes sent for them."""
+    if wire >= dense * (1 - NOTHING_SAVED):
+        return (
+            f"compressed: nothing needed: the links kept up with the compute, so the stage links "
+            f"carried the {dense / 2**20:.1f} MiB of activations and gradients dense (AdaTopK "
+            "compresses only a link that is the bottleneck; try --link-limit 20Mbit)"
         )
+    return (
+        f"compressed: stage links carried {wire / 2**20:.1f} MiB for {dense / 2**20:.1f} MiB of activations "
+        f"and gradients ({(dense - wire) / 2**20:.1f} MiB saved, {dense / max(wire, 1):.1f}x fewer bytes)"
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -199,7 +225,6 @@ def run_demo(args: argparse.Namespace) -> int:
         args.metrics_out = str(workdir / "metrics.jsonl")
     if args.save_dir is None:
         args.save_dir = str(workdir / "checkpoint")
-    args.save_every = 0 if args.save_every == 100 else args.save_every
     spec = _spec_from_args(args)
     print(
         f"FusionNode demo: {args.peers} peers on loopback, {spec.model}, {spec.steps} steps "

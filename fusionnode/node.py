@@ -97,7 +97,7 @@ class Node:
     async def _start(self) -> None:
         from fusionnode.optim.host import OptimizerHostService
         from fusionnode.runtime.worker import WorkerService
-        from fusionnode.swarm.dht import start_dht
+        from fusionnode.swarm.dht import ensure_listen_ports_free, start_dht
         from fusionnode.swarm.identity import load_or_create_identity
         from fusionnode.swarm.membership import Membership, MembershipConfig
         from fusionnode.swarm.probe import ProbeConfig
@@ -106,6 +106,7 @@ class Node:
 
         cfg = self.config
         self.lock.acquire()
+        ensure_listen_ports_free(cfg.listen)
         self.identity = load_or_create_identity(cfg.state_dir)
         self.profile = await asyncio.to_thread(load_or_measure_profile, cfg.state_dir, force=cfg.reprofile)
         from fusionnode.security import DHTSwarmAuthorizer, SwarmAuthorizer, swarm_key_from_env_or_path

@@ -6,7 +6,7 @@ exists) holds option names as keys, spelled like the long flag or its destinatio
 (``max-memory`` or ``max_memory``). Top-level keys apply to every command that has the option;
 a table named after a command applies to that command only and wins over the top level::
 
-    initial-peers = ["/ip4/10.0.0.1/tcp/31337/p2p/12D3KooW..."]
+    initial-peers = ["/ip4/10.0.0.1/tcp/31337/p2p/Qm..."]
     max-memory = "12GB"
     [join]
     role = "worker"
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -299,9 +300,28 @@ def _plain(v: Any) -> Any:
     return v
 
 
-def format_config(cfg: dict[str, Any], *, as_json: bool = False) -> str:
+_DEFAULT_IN_HELP = re.compile(r"[(;]\s*default:?\s*([^;)]*)")
+
+
+def described_defaults(p: argparse.ArgumentParser) -> dict[str, str]:
+    """dest -> what the option's help says its default is, for options whose parsed default is None
+    (it is derived at run time: "what is free", "the model's context", ...)."""
+    out = {}
+    for a in p._actions:
+        if a.default is None and a.help and a.help != argparse.SUPPRESS:
+            m = _DEFAULT_IN_HELP.search(a.help)
+            if m and m.group(1).strip():
+                out[a.dest] = m.group(1).strip()
+    return out
+
+
+def format_config(
+    cfg: dict[str, Any], *, as_json: bool = False, described: dict[str, str] | None = None
+) -> str:
     """TOML (with the source of each value as a comment) or JSON; options whose value is None are
-    listed as comments in TOML, which has no null."""
+    listed as comments in TOML, which has no null, with what `described` (see `described_defaults`)
+    says the default is."""
+    described = described or {}
     if as_json:
         return json.dumps(cfg, indent=2)
     lines = [
@@ -311,7 +331,8 @@ def format_config(cfg: dict[str, Any], *, as_json: bool = False) -> str:
     for dest, item in cfg["options"].items():
         key = dest.replace("_", "-")
         if item["value"] is None:
-            lines.append(f"# {key} = (unset)  # {item['source']}")
+            what = described.get(dest, "unset")
+            lines.append(f"# {key} = ({what})  # {item['source']}")
         else:
             lines.append(f"{key} = {_toml_value(item['value'])}  # {item['source']}")
     return "\n".join(lines)
@@ -344,4 +365,6 @@ def show_config(
         args = parser.parse_args(argv)
     except SystemExit as exc:
         raise ConfigError(f"cannot parse {' '.join(argv)!r} (see the message above)") from exc
-    return format_config(effective_config(args), as_json=as_json)
+    sub = subparsers(parser)[argv[0]]
+    described = {**described_defaults(parser), **described_defaults(sub)}
+    return format_config(effective_config(args), as_json=as_json, described=described)

@@ -178,6 +178,7 @@ def test_a_worker_that_cannot_hold_its_stage_refuses_and_the_job_goes_elsewhere(
         result, events = run_job(s, small_spec(steps=2), stages=2)
         refused = [e for e in events if e.get("kind") == "refused"]
         assert refused and "offers" in refused[0]["reason"]
+        assert any(e.get("what") == "fewer_stages" for e in events)  # said, not silent
         plan = [e for e in events if e["type"] == "plan"][-1]
         assert len(plan["stages"]) == 1
         assert result["steps"] == 2

@@ -78,8 +78,39 @@ def test_members_train_and_an_outsider_cannot_join(tmp_path):
         )
         assert out.returncode == 2, out.stdout + out.stderr
         assert "Traceback" not in out.stderr
+        assert (
+            "may not hold this peer's swarm key" in out.stderr
+            and "ensure_bootstrap_success" not in out.stderr
+        )
+        # one without any key is told the swarm may be private
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "fusionnode", "join", "--state-dir", str(tmp_path / "keyless")),
+                *("--listen", "/ip4/127.0.0.1/tcp/0", "--initial-peers", *swarm.ready[0]["maddrs"]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "if that swarm is private" in out.stderr and "--swarm-key FILE" in out.stderr
+        # more stages than the swarm has workers: refused, not silently fewer
+        out = subprocess.run(
+            [
+                *(sys.executable, "-m", "fusionnode", "train", "--state-dir", str(swarm.state_dir(0))),
+                *("--stages", "3", "--steps", "1", "--seq-len", "16"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 2
+        assert "--stages 3 x 1 pipeline(s) need 3 workers; the swarm has 2 available" in out.stderr
         members = {p["peer_id"] for p in asyncio.run(control.call(swarm.control(1), "peers"))["peers"]}
         assert members == {r["peer_id"] for r in swarm.ready}
         assert json.dumps(status)  # the status stays serialisable with the security section
     finally:
         swarm.stop()
+    for i in range(2):  # ordinary runs keep hivemind's INFO lines and a lone peer's first refusals quiet
+        log = (tmp_path / "members" / f"peer{i}.log").read_text()
+        assert "[INFO]" not in log and "not accepted by any DHT node" not in log, log[-2000:]

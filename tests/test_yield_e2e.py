@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +78,15 @@ def test_a_paused_worker_leaves_the_job_which_finishes_every_step_once(tmp_path)
         replans = [r for r in records if r.get("event") == "replan"]
         gone = swarm.ready[victim]["peer_id"]
         assert len(replans) >= 2 and gone not in replans[-1]["peers"]
+        from fusionnode.messages import format_event, format_plan
+
+        told = [line for e in events if e["type"] == "plan" for line in format_plan(e)]
+        told += [format_event(e) for e in events if e["type"] == "event"]
+        print("\n".join(told))
+        assert any(line.startswith("  new plan (version 2)") for line in told)  # the re-plan is shown
+        assert any(re.match(rf"step \d+: worker …{gone[-8:]} left the swarm", line) for line in told)
+        assert not any(c in line for line in told for c in ("{", "ban_s", "stage 1000"))
+        assert not any("[" in format_event(e) for e in events if e["type"] == "event")
         serving = asyncio.run(control.call(swarm.control(victim), "status"))["serving"]
         assert serving == []  # its stage was released
         assert timing["freed_s"] < 60

@@ -157,26 +157,63 @@ def train(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fusionnode bench adatopk", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH)
-    p.add_argument("--lr", type=float, default=DEFAULT_LR)
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--cut", type=int, default=DEFAULT_CUT, help="blocks before the cut")
-    p.add_argument("--link-mbps", type=float, default=DEFAULT_LINK_MBPS, help="simulated link, Mbit/s")
-    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
-    p.add_argument("--stage-ms", type=float, default=DEFAULT_STAGE_MS, help="compute-bound stage time, ms")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps (default %(default)s)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model (default %(default)s)")
+    p.add_argument(
+        "--batch-size", type=int, default=DEFAULT_BATCH, help="sequences per step (default %(default)s)"
+    )
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="peak learning rate (default %(default)s)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        help="seed of the model, data and rounding (default %(default)s)",
+    )
+    p.add_argument("--cut", type=int, default=DEFAULT_CUT, help="blocks before the cut (default %(default)s)")
+    p.add_argument(
+        "--link-mbps",
+        type=float,
+        default=DEFAULT_LINK_MBPS,
+        help="simulated link, Mbit/s (default %(default)s)",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=DEFAULT_LATENCY_MS,
+        help="simulated link latency, ms (default %(default)s)",
+    )
+    p.add_argument(
+        "--stage-ms",
+        type=float,
+        default=DEFAULT_STAGE_MS,
+        help="compute-bound stage time, ms (default %(default)s)",
+    )
     p.add_argument("--ratio", type=float, default=None, help="fixed keep ratio instead of the policy")
-    p.add_argument("--forward-mode", choices=("row", "global"), default=DEFAULT_FORWARD_MODE)
-    p.add_argument("--backward-mode", choices=("row", "global"), default=DEFAULT_BACKWARD_MODE)
+    p.add_argument(
+        "--forward-mode",
+        choices=("row", "global"),
+        default=DEFAULT_FORWARD_MODE,
+        help="top-k over each row or the whole activation (default %(default)s)",
+    )
+    p.add_argument(
+        "--backward-mode",
+        choices=("row", "global"),
+        default=DEFAULT_BACKWARD_MODE,
+        help="top-k over each row or the whole gradient (default %(default)s)",
+    )
     p.add_argument(
         "--center",
         action=argparse.BooleanOptionalAction,
         default=DEFAULT_CENTER,
-        help="centered top-k of activations: channel means sent, dropped elements decode to them",
+        help="centered top-k of activations: channel means sent, dropped elements decode to them (default %(default)s)",
     )
     p.add_argument("--center-backward", action="store_true", help="centered top-k of activation gradients")
-    p.add_argument("--value-dtype", choices=("float16", "bfloat16", "float32"), default="float16")
+    p.add_argument(
+        "--value-dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="dtype of the kept values on the wire (default %(default)s)",
+    )
     p.add_argument("--forward-feedback", action="store_true", help="error feedback on activations")
     p.add_argument("--backward-feedback", action="store_true", help="error feedback on activation gradients")
     p.add_argument("--dense-backward", action="store_true", help="send activation gradients dense")
@@ -184,19 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--backward-codec",
         choices=("topk", "q8", "q4"),
         default=DEFAULT_BACKWARD_CODEC,
-        help="activation gradients while compressing: top-k at the policy's ratio, or per-row int8/int4",
+        help="activation gradients while compressing: top-k at the policy's ratio, or per-row int8/int4 (default %(default)s)",
     )
     p.add_argument(
         "--warmup-codec",
         choices=("raw", "q8", "q4"),
         default=DEFAULT_WARMUP_CODEC,
-        help="what warm-up steps send in both directions (raw = the dense float32 tensor)",
+        help="what warm-up steps send in both directions (raw = the dense float32 tensor) (default %(default)s)",
     )
     p.add_argument(
         "--stochastic",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="q8/q4: seeded stochastic rounding (unbiased) instead of nearest",
+        help="q8/q4: seeded stochastic rounding (unbiased) instead of nearest (default %(default)s)",
     )
     p.add_argument(
         "--warmup",
@@ -204,8 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"warm-up steps (sent with --warmup-codec) before top-k starts (default {DEFAULT_WARMUP_FRACTION:g} of --steps)",
     )
-    p.add_argument("--eval-batches", type=int, default=DEFAULT_EVAL_BATCHES)
-    p.add_argument("--log-every", type=int, default=0)
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=DEFAULT_EVAL_BATCHES,
+        help="validation batches at the end (default %(default)s)",
+    )
+    p.add_argument("--log-every", type=int, default=0, help="print every N steps; 0 = only the summary")
     return p
 
 

@@ -57,11 +57,30 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fusionnode bench codec", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help="MiB of float32 input, comma-separated")
-    parser.add_argument("--ratios", default=DEFAULT_RATIOS, help="keep ratios, comma-separated")
-    parser.add_argument("--mode", choices=("global", "row"), default="global")
-    parser.add_argument("--row-len", type=int, default=DEFAULT_ROW_LEN)
-    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT)
+    parser.add_argument(
+        "--sizes", default=DEFAULT_SIZES, help="MiB of float32 input, comma-separated (default %(default)s)"
+    )
+    parser.add_argument(
+        "--ratios", default=DEFAULT_RATIOS, help="keep ratios, comma-separated (default %(default)s)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("global", "row"),
+        default="global",
+        help="top-k over the whole tensor or per row (default %(default)s)",
+    )
+    parser.add_argument(
+        "--row-len",
+        type=int,
+        default=DEFAULT_ROW_LEN,
+        help="row length with --mode row (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=DEFAULT_REPEAT,
+        help="timed repetitions per case (the best is kept) (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     sizes = _floats(args.sizes, "--sizes", parser)
     ratios = _floats(args.ratios, "--ratios", parser)

@@ -43,19 +43,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--scenario", choices=["straggler", "kill", "all"], default="all")
-    p.add_argument("--steps", type=int, default=30, help="steps of each job")
-    p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down")
-    p.add_argument("--slow-at", type=int, default=8, help="step after which the straggler slows down")
-    p.add_argument("--check-every", type=int, default=4, help="steps between rebalance checks")
-    p.add_argument("--kills", type=int, default=5)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--workdir", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--scenario",
+        choices=["straggler", "kill", "all"],
+        default="all",
+        help="which fault to inject: a straggler, SIGKILLed workers, or both (default %(default)s)",
+    )
+    p.add_argument("--steps", type=int, default=30, help="steps of each job (default %(default)s)")
+    p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down (default %(default)s)")
+    p.add_argument(
+        "--slow-at",
+        type=int,
+        default=8,
+        help="step after which the straggler slows down (default %(default)s)",
+    )
+    p.add_argument(
+        "--check-every", type=int, default=4, help="steps between rebalance checks (default %(default)s)"
+    )
+    p.add_argument(
+        "--kills", type=int, default=5, help="workers SIGKILLed in the kill scenario (default %(default)s)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
+    p.add_argument(
+        "--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=11, help="seed of the job (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="where the peers keep state and logs (default: a new temporary directory)",
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     return p.parse_args(argv)
 
 

@@ -99,10 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="gpt2-small")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--model", default="gpt2-small", help="bundled model (default %(default)s)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per run (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default %(default)s)")
     args = p.parse_args(argv)
 
     spec = JobSpec(

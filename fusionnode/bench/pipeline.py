@@ -27,15 +27,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--peers", type=int, default=3)
-    p.add_argument("--model", default="gpt2-tiny")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--offload", choices=["on", "off"], default="off")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--peers", type=int, default=3, help="daemons (one stage each) (default %(default)s)")
+    p.add_argument("--model", default="gpt2-tiny", help="bundled model (default %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="training steps (default %(default)s)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="steps left out of the medians (default %(default)s)"
+    )
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
+    p.add_argument(
+        "--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)")
+    p.add_argument(
+        "--offload",
+        choices=["on", "off"],
+        default="off",
+        help="optimizer state on an optimizer host (on) or on the workers (off) (default %(default)s)",
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     return p.parse_args(argv)
 
 

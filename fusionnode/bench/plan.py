@@ -218,13 +218,20 @@ def compare(graph: OpGraph, cluster_name: str, batch: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fusionnode.bench.plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt2-xl")
-    ap.add_argument("--batch-size", type=int, default=512)
-    ap.add_argument("--seq-len", type=int, default=None)
-    ap.add_argument("--instances", type=int, default=20, help="random small instances for the optimality gap")
+    ap = argparse.ArgumentParser(prog="fusionnode bench plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2-xl", help="model to plan (default %(default)s)")
+    ap.add_argument("--batch-size", type=int, default=512, help="samples per step (default %(default)s)")
+    ap.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample (default: the model's context)"
+    )
+    ap.add_argument(
+        "--instances",
+        type=int,
+        default=20,
+        help="random small instances for the optimality gap (default %(default)s)",
+    )
     ap.add_argument("--clusters", default="", help="comma-separated bundled cluster names (default: all)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = ap.parse_args(argv)
     import torch
 

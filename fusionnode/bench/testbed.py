@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--network",
         choices=["auto", "netns", "userspace"],
         default="auto",
-        help="how links are emulated (auto: netns when root and iproute2 are there)",
+        help="how links are emulated (auto: netns when root and iproute2 are there) (default %(default)s)",
     )
     p.add_argument("--steps", type=int, default=12, help="training steps per configuration (default 12)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians (default 3)")
@@ -92,20 +92,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--calibration-steps",
         type=int,
         default=5,
-        help="steps of each calibration run (the first --warmup of them are not used); 0 skips calibration",
+        help="steps of each calibration run (the first --warmup of them are not used); 0 skips calibration (default %(default)s)",
     )
     p.add_argument(
         "--headroom",
         type=float,
         default=2.0,
-        help="how much slower than this machine's fair share of a core the fastest emulated device is "
-        "(>= 1; the real compute and the peers' traffic must fit in the pace)",
+        help="how much slower than this machine's fair share of a core the fastest emulated device is (>= 1; the real compute and the peers' traffic must fit in the pace) (default %(default)s)",
     )
-    p.add_argument("--configs", default=",".join(c[0] for c in CONFIGS), help="which configurations to run")
+    p.add_argument(
+        "--configs",
+        default=",".join(c[0] for c in CONFIGS),
+        help="which configurations to run (default %(default)s)",
+    )
     p.add_argument(
         "--out",
         default="testbed-results",
-        help="directory for results.json (the table), runs.json (every step) and testbed.png",
+        help="directory for results.json (the table), runs.json (every step) and testbed.png (default %(default)s)",
     )
     return p.parse_args(argv)
 

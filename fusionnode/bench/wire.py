@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stream-mib", type=int, default=None, help=f"MiB per transfer (default {STREAM_MIB})"
     )
-    parser.add_argument("--chunk-kib", type=int, default=CHUNK_KIB, help="stream write size in KiB")
+    parser.add_argument(
+        "--chunk-kib", type=int, default=CHUNK_KIB, help="stream write size in KiB (default %(default)s)"
+    )
     args = parser.parse_args(argv)
     if args.chunk_kib < 1:
         parser.error("--chunk-kib must be >= 1")

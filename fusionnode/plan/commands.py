@@ -24,7 +24,13 @@ DEFAULT_STEPS = 100
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cluster", default=None, help="cluster JSON file, or a bundled cluster's name")
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="cluster JSON file, or a bundled cluster's name: "
+        + ", ".join(sorted(f.stem for f in (Path(__file__).parent / "clusters").glob("*.json")))
+        + " (required unless --swarm)",
+    )
     parser.add_argument(
         "--swarm",
         action="store_true",
@@ -34,13 +40,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="the local daemon's state dir (with --swarm)"
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="gpt2-tiny|small|medium|large|xl")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="samples per step")
     parser.add_argument(
-        "--micro-batches", type=int, default=None, help="fix the micro-batch count per pipeline"
+        "--model", default=DEFAULT_MODEL, help="gpt2-tiny|small|medium|large|xl (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        help="samples per step (default %(default)s, a capacity-planning batch; `train` defaults to 16)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="fix the micro-batch count per pipeline (default: the planner chooses)",
     )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
-    parser.add_argument("--offload", choices=("on", "off"), default="on", help="optimizer state on hosts")
+    parser.add_argument(
+        "--offload",
+        choices=("on", "off"),
+        default="on",
+        help="optimizer state on optimizer hosts (on) or on the workers (off) (default %(default)s)",
+    )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +73,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps to project time for")
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="steps to project time for (default %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
 
 

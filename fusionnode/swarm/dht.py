@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
+import re
+import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hivemind.dht import DHT
@@ -40,6 +44,68 @@ def _check_maddrs(maddrs: Sequence[str], what: str, need_peer_id: bool) -> list[
                 raise ConfigError(f"{what}: {addr!r} lacks /p2p/<peer id>") from exc
         out.append(str(addr))
     return out
+
+
+_TCP_LISTEN = re.compile(r"^/(ip4|ip6)/([^/]+)/tcp/(\d+)(/|$)")
+
+
+def ensure_listen_ports_free(listen: Sequence[str]) -> None:
+    """Raises ConfigError if a fixed TCP port in `listen` is already taken on this host.
+
+    p2pd binds with SO_REUSEPORT, so a second daemon on the same fixed port would start and share
+    the port with the first (and peers dialling it would reach either). A plain bind (SO_REUSEADDR
+    only, so a port in TIME_WAIT still counts as free) fails while anything listens there."""
+    for addr in listen:
+        m = _TCP_LISTEN.match(str(addr))
+        if m is None or int(m.group(3)) == 0:
+            continue
+        family = socket.AF_INET if m.group(1) == "ip4" else socket.AF_INET6
+        port = int(m.group(3))
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((m.group(2), port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    continue  # not ours to judge (an address this host lacks, say): p2pd will say
+                free = str(addr).replace(f"/tcp/{port}", "/tcp/0", 1)
+                raise ConfigError(
+                    f"listen address {addr}: TCP port {port} is already in use on this host (another "
+                    f"fusionnode daemon?); give this daemon another port, e.g. --listen {free} "
+                    "(0 = a free port, shown in the READY line and by `fusionnode status`)"
+                ) from None
+
+
+P2PD_SOCKET_GLOB = "hivemind-p2pd-*.sock"  # hivemind's p2pd control socket, always under /tmp
+
+
+def remove_stale_p2pd_sockets(since: float, directory: Path = Path("/tmp")) -> list[Path]:
+    """Removes p2pd control sockets created at or after `since` (epoch seconds) that no process has
+    bound any more; returns them.
+
+    A p2pd that exits on its own (it could not reach its bootstrap peers, say) leaves its socket
+    file: hivemind removes it only when it terminates p2pd itself. Whether a path is still bound
+    comes from /proc/net/unix (Linux; elsewhere nothing is removed)."""
+    try:
+        bound = {
+            line.split()[-1]
+            for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+            if len(line.split()) >= 8
+        }
+    except OSError:
+        return []
+    removed = []
+    for path in directory.glob(P2PD_SOCKET_GLOB):
+        try:
+            if path.lstat().st_ctime < since - 1.0 or str(path) in bound:
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    if removed:
+        logger.debug("removed stale p2pd sockets %s", removed)
+    return removed
 
 
 def _start_blocking(
@@ -107,10 +173,15 @@ async def start_dht(
     if startup_timeout <= 0:
         raise ConfigError(f"startup_timeout must be > 0 s, got {startup_timeout}")
     t0 = time.monotonic()
+    started_at = time.time()
     try:
-        dht = await asyncio.to_thread(
-            _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer, options
-        )
+        try:
+            dht = await asyncio.to_thread(
+                _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer, options
+            )
+        except BaseException:
+            remove_stale_p2pd_sockets(since=started_at)
+            raise
     except (TimeoutError, concurrent.futures.TimeoutError) as exc:
         raise DaemonError(
             f"DHT did not start within {startup_timeout:.0f} s "
@@ -131,8 +202,18 @@ async def start_dht(
         raise DaemonError(f"libp2p daemon failed to start (listen={listen}): {msg}") from exc
     except RuntimeError as exc:
         if "bootstrap failed" in str(exc):
+            if authorizer is None:
+                hint = (
+                    "they run, but if that swarm is private (started with --swarm-key) this peer needs "
+                    "the same key: --swarm-key FILE"
+                )
+            else:
+                hint = (
+                    "they run, but they may not hold this peer's swarm key: check that --swarm-key is "
+                    "the file the swarm was started with (or that the swarm is private at all)"
+                )
             raise DaemonError(
-                f"none of the initial peers {initial_peers} answered a DHT ping: {exc}"
+                f"none of the initial peers {initial_peers} answered a DHT ping; {hint}"
             ) from exc
         raise DaemonError(f"DHT failed to start: {exc}") from exc
     logger.info(

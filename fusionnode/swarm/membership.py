@@ -39,6 +39,7 @@ DEFAULT_RECORD_TTL = 15.0  # seconds a published record stays valid
 DEFAULT_LEAVE_TTL = 3.0  # seconds the "leaving" record of a graceful leave stays valid
 DEFAULT_DHT_TIMEOUT = 10.0  # seconds for one DHT store or get
 EXPIRATION_EPSILON = 1e-3  # seconds: a newer record must expire strictly later than the one it replaces
+PUBLISH_FAILURES_WARN = 3  # refused publications in a row before a warning (a lone peer: none to store with)
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,17 @@ class Membership:
             )
             ok = await _await_mp(future, self.config.dht_timeout_s, "store")
             self._last_expiration = expiration
-        if not ok:
-            logger.warning("publishing our peer record was not accepted by any DHT node")
+        if ok:
+            self._publish_failures = 0
+        else:
+            # a peer alone in its swarm, or just started, has nobody to store with: say so only when
+            # it persists
+            self._publish_failures = getattr(self, "_publish_failures", 0) + 1
+            logger.log(
+                logging.WARNING if self._publish_failures >= PUBLISH_FAILURES_WARN else logging.DEBUG,
+                "publishing our peer record was not accepted by any DHT node (%d times in a row)",
+                self._publish_failures,
+            )
         return bool(ok)
 
     async def peers(self, include_self: bool = True, include_leaving: bool = False) -> list[PeerRecord]:

@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 
 ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
+JOBS_KEPT = 5  # finished jobs the driver's status still lists
+HISTORY_KEPT = 500  # step records of a running job the status lists (the metrics file has them all)
+FINISHED_HISTORY_POINTS = 100  # step records of a finished job the status lists (about 2 KB each)
 ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
 OFFLOAD_CHOICES = ("auto", "on", "off")
 STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
@@ -203,8 +206,18 @@ class Job:
                 {k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
                 for s in self.stages
             ],
-            "history": self.history[-500:],
+            "history": self.history[-HISTORY_KEPT:] if self.state == "running" else self._thin_history(),
         }
+
+    def _thin_history(self) -> list[dict[str, Any]]:
+        """A finished job's curve in at most FINISHED_HISTORY_POINTS records: evenly spaced, with
+        the last ones whole (what the dashboard reads the stages' utilisation from)."""
+        hist = self.history[-HISTORY_KEPT:]
+        if len(hist) <= FINISHED_HISTORY_POINTS:
+            return hist
+        tail = FINISHED_HISTORY_POINTS // 10
+        stride = math.ceil((len(hist) - tail) / (FINISHED_HISTORY_POINTS - tail))
+        return hist[: len(hist) - tail : stride] + hist[-tail:]
 
 
 class _StepFailed(FusionNodeError):
@@ -301,6 +314,12 @@ class Driver:
 
     def status(self) -> list[dict[str, Any]]:
         return [job.to_dict() for job in self.jobs.values()]
+
+    def _forget_old_jobs(self) -> None:
+        """Keeps the status bounded: the newest JOBS_KEPT finished jobs, and every running one."""
+        finished = [jid for jid, j in self.jobs.items() if j.state not in ("planning", "running")]
+        for jid in finished[: max(0, len(finished) - JOBS_KEPT)]:
+            del self.jobs[jid]
 
     # ---- planning ------------------------------------------------------------------------------
     async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
@@ -486,6 +505,8 @@ class Driver:
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
+        self._forget_old_jobs()
+        self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         self.jobs[spec.job_id] = job
@@ -522,6 +543,19 @@ class Driver:
             if strategy != "simple" and offload_choice != "off":
                 job.offload = True
             n_stages = int(params.get("stages") or max(1, len(workers) // replicas))
+            if params.get("stages") and n_stages * replicas > len(workers):
+                raise PlanError(
+                    f"--stages {n_stages} x {replicas} pipeline(s) need {n_stages * replicas} workers; the "
+                    f"swarm has {len(workers)} available: start more peers, or ask for fewer stages"
+                )
+            if int(params.get("rebalance_every") or 0) > 0 and not job.offload:
+                # --offload auto found no optimizer host: say so rather than never rebalance in silence
+                reason = (
+                    "--rebalance-every is off for this job: no optimizer host in the swarm, so the "
+                    "optimizer state stays on the workers"
+                )
+                metrics.event("notice", what="rebalance_off", reason=reason)
+                await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
             flops = [node.flops for node in traced.graph.nodes]
             stage_args: list[dict[str, Any]] = []
             prediction: dict[str, Any] = {}
@@ -531,7 +565,16 @@ class Driver:
                 host_of: dict[str, str] | None = None
                 host_index: dict[str, int] = {}
                 if strategy == "simple":
-                    n_stages = max(1, min(n_stages, len(workers) // replicas))
+                    fewer = max(1, min(n_stages, len(workers) // replicas))
+                    if fewer != n_stages:
+                        reason = (
+                            f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
+                        )
+                        metrics.event("notice", what="fewer_stages", reason=reason)
+                        await emit(
+                            {"type": "event", "kind": "notice", "what": "fewer_stages", "reason": reason}
+                        )
+                    n_stages = fewer
                     job.pipelines = self._layout(
                         spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
                     )
@@ -919,6 +962,8 @@ class Driver:
                 record["optimizer_hosts"] = job.host_counters
             run.metrics.step(record)
             job.history.append(record)
+            if len(job.history) > 2 * HISTORY_KEPT:  # the status shows the last HISTORY_KEPT
+                del job.history[:-HISTORY_KEPT]
             job.step, job.loss = step + 1, loss
             job.tokens_per_s = tokens_total / time_total
             await run.emit({"type": "step", **record, "steps": spec.steps})
@@ -1144,7 +1189,10 @@ class Driver:
         workers = await self._live_workers(job, run)
         try:
             await self._adopt(
-                job, run, workers, reason=f"replacing {sorted(p[:12] for p in verdict)} at step {step}"
+                job,
+                run,
+                workers,
+                reason=f"replacing {', '.join(sorted('…' + p[-8:] for p in verdict))} at step {step}",
             )
         except (PlanError, ConfigError) as exc:
             ckpt = None
@@ -1608,8 +1656,17 @@ class Driver:
         }
 
     async def _release(self, job: Job) -> None:
+        # a job that failed or was cancelled (its `train` client hung up) may have a step in flight on
+        # the workers, waiting for micro-batches that will not come: abort it rather than let the
+        # release (and any later `leave`) wait out the step's deadline
+        abort = job.state != "done"
         calls = [
-            self.t.call(s["peer"], "job.release", {"job": job.spec.job_id, "stage": s["stage"]}, timeout=5)
+            self.t.call(
+                s["peer"],
+                "job.release",
+                {"job": job.spec.job_id, "stage": s["stage"], "abort": abort},
+                timeout=5,
+            )
             for s in job.stages
         ]
         calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]

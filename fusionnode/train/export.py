@@ -12,7 +12,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fusionnode.errors import ConfigError
-from fusionnode.train.checkpoint import MODEL_FILE, load_checkpoint, unique_tensors
+from fusionnode.train.checkpoint import (
+    MANIFEST_FILE,
+    MODEL_FILE,
+    Checkpoint,
+    load_checkpoint,
+    read_checkpoint,
+    unique_tensors,
+)
 from fusionnode.train.local import build_job_model
 from fusionnode.train.spec import JobSpec
 
@@ -23,16 +30,28 @@ META_STEP = "fusionnode.step"
 META_ALIASES = "fusionnode.aliases"  # JSON {alias: stored name} for tied weights
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_path: str | Path) -> Path:
-    """Write the newest complete checkpoint's parameters to `out_path` (a .safetensors file) with the
-    job spec, step and tied-weight aliases in its metadata. Returns the path written."""
-    ckpt = load_checkpoint(checkpoint_dir)
+def open_checkpoint(path: str | Path) -> Checkpoint | None:
+    """The checkpoint at `path`: one `step-*` directory (as `train` and `demo` print it), or the
+    directory given to --save (its newest complete checkpoint); None if there is none."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).is_file():
+        return read_checkpoint(path)
+    return load_checkpoint(path)
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write a checkpoint's parameters (see `open_checkpoint`) to `out_path` (a .safetensors file)
+    with the job spec, step and tied-weight aliases in its metadata. Returns the path written; an
+    existing file is replaced only with `overwrite`."""
+    ckpt = open_checkpoint(checkpoint_dir)
     if ckpt is None:
         raise ConfigError(f"{checkpoint_dir}: no complete checkpoint to export")
     stored, aliases = unique_tensors(ckpt.params)
     out = Path(out_path)
     if out.is_dir():
         out = out / MODEL_FILE
+    if out.exists() and not overwrite:
+        raise ConfigError(f"{out} already exists; pass --force to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     metadata = {
@@ -60,7 +79,7 @@ def load_model_from_checkpoint(path: str | Path) -> nn.Module:
         for alias, name in json.loads(metadata.get(META_ALIASES, "{}")).items():
             params[alias] = stored[name]
     else:
-        ckpt = load_checkpoint(path)
+        ckpt = open_checkpoint(path)
         if ckpt is None:
             raise ConfigError(f"{path}: no complete checkpoint and not an exported model file")
         spec, params = ckpt.spec, ckpt.params

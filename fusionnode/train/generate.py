@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import codecs
 import logging
 
 import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
-from fusionnode.train.data import decode, encode
+from fusionnode.train.data import encode
 
 logger = logging.getLogger(__name__)
 
@@ -65,4 +66,14 @@ def generate(
     finally:
         model.train(was_training)
     generated = ids if prompt else ids[1:]
-    return decode(generated.cpu())
+    return decode_whole(generated.cpu().tolist(), cut_start=not prompt)
+
+
+def decode_whole(ids: list[int], *, cut_start: bool = False) -> str:
+    """Sampled bytes as text, without the characters cut in two where the sample ends (and, with
+    `cut_start`, where it starts): those would show as U+FFFD. Bytes the model got wrong in the
+    middle still do."""
+    data = bytes(ids)
+    if cut_start:
+        data = data.lstrip(bytes(range(0x80, 0xC0)))  # continuation bytes of a character begun earlier
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)

@@ -33,6 +33,7 @@ EVENT_KINDS = frozenset(
         "resume",
         "eval",
         "refused",
+        "notice",  # the driver did other than asked, and says what (fewer stages, no rebalancing)
     }
 )
 
