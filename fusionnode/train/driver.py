@@ -480,9 +480,14 @@ class Driver:
         from fusionnode.train.data import BatchSource
         from fusionnode.train.local import build_job_model
         from fusionnode.train.metrics import MetricsWriter
-        from fusionnode.train.spec import JobSpec, resolve_seq_len
+        from fusionnode.train.spec import JobSpec, resolve_seq_len, trajectory_mismatch
 
         spec = JobSpec.from_dict(params.get("spec") or {})
+        ckpt = await asyncio.to_thread(self._read_resume, spec) if params.get("resume") else None
+        if ckpt is not None and spec.job_id != ckpt.spec.job_id and not trajectory_mismatch(spec, ckpt.spec):
+            # more steps, a longer schedule, another metrics file: the same job, whose optimizer shards
+            # the hosts keep under the checkpoint's job id
+            spec = dataclasses.replace(spec, job_id=ckpt.spec.job_id)
         if spec.compress == "adatopk":  # warm-up on 8-bit links first: what kept convergence (COMPRESSION.md)
             link_options = dict(params.get("link_options") or {})
             link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
@@ -511,7 +516,7 @@ class Driver:
             job.model_bytes = sum(t.numel() * 4 for t in full.values())
             start_step = 0
             if params.get("resume"):
-                start_step, full, secret = self._load_resume(spec, source, full)
+                start_step, full, secret = self._load_resume(ckpt, source, full)
                 job.secret = secret or job.secret
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
             # auto: offload whenever an optimizer host is available, which also lets the job survive a
@@ -1611,10 +1616,9 @@ class Driver:
         grads = await self._fetch(job, stage_args, "grads")
         await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in grads.items()}, path)
 
-    def _load_resume(
-        self, spec: Any, source: Any, full: dict[str, torch.Tensor]
-    ) -> tuple[int, dict[str, torch.Tensor], str | None]:
-        """(step, parameters, job secret) of the driver's checkpoint in the job's --save directory."""
+    @staticmethod
+    def _read_resume(spec: Any) -> Any:
+        """The driver's checkpoint in the job's --save directory (ConfigError without one)."""
         from fusionnode.train.checkpoint import load_checkpoint
 
         if not spec.save_dir:
@@ -1622,6 +1626,13 @@ class Driver:
         ckpt = load_checkpoint(spec.save_dir)
         if ckpt is None:
             raise ConfigError(f"--resume: no complete checkpoint in {spec.save_dir}")
+        return ckpt
+
+    @staticmethod
+    def _load_resume(
+        ckpt: Any, source: Any, full: dict[str, torch.Tensor]
+    ) -> tuple[int, dict[str, torch.Tensor], str | None]:
+        """(step, parameters, job secret) of the driver's checkpoint."""
         step = source.check_state(ckpt.data_state)
         secret = (ckpt.optimizer_state or {}).get("job_secret")
         return (
