@@ -405,3 +405,63 @@ def test_bad_data_open_and_meta_are_protocol_errors_and_nan_timestamps_refused()
     assert cache.check_and_add(b"n" * 16, float("nan"), now) is not None
     assert cache.check_and_add(b"m" * 16, now, now) is None
     assert cache.check_and_add(b"m" * 16, now, now) == "replayed nonce"
+
+
+# ------------------------------------------------------------------ 6. a host's failed save
+
+
+def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_path, monkeypatch):
+    """Attack/fault 6: host 2's disk is full at step 4; each host used to load its own newest shard
+    (4 and 3) and the driver stopped. The driver's real `_init_hosts` now restores both at step 3."""
+    import errno
+    from types import SimpleNamespace
+
+    from fusionnode.optim import checkpoint as ck
+    from fusionnode.optim.store import contributor_key
+    from fusionnode.train.driver import Driver, Job, Pipeline
+
+    real_write = ck._write_chunk
+
+    def disk_full_on_h2(f, data):
+        if "h2-state" in f.name and "step-0000000004" in f.name:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(f, data)
+
+    monkeypatch.setattr(ck, "_write_chunk", disk_full_on_h2)
+    key = contributor_key(0, 0)
+
+    async def main():
+        async with peers(None, None, None) as (h1, h2, d):
+            svcs = [
+                OptimizerHostService(t, state_dir=tmp_path / f"{n}-state", step_deadline_s=5.0)
+                for n, t in (("h1", h1), ("h2", h2))
+            ]
+            drv = Driver(d, None, config=SimpleNamespace(step_timeout_s=10.0), state_dir=tmp_path / "drv")
+            spec = JobSpec(
+                optimizer="sgd", lr=0.1, weight_decay=0.0, grad_clip=None, job_id="j6", save_every=1
+            )
+            job = Job(spec, d.peer_id)
+            job.pipelines = [Pipeline(0, [d.peer_id], [0, 1], 1, 1)]
+            job.hosts, job.secret, job.model_bytes = [h1.peer_id, h2.peer_id], drv._job_secret("j6"), 24
+            stage_args = [{"param_specs": {"a": {}, "b": {}}, "replica": 0, "stage": 0, "peer": d.peer_id}]
+            full = {"a": torch.zeros(3), "b": torch.zeros(3)}
+            host_of = {"a": h1.peer_id, "b": h2.peer_id}
+            drv._accept(job, stage_args)
+            assert await drv._init_hosts(job, stage_args, full, host_of, resume=False, start_step=0) == [0, 0]
+            at: dict[int, torch.Tensor] = {}
+            for step in range(1, 5):
+                for name, host, svc in (("a", h1, svcs[0]), ("b", h2, svcs[1])):
+                    meta = {"job": "j6", "step": step, "mb": -1, "stage": 0, "contributor": key, "samples": 1}
+                    await d.send(
+                        host.peer_id, tensor_message("push", meta, {name: torch.full((3,), float(step))})
+                    )
+                    await wait_for(lambda s=step, v=svc: v.shards["j6"].store.ready(s), 5, "a push")
+                    await d.call(host.peer_id, "opt.apply", {"job": "j6", "step": step, "lr": 0.1})
+                at[step] = svcs[1].shards["j6"].store.get_params(["b"])[1]["b"].clone()
+            for h in job.hosts:
+                await d.call(h, "opt.release", {"job": "j6"})
+            applied = await drv._init_hosts(job, stage_args, full, host_of, resume=True, start_step=4)
+            assert applied == [3, 3]  # the newest step both hosts have
+            torch.testing.assert_close(svcs[1].shards["j6"].store.get_params(["b"])[1]["b"], at[3])
+
+    asyncio.run(main())
