@@ -1693,7 +1693,11 @@ class Driver:
         sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
         checkpoint = None
         if job.spec.save_dir:
-            checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
+            try:
+                checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
+            except (OSError, FusionNodeError) as exc:  # the trained result is still reported
+                logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
+                metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)
         return {
             "job": job.spec.job_id,
             "steps": job.step,
