@@ -465,3 +465,33 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
             torch.testing.assert_close(svcs[1].shards["j6"].store.get_params(["b"])[1]["b"], at[3])
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ 8. advertised link speeds
+
+
+def test_a_peer_cannot_advertise_a_link_faster_than_the_other_end_measured():
+    """Attack 8 (links only): a liar advertises 10 Tbit/s to an honest peer that measured 8 Mbit/s
+    the other way; the cluster the planner gets has 8 Mbit/s. A link one end alone reports stays."""
+    from types import SimpleNamespace
+
+    from fusionnode.train.driver import cluster_from_records
+
+    def rec(pid: str, links: dict) -> SimpleNamespace:
+        return SimpleNamespace(
+            peer_id=pid,
+            links={o: SimpleNamespace(bandwidth_bps=b, rtt_s=r) for o, (b, r) in links.items()},
+            device=SimpleNamespace(tflops_fp32=1.0),
+            capacity_bytes=1 << 30,
+        )
+
+    records = [
+        rec("liar", {"honest": (1e13, 1e-6), "other": (1e9, 1e-3)}),
+        rec("honest", {"liar": (8e6, 0.02)}),
+        rec("other", {}),
+    ]
+    doc = cluster_from_records(records, ["liar", "honest", "other"], [])
+    pairs = {(p["a"], p["b"]): p for p in doc["links"]["pairs"]}
+    assert pairs[("honest", "liar")]["bandwidth_gbps"] == pytest.approx(8e-3)
+    assert pairs[("honest", "liar")]["latency_ms"] == pytest.approx(10.0)
+    assert pairs[("liar", "other")]["bandwidth_gbps"] == pytest.approx(1.0)

@@ -96,6 +96,23 @@ DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link
 PLANNERS = ("simple", "fusion", "even", "memory")
 
 
+def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link: where both ends report it, the
+    smaller bandwidth and the larger RTT, so one peer cannot advertise a link faster than the probe of
+    the peer at its other end measured it (SECURITY.md, attack 8)."""
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for rec in records:
+        for other, m in (rec.links or {}).items():
+            if m.bandwidth_bps <= 0 or other == rec.peer_id:
+                continue
+            key = (rec.peer_id, other) if rec.peer_id < other else (other, rec.peer_id)
+            bps, rtt = float(m.bandwidth_bps), float(m.rtt_s)
+            if key in out:
+                bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
+            out[key] = out[key[::-1]] = (bps, rtt)
+    return out
+
+
 def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str]) -> dict[str, Any]:
     """A cluster document (protocol/CLUSTER.md) of live peers: measured TFLOPS, offered memory, probed links."""
     devices, pairs, seen = [], [], set()
@@ -115,19 +132,11 @@ def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str
                 "roles": roles,
             }
         )
-    for rec in records:
-        for other, m in (rec.links or {}).items():
-            key = tuple(sorted((rec.peer_id, other)))
-            if rec.peer_id in by_id and other in by_id and key not in seen and m.bandwidth_bps > 0:
-                seen.add(key)
-                pairs.append(
-                    {
-                        "a": key[0],
-                        "b": key[1],
-                        "bandwidth_gbps": m.bandwidth_bps / 1e9,
-                        "latency_ms": m.rtt_s * 500.0,
-                    }
-                )
+    measured = symmetric_links(records)
+    for (a, b), (bps, rtt_s) in sorted(measured.items()):
+        if a < b and a in by_id and b in by_id and (a, b) not in seen:
+            seen.add((a, b))
+            pairs.append({"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0})
     return {
         "version": 1,
         "name": "swarm",
@@ -724,11 +733,7 @@ class Driver:
 
     async def _measured_links(self) -> dict[tuple[str, str], float]:
         """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
-        out: dict[tuple[str, str], float] = {}
-        for rec in await self.membership.peers():
-            for other, m in (rec.links or {}).items():
-                out[(rec.peer_id, other)] = float(m.bandwidth_bps)
-        return out
+        return {k: bps for k, (bps, _rtt) in symmetric_links(await self.membership.peers()).items()}
 
     async def _pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
         hosts = await self._candidates(params.get("optimizer_peers"), "optimizer")
