@@ -201,6 +201,7 @@ class Job:
         ] = {}  # seconds of the last step's phases (feed, stages, optimizer, commit)
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.secret = ""  # proves to optimizer hosts that we own the job's shards (kept in our checkpoints)
+        self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
         self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
@@ -626,6 +627,13 @@ class Driver:
                     # or none kept) they started from the driver's checkpoint with new optimizer state
                     if len(set(applied)) != 1:
                         raise PlanError(f"the optimizer hosts resumed at different steps {applied}")
+                    if job.fresh_optimizer:
+                        metrics.event(
+                            "resume",
+                            reason="no optimizer checkpoint common to the hosts: new optimizer state",
+                            step=start_step,
+                            fresh_optimizer=True,
+                        )
                     if applied[0] != start_step:
                         metrics.event(
                             "resume",
@@ -817,7 +825,16 @@ class Driver:
             if n > 0:  # a load failed: announce again (each host builds its shard anew)
                 await asyncio.gather(*(announce(i, h) for i, h in hosts))
             try:
-                return list(await asyncio.gather(*(load(i, h, step) for i, h in hosts)))
+                applied = list(await asyncio.gather(*(load(i, h, step) for i, h in hosts)))
+                job.fresh_optimizer = resume and step is None
+                if job.fresh_optimizer:
+                    logger.warning(
+                        "job %s: no optimizer checkpoint common to all hosts; they start from the "
+                        "driver's step-%s checkpoint with new optimizer state",
+                        job.spec.job_id,
+                        start_step,
+                    )
+                return applied
             except PeerError as exc:
                 if step is None:
                     raise
@@ -1259,8 +1276,14 @@ class Driver:
         job.hosts = hosts
         run.host_of = {n: replaced[h] for n, h in (run.host_of or {}).items()}
         self._accept(job, run.stage_args)
+        # a new host cannot read the dead one's disk: without a shard checkpoint every host has, all
+        # start from the driver's own latest checkpoint, with new optimizer state
+        fallback, full = None, run.full
+        with contextlib.suppress(ConfigError, OSError):
+            ckpt = await asyncio.to_thread(self._read_resume, spec)
+            fallback, full, _secret = self._load_resume(ckpt, run.source, run.full)
         applied = await self._init_hosts(
-            job, run.stage_args, run.full, run.host_of, resume=True, start_step=None
+            job, run.stage_args, full, run.host_of, resume=True, start_step=fallback
         )
         if len(set(applied)) != 1:
             raise PlanError(
@@ -1279,7 +1302,16 @@ class Driver:
             replay_from=resume_at,
             time_to_recover_s=round(time.perf_counter() - t0, 3),
             plan_version=job.plan_version,
-            reason=f"hosts restored from the step-{resume_at} shard checkpoint; steps {resume_at}..{step} replayed",
+            reason=(
+                f"hosts restored from the step-{resume_at} "
+                + (
+                    "driver checkpoint, with new optimizer state"
+                    if job.fresh_optimizer
+                    else "shard checkpoint"
+                )
+                + f"; steps {resume_at}..{step} replayed"
+            ),
+            fresh_optimizer=job.fresh_optimizer,
         )
         return resume_at
 
