@@ -125,6 +125,7 @@ class OptimizerHostService:
         for name, fn in {
             "opt.init": self.rpc_init,
             "opt.load": self.rpc_load,
+            "opt.held": self.rpc_held,
             "opt.ready": self.rpc_ready,
             "opt.apply": self.rpc_apply,
             "opt.pull": self.rpc_pull,
@@ -237,6 +238,22 @@ class OptimizerHostService:
         )
         self.t.mailbox.accept(job, ("host",), {sender}, nbytes + MAILBOX_SLACK_BYTES)
         return {"announced": True, "steps": steps}
+
+    async def rpc_held(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """The caller's own checkpoints of a job here: {host index: [steps]} (by its job secret)."""
+        job, secret = str(args.get("job")), args.get("secret")
+        if not isinstance(secret, str) or not 16 <= len(secret) <= 256 or not _SAFE_JOB.match(job):
+            raise PeerError("opt.held needs a job id and the job secret")
+        base = self.owner_root(owner_tag(secret, sender)) / job
+        if job in (".", "..") or not base.is_dir():
+            return {"held": {}}
+        held = {}
+        for d in base.iterdir():
+            if d.name[:1] == "h" and d.name[1:].isdigit():
+                steps = await asyncio.to_thread(shard_steps, base.parent, job, d.name)
+                if steps:
+                    held[d.name[1:]] = steps
+        return {"held": held}
 
     async def rpc_load(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """Builds the announced shard from the driver's ``opt_params`` (taken once), then, with a

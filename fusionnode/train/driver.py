@@ -563,6 +563,8 @@ class Driver:
                     )
                     if job.offload:
                         job.hosts = await self._pick_hosts(params, workers)
+                        if params.get("resume"):
+                            job.hosts = await self._holders(job, job.hosts, params)
                 else:
                     job.pipelines, job.hosts, prediction = await self._planned_layout(
                         strategy, spec, traced.graph, workers, params, job.offload, seq_len
@@ -742,6 +744,30 @@ class Driver:
     async def _measured_links(self) -> dict[tuple[str, str], float]:
         """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
         return {k: bps for k, (bps, _rtt) in symmetric_links(await self.membership.peers()).items()}
+
+    async def _holders(self, job: Job, hosts: list[str], params: dict[str, Any]) -> list[str]:
+        """On resume: the optimizer peers that hold the job's shards (host index i at position i), when
+        they hold a shard for each of the len(hosts) indices; else `hosts`."""
+        candidates = await self._candidates(params.get("optimizer_peers"), "optimizer")
+        res = await asyncio.gather(
+            *(
+                self.t.call(
+                    c, "opt.held", {"job": job.spec.job_id, "secret": job.secret}, timeout=PING_TIMEOUT_S
+                )
+                for c in candidates
+            ),
+            return_exceptions=True,
+        )
+        best: dict[int, tuple[int, str]] = {}
+        for peer, r in zip(candidates, res, strict=True):
+            if isinstance(r, dict):
+                for idx, steps in (r.get("held") or {}).items():
+                    if str(idx).isdigit() and steps:
+                        best[int(idx)] = max(best.get(int(idx), (-1, "")), (max(int(x) for x in steps), peer))
+        chosen = [best[i][1] for i in range(len(hosts)) if i in best]
+        if len(chosen) == len(hosts) and len(set(chosen)) == len(chosen):
+            return chosen
+        return hosts
 
     async def _pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
         hosts = await self._candidates(params.get("optimizer_peers"), "optimizer")
