@@ -222,10 +222,6 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                     "r1/s0": {"replica": 1, "samples": 1, "peer": m.peer_id},
                 }
             }
-            await w.send(
-                h.peer_id,
-                tensor_message("opt_params", {"job": job, "stage": 0, "step": -1, "mb": 0}, {"w": init}),
-            )
             res = await w.call(
                 h.peer_id,
                 "opt.init",
@@ -239,7 +235,11 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                     "step_deadline_s": 5.0,
                 },
             )
-            assert res["ready"]
+            await w.send(
+                h.peer_id,
+                tensor_message("opt_params", {"job": job, "stage": 0, "step": -1, "mb": 0}, {"w": init}),
+            )
+            assert (await w.call(h.peer_id, "opt.load", {"job": job}))["ready"]
             shard = svc.shards[job]
             ref = ParameterStore(
                 job,
@@ -298,9 +298,9 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                 "rejected_shape": 2,
                 "test": 1,
             }
-            assert m.peer_id in sec["banned"] and sec["dropped_while_banned"] == 1
-            # ban lengths doubled: 0.1, 0.2, 0.4, 0.8, then 1.6 s
-            assert sec["banned"][m.peer_id]["strikes"] == 5
+            assert sec["dropped_while_banned"] == 1
+            # ban lengths doubled: 0.1, 0.2, 0.4, 0.8, then 1.6 s (which may be over by now, under load)
+            assert svc.bans._peers[m.peer_id].strikes == 5
 
             # job authority: M is in the plan but not the driver; a stranger S is in nothing
             for t in (m,):
@@ -308,6 +308,7 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                     ("opt.apply", {"job": job, "step": 10, "lr": 1.0, "force": True}),
                     ("opt.ready", {"job": job, "step": 10}),
                     ("opt.release", {"job": job}),
+                    ("opt.load", {"job": job}),
                     ("opt.init", {**res, "job": job, "driver": w.peer_id}),
                 ):
                     with pytest.raises(PeerError, match="driver"):

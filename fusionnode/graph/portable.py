@@ -232,6 +232,31 @@ def allowed_functions() -> dict[str, Callable[..., Any]]:
     return table
 
 
+SCALAR_ARITH = frozenset(
+    {"operator.add", "operator.sub", "operator.mul", "operator.truediv", "operator.floordiv", "operator.mod",
+     "operator.pow", "operator.neg", "operator.and_", "operator.or_", "operator.invert"}
+)  # fmt: skip
+MAX_SCALAR_BITS = 64  # bits of an int operand or result of arithmetic on constants (sizes, not bignums)
+
+
+def check_scalar_arith(target: str, args: Any, kwargs: dict[str, Any]) -> None:
+    """Arithmetic without a tensor operand runs in Python on the worker's event loop thread: only on
+    numbers, ints within MAX_SCALAR_BITS, and a power whose result stays within them (a description's
+    `operator.pow(3, 4_000_000)` or `"x" * 10**9` would stall or fill the worker)."""
+    if target not in SCALAR_ARITH or kwargs or any(isinstance(a, torch.Tensor) for a in args):
+        return
+    for a in args:
+        if not isinstance(a, (int, float)):
+            raise GraphError(f"{target} on a constant of type {type(a).__name__} is not allowed")
+        if isinstance(a, int) and a.bit_length() > MAX_SCALAR_BITS:
+            raise GraphError(f"{target} on an integer of {a.bit_length()} bits (limit {MAX_SCALAR_BITS})")
+    if target == "operator.pow" and len(args) == 2 and isinstance(args[1], int):
+        base, exp = args
+        bits = abs(base).bit_length() if isinstance(base, int) else 0
+        if exp > MAX_SCALAR_BITS or bits * max(exp, 0) > MAX_SCALAR_BITS:
+            raise GraphError(f"{target}({base}, {exp}) exceeds {MAX_SCALAR_BITS} bits")
+
+
 @functools.lru_cache(maxsize=1)
 def _names_by_callable() -> dict[Any, str]:
     out: dict[Any, str] = {}

@@ -135,12 +135,20 @@ def _complete_steps(shard_dir: Path) -> list[tuple[int, Path]]:
 
 
 def save_shard(
-    dir: Path, job_id: str, host_id: str, step: int, store: ParameterStore, *, keep: int = DEFAULT_KEEP
+    dir: Path,
+    job_id: str,
+    host_id: str,
+    step: int,
+    store: ParameterStore,
+    *,
+    keep: int = DEFAULT_KEEP,
+    owner: dict[str, str] | None = None,
 ) -> Path:
     """Write the store's state at `step` atomically; returns the checkpoint directory.
 
     `step` must equal the store's applied_step (pause applies while saving for a consistent
-    cut across hosts). Raises CheckpointError (an OSError keeping errno, e.g. ENOSPC) when
+    cut across hosts). `owner` (the owning driver's peer id and owner tag) goes into the manifest and
+    must match when the shard is loaded. Raises CheckpointError (an OSError keeping errno, e.g. ENOSPC) when
     writing fails, after removing the partial files; the earlier checkpoints stay.
     """
     if keep < 1:
@@ -172,6 +180,7 @@ def save_shard(
             "tensor_file": TENSOR_FILE,
             "sha256": sha,
             "bytes": nbytes,
+            "owner": dict(owner or {}),
         }
         with open(tmp / MANIFEST_FILE, "wb") as f:
             _write_chunk(f, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -207,12 +216,16 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _load_one(path: Path, job_id: str, host_id: str, step: int) -> dict[str, Any]:
+def _load_one(
+    path: Path, job_id: str, host_id: str, step: int, owner_tag: str | None = None
+) -> dict[str, Any]:
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     if manifest.get("format") != FORMAT_VERSION:
         raise ValueError(f"unknown checkpoint format {manifest.get('format')!r}")
     if (manifest["job_id"], manifest["host_id"], manifest["step"]) != (job_id, host_id, step):
         raise ValueError("manifest does not match its directory")
+    if owner_tag is not None and (manifest.get("owner") or {}).get("tag") != owner_tag:
+        raise ValueError("the checkpoint belongs to another owner")
     tensor_path = path / manifest["tensor_file"]
     if tensor_path.name != TENSOR_FILE:
         raise ValueError("unexpected tensor file name")
@@ -228,6 +241,23 @@ def _load_one(path: Path, job_id: str, host_id: str, step: int) -> dict[str, Any
         "steps": {n: int(manifest["steps"][n]) for n in names},
         "state": {k: {n: flat[f"{k}/{n}"] for n in names} for k in manifest["state_kinds"]},
     }
+
+
+def shard_steps(dir: Path, job_id: str, host_id: str) -> list[int]:
+    """Steps of the complete-looking checkpoints of (job, host) under `dir`, oldest first."""
+    return [step for step, _ in _complete_steps(_shard_dir(dir, job_id, host_id))]
+
+
+def load_shard(
+    dir: Path, job_id: str, host_id: str, step: int, owner_tag: str | None = None
+) -> dict[str, Any]:
+    """The state of the checkpoint of `step` (for ParameterStore.load_state_dict); CheckpointError
+    when it is missing, incomplete, corrupt or another owner's."""
+    path = _shard_dir(dir, job_id, host_id) / f"step-{step:010d}"
+    try:
+        return _load_one(path, job_id, host_id, step, owner_tag)
+    except (OSError, ValueError, KeyError, TypeError, safetensors.SafetensorError) as exc:
+        raise CheckpointError(errno.ENOENT, f"no usable checkpoint of step {step} in {path}: {exc}") from exc
 
 
 def load_latest_shard(dir: Path, job_id: str, host_id: str) -> tuple[int, dict[str, Any]] | None:

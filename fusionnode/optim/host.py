@@ -6,14 +6,23 @@ data message as soon as their backward produces it, keyed (job, step, replica,
 stage, name): a retried push is not counted twice. The driver asks every host
 whether the step is complete (``opt.ready``: waits for the contributions or the
 step deadline, returns the shard's squared gradient norm for global clipping),
-then ``opt.apply``; workers then ``opt.pull`` the new parameters. Hosts write
-their shard to disk every N steps and resume from the last complete one.
+then ``opt.apply``; workers then ``opt.pull`` the new parameters. A shard is set
+up in two calls: ``opt.init`` announces it (from then on the driver's ``opt_params``
+messages for it are accepted), ``opt.load`` builds it from them. Hosts write their
+shard every N steps (and at the steps the driver checkpoints) under their own state
+directory, in a directory of the job's owner (SECURITY.md, "Job authority"); a resume
+loads the step the driver names: the newest one every host of the job has.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import hashlib
 import logging
+import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -21,18 +30,20 @@ from typing import Any
 import torch
 
 from fusionnode.errors import PeerError
-from fusionnode.optim.checkpoint import load_latest_shard, save_shard
+from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
+from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
 READY_POLL_S = 0.005  # seconds between checks of a step's completeness
+_SAFE_JOB = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # job ids usable as a directory name
 BANNABLE = frozenset({"rejected_shape", "rejected_dtype", "rejected_nonfinite"})  # store refusals = hostile
 
 
@@ -47,8 +58,10 @@ class HostedShard:
         save_dir: Path | None,
         save_every: int,
         host_index: int,
+        owner: dict[str, str] | None = None,
     ):
         self.job = job
+        self.owner = owner or {"driver": driver, "tag": owner_tag(None, driver)}
         self.driver = driver
         self.store = store
         self.specs = specs
@@ -57,6 +70,40 @@ class HostedShard:
         self.save_every = save_every
         self.host_index = host_index
         self.rejected: dict[str, int] = {}
+
+
+@dataclasses.dataclass
+class _PendingShard:
+    """A shard announced by `opt.init`, waiting for its parameters and `opt.load`."""
+
+    job: str
+    driver: str
+    args: dict[str, Any]
+    specs: dict[str, dict[str, Any]]
+    expected: ExpectedContributions
+    peers: dict[str, str]
+    root: Path
+    owner: dict[str, str]
+    host_index: int
+    params: dict[str, torch.Tensor] | None = None
+
+
+def owner_tag(secret: str | None, driver: str) -> str:
+    """The name of an owner's shard directory: a hash of the job secret, else of the driver's peer id."""
+    what = f"secret:{secret}" if secret is not None else f"peer:{driver}"
+    return hashlib.sha256(b"fusionnode-job-owner\0" + what.encode()).hexdigest()[:32]
+
+
+def _spec_bytes(specs: Any) -> int:
+    if not isinstance(specs, dict):
+        raise PeerError("param_specs must be a map")
+    total = 0
+    for name, spec in specs.items():
+        shape = spec.get("shape") if isinstance(spec, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise PeerError(f"param_specs[{name!r}]: bad shape")
+        total += 4 * math.prod(shape)
+    return total
 
 
 class OptimizerHostService:
@@ -74,8 +121,11 @@ class OptimizerHostService:
         self.state_dir = state_dir
         self.step_deadline_s = step_deadline_s
         self.shards: dict[str, HostedShard] = {}
+        self._pending: dict[str, _PendingShard] = {}
         for name, fn in {
             "opt.init": self.rpc_init,
+            "opt.load": self.rpc_load,
+            "opt.held": self.rpc_held,
             "opt.ready": self.rpc_ready,
             "opt.apply": self.rpc_apply,
             "opt.pull": self.rpc_pull,
@@ -121,14 +171,42 @@ class OptimizerHostService:
             raise PeerError("only the job's driver may do that")
         return shard
 
+    # ---- a shard's life: opt.init (announce) -> opt_params messages -> opt.load ----------------------
+    def owner_root(self, tag: str) -> Path:
+        """Where the shards of one owner live: always under this host's own state directory."""
+        return self.state_dir / "optim" / tag
+
+    def _other_owners(self, job: str, tag: str) -> bool:
+        base = self.state_dir / "optim"
+        if not base.is_dir() or not _SAFE_JOB.match(job) or job in (".", ".."):
+            return False
+        return any(d.name != tag and (d / job).is_dir() for d in base.iterdir())
+
     async def rpc_init(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """Announces a shard (its names, shapes, contributors): the driver's ``opt_params`` messages for
+        it are accepted from now on, then ``opt.load`` builds it. With "resume", answers the steps of
+        this owner's checkpoints of the shard; none if another driver's are all this host has is an
+        error. Ownership: the owner tag is a hash of the job secret the driver keeps in its own
+        checkpoint (or, without one, of the driver's peer id), so no other peer can read, continue or
+        overwrite the shard's checkpoints."""
         job = str(args["job"])
         if args.get("driver") != sender:
             raise PeerError("a shard must be assigned by the job's driver")
-        held = self.shards.get(job)
+        held = self.shards.get(job) or self._pending.get(job)
         if held is not None and held.driver != sender:
             raise PeerError(f"job {job!r} here belongs to another driver")
+        mine = {j for j, s in (*self.shards.items(), *self._pending.items()) if s.driver == sender} - {job}
+        if len(mine) >= MAX_SHARDS_PER_DRIVER:
+            raise PeerError(
+                f"this host holds {len(mine)} shards of that driver (limit {MAX_SHARDS_PER_DRIVER})"
+            )
+        secret = args.get("secret")
+        if secret is not None and (not isinstance(secret, str) or not 16 <= len(secret) <= 256):
+            raise PeerError("the job secret must be a string of 16 to 256 characters")
+        tag = owner_tag(secret, sender)
         specs: dict[str, dict[str, Any]] = args["param_specs"]
+        nbytes = _spec_bytes(specs)
+        host_index = int(args["host_index"])
         expected = ExpectedContributions(
             {
                 name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
@@ -136,36 +214,97 @@ class OptimizerHostService:
             }
         )
         peers = {key: c["peer"] for contribs in args["expected"].values() for key, c in contribs.items()}
-        params: dict[str, torch.Tensor] = {}
-        for idx in range(len(specs)):
-            msg, src = await self.t.mailbox.get(
-                ("opt_params", job, -1, idx, int(args["host_index"])), self.step_deadline_s
-            )
-            params.update(decode_checked(msg, specs, None, src))
-        cfg = job_optimizer_config(args["spec"], specs)
+        root = self.owner_root(tag)
+        steps: list[int] = []
+        if args.get("resume"):
+            steps = await asyncio.to_thread(shard_steps, root, job, f"h{host_index}")
+            if not steps and await asyncio.to_thread(self._other_owners, job, tag):
+                raise PeerError(
+                    f"the checkpoints of job {job!r} on this host belong to another driver (resuming "
+                    "needs the job secret in the owner's checkpoint, or the owner's identity)"
+                )
+        if held is not None and job in self.shards:  # the same driver again (a host restore): rebuild
+            self._release(job)
+        self._pending[job] = _PendingShard(
+            job=job,
+            driver=sender,
+            args=dict(args),
+            specs=specs,
+            expected=expected,
+            peers=peers,
+            root=root,
+            owner={"driver": sender, "tag": tag},
+            host_index=host_index,
+        )
+        self.t.mailbox.accept(job, ("host",), {sender}, nbytes + MAILBOX_SLACK_BYTES)
+        return {"announced": True, "steps": steps}
+
+    async def rpc_held(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """The caller's own checkpoints of a job here: {host index: [steps]} (by its job secret)."""
+        job, secret = str(args.get("job")), args.get("secret")
+        if not isinstance(secret, str) or not 16 <= len(secret) <= 256 or not _SAFE_JOB.match(job):
+            raise PeerError("opt.held needs a job id and the job secret")
+        base = self.owner_root(owner_tag(secret, sender)) / job
+        if job in (".", "..") or not base.is_dir():
+            return {"held": {}}
+        held = {}
+        for d in base.iterdir():
+            if d.name[:1] == "h" and d.name[1:].isdigit():
+                steps = await asyncio.to_thread(shard_steps, base.parent, job, d.name)
+                if steps:
+                    held[d.name[1:]] = steps
+        return {"held": held}
+
+    async def rpc_load(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """Builds the announced shard from the driver's ``opt_params`` (taken once), then, with a
+        "resume_step", loads this owner's checkpoint of that step."""
+        job = str(args.get("job"))
+        pend = self._pending.get(job)
+        if pend is None:
+            self._shard(args, sender)  # no shard here, or not the driver's: says so
+            raise PeerError(f"the shard of job {job!r} is loaded already (opt.init first)")
+        if sender != pend.driver:
+            raise PeerError("only the job's driver may do that")
+        a = pend.args
+        if pend.params is None:
+            params: dict[str, torch.Tensor] = {}
+            for idx in range(len(pend.specs)):
+                msg, src = await self.t.mailbox.get(
+                    ("opt_params", job, -1, idx, pend.host_index), self.step_deadline_s, sender=pend.driver
+                )
+                params.update(decode_checked(msg, pend.specs, None, src))
+            if set(params) != set(pend.specs):
+                raise PeerError(f"parameters missing: {sorted(set(pend.specs) - set(params))[:5]}")
+            pend.params = params
+        cfg = job_optimizer_config(a["spec"], pend.specs)
         store = ParameterStore(
             job,
-            params,
+            dict(pend.params),
             cfg,
-            expected,
-            step_deadline_s=float(args.get("step_deadline_s", self.step_deadline_s)),
+            pend.expected,
+            step_deadline_s=float(a.get("step_deadline_s", self.step_deadline_s)),
         )
-        save_dir = Path(args["save_dir"]) if args.get("save_dir") else self.state_dir / "optim"
         resumed = 0
-        if args.get("resume"):
-            found = await asyncio.to_thread(load_latest_shard, save_dir, job, f"h{args['host_index']}")
-            if found is not None:
-                resumed, state = found
-                store.load_state_dict(state)
+        step = args.get("resume_step")
+        if step is not None:
+            state = await asyncio.to_thread(
+                load_shard, pend.root, job, f"h{pend.host_index}", int(step), pend.owner["tag"]
+            )
+            store.load_state_dict(state)
+            resumed = int(step)
+        elif args.get("start_step"):  # no common checkpoint: the driver's parameters, new optimizer state
+            store.start_at(int(args["start_step"]))
+        del self._pending[job]
         self.shards[job] = HostedShard(
             job,
             sender,
             store,
-            specs,
-            peers,
-            save_dir,
-            int(args.get("save_every", 0)),
-            int(args["host_index"]),
+            pend.specs,
+            pend.peers,
+            pend.root,
+            int(a.get("save_every", 0)),
+            pend.host_index,
+            owner=pend.owner,
         )
         return {"ready": True, "applied_step": store.applied_step, "resumed": resumed}
 
@@ -231,10 +370,15 @@ class OptimizerHostService:
             force=force,
             clip_coef=float(args.get("clip_coef", 1.0)),
         )
-        if shard.save_every and step % shard.save_every == 0:
+        if (args.get("save") or (shard.save_every and step % shard.save_every == 0)) and res.applied:
             try:
                 await asyncio.to_thread(
-                    save_shard, shard.save_dir, shard.job, f"h{shard.host_index}", step, shard.store
+                    functools.partial(save_shard, owner=shard.owner),
+                    shard.save_dir,
+                    shard.job,
+                    f"h{shard.host_index}",
+                    step,
+                    shard.store,
                 )
             except OSError as exc:  # the previous checkpoint stays intact; training goes on
                 logger.error("could not write the optimizer shard checkpoint of step %d: %s", step, exc)
@@ -287,8 +431,16 @@ class OptimizerHostService:
         return {"applied_step": shard.store.applied_step, "dropped": dropped}
 
     async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        pend = self._pending.get(str(args.get("job")))
+        if pend is not None and pend.driver == sender and str(args.get("job")) not in self.shards:
+            self._release(pend.job)
+            return {"released": True}
         shard = self._shard(args, sender)
-        self.shards.pop(shard.job, None)
-        self.norms.forget(lambda k: k[0] == shard.job)
-        self.t.mailbox.drop_job(shard.job)
+        self._release(shard.job)
         return {"released": True}
+
+    def _release(self, job: str) -> None:
+        self.shards.pop(job, None)
+        self._pending.pop(job, None)
+        self.norms.forget(lambda k: k[0] == job)
+        self.t.mailbox.release(job, ("host",))

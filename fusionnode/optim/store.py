@@ -570,6 +570,14 @@ class ParameterStore:
                 "state": {k: {n: t.clone() for n, t in v.items()} for k, v in osd["state"].items()},
             }
 
+    def start_at(self, step: int) -> None:
+        """A fresh store that continues a job after `step` (parameters from the driver's checkpoint,
+        new optimizer state): the next step it applies is step + 1."""
+        with self._lock:
+            if self._applied_step != 0 or self._pending or step < 0:
+                raise StepOrderError(f"cannot start at step {step}: the store has applied or pending steps")
+            self._applied_step = int(step)
+
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore a state_dict() of the same job and shard; drops pending contributions."""
         if sd["job_id"] != self.job_id:

@@ -54,6 +54,13 @@ def _tensor_specs(desc: dict, key: str) -> dict[str, tuple[tuple[int, ...], torc
     return out
 
 
+def state_bytes(desc: dict) -> int:
+    """Bytes of the parameters and buffers a description declares (GraphError if malformed)."""
+    _require(isinstance(desc, dict), "not a map")
+    specs = (*_tensor_specs(desc, "params").values(), *_tensor_specs(desc, "buffers").values())
+    return sum(math.prod(s) * d.itemsize for s, d in specs)
+
+
 def _validate(desc: dict) -> None:
     """Structural checks of a description from the wire, before anything is allocated or run."""
     _require(isinstance(desc, dict), "not a map")
@@ -175,6 +182,12 @@ class StageModule(nn.Module):
         """Rebuild a stage; `params` (state-dict name -> tensor, parameters AND buffers of the
         stage) must match the description exactly: same name set, shapes and dtypes. Without
         `params` the state is allocated uninitialised, to be filled by `load_state`."""
+        if params is not None:  # refuse a mismatch before allocating what the description declares
+            _validate(desc)
+            expected = set(_tensor_specs(desc, "params")) | set(_tensor_specs(desc, "buffers"))
+            if set(params) != expected:
+                missing, extra = sorted(expected - set(params)), sorted(set(params) - expected)
+                raise ProtocolError(f"stage state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
         module = cls(desc, torch.device(device))
         if params is not None:
             module.load_state(params)
@@ -225,6 +238,7 @@ class StageModule(nn.Module):
             args = portable.decode_arg(node["args"], env, dev)
             kwargs = {k: portable.decode_arg(v, env, dev) for k, v in node["kwargs"].items()}
             if op == "call_function":
+                portable.check_scalar_arith(target, args, kwargs)
                 env[name] = portable.allowed_functions()[target](*args, **kwargs)
             elif op == "call_method":
                 env[name] = getattr(args[0], target)(*args[1:], **kwargs)

@@ -52,8 +52,8 @@ MAX_RESENDS = 3  # times a message is written again on a new stream before it is
 MAX_SESSIONS = 4096  # senders' sessions whose last delivered sequence number a receiver remembers
 MAX_UNACKED = 1024  # messages per receiver kept for a resend; beyond, the oldest are let go (a peer
 # that never acknowledges cannot make us hold everything we ever sent it)
-MAX_PENDING_PER_JOB = 4096  # messages waiting in a mailbox for one job before the job is failed
-MAX_PENDING_TOTAL = 16384  # messages waiting across all job ids (a peer may invent job ids)
+MAX_JOB_ID_CHARS = 128  # characters of a data message's job id
+MESSAGE_OVERHEAD_BYTES = 1024  # bytes a held message counts beyond its payloads (so empty ones count)
 PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
 PREAUTH_TIMEOUT_S = 10.0  # seconds for the opener of a stream to deliver its preamble
 AUTH_OPEN_METHOD = "auth.open"  # the preamble's Call.method
@@ -76,68 +76,165 @@ def unanswered(exc: BaseException, method: str) -> bool:
     )
 
 
+def _key_int(meta: dict[str, Any], name: str) -> int:
+    value = meta.get(name, -1)
+    if not isinstance(value, int) or isinstance(value, bool) or not -(1 << 62) <= value < 1 << 62:
+        raise ProtocolError(f"message meta {name!r} must be an integer, got {value!r:.40}")
+    return value
+
+
 def message_key(msg: TensorMessage) -> tuple:
+    """(kind, job, step, mb, stage) of a data message; ProtocolError when its meta is not of that shape."""
     m = msg.meta
-    return (
-        msg.kind,
-        str(m.get("job", "")),
-        int(m.get("step", -1)),
-        int(m.get("mb", -1)),
-        int(m.get("stage", -1)),
-    )
+    job = m.get("job", "")
+    if not isinstance(job, str) or len(job) > MAX_JOB_ID_CHARS:
+        raise ProtocolError(f"message meta 'job' must be a string of at most {MAX_JOB_ID_CHARS} characters")
+    return (msg.kind, job, _key_int(m, "step"), _key_int(m, "mb"), _key_int(m, "stage"))
+
+
+def message_bytes(msg: TensorMessage) -> int:
+    """What a held message counts against its sender's mailbox budget: payloads plus a fixed overhead."""
+    return MESSAGE_OVERHEAD_BYTES + sum(len(enc.data) for enc in msg.tensors.values())
 
 
 class Mailbox:
-    """Messages keyed by (kind, job, step, mb, stage); a getter waits with a deadline."""
+    """Data messages of the jobs this node serves, each bound to the peer that sent it.
+
+    A job is served while some holder (a stage, a shard, the driver's own job) has `accept`ed it,
+    naming the peers that may send for it and a byte budget. A message for a job not served, or from
+    a peer its holders did not name, is dropped and counted (`dropped`, per sender). Held messages
+    are keyed (kind, job, step, mb, stage) *and* sender: `get` names the peer it expects, so another
+    peer can neither take an honest message's place nor be taken for it; when it is answered, the
+    other senders' messages under that key are dropped and counted. A sender re-sending a key
+    replaces its earlier message and is counted once. Each sender's held bytes per job are bounded
+    by the job's budget (the sum of its holders'); past it the stream is closed (ProtocolError).
+    """
 
     def __init__(self) -> None:
-        self._items: dict[tuple, tuple[TensorMessage, str]] = {}
-        self._waiters: dict[tuple, asyncio.Future] = {}
-        self._per_job: dict[str, int] = defaultdict(int)
-        self._closed_jobs: set[str] = set()
+        self._items: dict[tuple, dict[str, TensorMessage]] = {}
+        self._waiters: dict[tuple, tuple[str, asyncio.Future]] = {}
+        self._holders: dict[
+            str, dict[Any, tuple[frozenset[str], int]]
+        ] = {}  # job -> holder -> (peers, bytes)
+        self._held: dict[tuple[str, str], int] = defaultdict(int)  # (job, sender) -> bytes held
+        self.dropped: dict[str, int] = defaultdict(int)  # per sender: messages not taken
+
+    # ---- which jobs this node serves --------------------------------------------------------------
+    def accept(self, job: str, holder: Any, peers: Any, max_bytes: int) -> None:
+        """`holder` (say ("stage", 3)) serves `job`: messages from `peers`, at most `max_bytes` held per sender."""
+        self._holders.setdefault(job, {})[holder] = (frozenset(p for p in peers if p), max(0, int(max_bytes)))
+
+    def release(self, job: str, holder: Any) -> None:
+        """`holder` no longer serves `job`; with no holder left its held messages are dropped."""
+        holders = self._holders.get(job)
+        if holders is None:
+            return
+        holders.pop(holder, None)
+        if not holders:
+            del self._holders[job]
+            self.drop_job(job)
+
+    def serves(self, job: str, sender: str) -> bool:
+        return any(sender in peers for peers, _ in self._holders.get(job, {}).values())
+
+    def _budget(self, job: str, sender: str) -> int:
+        return sum(b for peers, b in self._holders.get(job, {}).values() if sender in peers)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def _drop(self, sender: str, n: int = 1) -> None:
+        self.dropped[sender] += n
+        if len(self.dropped) > 4096:
+            self.dropped.pop(next(iter(self.dropped)))
 
     def put(self, msg: TensorMessage, sender: str) -> None:
         key = message_key(msg)
         job = key[1]
-        if job in self._closed_jobs:
+        if not self.serves(job, sender):
+            self._drop(sender)
             return
-        waiter = self._waiters.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result((msg, sender))
+        waiter = self._waiters.get(key)
+        if waiter is not None and not waiter[1].done():
+            if waiter[0] != sender:
+                self._drop(sender)
+                return
+            del self._waiters[key]
+            waiter[1].set_result((msg, sender))
             return
-        if self._per_job[job] >= MAX_PENDING_PER_JOB:
-            raise ProtocolError(f"too many pending messages for job {job!r}")
-        if len(self._items) >= MAX_PENDING_TOTAL:
-            raise ProtocolError("too many pending messages in the mailbox")
-        self._items[key] = (msg, sender)
-        self._per_job[job] += 1
+        slot = self._items.setdefault(key, {})
+        old = slot.get(sender)
+        nbytes = message_bytes(msg)
+        held = self._held[(job, sender)] - (message_bytes(old) if old is not None else 0)
+        if held + nbytes > self._budget(job, sender):
+            if not slot:
+                del self._items[key]
+            raise ProtocolError(
+                f"peer holds {held} bytes of messages for job {job!r} here; its budget is "
+                f"{self._budget(job, sender)} bytes"
+            )
+        slot[sender] = msg
+        self._held[(job, sender)] = held + nbytes
 
-    async def get(self, key: tuple, timeout: float) -> tuple[TensorMessage, str]:
-        if key in self._items:
-            self._per_job[key[1]] -= 1
-            return self._items.pop(key)
+    def _take(self, key: tuple, sender: str) -> TensorMessage | None:
+        """The message `sender` left under `key`; the other senders' messages under it are dropped."""
+        slot = self._items.pop(key, None)
+        if slot is None:
+            return None
+        msg = None
+        for src, m in slot.items():
+            self._unhold(key[1], src, message_bytes(m))
+            if src == sender:
+                msg = m
+            else:
+                self._drop(src)
+        return msg
+
+    def _unhold(self, job: str, sender: str, nbytes: int) -> None:
+        left = self._held.get((job, sender), 0) - nbytes
+        if left > 0:
+            self._held[(job, sender)] = left
+        else:
+            self._held.pop((job, sender), None)
+
+    async def get(self, key: tuple, timeout: float, *, sender: str) -> tuple[TensorMessage, str]:
+        """The message under `key` from `sender` (the one peer the plan names for it), waiting up to
+        `timeout` seconds."""
+        msg = self._take(key, sender)
+        if msg is not None:
+            return msg, sender
         fut = asyncio.get_running_loop().create_future()
-        self._waiters[key] = fut
+        self._waiters[key] = (sender, fut)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise DeadlineError(
                 f"no {key[0]!r} message for job {key[1]} step {key[2]} mb {key[3]} "
-                f"stage {key[4]} within {timeout:.0f} s"
+                f"stage {key[4]} from {sender[:12]}… within {timeout:.0f} s"
             ) from None
         finally:
-            if self._waiters.get(key) is fut:
+            if self._waiters.get(key, (None, None))[1] is fut:
                 del self._waiters[key]
 
     def fail_job(self, job: str, exc: BaseException) -> None:
-        for key, fut in list(self._waiters.items()):
+        for key, (_sender, fut) in list(self._waiters.items()):
             if key[1] == job and not fut.done():
                 fut.set_exception(exc)
 
     def drop_job(self, job: str) -> None:
+        """Forgets the messages held for `job` (whoever serves it)."""
         for key in [k for k in self._items if k[1] == job]:
-            del self._items[key]
-        self._per_job.pop(job, None)
+            for src, m in self._items.pop(key).items():
+                self._unhold(job, src, message_bytes(m))
+
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "jobs": len(self._holders),
+            "held_messages": sum(len(slot) for slot in self._items.values()),
+            "held_bytes": self.held_bytes(),
+            "dropped": dict(self.dropped),
+        }
 
 
 class TokenBucket:
@@ -220,6 +317,7 @@ class Transport:
         self._data_handlers[kind] = handler
 
     def _deliver(self, msg: TensorMessage, sender: str) -> None:
+        message_key(msg)  # a meta of the wrong shape is refused here, for handlers too
         handler = self._data_handlers.get(msg.kind)
         if handler is not None:
             handler(msg, sender)
@@ -517,10 +615,15 @@ class Transport:
             hello = await read_message(reader, PREAUTH_LIMITS, timeout=PREAUTH_TIMEOUT_S)
             if not isinstance(hello, Call) or hello.method != DATA_OPEN_METHOD:
                 raise ProtocolError("a data stream must open with a data.open call")
-            try:
-                session, seq = str(hello.args["session"]), int(hello.args["first"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"bad data.open {hello.args!r}") from exc
+            session, seq = hello.args.get("session"), hello.args.get("first")
+            if not (
+                isinstance(session, str)
+                and 0 < len(session) <= 64
+                and isinstance(seq, int)
+                and not isinstance(seq, bool)
+                and 0 <= seq < 1 << 62
+            ):
+                raise ProtocolError(f"bad data.open {hello.args!r:.200}")
             key = (sender, session)
             while True:
                 try:
@@ -537,7 +640,10 @@ class Transport:
                             f"expected a TensorMessage on the data stream, got {type(msg).__name__}"
                         )
                     if seq > self._delivered.get(key, -1):  # not a copy of one delivered before a break
-                        self._deliver(msg, sender)
+                        try:
+                            self._deliver(msg, sender)
+                        except (ValueError, TypeError, KeyError, OverflowError) as exc:  # a handler's input
+                            raise ProtocolError(f"data message {msg.kind!r} refused: {exc}") from exc
                         self._delivered[key] = seq
                         self._delivered.move_to_end(key)
                         if len(self._delivered) > MAX_SESSIONS:
@@ -616,4 +722,5 @@ class Transport:
             "auth": self.authorizer.status() if self.authorizer is not None else None,
             "auth_refused_streams": dict(self.auth_refused),
             "peer_limits": self.peer_limiter.status(),
+            "mailbox": self.mailbox.status(),
         }

@@ -42,10 +42,16 @@ from typing import Any
 
 import torch
 
-from fusionnode.errors import PeerError
+from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.links import LinkCompressor, LinkOptions
 from fusionnode.runtime.transport import Transport
+from fusionnode.security.limits import (
+    MAILBOX_SLACK_BYTES,
+    MAX_LEASE_S,
+    MAX_STAGES_PER_DRIVER,
+    MIN_LEASE_S,
+)
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
@@ -97,13 +103,6 @@ def decode_checked(
             raise PeerError(f"peer {sender[:12]}… sent non-finite values in {name!r} ({msg.kind!r})")
         out[name] = t
     return out
-
-
-def expect_sender(sender: str, planned: str, what: str) -> None:
-    """Messages of a job count only from the peer the plan names for them (any peer can write to a
-    mailbox key; libp2p authenticates who did)."""
-    if sender != planned:
-        raise PeerError(f"{what} came from {sender[:12]}…, not from the planned peer {planned[:12]}…")
 
 
 def mb_rows(tensors: dict[str, torch.Tensor]) -> int:
@@ -301,7 +300,7 @@ class WorkerService:
     def _drop(self, key: tuple[str, int]) -> None:
         sj = self.jobs.pop(key, None)
         if sj is not None:
-            self.t.mailbox.drop_job(sj.job)
+            self.t.mailbox.release(sj.job, ("stage", sj.stage))
             sj.module = sj.opt = None
             sj.params = {}
             if self.on_jobs_changed:
@@ -328,22 +327,50 @@ class WorkerService:
             raise PeerError("this peer is leaving")
         if args.get("driver") != sender:
             raise PeerError("an assignment must come from the job's driver")
-        need = int(args.get("need_bytes", 0))
-        free = self.capacity_bytes - self.used_bytes()
         key = (str(args["job"]), int(args["stage"]))
-        if key not in self.jobs and need * MEMORY_OVERHEAD > free:
+        held = self.jobs.get(key)
+        if held is not None and held.driver != sender:
+            raise PeerError(f"stage {key[1]} of job {key[0]} belongs to another driver")
+        need = self._need_bytes(args)
+        lease_s = float(args.get("lease_s", self.config.lease_s))
+        if not MIN_LEASE_S <= lease_s <= MAX_LEASE_S:  # NaN fails too
+            raise PeerError(f"lease_s must be in [{MIN_LEASE_S:g}, {MAX_LEASE_S:g}] seconds, got {lease_s!r}")
+        mine = sum(1 for k, sj in self.jobs.items() if sj.driver == sender and k != key)
+        if mine >= MAX_STAGES_PER_DRIVER:
+            raise PeerError(
+                f"this peer holds {mine} stages of that driver already (limit {MAX_STAGES_PER_DRIVER})"
+            )
+        free = self.capacity_bytes - self.used_bytes() + (held.need_bytes if held is not None else 0)
+        if need * MEMORY_OVERHEAD > free:
             raise PeerError(
                 f"stage needs about {need * MEMORY_OVERHEAD / 2**20:.0f} MiB but this peer offers "
                 f"{free / 2**20:.0f} MiB (capacity {self.capacity_bytes / 2**20:.0f} MiB)"
             )
-        if key in self.jobs:
-            if self.jobs[key].driver != sender:
-                raise PeerError(f"stage {key[1]} of job {key[0]} belongs to another driver")
+        if held is not None:
             self._drop(key)
-        self.jobs[key] = StageJob(args, lease_s=float(args.get("lease_s", self.config.lease_s)))
+        sj = StageJob({**args, "need_bytes": need}, lease_s=lease_s)
+        self.jobs[key] = sj
+        peers = {sj.driver, sj.prev, sj.next, *((sj.offload or {}).get("hosts") or {}).values()}
+        self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
         if self.on_jobs_changed:
             self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
         return {"accepted": True, "free_bytes": free - need}
+
+    @staticmethod
+    def _need_bytes(args: dict[str, Any]) -> int:
+        """Bytes the stage will take here: the larger of what the driver declares and what the
+        description's own parameters and buffers take (x2 with offload: values and gradients; x4
+        with a local optimizer), checked before anything is allocated."""
+        from fusionnode.runtime.stage import state_bytes
+
+        declared = args.get("need_bytes", 0)
+        if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
+            raise PeerError(f"need_bytes must be a non-negative integer, got {declared!r:.40}")
+        try:
+            state = state_bytes(args["description"])
+        except (GraphError, TypeError, ValueError) as exc:
+            raise PeerError(f"invalid stage description: {exc}") from exc
+        return max(declared, state * (2 if args.get("offload") else 4))
 
     async def rpc_start(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         from fusionnode.runtime.stage import StageModule
@@ -352,8 +379,9 @@ class WorkerService:
         timeout = self.config.step_timeout_s
         params: dict[str, torch.Tensor] = {}
         for idx in range(len(sj.param_specs)):
-            msg, src = await self.t.mailbox.get(("params", sj.job, -1, idx, sj.stage), timeout)
-            expect_sender(src, sj.driver, "parameters")
+            msg, src = await self.t.mailbox.get(
+                ("params", sj.job, -1, idx, sj.stage), timeout, sender=sj.driver
+            )
             sj.renew()
             params.update(decode_checked(msg, sj.param_specs, None, src))
         if set(params) != set(sj.param_specs):
@@ -427,8 +455,9 @@ class WorkerService:
             hidx = off["host_index"][names[0]]
             got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
-                msg, src = await self.t.mailbox.get((f"pulled{hidx}", sj.job, step, idx, sj.stage), timeout)
-                expect_sender(src, host, "pulled parameters")
+                msg, src = await self.t.mailbox.get(
+                    (f"pulled{hidx}", sj.job, step, idx, sj.stage), timeout, sender=host
+                )
                 got.update(decode_checked(msg, {n: sj.param_specs[n] for n in names}, None, src))
             return got
 
@@ -530,9 +559,8 @@ class WorkerService:
         summed: dict[str, torch.Tensor] = {}
         if shared:
             msg, src = await self.t.mailbox.get(
-                ("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s
+                ("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s, sender=sj.driver
             )
-            expect_sender(src, sj.driver, "summed shared gradients")
             summed = decode_checked(msg, {n: sj.param_specs[n] for n in shared}, None, src)
         lr = float(args["lr"])
         clip = float(args.get("clip_coef", 1.0))
@@ -589,10 +617,9 @@ class WorkerService:
             if send_failed:
                 raise PeerError(f"step {step} of stage {sj.stage}: {send_failed[0]}")
             t0 = time.perf_counter()
-            out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout)
-            wait_s += time.perf_counter() - t0
             planned = {"act": sj.prev, "grad": sj.next}.get(kind, sj.driver)  # input, target: the driver
-            expect_sender(out[1], planned, kind)
+            out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout, sender=planned)
+            wait_s += time.perf_counter() - t0
             return out
 
         def send(

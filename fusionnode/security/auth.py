@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import math
 import secrets
 import struct
 import time
@@ -76,7 +77,8 @@ class NonceCache:
 
     def check_and_add(self, nonce: bytes, ts: float, now: float) -> str | None:
         """None if fresh (and now remembered), else why it is refused."""
-        if abs(now - ts) > self.window_s:
+        if not math.isfinite(ts) or not abs(now - ts) <= self.window_s:  # NaN would pass `>` and be
+            # expired at once, reopening its nonce
             return f"timestamp {ts - now:+.1f} s from this clock (window ±{self.window_s:.0f} s)"
         if ts <= self.floor:
             return "older than the replay cache remembers"

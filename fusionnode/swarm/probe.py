@@ -42,6 +42,7 @@ MAX_PROBE_BYTES = 16 << 20  # bytes: a server refuses to read more in one probe 
 MAX_PINGS = 16  # RTT samples a server answers in one probe
 MAX_CONCURRENT_SERVES = 2  # probes served at once; more are refused so probes cannot saturate a link
 SERVE_TIMEOUT = 60.0  # seconds a server spends on one probe stream
+HEADER_TIMEOUT_S = 5.0  # seconds an opener has to send its probe header (after its auth preamble)
 CHUNK_BYTES = 256 << 10  # bytes per write/read of the payload
 
 
@@ -75,6 +76,7 @@ class LinkProber:
         self.config = config
         self._results: dict[str, LinkMeasurement] = {}
         self._serving = asyncio.Semaphore(MAX_CONCURRENT_SERVES)
+        self._serving_peers: set[str] = set()  # peers whose probe is being served (one each)
         self._started = False
         self._last_round = float("-inf")  # time.monotonic() of the last round that probed someone
         # private swarms: (write_preamble(writer, peer, proto), read_preamble(reader, peer, proto)) of the
@@ -106,27 +108,35 @@ class LinkProber:
     async def _serve(
         self, info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if self._serving.locked():
-            logger.debug("refusing probe from %s: busy", info.peer_id)
+        """A probe takes one of the MAX_CONCURRENT_SERVES slots only once its opener has shown it is a
+        member (the auth preamble, in a private swarm) and sent its probe header; one slot per peer. A
+        silent or keyless opener holds no slot and is closed after HEADER_TIMEOUT_S."""
+        peer = str(info.peer_id)
+        try:
+            if self.auth is not None:
+                try:
+                    await self.auth[1](reader, peer, PROBE_PROTOCOL)
+                except Exception as exc:  # no valid preamble: closed without a byte back
+                    logger.debug("refusing probe from %s: %s", peer, exc)
+                    return
+            head = await asyncio.wait_for(reader.readexactly(_HEADER.size), HEADER_TIMEOUT_S)
+            if self._serving.locked() or peer in self._serving_peers:
+                logger.debug("refusing probe from %s: busy", peer)
+                return
+            async with self._serving:
+                self._serving_peers.add(peer)
+                try:
+                    await asyncio.wait_for(self._serve_one(head, reader, writer), SERVE_TIMEOUT)
+                finally:
+                    self._serving_peers.discard(peer)
+        except (ProtocolError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+            logger.debug("probe from %s ended: %r", peer, exc)
+        finally:
             writer.close()
-            return
-        async with self._serving:
-            try:
-                if self.auth is not None:
-                    try:
-                        await self.auth[1](reader, str(info.peer_id), PROBE_PROTOCOL)
-                    except Exception as exc:  # no valid preamble: closed without a byte back
-                        logger.debug("refusing probe from %s: %s", info.peer_id, exc)
-                        return
-                await asyncio.wait_for(self._serve_one(reader, writer), SERVE_TIMEOUT)
-            except (ProtocolError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
-                logger.debug("probe from %s ended: %r", info.peer_id, exc)
-            finally:
-                writer.close()
 
     @staticmethod
-    async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        magic, version, n_pings, reserved, n_bytes = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    async def _serve_one(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        magic, version, n_pings, reserved, n_bytes = _HEADER.unpack(head)
         if magic != PROBE_MAGIC or version != PROBE_VERSION or reserved != 0:
             raise ProtocolError(f"bad probe header {magic!r} v{version}")
         if n_pings > MAX_PINGS or n_bytes > MAX_PROBE_BYTES:

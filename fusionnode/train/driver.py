@@ -21,9 +21,13 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import itertools
 import logging
 import math
+import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import LEAVING_MARK, decode_checked, tensor_message
+from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, DEFAULT_WINDOW, Bans
 
 logger = logging.getLogger(__name__)
@@ -49,6 +54,7 @@ STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: n
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
 FAILURE_GRACE_S = 0.5  # seconds to let other calls of a failing step report before cancelling them
 PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
+JOB_SECRET_FILE = "job_secret.key"  # in the state dir: 32 random bytes, from which job secrets derive
 DEFAULT_REBALANCE_EVERY = (
     0  # steps between straggler checks; 0 (default): re-plan only on failures and leaves
 )
@@ -93,6 +99,23 @@ DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link
 PLANNERS = ("simple", "fusion", "even", "memory")
 
 
+def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link: where both ends report it, the
+    smaller bandwidth and the larger RTT, so one peer cannot advertise a link faster than the probe of
+    the peer at its other end measured it (SECURITY.md, attack 8)."""
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for rec in records:
+        for other, m in (rec.links or {}).items():
+            if m.bandwidth_bps <= 0 or other == rec.peer_id:
+                continue
+            key = (rec.peer_id, other) if rec.peer_id < other else (other, rec.peer_id)
+            bps, rtt = float(m.bandwidth_bps), float(m.rtt_s)
+            if key in out:
+                bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
+            out[key] = out[key[::-1]] = (bps, rtt)
+    return out
+
+
 def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str]) -> dict[str, Any]:
     """A cluster document (protocol/CLUSTER.md) of live peers: measured TFLOPS, offered memory, probed links."""
     devices, pairs, seen = [], [], set()
@@ -112,19 +135,11 @@ def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str
                 "roles": roles,
             }
         )
-    for rec in records:
-        for other, m in (rec.links or {}).items():
-            key = tuple(sorted((rec.peer_id, other)))
-            if rec.peer_id in by_id and other in by_id and key not in seen and m.bandwidth_bps > 0:
-                seen.add(key)
-                pairs.append(
-                    {
-                        "a": key[0],
-                        "b": key[1],
-                        "bandwidth_gbps": m.bandwidth_bps / 1e9,
-                        "latency_ms": m.rtt_s * 500.0,
-                    }
-                )
+    measured = symmetric_links(records)
+    for (a, b), (bps, rtt_s) in sorted(measured.items()):
+        if a < b and a in by_id and b in by_id and (a, b) not in seen:
+            seen.add((a, b))
+            pairs.append({"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0})
     return {
         "version": 1,
         "name": "swarm",
@@ -188,6 +203,9 @@ class Job:
             str, float
         ] = {}  # seconds of the last step's phases (feed, stages, optimizer, commit)
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
+        self.secret = ""  # proves to optimizer hosts that we own the job's shards (kept in our checkpoints)
+        self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
+        self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
 
     def to_dict(self) -> dict[str, Any]:
@@ -491,9 +509,14 @@ class Driver:
         from fusionnode.train.data import BatchSource
         from fusionnode.train.local import build_job_model
         from fusionnode.train.metrics import MetricsWriter
-        from fusionnode.train.spec import JobSpec, resolve_seq_len
+        from fusionnode.train.spec import JobSpec, resolve_seq_len, trajectory_mismatch
 
         spec = JobSpec.from_dict(params.get("spec") or {})
+        ckpt = await asyncio.to_thread(self._read_resume, spec) if params.get("resume") else None
+        if ckpt is not None and spec.job_id != ckpt.spec.job_id and not trajectory_mismatch(spec, ckpt.spec):
+            # more steps, a longer schedule, another metrics file: the same job, whose optimizer shards
+            # the hosts keep under the checkpoint's job id
+            spec = dataclasses.replace(spec, job_id=ckpt.spec.job_id)
         if spec.compress == "adatopk":  # warm-up on 8-bit links first: what kept convergence (COMPRESSION.md)
             link_options = dict(params.get("link_options") or {})
             link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
@@ -509,6 +532,7 @@ class Driver:
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
+        job.secret = self._job_secret(spec.job_id)
         self.jobs[spec.job_id] = job
         metrics = MetricsWriter(spec.metrics_out)
         try:
@@ -520,9 +544,11 @@ class Driver:
             canonical = _canonical_names(model)
             job.aliases = {name: canon for name, canon in canonical.items() if name != canon}
             full = {name: p.detach() for name, p in model.named_parameters()}
+            job.model_bytes = sum(t.numel() * 4 for t in full.values())
             start_step = 0
             if params.get("resume"):
-                start_step, full = self._load_resume(spec, source, full)
+                start_step, full, secret = self._load_resume(ckpt, source, full)
+                job.secret = secret or job.secret
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
             # auto: offload whenever an optimizer host is available, which also lets the job survive a
             # failed worker (its step is replayed on a new plan); a local optimizer cannot
@@ -580,6 +606,8 @@ class Driver:
                     )
                     if job.offload:
                         job.hosts = await self._pick_hosts(params, workers)
+                        if params.get("resume"):
+                            job.hosts = await self._holders(job, job.hosts, params)
                 else:
                     job.pipelines, job.hosts, prediction = await self._planned_layout(
                         strategy, spec, traced.graph, workers, params, job.offload, seq_len
@@ -609,6 +637,7 @@ class Driver:
                 workers = [w for w in workers if w not in refused]
             else:
                 raise PlanError("could not place the job's stages after several proposals")
+            self._accept(job, stage_args)
             job.stages = _stage_rows(stage_args)
             job.plan_version = 1
             await emit(
@@ -633,22 +662,27 @@ class Driver:
             )
             t_move = time.perf_counter()
             if job.offload:
-                applied = await self._init_hosts(job, stage_args, full, host_of, params, None)
-                if params.get("resume"):
-                    # the hosts hold the masters and optimizer state: continue from their common step
-                    # (their shards may be newer than the driver's checkpoint; data depend only on the step)
+                resume = bool(params.get("resume"))
+                applied = await self._init_hosts(
+                    job, stage_args, full, host_of, resume=resume, start_step=start_step
+                )
+                if resume:
+                    # the hosts hold the masters and optimizer state: continue from the newest step they
+                    # all checkpointed (data depend only on the step); with none in common (other hosts,
+                    # or none kept) they started from the driver's checkpoint with new optimizer state
                     if len(set(applied)) != 1:
                         raise PlanError(f"the optimizer hosts resumed at different steps {applied}")
-                    if applied[0] < start_step:
-                        raise PlanError(
-                            f"--resume: the optimizer hosts found their shard checkpoint of step {applied[0]} "
-                            f"only, the driver's checkpoint is of step {start_step} (is the job the same, "
-                            f"with the same --save directory?)"
+                    if job.fresh_optimizer:
+                        metrics.event(
+                            "resume",
+                            reason="no optimizer checkpoint common to the hosts: new optimizer state",
+                            step=start_step,
+                            fresh_optimizer=True,
                         )
                     if applied[0] != start_step:
                         metrics.event(
                             "resume",
-                            reason="optimizer hosts' checkpoint differs from the driver's",
+                            reason="optimizer hosts' newest common checkpoint differs from the driver's",
                             step=applied[0],
                             driver_checkpoint_step=start_step,
                         )
@@ -752,11 +786,31 @@ class Driver:
 
     async def _measured_links(self) -> dict[tuple[str, str], float]:
         """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
-        out: dict[tuple[str, str], float] = {}
-        for rec in await self.membership.peers():
-            for other, m in (rec.links or {}).items():
-                out[(rec.peer_id, other)] = float(m.bandwidth_bps)
-        return out
+        return {k: bps for k, (bps, _rtt) in symmetric_links(await self.membership.peers()).items()}
+
+    async def _holders(self, job: Job, hosts: list[str], params: dict[str, Any]) -> list[str]:
+        """On resume: the optimizer peers that hold the job's shards (host index i at position i), when
+        they hold a shard for each of the len(hosts) indices; else `hosts`."""
+        candidates = await self._candidates(params.get("optimizer_peers"), "optimizer")
+        res = await asyncio.gather(
+            *(
+                self.t.call(
+                    c, "opt.held", {"job": job.spec.job_id, "secret": job.secret}, timeout=PING_TIMEOUT_S
+                )
+                for c in candidates
+            ),
+            return_exceptions=True,
+        )
+        best: dict[int, tuple[int, str]] = {}
+        for peer, r in zip(candidates, res, strict=True):
+            if isinstance(r, dict):
+                for idx, steps in (r.get("held") or {}).items():
+                    if str(idx).isdigit() and steps:
+                        best[int(idx)] = max(best.get(int(idx), (-1, "")), (max(int(x) for x in steps), peer))
+        chosen = [best[i][1] for i in range(len(hosts)) if i in best]
+        if len(chosen) == len(hosts) and len(set(chosen)) == len(chosen):
+            return chosen
+        return hosts
 
     async def _pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
         hosts = await self._candidates(params.get("optimizer_peers"), "optimizer")
@@ -784,48 +838,83 @@ class Driver:
         stage_args: list[dict[str, Any]],
         full: dict[str, torch.Tensor],
         host_of: dict[str, str],
-        params: dict[str, Any],
+        *,
+        resume: bool,
         start_step: int | None,
     ) -> list[int]:
-        """Gives each host its shard (and, with "resume" in params, has it load its latest shard
-        checkpoint); returns the hosts' applied steps. With a start_step, a host that resumed at
-        another step is an error."""
+        """Gives each host its shard (opt.init, the parameters, opt.load); returns the hosts' applied
+        steps. With `resume`, every host loads its checkpoint of the newest step that all of them
+        have (an older one if that fails to load); with none, the hosts start from `full` at
+        `start_step` with new optimizer state (None: that is an error)."""
         expected = self._expected(job, stage_args)
+        names_of = {h: sorted(n for n, hh in host_of.items() if hh == h) for h in job.hosts}
+        timeout = self.config.step_timeout_s
 
-        async def init(i: int, host: str) -> None:
-            names = sorted(n for n, h in host_of.items() if h == host)
-            for idx, name in enumerate(names):
-                meta = {"job": job.spec.job_id, "stage": i, "step": -1, "mb": idx}
-                await self.t.send(host, tensor_message("opt_params", meta, {name: full[name]}))
+        async def announce(i: int, host: str) -> list[int]:
+            names = names_of[host]
             res = await self.t.call(
                 host,
                 "opt.init",
                 {
                     "job": job.spec.job_id,
                     "driver": self.t.peer_id,
+                    "secret": job.secret,
                     "host_index": i,
                     "spec": job.spec.to_dict(),
                     "param_specs": {n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
                     "expected": {n: expected[n] for n in names},
                     "step_deadline_s": self.config.step_timeout_s,
                     "save_every": job.spec.save_every,
-                    "save_dir": str(Path(job.spec.save_dir) / "optimizer") if job.spec.save_dir else None,
-                    "resume": bool(params.get("resume")),
+                    "resume": resume,
                 },
-                timeout=self.config.step_timeout_s,
+                timeout=timeout,
             )
-            if (
-                start_step is not None
-                and params.get("resume")
-                and int(res.get("applied_step", 0)) != start_step
-            ):
-                raise PlanError(
-                    f"optimizer host {host[:12]}… resumed at step {res.get('applied_step')}, "
-                    f"the checkpoint at {start_step}"
-                )
+            return [int(x) for x in res.get("steps", [])]
+
+        async def load(i: int, host: str, step: int | None) -> int:
+            for idx, name in enumerate(names_of[host]):
+                meta = {"job": job.spec.job_id, "stage": i, "step": -1, "mb": idx}
+                await self.t.send(host, tensor_message("opt_params", meta, {name: full[name]}))
+            args: dict[str, Any] = {"job": job.spec.job_id, "resume_step": step}
+            if step is None and start_step:
+                args["start_step"] = start_step
+            res = await self.t.call(host, "opt.load", args, timeout=timeout)
             return int(res.get("applied_step", 0))
 
-        return list(await asyncio.gather(*(init(i, h) for i, h in enumerate(job.hosts))))
+        hosts = list(enumerate(job.hosts))
+        steps = await asyncio.gather(*(announce(i, h) for i, h in hosts))
+        common = sorted(set.intersection(*(set(x) for x in steps)), reverse=True) if resume and steps else []
+        if resume and len({tuple(x) for x in steps}) > 1:
+            logger.warning(
+                "the optimizer hosts keep different checkpoint steps %s; using %s", steps, common[:1]
+            )
+        for n, step in enumerate([*common, None]):
+            if step is None and start_step is None:
+                raise PlanError(f"the optimizer hosts have no checkpoint step in common ({steps})")
+            if n > 0:  # a load failed: announce again (each host builds its shard anew)
+                await asyncio.gather(*(announce(i, h) for i, h in hosts))
+            try:
+                applied = list(await asyncio.gather(*(load(i, h, step) for i, h in hosts)))
+                job.fresh_optimizer = resume and step is None
+                if job.fresh_optimizer:
+                    logger.warning(
+                        "job %s: no optimizer checkpoint common to all hosts; they start from the "
+                        "driver's step-%s checkpoint with new optimizer state",
+                        job.spec.job_id,
+                        start_step,
+                    )
+                return applied
+            except PeerError as exc:
+                if step is None:
+                    raise
+                logger.warning("optimizer hosts could not load their step-%d checkpoint: %s", step, exc)
+        raise AssertionError("unreachable")
+
+    def _accept(self, job: Job, stage_args: list[dict[str, Any]]) -> None:
+        """This driver takes data messages of the job (fetched parameters, shared gradients) only from
+        the job's stages and hosts, at most the model's bytes (and slack) from each."""
+        peers = {a["peer"] for a in stage_args} | set(job.hosts)
+        self.t.mailbox.accept(job.spec.job_id, "driver", peers, job.model_bytes + MAILBOX_SLACK_BYTES)
 
     async def _propose(self, stage_args: list[dict[str, Any]], metrics: Any, emit: Any) -> list[str]:
         results = await asyncio.gather(
@@ -972,10 +1061,13 @@ class Driver:
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
                 await self._recover(job, run, source, step, late)
                 continue
-            if spec.save_dir and spec.save_every and step % spec.save_every == 0 and step < spec.steps:
-                await self._checkpoint(
-                    job, step, source, await self._fetch_params(job, run.stage_args, run.host_of)
-                )
+            if self._checkpoints_at(spec, step) and step < spec.steps:
+                try:
+                    await self._checkpoint(
+                        job, step, source, await self._fetch_params(job, run.stage_args, run.host_of)
+                    )
+                except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
+                    await self._event(run, job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
             if (
                 job.offload
                 and run.rebalance_every
@@ -1257,7 +1349,16 @@ class Driver:
         replaced = dict(zip(job.hosts, hosts, strict=True))
         job.hosts = hosts
         run.host_of = {n: replaced[h] for n, h in (run.host_of or {}).items()}
-        applied = await self._init_hosts(job, run.stage_args, run.full, run.host_of, {"resume": True}, None)
+        self._accept(job, run.stage_args)
+        # a new host cannot read the dead one's disk: without a shard checkpoint every host has, all
+        # start from the driver's own latest checkpoint, with new optimizer state
+        fallback, full = None, run.full
+        with contextlib.suppress(ConfigError, OSError):
+            ckpt = await asyncio.to_thread(self._read_resume, spec)
+            fallback, full, _secret = self._load_resume(ckpt, run.source, run.full)
+        applied = await self._init_hosts(
+            job, run.stage_args, full, run.host_of, resume=True, start_step=fallback
+        )
         if len(set(applied)) != 1:
             raise PlanError(
                 f"the optimizer hosts restored different steps {applied}: cannot replay consistently"
@@ -1275,7 +1376,16 @@ class Driver:
             replay_from=resume_at,
             time_to_recover_s=round(time.perf_counter() - t0, 3),
             plan_version=job.plan_version,
-            reason=f"hosts restored from the step-{resume_at} shard checkpoint; steps {resume_at}..{step} replayed",
+            reason=(
+                f"hosts restored from the step-{resume_at} "
+                + (
+                    "driver checkpoint, with new optimizer state"
+                    if job.fresh_optimizer
+                    else "shard checkpoint"
+                )
+                + f"; steps {resume_at}..{step} replayed"
+            ),
+            fresh_optimizer=job.fresh_optimizer,
         )
         return resume_at
 
@@ -1375,6 +1485,7 @@ class Driver:
             raise PlanError("could not place the job's stages after several proposals")
         if not candidates:
             raise PlanError("no worker is left that accepts the job's stages")
+        self._accept(job, stage_args)
         if job.offload:
             expected = self._expected(job, stage_args)
             await asyncio.gather(
@@ -1506,7 +1617,14 @@ class Driver:
                 self.t.call(
                     h,
                     "opt.apply",
-                    {"job": jid, "step": ostep, "lr": lr, "clip_coef": clip, "force": not r["complete"]},
+                    {
+                        "job": jid,
+                        "step": ostep,
+                        "lr": lr,
+                        "clip_coef": clip,
+                        "force": not r["complete"],
+                        "save": self._checkpoints_at(job.spec, ostep),  # with the driver's, same step
+                    },
                     timeout=self.config.step_timeout_s,
                     idempotent=True,  # a host re-applying an applied step answers with the earlier result
                 )
@@ -1528,7 +1646,9 @@ class Driver:
             if not a["shared_names"]:
                 continue
             msg, src = await self.t.mailbox.get(
-                ("shared_grad", job.spec.job_id, step, -1, a["stage"]), self.config.step_timeout_s
+                ("shared_grad", job.spec.job_id, step, -1, a["stage"]),
+                self.config.step_timeout_s,
+                sender=a["peer"],
             )
             got = decode_checked(msg, {k: a["param_specs"][k] for k in a["shared_names"]}, None, src)
             for name, g in got.items():
@@ -1550,7 +1670,9 @@ class Driver:
             got: dict[str, torch.Tensor] = {}
             for idx in range(int(res["count"])):
                 msg, src = await self.t.mailbox.get(
-                    (f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]), self.config.step_timeout_s
+                    (f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]),
+                    self.config.step_timeout_s,
+                    sender=a["peer"],
                 )
                 got.update(decode_checked(msg, a["param_specs"], None, src))
             return got
@@ -1576,7 +1698,10 @@ class Driver:
         if not job.offload:
             return await self._fetch(job, stage_args, "params")
         out: dict[str, torch.Tensor] = {}
-        held = set(all_names) if all_names is not None else {n for a in stage_args for n in a["param_specs"]}
+        specs = {n: s for a in stage_args for n, s in a["param_specs"].items()}
+        if all_names is not None:
+            specs = {n: {"shape": list(t.shape), "dtype": "float32"} for n, t in all_names.items()}
+        held = set(specs)
         for i, host in enumerate(job.hosts):
             names = sorted(n for n in held if (host_of or {}).get(n, host) == host)
             if not names:
@@ -1591,9 +1716,9 @@ class Driver:
             )
             for idx in range(int(res["count"])):
                 msg, src = await self.t.mailbox.get(
-                    (f"pulled{i}", job.spec.job_id, tag, idx, -1), self.config.step_timeout_s
-                )
-                out.update(decode_checked(msg, None, None, src))
+                    (f"pulled{i}", job.spec.job_id, tag, idx, -1), self.config.step_timeout_s, sender=host
+                )  # exactly the name asked for at this index, in its shape
+                out.update(decode_checked(msg, {names[idx]: specs[names[idx]]}, None, src))
         return out
 
     async def _dump_grads(self, job: Job, stage_args: list[dict[str, Any]], path: str) -> None:
@@ -1602,9 +1727,9 @@ class Driver:
         grads = await self._fetch(job, stage_args, "grads")
         await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in grads.items()}, path)
 
-    def _load_resume(
-        self, spec: Any, source: Any, full: dict[str, torch.Tensor]
-    ) -> tuple[int, dict[str, torch.Tensor]]:
+    @staticmethod
+    def _read_resume(spec: Any) -> Any:
+        """The driver's checkpoint in the job's --save directory (ConfigError without one)."""
         from fusionnode.train.checkpoint import load_checkpoint
 
         if not spec.save_dir:
@@ -1612,8 +1737,42 @@ class Driver:
         ckpt = load_checkpoint(spec.save_dir)
         if ckpt is None:
             raise ConfigError(f"--resume: no complete checkpoint in {spec.save_dir}")
+        return ckpt
+
+    @staticmethod
+    def _load_resume(
+        ckpt: Any, source: Any, full: dict[str, torch.Tensor]
+    ) -> tuple[int, dict[str, torch.Tensor], str | None]:
+        """(step, parameters, job secret) of the driver's checkpoint."""
         step = source.check_state(ckpt.data_state)
-        return step, {name: ckpt.params[name].float() for name in full}
+        secret = (ckpt.optimizer_state or {}).get("job_secret")
+        return (
+            step,
+            {name: ckpt.params[name].float() for name in full},
+            secret if isinstance(secret, str) else None,
+        )
+
+    def _job_secret(self, job_id: str) -> str:
+        """The secret that proves this driver owns a job's optimizer shards: derived from a random key
+        in this driver's state directory (so a rerun of the same job uses the same shard directory),
+        written into every checkpoint of the job (so a resume elsewhere proves it too)."""
+        path = Path(self.state_dir) / JOB_SECRET_FILE
+        try:
+            key = path.read_bytes()
+        except FileNotFoundError:
+            key = secrets.token_bytes(32)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+        return hmac.new(key, job_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+    @staticmethod
+    def _checkpoints_at(spec: Any, step: int) -> bool:
+        """Whether the job is checkpointed after `step` steps (every save_every, and the last)."""
+        return bool(spec.save_dir) and (
+            step == spec.steps or bool(spec.save_every and step % spec.save_every == 0)
+        )
 
     async def _checkpoint(self, job: Job, step: int, source: Any, params: dict[str, torch.Tensor]) -> str:
         """Saves every state-dict name (tied weights under each of their names, stored once), so the
@@ -1622,7 +1781,13 @@ class Driver:
 
         full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
         path = await asyncio.to_thread(
-            save_checkpoint, job.spec.save_dir, step, full, {}, source.state(step), job.spec
+            save_checkpoint,
+            job.spec.save_dir,
+            step,
+            full,
+            {"job_secret": job.secret},
+            source.state(step),
+            job.spec,
         )
         return str(path)
 
@@ -1639,7 +1804,11 @@ class Driver:
         sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
         checkpoint = None
         if job.spec.save_dir:
-            checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
+            try:
+                checkpoint = await self._checkpoint(job, job.spec.steps, source, final)
+            except (OSError, FusionNodeError) as exc:  # the trained result is still reported
+                logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
+                metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)
         return {
             "job": job.spec.job_id,
             "steps": job.step,
@@ -1656,6 +1825,7 @@ class Driver:
         }
 
     async def _release(self, job: Job) -> None:
+        self.t.mailbox.release(job.spec.job_id, "driver")
         # a job that failed or was cancelled (its `train` client hung up) may have a step in flight on
         # the workers, waiting for micro-batches that will not come: abort it rather than let the
         # release (and any later `leave`) wait out the step's deadline

@@ -85,6 +85,10 @@ def parse_header(
         )
     if meta_len > body_len:
         raise ProtocolError(f"envelope length {meta_len} exceeds body length {body_len}")
+    if meta_len > limits.max_envelope_bytes:
+        raise ProtocolError(
+            f"frame declares a {meta_len}-byte envelope; max_envelope_bytes={limits.max_envelope_bytes}"
+        )
     if not flags & FLAG_CRC32 and crc != 0:
         raise ProtocolError("crc32 field must be 0 when the CRC flag is clear")
     return Header(major, minor, msg_type, flags, meta_len, body_len, crc)

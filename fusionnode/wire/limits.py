@@ -11,6 +11,9 @@ DEFAULT_MAX_STRING = 64 << 10  # bytes of UTF-8 in one string (64 KiB)
 DEFAULT_MAX_DEPTH = 16  # nesting of maps/arrays inside a message body
 DEFAULT_MAX_CONTAINER_LEN = 65536  # entries in one map or array
 DEFAULT_MAX_NDIM = 32  # dimensions of one tensor
+DEFAULT_MAX_ENVELOPE_BYTES = 1 << 20  # bytes: a frame's msgpack envelope (meta_len), read before the
+# peer's byte budget is charged for the rest of the frame (1 MiB; a GPT-2-XL stage description is ~0.3 MiB)
+DEFAULT_MAX_CONTAINERS = 65536  # maps and arrays decoded from one envelope (empty ones expand ~70x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,8 @@ class Limits:
     max_depth: int = DEFAULT_MAX_DEPTH
     max_container_len: int = DEFAULT_MAX_CONTAINER_LEN
     max_ndim: int = DEFAULT_MAX_NDIM
+    max_envelope_bytes: int = DEFAULT_MAX_ENVELOPE_BYTES
+    max_containers: int = DEFAULT_MAX_CONTAINERS
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

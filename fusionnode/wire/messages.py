@@ -258,11 +258,16 @@ def encode_message(msg: Message, *, checksum: bool = False, limits: Limits = DEF
     return b"".join(frame_parts(msg, checksum=checksum, limits=limits))
 
 
-def decode_message(buf: BytesLike, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode_message(
+    buf: BytesLike,
+    limits: Limits = DEFAULT_LIMITS,
+    head: tuple[Header, Message, list[tuple[str, tuple, int]], list[int]] | None = None,
+) -> Message:
     """Decode exactly one frame. Tensor payloads are memoryviews into `buf` (zero-copy; writable iff buf is).
 
     Raises VersionMismatchError for another major version and ProtocolError for anything malformed,
-    truncated or over `limits`; never allocates more than the limits allow.
+    truncated or over `limits`; never allocates more than the limits allow. `head`: what `parse_head`
+    returned for this frame's first bytes (a stream reader has it already: the envelope is decoded once).
     """
     if not isinstance(buf, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected a bytes-like frame, got {type(buf).__name__}")
@@ -272,7 +277,7 @@ def decode_message(buf: BytesLike, limits: Limits = DEFAULT_LIMITS) -> Message:
             mv = mv.cast("B")
         except TypeError as exc:
             raise ProtocolError(f"frame buffer is not contiguous: {exc}") from exc
-    header, msg, layout, offsets = parse_head(mv, limits)
+    header, msg, layout, offsets = head if head is not None else parse_head(mv, limits)
     if len(mv) != header.frame_len:
         kind = "truncated" if len(mv) < header.frame_len else "trailing bytes after"
         raise ProtocolError(f"{kind} frame: {len(mv)} bytes, header declares {header.frame_len}")

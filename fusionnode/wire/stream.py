@@ -54,9 +54,10 @@ async def read_message(
 ) -> Message:
     """Read and decode one frame. `timeout` in seconds for the whole frame (None: wait forever).
 
-    Refuses a frame from its header and envelope (version, limits, layout) before allocating room for
-    its payloads; `admit(frame_len)`, if given, is awaited just before that allocation (a per-peer
-    budget may wait or raise there). The frame lands in one writable buffer; its tensors decode as zero-copy views of it. Raises ProtocolError (VersionMismatchError for another major version, 'truncated'
+    Refuses a frame from its header (version, limits: the envelope at most `max_envelope_bytes`) before
+    reading anything more; `admit(frame_len)`, if given, is awaited right after the header, before the
+    envelope is read (a per-peer budget may wait or raise there); the envelope (decoded once, its
+    containers counted) and its payload layout are checked before room for the payloads is allocated. The frame lands in one writable buffer; its tensors decode as zero-copy views of it. Raises ProtocolError (VersionMismatchError for another major version, 'truncated'
     when the stream ends mid-frame) or DeadlineError.
     """
     if timeout is None:
@@ -82,12 +83,12 @@ async def _read_frame(
     prefix = await _readexactly(reader, PREFIX_LEN, "header")
     check_prefix(prefix)  # another major version may lay out the rest differently: stop here
     head = prefix + await _readexactly(reader, HEADER_LEN - PREFIX_LEN, "header")
-    header = parse_header(head, MESSAGE_TYPE_CODES, limits)  # type, flags, body_len within limits
-    envelope = await _readexactly(reader, header.meta_len, "envelope")
-    parse_head(head + envelope, limits)  # envelope schema, descriptors and payload layout
-    meta_len = header.meta_len
+    header = parse_header(head, MESSAGE_TYPE_CODES, limits)  # type, flags, body and envelope lengths
     if admit is not None:
         await admit(header.frame_len)
+    envelope = await _readexactly(reader, header.meta_len, "envelope")
+    parsed = parse_head(head + envelope, limits)  # envelope schema, descriptors and payload layout
+    meta_len = header.meta_len
     frame = np.empty(header.frame_len, dtype=np.uint8)  # numpy memory: huge pages for big frames
     view = memoryview(frame)
     view[:HEADER_LEN] = head
@@ -100,4 +101,4 @@ async def _read_frame(
             raise ProtocolError(f"truncated frame: stream ended after {pos} of {len(frame)} bytes")
         view[pos : pos + len(chunk)] = chunk
         pos += len(chunk)
-    return decode_message(view, limits)
+    return decode_message(view, limits, parsed)

@@ -29,6 +29,27 @@ def _pairs_to_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
     return out
 
 
+class _ContainerCount:
+    """msgpack hooks that count the maps and arrays decoded and stop at `cap`: empty containers cost
+    ~64 bytes of Python objects for each byte on the wire, so a byte cap alone does not bound memory."""
+
+    def __init__(self, cap: int):
+        self.left = cap
+
+    def _take(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise ProtocolError("envelope holds more maps and arrays than max_containers")
+
+    def map(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self._take()
+        return _pairs_to_map(pairs)
+
+    def list(self, items: list[Any]) -> list[Any]:
+        self._take()
+        return items
+
+
 def pack(obj: Any) -> bytes:
     """Canonical msgpack: str as str, bytes as bin, floats as float64, ints in their shortest form."""
     try:
@@ -39,13 +60,15 @@ def pack(obj: Any) -> bytes:
 
 def unpack(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode exactly one msgpack value from `buf`, within `limits`; ProtocolError on anything else."""
+    count = _ContainerCount(limits.max_containers)
     try:
         obj = msgpack.unpackb(
             buf,
             raw=False,
             use_list=True,
             strict_map_key=True,
-            object_pairs_hook=_pairs_to_map,
+            object_pairs_hook=count.map,
+            list_hook=count.list,
             timestamp=0,
             ext_hook=_refuse_ext,
             max_str_len=limits.max_string,
