@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("prometheus_client", reason="prometheus-client is a dependency of fusionnode.web")
 from prometheus_client.parser import text_string_to_metric_families
 
+from fusionnode.errors import ConfigError
 from fusionnode.web import Dashboard
 from fusionnode.web import server as web_server
 
@@ -28,6 +29,13 @@ PEERS = [
 ]
 BANDWIDTH = {(0, 1): 940e6, (1, 2): 8e6, (2, 3): 940e6, (0, 3): 95e6, (0, 2): 8e6, (1, 3): 95e6}  # bit/s
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def link_counters(step: int, stage: int, ratio: float) -> dict[str, Any]:
+    """A stage link's compressor counters after `step` steps (cumulative, as LinkCompressor reports)."""
+    dense = 400_000 * (step + 1)
+    wire = int(dense * (2.5 * ratio if ratio < 1 else 1.0))
+    return {"dense_bytes": dense, "wire_bytes": wire, "ratio": ratio, "bandwidth_bps": BANDWIDTH[(1, 2)]}
 
 
 def realistic_status(n_steps: int = 120) -> dict[str, Any]:
@@ -85,6 +93,11 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
                         "compute_s": st * (0.7 - 0.2 * k),
                         "wait_s": st * 0.1 * (k + 1),
                         "sent_bytes": 1_000_000,
+                        "peer": PEERS[k],
+                        "links": {
+                            "fwd": link_counters(step, k, 0.1 if k == 1 else 1.0),
+                            "bwd": link_counters(step, k, 1.0),
+                        },
                     }
                     for k in range(3)
                 ],
@@ -111,6 +124,8 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
                 "stages": [
                     {
                         "stage": k,
+                        "replica": 0,
+                        "pos": k,
                         "peer": PEERS[k],
                         "lo": 10 * k,
                         "hi": 10 * k + 10,
@@ -201,33 +216,169 @@ def test_metrics_parse(run):
         assert util["0"][1] == pytest.approx(last["stages"][0]["compute_s"] / last["step_time_s"])
         links = {(s["src"], s["dst"]): v for s, v in val["fusionnode_link_bandwidth_bits_per_second"]}
         assert len(links) == 2 * len(BANDWIDTH) and links[(PEERS[1], PEERS[2])] == pytest.approx(8e6)
+        bubble = {s["stage"]: v for s, v in val["fusionnode_stage_bubble_ratio"]}
+        assert bubble["2"] == pytest.approx(last["stages"][2]["wait_s"] / last["step_time_s"])
+        assert val["fusionnode_job_step_time_seconds"] == [({"job": "job-7f3a"}, last["step_time_s"])]
+        # per link (stage k's forward link goes to stage k+1's peer, its backward link to stage k-1's)
+        dense = {
+            (s["stage"], s["direction"]): (s["src"], s["dst"], v)
+            for s, v in val["fusionnode_link_dense_bytes"]
+        }
+        wire = {(s["stage"], s["direction"]): v for s, v in val["fusionnode_link_wire_bytes"]}
+        assert set(dense) == {("0", "fwd"), ("1", "fwd"), ("1", "bwd"), ("2", "bwd")}
+        assert dense[("1", "fwd")] == (PEERS[1], PEERS[2], 400_000.0 * 120)
+        assert (
+            wire[("1", "fwd")] == pytest.approx(0.25 * 400_000 * 120) and wire[("0", "fwd")] == 400_000 * 120
+        )
+        keep = {(s["stage"], s["direction"]): v for s, v in val["fusionnode_link_keep_ratio"]}
+        assert keep[("1", "fwd")] == 0.1 and keep[("2", "bwd")] == 1.0
 
     run(go())
 
 
 def test_errors_and_limits(run, monkeypatch):
+    monkeypatch.setattr(web_server, "REQUEST_TIMEOUT_S", 0.5)
+
     async def go():
         dash = Dashboard(_provider)
         url = await dash.start()
         try:
-            assert (await http(url, path="/nope"))[0] == 404
+            code, headers, _ = await http(url, path="/nope")
+            assert code == 404 and headers["content-security-policy"].startswith("default-src 'self'")
             assert (await http(url, path="/../../etc/passwd"))[0] == 404
             code, headers, _ = await http(url, "POST", "/api/status")
-            assert code == 405 and headers["allow"] == "GET, HEAD"
+            assert code == 405 and set(headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
             assert (await http(url, "DELETE", "/"))[0] == 405
             assert (await http(url, "PUT", "/x"))[0] == 404
+            assert (await http(url, "POST", "/api/action/pause"))[0] == 404  # read-only: no action routes
+            assert (await http(url, path="/api/session"))[0] == 404
+            # an oversized header field or too many of them: refused, the connection dropped
             big = (
                 b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: "
                 + b"a" * (2 * web_server.MAX_REQUEST_BYTES)
                 + b"\r\n\r\n"
             )
-            assert (await http(url, raw=big))[0] == 431
+            code, _, body = await http(url, raw=big)
+            assert code == 400 and b"Got more than" in body
+            many = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(
+                b"X-H%d: 1\r\n" % i for i in range(web_server.MAX_HEADERS + 1)
+            )
+            assert (await http(url, raw=many + b"\r\n"))[0] == 400
             assert (await http(url, raw=b"garbage\r\n\r\n"))[0] == 400
+            # a client that sends part of its request and stalls gets 408 when REQUEST_TIMEOUT_S runs out
+            t0 = time.monotonic()
+            code, _, body = await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: 127.0")
+            assert code == 408 and 0.4 < time.monotonic() - t0 < 5
+            assert (await http(url, raw=b""))[0] == 408  # one that sends nothing at all, too
             # DNS rebinding: a foreign Host name is refused on a loopback-bound dashboard
-            assert (await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: evil.example:80\r\n\r\n"))[
-                0
-            ] == 421
+            code, headers, _ = await http(
+                url, raw=b"GET /api/status HTTP/1.1\r\nHost: evil.example:80\r\n\r\n"
+            )
+            assert code == 421 and headers["x-frame-options"] == "DENY"
             assert (await http(url, raw=b"GET /api/status HTTP/1.1\r\nHost: localhost:1\r\n\r\n"))[0] == 200
+            assert (await http(url, raw=b"GET /metrics HTTP/1.0\r\n\r\n"))[0] == 200  # HTTP/1.0: no Host
+        finally:
+            await dash.close()
+
+    run(go())
+
+
+async def sse_events(url: str, n: int, headers: str = "") -> list[dict]:
+    """The first `n` data events of /api/events."""
+    host, port = url.split("//")[1].rstrip("/").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"GET /api/events HTTP/1.1\r\nHost: {host}:{port}\r\n{headers}\r\n".encode())
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b"200 OK" in head and b"text/event-stream" in head
+    out, buf = [], b""
+    while len(out) < n:
+        buf += await reader.read(65536)
+        while b"\n\n" in buf:
+            chunk, buf = buf.split(b"\n\n", 1)
+            for line in chunk.split(b"\n"):
+                if line.startswith(b"data: "):
+                    out.append(json.loads(line[6:]))
+    writer.close()
+    return out[:n]
+
+
+def test_event_stream_sends_new_history_only(run, monkeypatch):
+    monkeypatch.setattr(web_server, "PUSH_INTERVAL_S", 0.05)
+    monkeypatch.setattr(web_server, "STATUS_CACHE_S", 0.0)
+    n = {"steps": 5}
+
+    async def provider():
+        n["steps"] += 1
+        return realistic_status(n["steps"])
+
+    async def go():
+        dash = Dashboard(provider)
+        url = await dash.start()
+        try:
+            first, second, third = await sse_events(url, 3)
+        finally:
+            await dash.close()
+        h1, h2 = first["jobs"][0]["history"], second["jobs"][0]["history"]
+        assert not first["jobs"][0]["history_append"] and len(h1) >= 6 and h1[0]["step"] == 0
+        assert second["jobs"][0]["history_append"] and [r["step"] for r in h2] == [h1[-1]["step"] + 1]
+        assert third["jobs"][0]["history"][0]["step"] == h2[-1]["step"] + 1
+        assert len(first["peers"]) == 4
+
+    run(go())
+
+
+def test_actions_need_the_token(run):
+    calls = []
+
+    async def pause(body):
+        calls.append(("pause", body))
+        return {"availability": "paused"}
+
+    async def cancel(body):
+        calls.append(("cancel", body))
+        if body.get("job") != "job-7f3a":
+            raise ConfigError(f"no job {body.get('job')} runs on this driver")
+        return {"cancelled": body["job"]}
+
+    async def go():
+        dash = Dashboard(_provider, actions={"pause": pause, "cancel": cancel})
+        url = await dash.start()
+        host = url.split("//")[1].rstrip("/")
+        try:
+            assert dash.token and dash.actions_url == f"{url}#token={dash.token}"
+
+            def post(name, token, body=b"{}", extra=""):
+                auth = f"Authorization: Bearer {token}\r\n" if token else ""
+                return http(
+                    url,
+                    raw=(
+                        f"POST /api/action/{name} HTTP/1.1\r\nHost: {host}\r\n{auth}{extra}"
+                        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                    ).encode()
+                    + body,
+                )
+
+            assert (await post("pause", None))[0] == 403
+            assert (await post("pause", "wrong"))[0] == 403
+            assert (await http(url, path="/api/session"))[0] == 403
+            assert calls == []
+            code, _, body = await post("pause", dash.token)
+            assert code == 200 and json.loads(body) == {"availability": "paused"}
+            code, _, body = await post("cancel", dash.token, b'{"job": "job-7f3a"}')
+            assert code == 200 and json.loads(body) == {"cancelled": "job-7f3a"}
+            code, _, body = await post("cancel", dash.token, b'{"job": "other"}')
+            assert code == 409 and "no job other" in json.loads(body)["error"]
+            assert (await post("resume", dash.token))[0] == 404  # not offered by this node
+            assert (await post("pause", dash.token, b"[1]"))[0] == 400
+            assert (await post("pause", dash.token, b"x" * 5000))[0] in (400, 413)
+            assert (await post("pause", dash.token, extra="Origin: http://evil.example\r\n"))[0] == 403
+            code, _, body = await http(
+                url,
+                raw=f"GET /api/session HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {dash.token}\r\n\r\n".encode(),
+            )
+            assert code == 200 and json.loads(body) == {"actions": ["cancel", "pause"]}
+            assert [c[0] for c in calls] == ["pause", "cancel", "cancel"]
         finally:
             await dash.close()
 
