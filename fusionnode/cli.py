@@ -237,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the read-only dashboard and /metrics here, e.g. 127.0.0.1:8080 (port 0 = random)",
     )
     p.add_argument(
+        "--dashboard-actions",
+        action="store_true",
+        help="let the dashboard pause/resume this node and cancel its jobs, for whoever holds the token "
+        "printed at start (default: off, read-only)",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)"
     )
     p.add_argument(
@@ -260,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("leave", help="ask the local daemon to leave the swarm gracefully")
     _state_dir_arg(p)
+
+    p = sub.add_parser("cancel", help="cancel a job the local daemon drives (its stages are released)")
+    _state_dir_arg(p)
+    p.add_argument("job", help="the job id (as `fusionnode status` shows it)")
 
     p = sub.add_parser(
         "train",
@@ -387,6 +397,7 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             probe_interval_s=args.probe_interval,
             torch_threads=args.threads,
             dashboard=args.dashboard,
+            dashboard_actions=args.dashboard_actions,
             swarm_key_file=args.swarm_key,
             when=args.when,
             schedule=args.schedule,
@@ -683,6 +694,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_status(args)
         if args.command == "leave":
             return cmd_leave(args)
+        if args.command == "cancel":
+            from fusionnode import control
+
+            res = _run(control.call(_control_path(args), "cancel", {"job": args.job}, timeout=None))
+            print(f"job {res['job']}: {res['state']}")
+            return 0
         if args.command in ("pause", "resume"):
             from fusionnode import control
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import shutil
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ from typing import Any
 import pytest
 
 pytest.importorskip("prometheus_client", reason="prometheus-client is a dependency of fusionnode.web")
+from cdp import CHROMIUM, Browser
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionnode.errors import ConfigError
@@ -28,7 +26,7 @@ PEERS = [
     "12D3KooWDbcdefGHijkLmnopQRstuvWXyz0123456789abcdefD4",
 ]
 BANDWIDTH = {(0, 1): 940e6, (1, 2): 8e6, (2, 3): 940e6, (0, 3): 95e6, (0, 2): 8e6, (1, 3): 95e6}  # bit/s
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def link_counters(step: int, stage: int, ratio: float) -> dict[str, Any]:
@@ -53,7 +51,9 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
         peers.append(
             {
                 "peer_id": pid,
-                "maddrs": [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{pid}"],
+                "maddrs": [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{pid}"]
+                if i < 3
+                else [f"/ip4/10.0.0.9/tcp/4001/p2p/{PEERS[0]}/p2p-circuit/p2p/{pid}"],
                 "software_version": "0.1.0",
                 "protocol_version": 1,
                 "device": {
@@ -110,6 +110,7 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
         "roles": ["worker", "optimizer"],
         "device": peers[0]["device"],
         "peers": peers,
+        "availability": {"availability": "available", "reason": None},
         "serving": [{"job": "job-7f3a", "stage": 0, "num_stages": 3, "last_step": n_steps - 1}],
         "jobs": [
             {
@@ -134,6 +135,27 @@ def realistic_status(n_steps: int = 120) -> dict[str, Any]:
                     for k in range(3)
                 ],
                 "history": history,
+                "events": [
+                    {"event": "replan", "step": 0, "reason": "initial plan", "ts": 1.7e9},
+                    {"event": "join", "step": 40, "peer": PEERS[3], "ts": 1.7e9 + 40},
+                    {
+                        "event": "failure",
+                        "step": 59,
+                        "peer": PEERS[2],
+                        "reason": "timed out",
+                        "ts": 1.7e9 + 59,
+                    },
+                    {
+                        "event": "replan",
+                        "step": 60,
+                        "reason": "peer failed",
+                        "plan_version": 2,
+                        "ts": 1.7e9 + 60,
+                    },
+                ],
+                "validation": [
+                    {"step": min(60, n_steps - 1), "loss": history[min(60, n_steps - 1)]["loss"] + 0.3}
+                ],
             }
         ],
     }
@@ -163,7 +185,7 @@ async def http(
 @pytest.fixture
 def run():
     loop = asyncio.new_event_loop()
-    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 20))
+    yield lambda coro: loop.run_until_complete(asyncio.wait_for(coro, 90))
     loop.close()
 
 
@@ -177,7 +199,7 @@ def test_routes_status_and_page(run):
             assert code == 200 and headers["content-type"].startswith("text/html")
             assert b"app.js" in body and int(headers["content-length"]) == len(body)
             code, headers, body = await http(url, path="/app.js")
-            assert code == 200 and b"api/status" in body
+            assert code == 200 and b"api/events" in body
             code, headers, body = await http(url, path="/api/status?x=1")
             assert code == 200 and headers["content-type"] == "application/json"
             st = json.loads(body)
@@ -418,97 +440,88 @@ def test_status_is_cached_and_failures_are_503(run, monkeypatch):
     run(go())
 
 
-def _serve_in_thread(provider):
-    """A Dashboard on its own loop in a thread (Chromium runs as a blocking subprocess meanwhile)."""
-    import threading
-
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box: dict[str, Any] = {}
-
-    def target():
-        asyncio.set_event_loop(loop)
-        box["dash"] = Dashboard(provider)
-        box["url"] = loop.run_until_complete(box["dash"].start())
-        started.set()
-        loop.run_forever()
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    assert started.wait(10)
-
-    def stop():
-        asyncio.run_coroutine_threadsafe(box["dash"].close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        t.join(10)
-        loop.close()
-
-    return box["url"], stop
-
-
-def chromium_cmd(profile: str, *extra: str) -> list[str]:
-    return [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        "--virtual-time-budget=5000",
-        *extra,
-    ]
-
-
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
-def test_page_renders_in_headless_chromium(tmp_path):
-    url, stop = _serve_in_thread(_provider)
-    try:
-        t0 = time.monotonic()
-        out = subprocess.run(
-            chromium_cmd(str(tmp_path / "profile"), "--dump-dom", url),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        elapsed = time.monotonic() - t0
-    finally:
-        stop()
-    dom = out.stdout
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert 'data-state="ok"' in dom, dom[:2000]
-    # the JS drew every peer on the swarm map, with its stage, and the measured links
-    for i, pid in enumerate(PEERS):
-        assert f'<g class="peer" data-peer-id="{pid}" data-stages="{i if i < 3 else ""}"' in dom
-    assert f'data-links="{len(BANDWIDTH)}"' in dom and "8.0 Mb/s" in dom and "940 Mb/s" in dom
-    assert 'data-job="job-7f3a" data-points="120"' in dom  # loss and throughput curves from the history
-    assert dom.count('class="bar-row" data-stage=') == 3
-    assert 'class="compute" title="compute" style="width: 70%;"' in dom  # stage 0: compute_s / step_time_s
-    print(f"headless chromium dump-dom: {elapsed:.2f} s")
+def test_page_in_headless_chromium_is_live_and_actions_need_the_token(run, tmp_path, monkeypatch):
+    """The page in a real Chromium driven over the DevTools protocol: it draws the swarm map, the plan,
+    the links and the events; its loss curve gains points as the status grows, with no reload; the
+    action buttons appear only with the token, and clicking one runs the action."""
+    monkeypatch.setattr(web_server, "PUSH_INTERVAL_S", 0.2)
+    monkeypatch.setattr(web_server, "STATUS_CACHE_S", 0.0)
+    steps = {"n": 100}
+    calls = []
 
+    async def provider():
+        return realistic_status(steps["n"])
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
-def test_page_screenshot(tmp_path):
-    url, stop = _serve_in_thread(_provider)
-    shot = Path(tempfile.gettempdir()) / "fusionnode-dashboard.png"
-    try:
-        out = subprocess.run(
-            chromium_cmd(
-                str(tmp_path / "profile"),
-                f"--screenshot={shot}",
-                "--window-size=1280,1000",
-                "--hide-scrollbars",
-                url,
-            ),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    finally:
-        stop()
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert shot.stat().st_size > 20_000  # a drawn page, not a blank one (a blank 1280x1000 PNG is ~5 kB)
+    async def pause(body):
+        calls.append("pause")
+        return {"availability": "paused"}
+
+    async def go():
+        dash = Dashboard(provider, actions={"pause": pause})
+        url = await dash.start()
+        browser = await Browser.create(tmp_path / "profile")
+        try:
+            await browser.navigate(url)
+            await browser.wait_for("document.body.dataset.state === 'ok'")
+            page = await browser.evaluate(
+                """(() => {
+                  const q = (s) => document.querySelector(s), all = (s) => document.querySelectorAll(s);
+                  return {
+                    peers: [...all('#swarm g.peer')].map((g) => [g.dataset.peerId, g.dataset.stages, g.dataset.path]),
+                    links: q('#swarm').dataset.links, pipes: q('#swarm').dataset.pipes,
+                    compressed: q('#swarm').dataset.compressed,
+                    labels: [...all('#swarm .edge-label')].map((t) => t.textContent),
+                    loss: q('#loss polyline').dataset.points, val: all('#loss circle.val').length,
+                    plan: [q('svg.plan').dataset.devices, q('svg.plan').dataset.columns, all('svg.plan rect.cell').length],
+                    util: [...all('.bar-row')].map((r) => [r.dataset.stage, r.dataset.util, r.dataset.bubble]),
+                    linkRows: [...all('#links tbody tr')].map((r) => [r.dataset.stage, r.dataset.dir, r.cells[4].textContent]),
+                    events: q('#timeline').dataset.events,
+                    actionsShown: q('#btn-pause').checkVisibility(), cancel: all('button.cancel').length,
+                  };
+                })()"""
+            )
+            assert [p[0] for p in page["peers"]] == PEERS
+            assert [p[1] for p in page["peers"]] == ["0", "1", "2", ""]
+            assert [p[2] for p in page["peers"]] == ["direct", "direct", "direct", "relayed"]
+            assert page["links"] == str(len(BANDWIDTH)) and "7.9 Mb/s" in page["labels"]
+            assert page["pipes"] == "2" and page["compressed"] == "1"  # stage 1 -> 2 sends top-k
+            assert page["loss"] == "100" and page["val"] == 1
+            assert page["plan"] == ["3", "3", 3]
+            assert page["util"][0] == ["0", "0.700", "0.100"]
+            assert ["1", "fwd", "4.0×"] in page["linkRows"] and len(page["linkRows"]) == 4
+            assert page["events"] == "4"
+            assert not page["actionsShown"] and page["cancel"] == 0  # no token: read-only
+            # live: the status grows, the curve follows over the event stream, the page is not reloaded
+            await browser.evaluate("window.__same_page = 1")
+            updates = int(await browser.evaluate("document.body.dataset.updates"))
+            steps["n"] = 110
+            await browser.wait_for("document.querySelector('#loss polyline').dataset.points === '110'")
+            assert await browser.evaluate("window.__same_page") == 1
+            assert int(await browser.evaluate("document.body.dataset.updates")) > updates
+            DOCS.mkdir(exist_ok=True)
+            assert await browser.screenshot(DOCS / "dashboard.png") > 50_000
+            # with a wrong token the buttons stay hidden; with the printed one they appear and work
+            await browser.navigate(url + "#token=not-the-token")
+            await browser.wait_for("document.body.dataset.state === 'ok'")
+            await browser.wait_for("document.querySelector('#toast').dataset.result === 'error'")
+            assert not await browser.evaluate("document.querySelector('#btn-pause').checkVisibility()")
+            await browser.evaluate("sessionStorage.clear()")
+            await browser.navigate("about:blank")
+            await browser.navigate(dash.actions_url)
+            await browser.wait_for("document.body.dataset.actions === 'on'")
+            assert await browser.evaluate("location.hash") == ""  # the token left the address bar
+            assert await browser.evaluate("document.querySelector('#btn-pause').checkVisibility()")
+            assert not await browser.evaluate("document.querySelector('#btn-resume').checkVisibility()")
+            assert calls == []
+            await browser.click("#btn-pause")
+            await browser.wait_for("document.body.dataset.lastAction === 'pause'")
+            assert calls == ["pause"] and "paused" in await browser.evaluate(
+                "document.querySelector('#toast').textContent"
+            )
+            assert not [c for c in browser.console if c.startswith("exception")], browser.console
+        finally:
+            await browser.close()
+            await dash.close()
+
+    run(go())

@@ -186,6 +186,7 @@ class Job:
         ] = {}  # seconds of the last step's phases (feed, stages, optimizer, commit)
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
+        self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -204,6 +205,8 @@ class Job:
                 for s in self.stages
             ],
             "history": self.history[-500:],
+            "events": self.events[-200:],
+            "validation": self.validation,
         }
 
 
@@ -580,13 +583,15 @@ class Driver:
                     "optimizer_hosts": job.hosts,
                 }
             )
-            metrics.event(
-                "replan",
-                reason="initial plan",
-                plan_version=1,
-                stages=len(job.stages),
-                pipelines=len(job.pipelines),
-                offload=job.offload,
+            job.events.append(
+                metrics.event(
+                    "replan",
+                    reason="initial plan",
+                    plan_version=1,
+                    stages=len(job.stages),
+                    pipelines=len(job.pipelines),
+                    offload=job.offload,
+                )
             )
             t_move = time.perf_counter()
             if job.offload:
@@ -1588,6 +1593,7 @@ class Driver:
             for name, p in model.named_parameters():
                 p.copy_(final[name])
         val_loss = await asyncio.to_thread(evaluate, model, source)
+        job.validation.append({"step": job.step, "loss": val_loss})
         sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
         checkpoint = None
         if job.spec.save_dir:
