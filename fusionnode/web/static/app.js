@@ -78,6 +78,8 @@
     return out;
   }
 
+  const isLive = (j) => j.state === "running" || j.state === "planning";  // its stages are in use
+
   function stageMap(jobs) {
     const m = {};
     for (const j of jobs) for (const s of j.stages || []) (m[s.peer] = m[s.peer] || []).push({ job: j.job, stage: s.stage });
@@ -129,7 +131,8 @@
     // the jobs' pipeline links, forward direction: dense (solid) or compressed (dashed, keep ratio)
     const pipes = el("svg:g", { class: "pipes" });
     let nPipes = 0, nCompressed = 0;
-    for (const j of status.jobs || []) for (const l of pipeLinks(j)) {
+    const live = (status.jobs || []).filter(isLive);
+    for (const j of live) for (const l of pipeLinks(j)) {
       if (l.dir !== "fwd" || !(l.src in pos) || !(l.dst in pos) || l.src === l.dst) continue;
       const [x1, y1] = pos[l.src], [x2, y2] = pos[l.dst];
       const dx = x2 - x1, dy = y2 - y1, d = Math.hypot(dx, dy) || 1, nx = -dy / d * 9, ny = dx / d * 9;
@@ -145,7 +148,7 @@
         compressed ? "top-k " + fmt(l.ratio, 2) : "dense"));
     }
     svg.appendChild(pipes);
-    const stages = stageMap(status.jobs || []);
+    const stages = stageMap(live);
     const legend = $("legend");
     legend.replaceChildren();
     const seen = new Set();
@@ -289,7 +292,7 @@
     for (const j of jobs) for (const l of pipeLinks(j)) {
       if (!l.dense) continue;
       n++;
-      const tr = el("tr", { "data-stage": l.stage, "data-dir": l.dir, "data-dense": l.dense, "data-wire": l.wire });
+      const tr = el("tr", { "data-job": j.job, "data-stage": l.stage, "data-dir": l.dir, "data-dense": l.dense, "data-wire": l.wire });
       [(jobs.length > 1 ? j.job + " " : "") + "S" + l.stage + " " + (l.dir === "fwd" ? "act →" : "← grad"), shortId(l.src) + " → " + shortId(l.dst),
        fmtBytes(l.dense), fmtBytes(l.wire), l.wire ? (l.dense / l.wire).toFixed(1) + "×" : "–", isFinite(l.ratio) ? fmt(l.ratio, 3) : "–"]
         .forEach((v, i) => tr.appendChild(el("td", { class: i < 2 ? "mono" : "" }, String(v))));
@@ -322,7 +325,7 @@
     for (const e of evs.slice().reverse().slice(0, 50)) {
       const li = el("li", {});
       li.append(el("span", { class: "kind k-" + e.event }, e.event), document.createTextNode(
-        " step " + (e.step ?? "?") + (e.peer ? " · " + shortId(e.peer) : "") + (e.reason ? " · " + e.reason : "") +
+        " step " + (e.step ?? 0) + (e.peer ? " · " + shortId(e.peer) : "") + (e.reason ? " · " + e.reason : "") +
         (e.ts ? " · " + new Date(e.ts * 1000).toLocaleTimeString() : "")));
       list.appendChild(li);
     }
