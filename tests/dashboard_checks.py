@@ -8,8 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from cdp import Browser
+from prometheus_client.parser import text_string_to_metric_families
 
 from fusionnode import control
 from fusionnode.demo import LocalSwarm
@@ -51,6 +53,18 @@ def live_dashboard_and_actions(swarm: LocalSwarm, tmp_path: Path) -> None:
             assert not await browser.evaluate("document.querySelector('#btn-pause').checkVisibility()")
             assert await browser.evaluate("document.querySelectorAll('button.cancel').length") == 0
             await browser.wait_for(f"document.querySelectorAll('#links tbody tr{mine}').length === 4", 30)
+            # /metrics of the running job parses, with its per-link bytes, stage utilisation, loss, step time
+            async with aiohttp.ClientSession() as http, http.get(url + "metrics") as r:
+                assert r.status == 200
+                fams = {f.name: f for f in text_string_to_metric_families(await r.text())}
+            for name in (
+                "fusionnode_link_wire_bytes",
+                "fusionnode_link_dense_bytes",
+                "fusionnode_job_loss",
+                "fusionnode_stage_utilization_ratio",
+                "fusionnode_job_step_time_seconds",
+            ):
+                assert any(smp.labels.get("job") == spec.job_id for smp in fams[name].samples), name
             DOCS.mkdir(exist_ok=True)
             assert await browser.screenshot(DOCS / "dashboard-live.png") > 50_000
             # with the printed token the buttons appear; cancelling the job ends its training call
