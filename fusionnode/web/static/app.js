@@ -383,9 +383,11 @@
     drawChart($("loss"), jobs.map((j) => ({ job: j.job, points: j.history || [] })), "loss", 3,
       jobs.map((j) => ({ job: j.job, points: j.validation || [] })));
     drawChart($("tput"), jobs.map((j) => ({ job: j.job, points: j.history || [] })), "tokens_per_s", 0);
-    drawPlan(jobs);
-    drawUtil(jobs);
-    drawLinks(jobs);
+    // the plan, stage and link panels follow the running jobs (else the latest one), not every past job
+    const live = jobs.filter(isLive), focus = live.length ? live : jobs.slice(-1);
+    drawPlan(focus);
+    drawUtil(focus);
+    drawLinks(focus);
     drawEvents(jobs);
     drawTables(status, jobs);
   }
