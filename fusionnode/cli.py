@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,10 @@ from fusionnode.config import (
     parse_size,
 )
 from fusionnode.errors import FusionNodeError
-from fusionnode.messages import describe_availability, format_event, format_plan, next_steps, short_peer
+from fusionnode.messages import describe_availability, format_event, format_plan, next_steps
+from fusionnode.term import Progress, format_peers, print_peers, print_status
+
+__all__ = ["Progress", "build_parser", "format_peers", "main"]
 
 logger = logging.getLogger("fusionnode")
 
@@ -372,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         "default: no dashboard)",
     )
     p.add_argument(
+        "--dashboard-actions",
+        action="store_true",
+        help="let the dashboard pause/resume this node and cancel its jobs, for whoever holds the token "
+        "printed at start (default: off, read-only)",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads for this peer's compute (default %(default)s)"
     )
     p.add_argument(
@@ -425,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
         "DHT and exits.",
     )
     _state_dir_arg(p)
+
+    p = sub.add_parser("cancel", help="cancel a job the local daemon drives (its stages are released)")
+    _state_dir_arg(p)
+    p.add_argument("job", help="the job id (as `fusionnode status` shows it)")
 
     p = sub.add_parser(
         "train",
@@ -658,6 +670,7 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             probe_interval_s=args.probe_interval,
             torch_threads=args.threads,
             dashboard=args.dashboard,
+            dashboard_actions=args.dashboard_actions,
             swarm_key_file=args.swarm_key,
             when=args.when,
             schedule=args.schedule,
@@ -705,35 +718,8 @@ def cmd_peers(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(format_peers(res["peers"], res.get("self")))
+    print_peers(res["peers"], res.get("self"))
     return 0
-
-
-def format_peers(peers: list[dict[str, Any]], me: str | None = None) -> str:
-    rows = [("PEER", "DEVICE", "MEMORY", "TFLOPS", "LINKS", "ROLES", "STATE", "SEEN")]
-    now = time.time()
-    present = {p["peer_id"] for p in peers}
-    for p in peers:
-        dev = p.get("device") or {}
-        links = {k: v for k, v in (p.get("links") or {}).items() if k in present}  # not departed peers'
-        link_txt = ", ".join(
-            f"{short_peer(k)}:{v.get('bandwidth_bps', 0) / 1e6:.0f}Mb/s" for k, v in list(links.items())[:3]
-        )
-        pid = p["peer_id"]
-        rows.append(
-            (
-                ("*" if pid == me else " ") + short_peer(pid),
-                f"{dev.get('kind', '?')}:{str(dev.get('name', '?'))[:22]}",
-                f"{(dev.get('memory_total_bytes') or 0) / 2**30:.1f}G",
-                f"{dev.get('tflops_fp32') or 0:.2f}",
-                link_txt or "-",
-                ",".join(p.get("roles") or []),
-                p.get("availability", "?"),
-                f"{max(0.0, now - float(p.get('updated_at') or now)):.0f}s ago",
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -743,28 +729,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
-    dev = res.get("device") or {}
-    print(f"peer      {res['peer_id']}")
-    print(f"address   {' '.join(res['maddrs'][:3])}")
-    print(f"uptime    {res['uptime_s']:.0f} s    roles {','.join(res['roles'])}")
-    print(f"device    {dev.get('kind')} {dev.get('name')}  {dev.get('tflops_fp32', 0):.2f} TFLOPS fp32")
-    private = res.get("private_swarm")
-    kind = f"private (swarm key {private})" if private else "public (no --swarm-key)"
-    print(f"swarm     {len(res['peers'])} peer(s), {kind}")
-    print(format_peers(res["peers"], res["peer_id"]))
-    for s in res.get("serving") or []:
-        from fusionnode.train.driver import STAGE_ID_STRIDE  # stage ids count on across re-plans
-
-        version, index = divmod(int(s["stage"]), STAGE_ID_STRIDE)
-        print(
-            f"serving   job {s['job']}: stage {index} of plan version {version + 1} "
-            f"({s['num_stages']} stages a pipeline), step {s['last_step']}"
-        )
-    for j in res.get("jobs") or []:
-        print(
-            f"driving   job {j['job']} {j['model']} {j['state']} step {j['step']}/{j['steps']} "
-            f"loss {j['loss'] if j['loss'] is None else round(j['loss'], 4)} {j['tokens_per_s']} tok/s"
-        )
+    print_status(res)
     return 0
 
 
@@ -774,35 +739,6 @@ def cmd_leave(args: argparse.Namespace) -> int:
     res = _run(control.call(_control_path(args), "leave"))
     print(f"peer {res['peer_id']} is leaving the swarm")
     return 0
-
-
-class Progress:
-    """A one-line progress bar on a terminal; plain lines every few seconds otherwise."""
-
-    def __init__(self, total: int, stream: Any = sys.stderr):
-        self.total = total
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = 0.0
-
-    def update(self, rec: dict[str, Any]) -> None:
-        step = rec["step"] + 1
-        stages = rec.get("stages") or []
-        util = "/".join(f"{s['compute_s'] / max(rec['step_time_s'], 1e-9):.0%}" for s in stages)
-        text = (
-            f"step {step}/{self.total} loss {rec['loss']:.4f} {rec.get('tokens_per_s', 0):.0f} tok/s "
-            f"wire {rec['wire_bytes'] / 2**20:.1f} MiB" + (f" stages busy {util}" if util else "")
-        )
-        if self.tty:
-            width = 24
-            done = int(width * step / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * done}{'.' * (width - done)}] {text}\033[K")
-            if step == self.total:
-                self.stream.write("\n")
-            self.stream.flush()
-        elif time.monotonic() - self.last > 5 or step == self.total or step == 1:
-            self.last = time.monotonic()
-            print(text, file=self.stream, flush=True)
 
 
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -842,7 +778,10 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     async def go() -> dict[str, Any]:
         return await follow_job(_control_path(args), params, progress, as_json=args.json)
 
-    result = _run(go())
+    try:
+        result = _run(go())
+    finally:
+        progress.close()
     if args.json:
         print(json.dumps({"result": result}))
     else:
@@ -878,9 +817,9 @@ async def follow_job(
         elif ev.get("type") == "step":
             progress.update(ev)
         elif ev.get("type") == "plan":
-            print("\n".join(format_plan(ev)), file=sys.stderr)
+            progress.print("\n".join(format_plan(ev)))
         else:
-            print(f"  {format_event(ev)}", file=sys.stderr)
+            progress.print(f"  {format_event(ev)}")
     raise FusionNodeError("the driver closed the job without a result")
 
 
@@ -989,6 +928,12 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return cmd_status(args)
         if args.command == "leave":
             return cmd_leave(args)
+        if args.command == "cancel":
+            from fusionnode import control
+
+            res = _run(control.call(_control_path(args), "cancel", {"job": args.job}, timeout=None))
+            print(f"job {res['job']}: {res['state']}")
+            return 0
         if args.command in ("pause", "resume"):
             from fusionnode import control
 

@@ -238,6 +238,7 @@ class NodeConfig:
     owner_cpu_cores: float = 0.5  # cores busy in other processes that mean the owner is using the machine
     swarm_key_file: str | None = None  # private swarm: only peers with this secret are spoken to
     dashboard: str | None = None  # "host:port" of the read-only dashboard and /metrics; None = off
+    dashboard_actions: bool = False  # the dashboard may pause/resume this node and cancel its jobs (token)
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists
     network: NetworkOptions = NetworkOptions()  # libp2p beyond the listen addresses

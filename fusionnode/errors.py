@@ -37,3 +37,7 @@ class DeadlineError(PeerError, TimeoutError):
 
 class DaemonError(FusionNodeError, RuntimeError):
     """The local daemon is not running, not reachable, or failed to start."""
+
+
+class JobCancelled(FusionNodeError, RuntimeError):
+    """A job was cancelled on purpose (`fusionnode cancel`, or the dashboard's cancel button)."""

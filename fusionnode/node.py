@@ -22,7 +22,7 @@ from typing import Any
 import fusionnode
 from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
-from fusionnode.errors import ConfigError, DaemonError
+from fusionnode.errors import ConfigError, DaemonError, JobCancelled
 from fusionnode.runtime.transport import TokenBucket, Transport
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class Node:
         self.availability: Any = None
         self.dashboard: Any = None
         self.dashboard_url: str | None = None
+        self._job_tasks: dict[str, asyncio.Task[Any]] = {}  # job id -> the control call that drives it
+        self._cancelled: set[str] = set()  # jobs cancelled through the control API
         self._stop = asyncio.Event()
 
     @classmethod
@@ -202,6 +204,7 @@ class Node:
                 "set_link_limits": self._rpc_set_link_limits,
                 "pause": lambda params, emit: self.availability.pause(),
                 "resume": lambda params, emit: self.availability.resume(),
+                "cancel": self._rpc_cancel,
             },
         )
         await self.control.start()
@@ -209,10 +212,23 @@ class Node:
             from fusionnode.web import Dashboard
 
             host, _, port = cfg.dashboard.rpartition(":")
+            actions = None
+            if cfg.dashboard_actions:
+                actions = {
+                    "pause": lambda body: self.availability.pause(),
+                    "resume": lambda body: self.availability.resume(),
+                    "cancel": lambda body: self._rpc_cancel(body, None),
+                }
             self.dashboard = Dashboard(
-                lambda: self._rpc_status({}, None), host=host.strip("[]") or "127.0.0.1", port=int(port or 0)
+                lambda: self._rpc_status({}, None),
+                host=host.strip("[]") or "127.0.0.1",
+                port=int(port or 0),
+                actions=actions,
             )
             self.dashboard_url = await self.dashboard.start()
+            if self.dashboard.actions_url:
+                # the token, once, where the user who started the daemon sees it
+                print(f"dashboard with actions: {self.dashboard.actions_url}", file=sys.stderr, flush=True)
         logger.info("node components started in %.2f s", time.monotonic() - t0)
 
     @property
@@ -227,6 +243,7 @@ class Node:
                 "control": str(self.config.control_path),
                 "dashboard": self.dashboard_url,
                 "libp2p": self.config.network.resolve(list(self.config.listen)),  # beyond the listen addrs
+                "dashboard_actions": self.dashboard.actions_url if self.dashboard is not None else None,
                 "pid": os.getpid(),
                 "version": fusionnode.__version__,
             }
@@ -319,7 +336,38 @@ class Node:
         return {"limited": len([v for v in limits.values() if v])}
 
     async def _rpc_train(self, params: dict, emit) -> dict:
-        return await self.driver.run_job(params, emit)
+        from fusionnode.train.spec import JobSpec
+
+        job_id = JobSpec.from_dict(params.get("spec") or {}).job_id
+        task = asyncio.current_task()
+        if task is not None:
+            self._job_tasks[job_id] = task
+        try:
+            return await self.driver.run_job(params, emit)
+        except asyncio.CancelledError:
+            if job_id not in self._cancelled:
+                raise  # the client hung up, or the daemon stops
+            if task is not None:
+                task.uncancel()
+            raise JobCancelled(f"job {job_id} was cancelled") from None
+        finally:
+            self._cancelled.discard(job_id)
+            if self._job_tasks.get(job_id) is task:
+                del self._job_tasks[job_id]
+
+    async def _rpc_cancel(self, params: dict, emit) -> dict:
+        """Cancels a job this node drives; returns once its stages are released."""
+        job_id = str(params.get("job") or "")
+        task = self._job_tasks.get(job_id)
+        if task is None or task.done():
+            running = sorted(self._job_tasks) or "none"
+            raise ConfigError(f"no job {job_id!r} is running on this driver (running: {running})")
+        self._cancelled.add(job_id)
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(task), self.config.rpc_timeout_s)
+        job = self.driver.jobs.get(job_id)
+        return {"job": job_id, "state": job.state if job is not None else "cancelled"}
 
 
 async def run_node(config: NodeConfig, ready_out=None) -> int:

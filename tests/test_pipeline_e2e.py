@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from cdp import CHROMIUM
+from dashboard_checks import DASHBOARD_ARGS, live_dashboard_and_actions
 from safetensors.torch import load_file
 
 from fusionnode import control
@@ -28,6 +30,7 @@ N_PEERS = 3
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), N_PEERS, log=sys.stderr)
+    s.first_peer_args = DASHBOARD_ARGS
     try:
         s.start()
         asyncio.run(s.wait_connected())
@@ -251,3 +254,8 @@ def test_two_replicas_with_different_shares_equal_one_pipeline(swarm, tmp_path):
         # differs at 1e-7, and AdamW turns that into ~1e-5 on the attention key biases (whose true
         # gradient is zero); every other parameter agrees far closer
         assert (b[name] - t).norm() / t.norm() < 1e-3, name
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_dashboard_follows_a_job_live_and_its_buttons_act(swarm, tmp_path):
+    live_dashboard_and_actions(swarm, tmp_path)  # last: it pauses and resumes the first peer

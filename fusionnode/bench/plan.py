@@ -258,13 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"model {args.model} ({source}, {graph.num_nodes} nodes), batch {args.batch_size}")
-    print(
-        f"{'cluster':<22}{'dev':>5}{'plan s':>8}{'pipes':>6}  {'plan step s':>12}  {'even x':>14}  {'memory x':>14}  (closed/sim)"
-    )
+    from fusionnode.term import table
+
+    cells = []
     for r in rows:
         if not r["fits"]:
-            print(f"{r['cluster']:<22}{r['devices']:>5}  does not fit: {r['why'][:90]}")
+            cells.append((r["cluster"], r["devices"], "", "", "does not fit: " + r["why"][:90], "", ""))
             continue
 
         def ratio(label: str, r: dict = r) -> str:
@@ -272,9 +271,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return "OOM" if v is None else f"{v['closed']}/{v['sim']}"
 
         step = f"{r['plan']['closed_s']:.3g}/{r['plan']['sim_s']:.3g}"
-        print(
-            f"{r['cluster']:<22}{r['devices']:>5}{r['plan_s']:>8.2f}{r['pipelines']:>6}  {step:>12}  {ratio('even'):>14}  {ratio('memory'):>14}"
+        cells.append(
+            (
+                r["cluster"],
+                r["devices"],
+                f"{r['plan_s']:.2f}",
+                r["pipelines"],
+                step,
+                ratio("even"),
+                ratio("memory"),
+            )
         )
+    table(
+        ("cluster", "dev", "plan s", "pipes", "plan step s", "even x", "memory x"),
+        cells,
+        title=f"model {args.model} ({source}, {graph.num_nodes} nodes), batch {args.batch_size}; "
+        "step times and speed-ups as closed form/simulator",
+        right=(1, 2, 3, 4, 5, 6),
+    )
     o = summary["optimality"]
     print(
         f"optimality: {o['instances']} instances, mean {o['mean_ratio']}, max {o['max_ratio']}, within 5%: {o['within_5pct']}"

@@ -490,25 +490,41 @@ def bench_cluster(
 
 
 def print_table(res: dict[str, Any]) -> None:
+    from fusionnode.term import table
+
     label = "tc/netns links" if res["network"] == "netns" else "user-space token buckets on loopback"
     speeds = ", ".join(f"{v * 1e3:.1f}" for v in res["emulated_tflops"])
-    print(f"\n{res['cluster']}: {res['devices']} peers, {label}, devices paced at {speeds} GFLOP/s")
-    print(
-        f"{'config':<11} {'tokens/s':>9} {'speedup':>8} {'step s':>8} {'sim s':>7} {'err':>5} {'closed s':>8} "
-        f"{'err':>5} {'wire MiB':>9} {'loss':>7} {'Δloss':>7} {'pipes':>5} {'stages':>6}"
-    )
 
     def num(v: float | None, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
 
-    for r in res["rows"]:
-        print(
-            f"{r['config']:<11} {r['tokens_per_s']:9.0f} {r['speedup']:7.2f}x {r['step_time_s']:8.3f} "
-            f"{num(r['simulated_step_time_s'], '.3f'):>7} {num(r['simulation_error'], '+.0%'):>5} "
-            f"{num(r['predicted_step_time_s'], '.3f'):>8} {num(r['prediction_error'], '+.0%'):>5} "
-            f"{r['wire_bytes'] / 2**20:9.1f} {r['final_loss']:7.4f} {r['loss_vs_baseline']:+7.1%} "
-            f"{r['pipelines']:5d} {r['stages']:6d}"
-        )
+    print()
+    table(
+        [
+            *("config", "tokens/s", "speedup", "step s", "sim s", "err", "closed s", "err", "wire MiB"),
+            *("loss", "Δloss", "pipes", "stages"),
+        ],
+        [
+            (
+                r["config"],
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['speedup']:.2f}x",
+                f"{r['step_time_s']:.3f}",
+                num(r["simulated_step_time_s"], ".3f"),
+                num(r["simulation_error"], "+.0%"),
+                num(r["predicted_step_time_s"], ".3f"),
+                num(r["prediction_error"], "+.0%"),
+                f"{r['wire_bytes'] / 2**20:.1f}",
+                f"{r['final_loss']:.4f}",
+                f"{r['loss_vs_baseline']:+.1%}",
+                r["pipelines"],
+                r["stages"],
+            )
+            for r in res["rows"]
+        ],
+        title=f"{res['cluster']}: {res['devices']} peers, {label}, devices paced at {speeds} GFLOP/s",
+        right=tuple(range(1, 13)),
+    )
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> bool:

@@ -169,7 +169,12 @@ def run_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     p = dataclasses.replace(p, prediction=dataclasses.replace(p.prediction, simulated_step_time_s=sim))
-    print(p.to_json() if args.json else format_plan(p))
+    if args.json:
+        print(p.to_json())
+    else:
+        from fusionnode.term import print_plan
+
+        print_plan(p)
     return 0
 
 
@@ -225,20 +230,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{out['model']} on {out['cluster']}, batch {out['batch_size']}, {out['steps']} steps")
-    print(
-        f"{'placement':<10}{'tokens/s (closed)':>19}{'tokens/s (sim)':>16}{f'{args.steps} steps (sim)':>18}{'plan x':>14}"
-    )
-    for label in ("plan", "even", "memory"):
-        r = out[label]
-        if not r["fits"]:
-            print(f"{label:<10}  does not fit: {r['error']}")
-            continue
-        ratio = out.get(f"plan_vs_{label}")
-        rtxt = "" if ratio is None else f"{ratio['closed']:.2f}/{ratio['sim']:.2f}"
-        print(
-            f"{label:<10}{r['closed_tokens_per_s']:>19,.0f}{r['sim_tokens_per_s']:>16,.0f}"
-            f"{r['sim_total_s']:>17,.1f}s{rtxt:>14}"
-        )
-    print("plan x = baseline step time / plan step time (closed form / simulator)")
+    from fusionnode.term import print_simulation
+
+    print_simulation(out, args.steps)
     return 0

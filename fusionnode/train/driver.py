@@ -207,6 +207,7 @@ class Job:
         self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
         self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
+        self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -225,6 +226,8 @@ class Job:
                 for s in self.stages
             ],
             "history": self.history[-HISTORY_KEPT:] if self.state == "running" else self._thin_history(),
+            "events": self.events[-200:],
+            "validation": self.validation,
         }
 
     def _thin_history(self) -> list[dict[str, Any]]:
@@ -652,13 +655,15 @@ class Driver:
                     "optimizer_hosts": job.hosts,
                 }
             )
-            metrics.event(
-                "replan",
-                reason="initial plan",
-                plan_version=1,
-                stages=len(job.stages),
-                pipelines=len(job.pipelines),
-                offload=job.offload,
+            job.events.append(
+                metrics.event(
+                    "replan",
+                    reason="initial plan",
+                    plan_version=1,
+                    stages=len(job.stages),
+                    pipelines=len(job.pipelines),
+                    offload=job.offload,
+                )
             )
             t_move = time.perf_counter()
             if job.offload:
@@ -1801,6 +1806,7 @@ class Driver:
             for name, p in model.named_parameters():
                 p.copy_(final[name])
         val_loss = await asyncio.to_thread(evaluate, model, source)
+        job.validation.append({"step": job.step, "loss": val_loss})
         sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
         checkpoint = None
         if job.spec.save_dir:

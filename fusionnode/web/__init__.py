@@ -1,5 +1,6 @@
 """Dashboard and Prometheus metrics endpoint of a node."""
 
-from fusionnode.web.server import Dashboard, StatusCollector
+from fusionnode.web.metrics import StatusCollector
+from fusionnode.web.server import Dashboard
 
 __all__ = ["Dashboard", "StatusCollector"]

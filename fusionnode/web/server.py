@@ -1,281 +1,195 @@
-"""The dashboard: a small read-only HTTP/1.1 server on the node's event loop.
+"""The dashboard's web server: aiohttp routes, their guards and the live status stream.
 
-Written on ``asyncio.start_server`` (no web framework): it answers GET and HEAD
-for a fixed set of paths and nothing else, one request per connection.
+    GET  /                  the page (static/index.html, app.js, style.css; nothing else is served)
+    GET  /api/status        the node's status as JSON (what ``fusionnode status --json`` prints)
+    GET  /api/events        the same status as server-sent events, pushed when it changes
+    GET  /metrics           the status in the Prometheus text format
+    GET  /api/session       200 with the allowed actions when the request carries the token, else 403
+    POST /api/action/NAME   pause, resume or cancel (only when actions are on, and with the token)
 
-    /             the page (static/index.html, with app.js and style.css)
-    /api/status   the node's status as JSON (what ``fusionnode status --json`` prints)
-    /metrics      the same status in the Prometheus text format
+Read-only by default. Actions exist only when the node passes them, each request
+carrying the token printed at start (``Authorization: Bearer TOKEN``). On a
+loopback address every request must name a loopback Host (a page elsewhere that
+re-points its DNS name at 127.0.0.1 reads nothing). One request per connection;
+a client that has not sent its request head within ``REQUEST_TIMEOUT_S`` gets 408.
 
 The status comes from an async ``status_provider``; one call serves every
-request that arrives within ``STATUS_CACHE_S`` of it, so a page left open in
-several tabs and a Prometheus scraper cost one DHT lookup per interval.
+request (and every event stream) within ``STATUS_CACHE_S`` of it, so several
+open tabs and a Prometheus scraper cost one DHT lookup per interval.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
-import math
+import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client.core import CollectorRegistry
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.web.metrics import StatusCollector, job_history, json_safe
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"  # loopback only unless the user asks for more
 DEFAULT_PORT = 0  # 0 = a free port picked by the OS; read the URL back from start()
-MAX_REQUEST_BYTES = 8192  # request line + headers; larger requests get 431 and are dropped
-REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send its whole request
+MAX_REQUEST_BYTES = 8192  # longest request line or header field; longer ones get 400 and are dropped
+MAX_HEADERS = 64  # header fields per request
+MAX_BODY_BYTES = 4096  # an action's JSON body
+REQUEST_TIMEOUT_S = 10.0  # seconds a client has to send its request head
 STATUS_CACHE_S = 0.5  # seconds one status_provider() result serves later requests
 STATUS_TIMEOUT_S = 10.0  # seconds status_provider() may take before the request gets 503
-STATIC_FILES = {  # path -> (file in fusionnode/web/static, content type); nothing else is served
+PUSH_INTERVAL_S = 1.0  # seconds between looks at the status for an event stream
+KEEPALIVE_S = 15.0  # seconds of an unchanged status after which a stream sends a comment line
+STATIC_FILES = {  # path -> (file in fusionnode/web/static, content type)
     "/": ("index.html", "text/html; charset=utf-8"),
     "/index.html": ("index.html", "text/html; charset=utf-8"),
     "/app.js": ("app.js", "text/javascript; charset=utf-8"),
     "/style.css": ("style.css", "text/css; charset=utf-8"),
 }
+ACTIONS = ("pause", "resume", "cancel")
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    421: "Misdirected Request",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
-_SECURITY_HEADERS = {
+SECURITY_HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
     "Referrer-Policy": "no-referrer",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'",
 }
+# a fixed answer to a client too slow to send its request (there is no request to answer through aiohttp)
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\nContent-Type: text/plain; charset=utf-8\r\n"
+    b"Content-Length: 20\r\nConnection: close\r\n\r\n408 Request Timeout\n"
+)
 
 StatusProvider = Callable[[], Awaitable[dict[str, Any]]]
+Action = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
-def _num(x: Any) -> float | None:
-    """A finite float, or None for missing / non-numeric / NaN values (Prometheus gets no sample)."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def job_history(status: dict[str, Any], job: dict[str, Any]) -> list[dict[str, Any]]:
-    """The step records of a job: ``job["history"]``, else ``status["history"][job_id]``, else []."""
-    hist = job.get("history")
-    if hist is None:
-        hist = (
-            (status.get("history") or {}).get(job.get("job"))
-            if isinstance(status.get("history"), dict)
-            else None
-        )
-    return list(hist or [])
-
-
-class StatusCollector(Collector):
-    """Prometheus collector over the latest status dict (set by the server before each scrape)."""
-
-    def __init__(self) -> None:
-        self.status: dict[str, Any] = {}
-
-    def collect(self) -> Iterator[Metric]:
-        s = self.status
-        peers = [p for p in s.get("peers") or [] if isinstance(p, dict)]
-        jobs = [j for j in s.get("jobs") or [] if isinstance(j, dict)]
-
-        up = GaugeMetricFamily("fusionnode_uptime_seconds", "Seconds since this daemon started")
-        if _num(s.get("uptime_s")) is not None:
-            up.add_metric([], _num(s.get("uptime_s")))
-        yield up
-        yield GaugeMetricFamily(
-            "fusionnode_peers", "Peers this daemon sees in the swarm (itself included)", value=len(peers)
-        )
-
-        info = GaugeMetricFamily(
-            "fusionnode_peer_info",
-            "One sample per known peer (value 1)",
-            labels=["peer", "kind", "device", "roles", "availability"],
-        )
-        tflops = GaugeMetricFamily(
-            "fusionnode_peer_tflops_fp32", "Measured fp32 TFLOP/s of each peer", labels=["peer"]
-        )
-        bw = GaugeMetricFamily(
-            "fusionnode_link_bandwidth_bits_per_second",
-            "Measured bandwidth from one peer to another",
-            labels=["src", "dst"],
-        )
-        rtt = GaugeMetricFamily(
-            "fusionnode_link_rtt_seconds", "Measured round-trip time between peers", labels=["src", "dst"]
-        )
-        for p in peers:
-            pid = str(p.get("peer_id", ""))
-            dev = p.get("device") or {}
-            info.add_metric(
-                [
-                    pid,
-                    str(dev.get("kind", "")),
-                    str(dev.get("name", "")),
-                    ",".join(map(str, p.get("roles") or [])),
-                    str(p.get("availability", "")),
-                ],
-                1,
-            )
-            if _num(dev.get("tflops_fp32")) is not None:
-                tflops.add_metric([pid], _num(dev.get("tflops_fp32")))
-            for dst, link in (p.get("links") or {}).items():
-                if not isinstance(link, dict):
-                    continue
-                if _num(link.get("bandwidth_bps")) is not None:
-                    bw.add_metric([pid, str(dst)], _num(link.get("bandwidth_bps")))
-                if _num(link.get("rtt_s")) is not None:
-                    rtt.add_metric([pid, str(dst)], _num(link.get("rtt_s")))
-        yield from (info, tflops, bw, rtt)
-
-        serving = GaugeMetricFamily(
-            "fusionnode_serving_last_step",
-            "Last step this peer ran for a stage it serves",
-            labels=["job", "stage"],
-        )
-        for sv in s.get("serving") or []:
-            if isinstance(sv, dict) and _num(sv.get("last_step")) is not None:
-                serving.add_metric(
-                    [str(sv.get("job", "")), str(sv.get("stage", ""))], _num(sv.get("last_step"))
-                )
-        yield serving
-
-        fams = {
-            "step": GaugeMetricFamily(
-                "fusionnode_job_step", "Steps done by a job this peer drives", labels=["job"]
-            ),
-            "steps": GaugeMetricFamily(
-                "fusionnode_job_steps_target", "Steps a job is asked to run", labels=["job"]
-            ),
-            "loss": GaugeMetricFamily(
-                "fusionnode_job_loss", "Training loss of the last step", labels=["job"]
-            ),
-            "tokens_per_s": GaugeMetricFamily(
-                "fusionnode_job_tokens_per_second", "Mean training throughput of a job", labels=["job"]
-            ),
-            "plan_version": GaugeMetricFamily(
-                "fusionnode_job_plan_version", "Plan version in force", labels=["job"]
-            ),
-        }
-        state = GaugeMetricFamily(
-            "fusionnode_job_info", "One sample per driven job (value 1)", labels=["job", "model", "state"]
-        )
-        stages = GaugeMetricFamily("fusionnode_job_stages", "Pipeline stages of a job's plan", labels=["job"])
-        wire = GaugeMetricFamily(
-            "fusionnode_job_wire_bytes", "Bytes on the wire (all peers) in the last step", labels=["job"]
-        )
-        step_time = GaugeMetricFamily(
-            "fusionnode_job_step_time_seconds", "Wall time of the last step", labels=["job"]
-        )
-        compute = GaugeMetricFamily(
-            "fusionnode_stage_compute_seconds",
-            "Compute time of a stage in the last step",
-            labels=["job", "stage", "peer"],
-        )
-        wait = GaugeMetricFamily(
-            "fusionnode_stage_wait_seconds",
-            "Time a stage waited in the last step",
-            labels=["job", "stage", "peer"],
-        )
-        util = GaugeMetricFamily(
-            "fusionnode_stage_utilization_ratio",
-            "compute_s / step_time_s of a stage in the last step",
-            labels=["job", "stage", "peer"],
-        )
-        for j in jobs:
-            jid = str(j.get("job", ""))
-            for key, fam in fams.items():
-                if _num(j.get(key)) is not None:
-                    fam.add_metric([jid], _num(j.get(key)))
-            state.add_metric([jid, str(j.get("model", "")), str(j.get("state", ""))], 1)
-            plan = [st for st in j.get("stages") or [] if isinstance(st, dict)]
-            stages.add_metric([jid], len(plan))
-            peer_of = {str(st.get("stage")): str(st.get("peer", "")) for st in plan}
-            hist = job_history(s, j)
-            if not hist or not isinstance(hist[-1], dict):
-                continue
-            last = hist[-1]
-            if _num(last.get("wire_bytes")) is not None:
-                wire.add_metric([jid], _num(last.get("wire_bytes")))
-            st_time = _num(last.get("step_time_s"))
-            if st_time is not None:
-                step_time.add_metric([jid], st_time)
-            for rec in last.get("stages") or []:
-                if not isinstance(rec, dict):
-                    continue
-                labels = [jid, str(rec.get("stage", "")), peer_of.get(str(rec.get("stage")), "")]
-                c, w = _num(rec.get("compute_s")), _num(rec.get("wait_s"))
-                if c is not None:
-                    compute.add_metric(labels, c)
-                    if st_time:
-                        util.add_metric(labels, c / st_time)
-                if w is not None:
-                    wait.add_metric(labels, w)
-        yield from (*fams.values(), state, stages, wire, step_time, compute, wait, util)
-
-
-class _HttpError(Exception):
-    def __init__(self, code: int, message: str = ""):
-        super().__init__(message or _REASONS.get(code, ""))
-        self.code = code
+def host_ok(host: str) -> bool:
+    """A Host header that names this machine's loopback (or none: HTTP/1.0 clients send none)."""
+    if not host:
+        return True
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    return name.lower() in LOOPBACK_HOSTS
 
 
 class Dashboard:
-    """The read-only dashboard and /metrics endpoint; ``await start()`` returns its URL."""
+    """The dashboard and /metrics endpoint; ``await start()`` returns its URL.
+
+    `actions` maps names in ACTIONS to coroutines taking the request's JSON body;
+    None (the default) serves a read-only dashboard with no action routes at all."""
 
     def __init__(
-        self, status_provider: StatusProvider, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
+        self,
+        status_provider: StatusProvider,
+        *,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        actions: dict[str, Action] | None = None,
     ):
+        unknown = set(actions or {}) - set(ACTIONS)
+        if unknown:
+            raise ValueError(f"unknown dashboard actions {sorted(unknown)}; known: {ACTIONS}")
         self.status_provider = status_provider
         self.host = host
         self.port = port
+        self.actions = dict(actions or {})
+        self.token = secrets.token_urlsafe(24) if self.actions else None
         self.url = ""
-        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._collector = StatusCollector()
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self._collector)
         self._static: dict[str, bytes] = {}
         self._cached: tuple[float, dict[str, Any]] | None = None
         self._pending: asyncio.Future[dict[str, Any]] | None = None
-        self._conns: set[asyncio.Task[Any]] = set()
+        self._waiting: set[Any] = set()  # connections whose request head has not arrived yet
+        self._closing = asyncio.Event()
 
+    @property
+    def actions_url(self) -> str | None:
+        """The page's URL with the token in its fragment (never sent to the server, nor in a Referer)."""
+        return f"{self.url}#token={self.token}" if self.token else None
+
+    # ---- life cycle ----------------------------------------------------------------------------
     async def start(self) -> str:
         root = resources.files("fusionnode.web") / "static"
         self._static = {name: (root / name).read_bytes() for name, _ in set(STATIC_FILES.values())}
-        self._server = await asyncio.start_server(
-            self._on_conn, self.host, self.port, limit=MAX_REQUEST_BYTES
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(self._headers)
+        for path in STATIC_FILES:
+            app.router.add_get(path, self._page)
+        app.router.add_get("/api/status", self._api_status)
+        app.router.add_get("/api/events", self._api_events)
+        app.router.add_get("/metrics", self._metrics)
+        if self.actions:
+            app.router.add_get("/api/session", self._session)
+            app.router.add_post("/api/action/{name}", self._action)
+        self._runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=1.0,
+            max_line_size=MAX_REQUEST_BYTES,
+            max_field_size=MAX_REQUEST_BYTES,
+            max_headers=MAX_HEADERS,
+            keepalive_timeout=REQUEST_TIMEOUT_S,
         )
+        await self._runner.setup()
+        self._server = await asyncio.get_running_loop().create_server(self._protocol, self.host, self.port)
         sock_host, sock_port = self._server.sockets[0].getsockname()[:2]
         self.port = int(sock_port)
         shown = f"[{sock_host}]" if ":" in sock_host else sock_host
         self.url = f"http://{shown}:{self.port}/"
         logger.info("dashboard at %s", self.url)
+        if self.actions and self.host not in LOOPBACK_HOSTS:
+            logger.warning(
+                "dashboard actions are on at %s, off loopback: anyone who reaches it with the token can act",
+                self.url,
+            )
         return self.url
 
     async def close(self) -> None:
+        self._closing.set()
         if self._server is not None:
             self._server.close()
-            for task in list(self._conns):
-                task.cancel()
+        if self._runner is not None:
+            with contextlib.suppress(Exception):
+                await self._runner.cleanup()
+            self._runner = None
+        if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
             self._server = None
+
+    def _protocol(self) -> Any:
+        """aiohttp's protocol for one connection, with a deadline on its request head."""
+        assert self._runner is not None and self._runner.server is not None
+        proto = self._runner.server()
+        self._waiting.add(proto)
+        asyncio.get_running_loop().call_later(REQUEST_TIMEOUT_S, self._head_deadline, proto)
+        return proto
+
+    def _head_deadline(self, proto: Any) -> None:
+        if proto not in self._waiting:
+            return
+        self._waiting.discard(proto)
+        transport = getattr(proto, "transport", None)
+        if transport is None or transport.is_closing():
+            return
+        transport.write(_TIMEOUT_RESPONSE)
+        transport.close()
 
     # ---- status --------------------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
@@ -297,125 +211,123 @@ class Dashboard:
         finally:
             self._pending = None
 
-    # ---- HTTP ----------------------------------------------------------------------------------
-    async def _on_conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._conns.add(task)
-        try:
-            try:
-                method, path, headers = await asyncio.wait_for(self._read_request(reader), REQUEST_TIMEOUT_S)
-                code, ctype, body = await self._route(method, path, headers)
-            except _HttpError as exc:
-                method, code, ctype = "GET", exc.code, "text/plain; charset=utf-8"
-                body = f"{exc.code} {exc}\n".encode()
-            except TimeoutError:
-                method, code, ctype, body = "GET", 408, "text/plain; charset=utf-8", b"408 Request Timeout\n"
-            extra = {"Allow": "GET, HEAD"} if code == 405 else {}
-            self._write(writer, code, ctype, body, head_only=method == "HEAD", extra=extra)
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception:
-            logger.exception("dashboard request failed")
-        finally:
-            if task is not None:
-                self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    # ---- guards --------------------------------------------------------------------------------
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self._waiting.discard(request.protocol)
+        if self.host in LOOPBACK_HOSTS and not host_ok(request.headers.get("Host", "")):
+            # DNS rebinding: a page from another site that re-points its name at 127.0.0.1 reads nothing
+            return _text(421, "this dashboard answers only to loopback host names")
+        return await handler(request)
 
-    async def _read_request(self, reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str]]:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except asyncio.LimitOverrunError:
-            raise _HttpError(431) from None
-        except asyncio.IncompleteReadError as exc:
-            if len(exc.partial) >= MAX_REQUEST_BYTES:
-                raise _HttpError(431) from None
-            raise
-        if len(head) > MAX_REQUEST_BYTES:
-            raise _HttpError(431)
-        try:
-            lines = head.decode("latin-1").split("\r\n")
-            method, target, version = lines[0].split(" ")
-        except ValueError:
-            raise _HttpError(400, "malformed request line") from None
-        if not version.startswith("HTTP/1."):
-            raise _HttpError(400, "only HTTP/1.x")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            if not line:
-                continue
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise _HttpError(400, "malformed header")
-            headers[name.strip().lower()] = value.strip()
-        return method, target, headers
+    @staticmethod
+    async def _headers(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(SECURITY_HEADERS)
+        response.force_close()  # one request per connection: the head deadline covers every request
 
-    async def _route(self, method: str, target: str, headers: dict[str, str]) -> tuple[int, str, bytes]:
-        path = target.split("?", 1)[0].split("#", 1)[0]
-        known = path in STATIC_FILES or path in ("/api/status", "/metrics")
-        if method not in ("GET", "HEAD"):
-            raise _HttpError(405 if known else 404)
-        if not known:
-            raise _HttpError(404)
-        if self.host in LOOPBACK_HOSTS and not self._host_ok(headers.get("host", "")):
-            # a page from another site that re-points its DNS name at 127.0.0.1 must not read the status
-            raise _HttpError(421, "this dashboard answers only to loopback host names")
-        if path in STATIC_FILES:
-            name, ctype = STATIC_FILES[path]
-            return 200, ctype, self._static[name]
+    def _authorized(self, request: web.Request) -> bool:
+        given = request.headers.get("Authorization", "")
+        return bool(self.token) and hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
+    # ---- routes --------------------------------------------------------------------------------
+    async def _page(self, request: web.Request) -> web.Response:
+        name, ctype = STATIC_FILES[request.path]
+        return web.Response(body=self._static[name], headers={"Content-Type": ctype})
+
+    async def _status_or_503(self) -> dict[str, Any] | web.Response:
         try:
-            st = await self.status()
+            return await self.status()
         except Exception as exc:
             logger.warning("dashboard: status unavailable: %s", exc)
-            if path == "/api/status":
-                return 503, "application/json", json.dumps({"error": f"status unavailable: {exc}"}).encode()
-            raise _HttpError(503, "status unavailable") from None
-        if path == "/api/status":
-            return 200, "application/json", json.dumps(json_safe(st), default=str, allow_nan=False).encode()
+            return web.json_response({"error": f"status unavailable: {exc}"}, status=503)
+
+    async def _api_status(self, request: web.Request) -> web.Response:
+        st = await self._status_or_503()
+        if isinstance(st, web.Response):
+            return st
+        return web.Response(body=_dumps(st), content_type="application/json")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        st = await self._status_or_503()
+        if isinstance(st, web.Response):
+            return _text(503, "status unavailable")
         self._collector.status = st
-        return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
-
-    @staticmethod
-    def _host_ok(host: str) -> bool:
-        if not host:
-            return True  # HTTP/1.0 clients and curl --http1.0 send none
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name.lower() in LOOPBACK_HOSTS
-
-    @staticmethod
-    def _write(
-        writer: asyncio.StreamWriter,
-        code: int,
-        ctype: str,
-        body: bytes,
-        *,
-        head_only: bool,
-        extra: dict[str, str],
-    ) -> None:
-        headers = {
-            "Content-Type": ctype,
-            "Content-Length": str(len(body)),
-            "Connection": "close",
-            **_SECURITY_HEADERS,
-            **extra,
-        }
-        head = (
-            f"HTTP/1.1 {code} {_REASONS.get(code, 'Error')}\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-            + "\r\n"
+        return web.Response(
+            body=generate_latest(self._registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
-        writer.write(head.encode("latin-1") + (b"" if head_only else body))
+
+    async def _api_events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: an event with the status whenever it changes; each job's step history is
+        sent whole in the first event and as the new records after that ("history_append": true)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        sent: dict[str, int] = {}  # job -> last step sent
+        last_body, last_write = b"", time.monotonic()
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while not self._closing.is_set():
+                try:
+                    st = await self.status()
+                except Exception as exc:
+                    body = b"event: error\ndata: " + _dumps({"error": f"status unavailable: {exc}"}) + b"\n\n"
+                else:
+                    body = b"data: " + _dumps(stream_delta(st, sent)) + b"\n\n"
+                if body != last_body or time.monotonic() - last_write > KEEPALIVE_S:
+                    await resp.write(body if body != last_body else b": keep-alive\n\n")
+                    last_body, last_write = body, time.monotonic()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), PUSH_INTERVAL_S)
+        return resp
+
+    async def _session(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return _text(403, "a valid token is needed (the one printed when the daemon started)")
+        return web.json_response({"actions": sorted(self.actions)})
+
+    async def _action(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in self.actions:
+            return _text(404, f"no action {name!r}")
+        if not self._authorized(request):
+            return _text(403, "a valid token is needed (the one printed when the daemon started)")
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.rstrip("/").split("//")[-1] != request.headers.get("Host", ""):
+            return _text(403, "cross-origin action refused")
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except (ValueError, web.HTTPRequestEntityTooLarge):
+            return _text(400, "the body must be a JSON object of at most 4 KiB")
+        if not isinstance(body, dict):
+            return _text(400, "the body must be a JSON object")
+        try:
+            result = await self.actions[name](body)
+        except FusionNodeError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        logger.info("dashboard action %s %s -> %s", name, body, result)
+        self._cached = None  # the next status shows the action's effect
+        return web.Response(body=_dumps(result), content_type="application/json")
 
 
-def json_safe(obj: Any) -> Any:
-    """A copy with NaN and infinities replaced by None: browsers' JSON.parse rejects them."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    return obj
+def stream_delta(status: dict[str, Any], sent: dict[str, int]) -> dict[str, Any]:
+    """`status` with each job's history cut to the records after the step last sent (updates `sent`);
+    the whole history again when it no longer reaches that step (a replay after a recovery)."""
+    jobs = []
+    for job in status.get("jobs") or []:
+        if not isinstance(job, dict):
+            continue
+        hist = [r for r in job_history(status, job) if isinstance(r, dict) and isinstance(r.get("step"), int)]
+        jid = str(job.get("job"))
+        last = sent.get(jid)
+        append = last is not None and bool(hist) and hist[-1]["step"] >= last
+        new = [r for r in hist if r["step"] > last] if append and last is not None else hist
+        if hist:
+            sent[jid] = hist[-1]["step"]
+        jobs.append({**job, "history": new, "history_append": append})
+    return {**{k: v for k, v in status.items() if k != "history"}, "jobs": jobs}
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(json_safe(obj), default=str, allow_nan=False).encode()
+
+
+def _text(code: int, message: str) -> web.Response:
+    return web.Response(status=code, text=f"{code} {message}\n", content_type="text/plain")
