@@ -812,9 +812,11 @@ def plan(
     max_blocks: int = fence.MAX_BLOCKS,
     local_search: bool = True,
     compress: bool = True,
+    with_anchors: bool = True,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
-    `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it."""
+    `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
+    `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py)."""
     t0 = time.perf_counter()
     ctx = _context(
         graph, cluster, batch_size, micro_batches, offload, efficiency, estimator, max_blocks, compress
@@ -843,6 +845,13 @@ def plan(
                 ev = _local_search(ctx, ev, [])
             if best is None or ev.step_s < best.step_s:
                 best = ev
+    if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
+        from fusionnode.plan.anchors import best_anchor
+
+        ctx.hosts, ctx._host_terms = list(host_sets[0]), None
+        anchor = best_anchor(ctx)
+        if anchor is not None and (best is None or anchor.step_s < best.step_s):
+            best = anchor
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
