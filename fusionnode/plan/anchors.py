@@ -5,21 +5,31 @@
   call can afford (PLANNER_POPULATION x PLANNER_TRIALS, on clusters of at most DTFM_MAX_WORKERS
   workers), as is and re-split.
 
-`best_anchor` returns the fastest of them under the estimator in the planner's context, so the
-planner's answer is never slower than an even grid, nor than DT-FM's layout at that budget.
+The planner takes the fastest of them under its closed form when it beats its own search, then
+simulates its choice and the SIMULATED fastest anchors (plan/simulator.py) and keeps the one the
+simulator finds fastest (`by_simulation`), together with the SHALLOW even grids that DT-FM's
+cost model (plan/dtfm_cost.py) rates fastest, a cheap second opinion on which shapes to simulate: the closed form is within a few percent of the
+simulator on most pipelines, but not on all, and the plan should not lose to an anchor where the
+finer model can tell.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
+from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, grid
-from fusionnode.plan.planner import Context, Evaluated, evaluate_config
+from fusionnode.plan.dtfm_cost import dtfm_step_time
+from fusionnode.plan.planner import Context, Evaluated, build_plan, evaluate_config
+from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
 
 DTFM_MAX_WORKERS = 256  # DT-FM's search runs inside the planner only up to this many workers
 GRIDS_RESPLIT = 3  # the fastest even grids also re-split by the DP
+SIMULATED = 6  # anchors the planner simulates against its own choice
+SHALLOW = 3  # and even grids the fastest under DT-FM's cost model (which favours short pipelines)
 
 
 def anchors(ctx: Context, with_dtfm: bool = True) -> list[Evaluated]:
@@ -47,3 +57,23 @@ def anchors(ctx: Context, with_dtfm: bool = True) -> list[Evaluated]:
 def best_anchor(ctx: Context, with_dtfm: bool = True) -> Evaluated | None:
     found = anchors(ctx, with_dtfm)
     return found[0] if found else None
+
+
+def by_simulation(graph: OpGraph, ctx: Context, candidates: list[Evaluated]) -> Evaluated:
+    """The candidate whose plan the event simulator finds fastest (the first on ties)."""
+    best, best_t = candidates[0], math.inf
+    for ev in candidates:
+        t = simulate(graph, ctx.est.cluster, build_plan(graph, ctx, ev, None, "fusion"), ctx.est).step_time_s
+        if t < best_t * (1 - 1e-9):
+            best, best_t = ev, t
+    return best
+
+
+def shallow_grids(graph: OpGraph, ctx: Context) -> list[Evaluated]:
+    """The SHALLOW even grids DT-FM's cost model rates fastest."""
+    scored = []
+    for ev in grid.even_grids(ctx):
+        p = build_plan(graph, ctx, ev, None, "grid")
+        scored.append((dtfm_step_time(graph, ctx.est.cluster, p, ctx.est).step_s, ev))
+    scored.sort(key=lambda x: x[0])
+    return [ev for _, ev in scored[:SHALLOW]]

@@ -845,13 +845,15 @@ def plan(
                 ev = _local_search(ctx, ev, [])
             if best is None or ev.step_s < best.step_s:
                 best = ev
+    shortlist: list[Evaluated] = []
     if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
-        from fusionnode.plan.anchors import best_anchor
+        from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
 
         ctx.hosts, ctx._host_terms = list(host_sets[0]), None
-        anchor = best_anchor(ctx)
-        if anchor is not None and (best is None or anchor.step_s < best.step_s):
-            best = anchor
+        shortlist = anchors(ctx)
+        if shortlist and (best is None or shortlist[0].step_s < best.step_s):
+            best = shortlist[0]
+        shortlist = shortlist[:SIMULATED] + shallow_grids(graph, ctx)
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
@@ -862,6 +864,10 @@ def plan(
     ctx.hosts = list(best.hosts)
     ctx._host_terms = None
     best = _best_hosts(ctx, best)
+    if shortlist:
+        from fusionnode.plan.anchors import by_simulation
+
+        best = by_simulation(graph, ctx, [best, *shortlist])
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
