@@ -75,7 +75,9 @@ def micro_batch_sizes(batch: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 # the split DP
 # ------------------------------------------------------------------------------------------------
-def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np.ndarray:
+def _link_cost_vector(
+    x: np.ndarray, bw: float, lat: float, target: float, k_min: float = K_MIN
+) -> np.ndarray:
     """estimator.link_comm for each dense size in x (both directions), with the AdaTopK ratio of
     estimator.choose_ratio at `target` seconds per direction (math.inf: dense)."""
     dense = lat + x * 8.0 / bw
@@ -83,7 +85,7 @@ def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np
         return 2.0 * dense
     avail = target - lat
     with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(avail <= 0, K_MIN, np.clip(avail * bw / 8.0 / (x * TOPK_WIRE_FACTOR), K_MIN, 1.0))
+        r = np.where(avail <= 0, k_min, np.clip(avail * bw / 8.0 / (x * TOPK_WIRE_FACTOR), k_min, 1.0))
     r = np.where((dense <= target) | (x <= 0), 1.0, r)
     act = np.where(r >= 1.0, x, x * r * TOPK_WIRE_FACTOR)
     grad = np.where(r >= 1.0, x, x * Q8_WIRE_FACTOR)
@@ -143,7 +145,11 @@ def split_dp(
             cost = (
                 cost
                 + _link_cost_vector(
-                    X * u, bw, lat, LINK_TARGET_FRACTION * target if est.compress else math.inf
+                    X * u,
+                    bw,
+                    lat,
+                    LINK_TARGET_FRACTION * target if est.compress else math.inf,
+                    est.keep_floor,
                 )[None, :]
             )
         ok = valid_shape & (dparam + dact * (s - k) <= cap[d])
@@ -775,6 +781,7 @@ def _context(
     estimator: Estimator | None,
     max_blocks: int,
     compress: bool = True,
+    keep_floor: float = K_MIN,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
     est = estimator or Estimator(
@@ -782,6 +789,7 @@ def _context(
         DEFAULT_EFFICIENCY if efficiency is None else efficiency,
         offload=offload,
         compress=compress,
+        keep_floor=keep_floor,
     )
     chain = Chain.from_graph(graph, fence.coarsen(graph, max_blocks))
     workers = _workers(cluster)
@@ -813,13 +821,24 @@ def plan(
     local_search: bool = True,
     compress: bool = True,
     with_anchors: bool = True,
+    keep_floor: float = K_MIN,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
-    `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py)."""
+    `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py);
+    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on."""
     t0 = time.perf_counter()
     ctx = _context(
-        graph, cluster, batch_size, micro_batches, offload, efficiency, estimator, max_blocks, compress
+        graph,
+        cluster,
+        batch_size,
+        micro_batches,
+        offload,
+        efficiency,
+        estimator,
+        max_blocks,
+        compress,
+        keep_floor,
     )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers
@@ -848,12 +867,13 @@ def plan(
     shortlist: list[Evaluated] = []
     if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
         from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
+        from fusionnode.plan.grid import even_grids
 
         ctx.hosts, ctx._host_terms = list(host_sets[0]), None
         shortlist = anchors(ctx)
         if shortlist and (best is None or shortlist[0].step_s < best.step_s):
             best = shortlist[0]
-        shortlist = shortlist[:SIMULATED] + shallow_grids(graph, ctx)
+        shortlist = shortlist[:SIMULATED] + even_grids(ctx)[:SIMULATED] + shallow_grids(graph, ctx)
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
