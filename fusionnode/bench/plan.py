@@ -164,7 +164,8 @@ def random_cluster_dict(rng: random.Random, devices: int) -> dict:
 def optimality_gaps(instances: int, seed: int = 0) -> list[float]:
     """planner step / exhaustive step on random small instances (1.0 = optimal)."""
     from fusionnode.plan.cluster import load_cluster_dict
-    from fusionnode.plan.planner import exhaustive_plan, plan
+    from fusionnode.plan.exhaustive import exhaustive_plan
+    from fusionnode.plan.planner import plan
 
     rng = random.Random(seed)
     gaps = []

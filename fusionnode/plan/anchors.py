@@ -5,8 +5,9 @@
   call can afford (PLANNER_POPULATION x PLANNER_TRIALS, on clusters of at most DTFM_MAX_WORKERS
   workers), as is and re-split.
 
-The planner takes the fastest of them under its closed form when it beats its own search, then
-simulates its choice and the SIMULATED fastest anchors (plan/simulator.py) and keeps the one the
+The planner takes the fastest of them under its closed form when it beats its own search; on
+clusters of more than SMALL_CLUSTER workers (below, the closed form is what the exhaustive
+reference checks) it then simulates its choice and the SIMULATED fastest anchors (plan/simulator.py) and keeps the one the
 simulator finds fastest (`by_simulation`), together with the SHALLOW even grids that DT-FM's
 cost model (plan/dtfm_cost.py) rates fastest, a cheap second opinion on which shapes to simulate: the closed form is within a few percent of the
 simulator on most pipelines, but not on all, and the plan should not lose to an anchor where the
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 DTFM_MAX_WORKERS = 256  # DT-FM's search runs inside the planner only up to this many workers
 GRIDS_RESPLIT = 3  # the fastest even grids also re-split by the DP
-SIMULATED = 6  # anchors the planner simulates against its own choice
-SHALLOW = 3  # and even grids the fastest under DT-FM's cost model (which favours short pipelines)
+SIMULATED = 3  # anchors the planner simulates against its own choice
+SHALLOW = 2  # and even grids the fastest under DT-FM's cost model (which favours short pipelines)
 
 
 def anchors(ctx: Context, with_dtfm: bool = True) -> list[Evaluated]:
@@ -62,7 +63,17 @@ def best_anchor(ctx: Context, with_dtfm: bool = True) -> Evaluated | None:
 def by_simulation(graph: OpGraph, ctx: Context, candidates: list[Evaluated]) -> Evaluated:
     """The candidate whose plan the event simulator finds fastest (the first on ties)."""
     best, best_t = candidates[0], math.inf
+    seen: set = set()
     for ev in candidates:
+        key = (
+            ev.pipelines,
+            ev.shares,
+            tuple(o.cost.split for o in ev.choices),
+            tuple(o.u for o in ev.choices),
+        )
+        if key in seen:
+            continue
+        seen.add(key)
         t = simulate(graph, ctx.est.cluster, build_plan(graph, ctx, ev, None, "fusion"), ctx.est).step_time_s
         if t < best_t * (1 - 1e-9):
             best, best_t = ev, t
