@@ -294,29 +294,47 @@ def print_plan(p: Any, stream: TextIO | None = None) -> None:
 
 
 def print_simulation(out: dict[str, Any], steps: int, stream: TextIO | None = None) -> None:
-    """`fusionnode simulate`'s comparison of the plan against the baselines."""
+    """`fusionnode simulate`'s comparison of the plan against the even grid, DT-FM and the baselines."""
     stream = stream or sys.stdout
     rows = []
-    for label in ("plan", "even", "memory"):
+    for label in ("plan", "grid", "dtfm", "even", "memory", "given"):
+        if label not in out:
+            continue
         r = out[label]
         if not r["fits"]:
-            rows.append((label, "does not fit", "", "", r["error"][:80]))
+            rows.append((label, "does not fit", "", "", "", r["error"][:80]))
             continue
         ratio = out.get(f"plan_vs_{label}")
+        dtfm = ratio.get("dtfm_model") if ratio else None
         rows.append(
             (
                 label,
                 f"{r['closed_tokens_per_s']:,.0f}",
                 f"{r['sim_tokens_per_s']:,.0f}",
+                "" if r.get("dtfm_model_step_s") is None else f"{r['dtfm_model_step_s']:.3f}",
                 f"{r['sim_total_s']:,.1f}s",
-                "" if ratio is None else f"{ratio['closed']:.2f}/{ratio['sim']:.2f}",
+                ""
+                if ratio is None
+                else f"{ratio['closed']:.2f}/{ratio['sim']:.2f}" + ("" if dtfm is None else f"/{dtfm:.2f}"),
             )
         )
+    compress = f", compress {out['compress']}" if "compress" in out else ""
     table(
-        ("placement", "tokens/s (closed)", "tokens/s (sim)", f"{steps} steps (sim)", "plan x"),
+        (
+            "placement",
+            "tokens/s (closed)",
+            "tokens/s (sim)",
+            "DT-FM model s",
+            f"{steps} steps (sim)",
+            "plan x",
+        ),
         rows,
-        title=f"{out['model']} on {out['cluster']}, batch {out['batch_size']}, {out['steps']} steps",
-        right=(1, 2, 3, 4),
+        title=f"{out['model']} on {out['cluster']}, batch {out['batch_size']}, {out['steps']} steps{compress}",
+        right=(1, 2, 3, 4, 5),
         stream=stream,
     )
-    print("plan x = baseline step time / plan step time (closed form / simulator)", file=stream)
+    print(
+        "grid: best even grid; dtfm: DT-FM's scheduler (re-implementation, planner's trial budget); "
+        "plan x = placement step time / plan step time (closed form / simulator / DT-FM's cost model)",
+        file=stream,
+    )

@@ -164,9 +164,18 @@ def test_benchmark_runs(capsys):
                 "--json",
                 "--seq-len",
                 "64",
+                "--versus",
+                "testbed-4-mixed",
+                "--dtfm-trials",
+                "4",
+                "--dtfm-population",
+                "4",
             ]
         )
         == 0
     )
     d = json.loads(capsys.readouterr().out)
     assert d["optimality"]["instances"] == 2 and d["clusters"][0]["plan"]["sim_s"] > 0
+    row = d["versus"][0]
+    assert row["fits"] and row["plan"]["sim_s"] > 0 and row["grid"]["dtfm_s"] > 0
+    assert row["dtfm"]["trials"] == 4 and row["ratio_sim"] > 0

@@ -164,7 +164,8 @@ def random_cluster_dict(rng: random.Random, devices: int) -> dict:
 def optimality_gaps(instances: int, seed: int = 0) -> list[float]:
     """planner step / exhaustive step on random small instances (1.0 = optimal)."""
     from fusionnode.plan.cluster import load_cluster_dict
-    from fusionnode.plan.planner import exhaustive_plan, plan
+    from fusionnode.plan.exhaustive import exhaustive_plan
+    from fusionnode.plan.planner import plan
 
     rng = random.Random(seed)
     gaps = []
@@ -217,6 +218,33 @@ def compare(graph: OpGraph, cluster_name: str, batch: int) -> dict:
     return row
 
 
+def _versus(args: argparse.Namespace, graph: OpGraph) -> list[dict]:
+    """Planner vs best even grid vs DT-FM on the clusters --versus names."""
+    from fusionnode.bench.versus import compare as versus
+    from fusionnode.plan import dtfm
+    from fusionnode.plan.cluster import bundled_clusters, load_cluster, load_cluster_dict
+    from fusionnode.plan.dtfm_scenarios import SCENARIOS, scenario, with_activation_bytes
+
+    if args.versus == "none":
+        return []
+    names = {"all": [*SCENARIOS, *bundled_clusters()], "dtfm": list(SCENARIOS)}.get(
+        args.versus, [x for x in args.versus.split(",") if x]
+    )
+    half = with_activation_bytes(graph, 0.5)  # DT-FM trains with fp16 activations
+    kw = {
+        "population": args.dtfm_population or dtfm.POPULATION,
+        "trials": dtfm.TRIALS if args.dtfm_trials is None else args.dtfm_trials,
+    }
+    rows = []
+    for name in names:
+        if name in SCENARIOS:
+            rows.append(versus(half, load_cluster_dict(scenario(name)), args.batch_size, **kw))
+        else:
+            rows.append(versus(graph, load_cluster(name), args.batch_size, **kw))
+        log.info("versus %s: %s", name, rows[-1])
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fusionnode bench plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-xl", help="model to plan (default %(default)s)")
@@ -231,8 +259,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="random small instances for the optimality gap (default %(default)s)",
     )
     ap.add_argument("--clusters", default="", help="comma-separated bundled cluster names (default: all)")
+    ap.add_argument(
+        "--versus",
+        default="all",
+        help="clusters for planner vs best even grid vs DT-FM (fusionnode/bench/versus.py): 'all' "
+        "(DT-FM's five settings and every bundled cluster, the default), 'dtfm' (the five only), "
+        "'none', or comma-separated names",
+    )
+    ap.add_argument(
+        "--dtfm-trials", type=int, default=None, help="DT-FM's search trials (default: its published 4,900)"
+    )
+    ap.add_argument(
+        "--dtfm-population", type=int, default=None, help="DT-FM's population (default: its published 100)"
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = ap.parse_args(argv)
+    if args.dtfm_trials is not None and args.dtfm_trials < 0:
+        ap.error("--dtfm-trials must be >= 0")
+    if args.dtfm_population is not None and args.dtfm_population < 2:
+        ap.error("--dtfm-population must be >= 2")
     import torch
 
     from fusionnode.plan.cluster import bundled_clusters
@@ -241,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     graph, source = model_graph(args.model, args.seq_len)
     names = [x for x in args.clusters.split(",") if x] or bundled_clusters()
     rows = [compare(graph, name, args.batch_size) for name in names]
+    versus = _versus(args, graph)
     gaps = optimality_gaps(args.instances) if args.instances > 0 else []
     summary = {
         "model": args.model,
@@ -248,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "nodes": graph.num_nodes,
         "batch_size": args.batch_size,
         "clusters": rows,
+        "versus": versus,
         "optimality": {
             "instances": len(gaps),
             "mean_ratio": round(sum(gaps) / len(gaps), 4) if gaps else None,
@@ -289,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step times and speed-ups as closed form/simulator",
         right=(1, 2, 3, 4, 5, 6),
     )
+    if versus:
+        from fusionnode.bench.versus import format_rows
+
+        print("\nplanner vs best even grid vs DT-FM (dense, step seconds; x = min(grid, dtfm) / plan)")
+        print("\n".join(format_rows(versus)))
     o = summary["optimality"]
     print(
         f"optimality: {o['instances']} instances, mean {o['mean_ratio']}, max {o['max_ratio']}, within 5%: {o['within_5pct']}"

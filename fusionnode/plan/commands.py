@@ -12,6 +12,7 @@ from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.baselines import even_plan, memory_plan
 from fusionnode.plan.cluster import Cluster, load_cluster
+from fusionnode.plan.estimator import PLAN_KEEP_FLOOR
 from fusionnode.plan.plan import Plan
 from fusionnode.plan.planner import plan as make_plan
 from fusionnode.plan.simulator import simulate
@@ -62,6 +63,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="optimizer state on optimizer hosts (on) or on the workers (off) (default %(default)s)",
     )
+    parser.add_argument(
+        "--compress",
+        choices=("none", "adatopk"),
+        default="adatopk",
+        help="adatopk (default): the plan may count on AdaTopK on slow links, never below a keep ratio of "
+        f"{PLAN_KEEP_FLOOR} (the floor, see plan/estimator.py); none: dense links only",
+    )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +85,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=DEFAULT_STEPS, help="steps to project time for (default %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        dest="plan_file",
+        help="also score this plan (JSON, protocol/plan.schema.json) under the same models; refused "
+        "(exit 2) if it uses a device twice, leaves nodes uncovered or exceeds a device's memory",
+    )
 
 
 def _inputs(args: argparse.Namespace) -> tuple[OpGraph, Cluster]:
@@ -160,6 +176,8 @@ def run_plan(args: argparse.Namespace) -> int:
             micro_batches=args.micro_batches,
             seq_len=args.seq_len,
             offload=args.offload == "on",
+            compress=args.compress == "adatopk",
+            keep_floor=PLAN_KEEP_FLOOR,
         )
         sim = simulate(graph, cluster, p).step_time_s
     except (ConfigError, PlanError) as exc:
@@ -178,40 +196,118 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_given_plan(path: Path, graph: OpGraph, cluster: Cluster) -> Plan:
+    """A user's plan file, checked against the graph and cluster; ConfigError/PlanError with the reason."""
+    from fusionnode.plan.estimator import Chain, Estimator
+
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--plan {path}: {exc.strerror or exc}") from exc
+    p = Plan.from_json(text)
+    p.validate(graph)  # every node once per pipeline, shares, a device used twice
+    for d in p.devices:
+        if d not in {dev.id for dev in cluster.devices}:
+            raise PlanError(f"--plan {path}: device {d!r} is not in cluster {cluster.name!r}")
+    est = Estimator(cluster, offload=p.offload)
+    bounds = sorted({0, graph.num_nodes} | {s.lo for pl in p.pipelines for s in pl.stages})
+    chain = Chain.from_graph(graph, bounds)
+    pos = {b: i for i, b in enumerate(bounds)}
+    for i, pl in enumerate(p.pipelines):
+        devs = [cluster.index(st.devices[0]) for st in pl.stages]
+        split = [pos[st.lo] for st in pl.stages] + [chain.blocks]
+        cost = est.evaluate(
+            chain, devs, split, pl.micro_batch_size, ratios=[st.keep_ratio for st in pl.stages]
+        )
+        for st, mem, d in zip(pl.stages, cost.memory_bytes, devs, strict=True):
+            if mem > est.capacity(d):
+                raise PlanError(
+                    f"--plan {path}: pipeline {i} stage [{st.lo}, {st.hi}) needs {mem / 1e9:.2f} GB on "
+                    f"{st.devices[0]!r}, which has {est.capacity(d) / 1e9:.2f} GB usable"
+                )
+    return p
+
+
 def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) -> dict:
-    """Plan and both baselines, each priced by the closed form and the simulator."""
+    """The plan, the baselines, the best even grid and DT-FM's layout (a re-implementation, at the
+    planner's trial budget), and a given plan, each priced by the closed form, the simulator and
+    DT-FM's cost model."""
+    from fusionnode.plan import dtfm, fence, grid
+    from fusionnode.plan.dtfm_cost import dtfm_step_time
+    from fusionnode.plan.planner import _context, build_plan, evaluate_plan
+
+    compress = args.compress == "adatopk"
     kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload == "on"}
     out: dict = {
         "model": graph.model_name,
         "cluster": cluster.name,
         "batch_size": args.batch_size,
         "steps": args.steps,
+        "compress": args.compress,
     }
     tokens = args.batch_size * (args.seq_len or graph.seq_len or 1)
-    for label, fn in (("plan", make_plan), ("even", even_plan), ("memory", memory_plan)):
+
+    def make_grid(*_a, **_k) -> Plan:
+        ctx = _context(
+            graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
+            fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
+        )  # fmt: skip
+        ev = grid.best_even_grid(ctx)
+        if ev is None:
+            raise PlanError("no even grid fits")
+        return build_plan(graph, ctx, ev, args.seq_len, "grid")
+
+    def make_dtfm(*_a, **_k) -> Plan:
+        ctx = _context(
+            graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
+            fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
+        )  # fmt: skip
+        ev = grid.best_even_grid(ctx)
+        if ev is None:
+            raise PlanError("no even grid fits, so DT-FM has no shape")
+        _, found = dtfm.dtfm_search(
+            ctx, *grid.grid_shape(ev), population=dtfm.PLANNER_POPULATION, trials=dtfm.PLANNER_TRIALS
+        )
+        if found is None:
+            raise PlanError("DT-FM's layout does not fit")
+        return build_plan(graph, ctx, found, args.seq_len, "dtfm")
+
+    def make_given(*_a, **_k) -> Plan:
+        return args.given_plan
+
+    makers = [
+        ("plan", lambda *a, **k: make_plan(*a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR)),
+        ("grid", make_grid),
+        ("dtfm", make_dtfm),
+        ("even", lambda *a, **k: even_plan(*a, **k, compress=compress)),
+        ("memory", lambda *a, **k: memory_plan(*a, **k, compress=compress)),
+    ]
+    if getattr(args, "given_plan", None) is not None:
+        makers.append(("given", make_given))
+    for label, fn in makers:
         try:
             p = fn(graph, cluster, args.batch_size, **kw)
         except PlanError as exc:
             out[label] = {"fits": False, "error": str(exc)}
             continue
-        assert p.prediction is not None
+        closed = p.prediction.step_time_s if p.prediction is not None else evaluate_plan(graph, cluster, p)
         sim = simulate(graph, cluster, p).step_time_s
-        closed = p.prediction.step_time_s
         out[label] = {
             "fits": True,
             "closed_step_s": closed,
             "sim_step_s": sim,
+            "dtfm_model_step_s": dtfm_step_time(graph, cluster, p).step_s,
             "closed_tokens_per_s": tokens / closed,
             "sim_tokens_per_s": tokens / sim,
             "closed_total_s": closed * args.steps,
             "sim_total_s": sim * args.steps,
         }
     if out["plan"].get("fits"):
-        for label in ("even", "memory"):
+        for label, _ in makers[1:]:
             if out[label].get("fits"):
                 out[f"plan_vs_{label}"] = {
-                    "closed": out[label]["closed_step_s"] / out["plan"]["closed_step_s"],
-                    "sim": out[label]["sim_step_s"] / out["plan"]["sim_step_s"],
+                    m: out[label][f"{m}_step_s"] / out["plan"][f"{m}_step_s"]
+                    for m in ("closed", "sim", "dtfm_model")
                 }
     return out
 
@@ -221,6 +317,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {args.steps}")
         graph, cluster = _inputs(args)
+        args.given_plan = None if args.plan_file is None else load_given_plan(args.plan_file, graph, cluster)
         out = compare_plans(graph, cluster, args)
         if not out["plan"].get("fits"):
             raise PlanError(out["plan"]["error"])

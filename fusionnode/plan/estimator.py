@@ -57,6 +57,11 @@ DENSE_ELEMENT_BYTES = 4  # fp32 activation element
 TOPK_BYTES_PER_KEPT = 6  # fp16 value (2) + int32 index (4) per kept element
 TOPK_WIRE_FACTOR = TOPK_BYTES_PER_KEPT / DENSE_ELEMENT_BYTES  # wire bytes per kept dense byte
 K_MIN = 0.01  # smallest keep-ratio AdaTopK may pick
+# smallest keep-ratio a plan may count on under `--compress adatopk`, from `fusionnode bench adatopk`
+# (gpt2-tiny, 400 steps): keep 9.56% costs +4.4% loss and 7.05% +6.9..+19.7% (protocol/COMPRESSION.md,
+# "Measurements"), while `python -m fusionnode.bench.adatopk --ratio 0.25` gives val loss 2.3870 vs
+# 2.3820 dense (+0.21%) with 4.5x fewer link bytes: under 1-2% loss
+PLAN_KEEP_FLOOR = 0.25
 LINK_TARGET_FRACTION = 0.8  # AdaTopK aims each link direction at this fraction of the bottleneck compute
 Q8_WIRE_FACTOR = 0.26  # wire bytes per dense byte of a q8 gradient (1 byte per element + row scales)
 USABLE_MEMORY_FRACTION = 0.9  # of a device's memory_gb that a stage may fill
@@ -191,6 +196,7 @@ class Estimator:
         offload: bool = True,
         step_overhead_s: float | None = None,
         compress: bool = True,
+        keep_floor: float = K_MIN,
     ):
         if not 0 < efficiency <= 1:
             raise ConfigError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -199,6 +205,9 @@ class Estimator:
             raise ConfigError(f"the step overhead must be >= 0 seconds, got {overhead}")
         self.step_overhead_s = float(overhead)
         self.compress = compress  # AdaTopK on slow links (evaluate's default)
+        if not 0 < keep_floor <= 1:
+            raise ConfigError(f"keep floor must be in (0, 1], got {keep_floor}")
+        self.keep_floor = keep_floor  # the smallest keep ratio a plan may count on
         self.cluster = cluster
         self.efficiency = efficiency
         self.offload = offload
@@ -294,7 +303,11 @@ class Estimator:
             if ratios is not None:
                 r = float(ratios[k])
             else:
-                r = choose_ratio(x, bw, lat, LINK_TARGET_FRACTION * target) if compress else 1.0
+                r = (
+                    choose_ratio(x, bw, lat, LINK_TARGET_FRACTION * target, self.keep_floor)
+                    if compress
+                    else 1.0
+                )
             chosen.append(r)
             both, slower = link_comm(x, bw, lat, r)
             comm.append(both)

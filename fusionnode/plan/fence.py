@@ -42,15 +42,32 @@ def coarsen(graph: OpGraph, max_blocks: int = MAX_BLOCKS) -> list[int]:
     need = max_blocks - 1
     if len(cand) > need:
         # the `need` cheapest minima; among equally cheap ones (the residual stream between
-        # transformer blocks), an evenly spaced selection so fences can fall anywhere in the model
+        # transformer blocks, and between a block's attention and MLP halves), those nearest to
+        # evenly spaced shares of the FLOPs, so blocks carry even work and no stage is a sliver
         thr = sorted(cut[c] for c in cand)[need - 1]
         below = [c for c in cand if cut[c] < thr]
         ties = [c for c in cand if cut[c] == thr]
-        pick = (
-            np.linspace(0, len(ties) - 1, need - len(below)).round().astype(int) if need > len(below) else []
-        )
-        cand = sorted(set(below) | {ties[i] for i in pick})
+        cand = sorted(set(below) | set(_even_flop_picks(graph, ties, need - len(below))))
     return [0, *cand, n]
+
+
+def _even_flop_picks(graph: OpGraph, ties: list[int], k: int) -> list[int]:
+    """k of the cut positions `ties`, each the unused one nearest (in prefix FLOPs) to one of k
+    evenly spaced FLOP targets; evenly spaced by position when the graph has no FLOPs."""
+    if k <= 0:
+        return []
+    pf = np.asarray(graph.prefix_flops(), dtype=float)
+    key = pf[ties] if pf[-1] > 0 else np.asarray(ties, dtype=float)
+    top = float(pf[-1]) if pf[-1] > 0 else float(graph.num_nodes)
+    targets = np.linspace(0.0, top, k + 2)[1:-1]
+    free = np.ones(len(ties), dtype=bool)
+    out = []
+    for t in targets:
+        dist = np.where(free, np.abs(key - t), np.inf)
+        i = int(np.argmin(dist))
+        free[i] = False
+        out.append(ties[i])
+    return out
 
 
 def symmetric_bandwidth(cluster: Cluster, devices: Sequence[int]) -> np.ndarray:

@@ -14,8 +14,8 @@ Search, all under the estimator's cost model (fusionnode/plan/estimator.py):
 5. improve the best configuration by local search (drop / move / swap devices) and pick the
    number of optimizer hosts.
 
-`exhaustive_plan` enumerates device subsets, pipelines, orders, splits and micro-batch sizes
-for tiny instances: the reference the planner is tested against.
+`fusionnode.plan.exhaustive.exhaustive_plan` enumerates device subsets, pipelines, orders, splits
+and micro-batch sizes for tiny instances: the reference the planner is tested against.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def micro_batch_sizes(batch: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 # the split DP
 # ------------------------------------------------------------------------------------------------
-def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np.ndarray:
+def _link_cost_vector(
+    x: np.ndarray, bw: float, lat: float, target: float, k_min: float = K_MIN
+) -> np.ndarray:
     """estimator.link_comm for each dense size in x (both directions), with the AdaTopK ratio of
     estimator.choose_ratio at `target` seconds per direction (math.inf: dense)."""
     dense = lat + x * 8.0 / bw
@@ -83,7 +85,7 @@ def _link_cost_vector(x: np.ndarray, bw: float, lat: float, target: float) -> np
         return 2.0 * dense
     avail = target - lat
     with np.errstate(divide="ignore", invalid="ignore"):
-        r = np.where(avail <= 0, K_MIN, np.clip(avail * bw / 8.0 / (x * TOPK_WIRE_FACTOR), K_MIN, 1.0))
+        r = np.where(avail <= 0, k_min, np.clip(avail * bw / 8.0 / (x * TOPK_WIRE_FACTOR), k_min, 1.0))
     r = np.where((dense <= target) | (x <= 0), 1.0, r)
     act = np.where(r >= 1.0, x, x * r * TOPK_WIRE_FACTOR)
     grad = np.where(r >= 1.0, x, x * Q8_WIRE_FACTOR)
@@ -143,7 +145,11 @@ def split_dp(
             cost = (
                 cost
                 + _link_cost_vector(
-                    X * u, bw, lat, LINK_TARGET_FRACTION * target if est.compress else math.inf
+                    X * u,
+                    bw,
+                    lat,
+                    LINK_TARGET_FRACTION * target if est.compress else math.inf,
+                    est.keep_floor,
                 )[None, :]
             )
         ok = valid_shape & (dparam + dact * (s - k) <= cap[d])
@@ -775,6 +781,7 @@ def _context(
     estimator: Estimator | None,
     max_blocks: int,
     compress: bool = True,
+    keep_floor: float = K_MIN,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
     est = estimator or Estimator(
@@ -782,6 +789,7 @@ def _context(
         DEFAULT_EFFICIENCY if efficiency is None else efficiency,
         offload=offload,
         compress=compress,
+        keep_floor=keep_floor,
     )
     chain = Chain.from_graph(graph, fence.coarsen(graph, max_blocks))
     workers = _workers(cluster)
@@ -812,12 +820,25 @@ def plan(
     max_blocks: int = fence.MAX_BLOCKS,
     local_search: bool = True,
     compress: bool = True,
+    with_anchors: bool = True,
+    keep_floor: float = K_MIN,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
-    `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it."""
+    `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
+    `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py);
+    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on."""
     t0 = time.perf_counter()
     ctx = _context(
-        graph, cluster, batch_size, micro_batches, offload, efficiency, estimator, max_blocks, compress
+        graph,
+        cluster,
+        batch_size,
+        micro_batches,
+        offload,
+        efficiency,
+        estimator,
+        max_blocks,
+        compress,
+        keep_floor,
     )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers
@@ -843,6 +864,17 @@ def plan(
                 ev = _local_search(ctx, ev, [])
             if best is None or ev.step_s < best.step_s:
                 best = ev
+    shortlist: list[Evaluated] = []
+    if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
+        from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
+        from fusionnode.plan.grid import even_grids
+
+        ctx.hosts, ctx._host_terms = list(host_sets[0]), None
+        shortlist = anchors(ctx)
+        if shortlist and (best is None or shortlist[0].step_s < best.step_s):
+            best = shortlist[0]
+        if not small:  # candidates to simulate against the choice
+            shortlist = shortlist[:SIMULATED] + even_grids(ctx)[:SIMULATED] + shallow_grids(graph, ctx)
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
@@ -853,6 +885,10 @@ def plan(
     ctx.hosts = list(best.hosts)
     ctx._host_terms = None
     best = _best_hosts(ctx, best)
+    if shortlist and not small:  # small clusters: the closed form is checked against the exhaustive optimum
+        from fusionnode.plan.anchors import by_simulation
+
+        best = by_simulation(graph, ctx, [best, *shortlist])
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
@@ -1004,143 +1040,3 @@ def evaluate_plan(graph: OpGraph, cluster: Cluster, p: Plan, estimator: Estimato
         max(max(times), est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)))
         + est.step_overhead_s
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# exhaustive reference (tiny instances only)
-# ------------------------------------------------------------------------------------------------
-EXHAUSTIVE_MAX_DEVICES = 6
-EXHAUSTIVE_MAX_BLOCKS = 16
-
-
-def _all_splits(n: int, s: int) -> list[list[int]]:
-    return [[0, *c, n] for c in itertools.combinations(range(1, n), s - 1)]
-
-
-def exhaustive_plan(
-    graph: OpGraph,
-    cluster: Cluster,
-    batch_size: int,
-    *,
-    offload: bool = True,
-    efficiency: float | None = None,
-) -> Plan:
-    """The optimum under the cost model by brute force: every subset of workers, partition into
-    pipelines, order, contiguous split, micro-batch size and batch share. Tiny instances only."""
-    ctx = _context(graph, cluster, batch_size, None, offload, efficiency, None, max(graph.num_nodes, 1))
-    est, chain = ctx.est, ctx.chain
-    if len(ctx.workers) > EXHAUSTIVE_MAX_DEVICES or chain.blocks > EXHAUSTIVE_MAX_BLOCKS:
-        raise ConfigError(
-            f"exhaustive_plan is for <= {EXHAUSTIVE_MAX_DEVICES} workers and <= {EXHAUSTIVE_MAX_BLOCKS} nodes"
-        )
-    host_sets = [list(ctx.hosts)]
-    if est.offload:
-        for mult in HOST_COUNT_MULTIPLIERS:
-            hs = choose_hosts(cluster, ctx.workers, float(chain.params[-1]), mult)
-            if hs not in host_sets:
-                host_sets.append(hs)
-    best: Evaluated | None = None
-    for hs in host_sets:
-        ctx.hosts = hs
-        ctx._host_terms = None
-        cand = _exhaustive_search(ctx, batch_size)
-        if cand is not None and (best is None or cand.step_s < best.step_s * (1 - 1e-12)):
-            best = cand
-    if best is None:
-        raise PlanError(f"no plan fits {graph.model_name!r} on cluster {cluster.name!r}")
-    return build_plan(graph, ctx, best, None, strategy="exhaustive")
-
-
-def _exhaustive_search(ctx: Context, batch_size: int) -> Evaluated | None:
-    est, chain = ctx.est, ctx.chain
-    B = batch_size
-    # per ordered tuple and "multi" flag: best time for each share b in 0..B
-    table: dict[tuple[tuple[int, ...], bool], tuple[np.ndarray, list]] = {}
-
-    def best_times(devs: tuple[int, ...], multi: bool) -> tuple[np.ndarray, list]:
-        key = (devs, multi)
-        if key in table:
-            return table[key]
-        t = np.full(B + 1, np.inf)
-        t[0] = 0.0
-        arg: list = [None] * (B + 1)
-        if len(devs) <= chain.blocks:
-            for u in ctx.sizes:
-                for split in _all_splits(chain.blocks, len(devs)):
-                    cost = est.evaluate(chain, devs, split, u)
-                    if not cost.fits:
-                        continue
-                    opt = Option(cost, ctx.sync(cost, multi))
-                    for b in range(1, B + 1):
-                        v = opt.time(b)
-                        if v < t[b]:
-                            t[b], arg[b] = v, opt
-        table[key] = (t, arg)
-        return table[key]
-
-    best: Evaluated | None = None
-    workers = ctx.workers
-    for r in range(1, len(workers) + 1):
-        for subset in itertools.combinations(workers, r):
-            for parts in _set_partitions(list(subset)):
-                if len(parts) > B:
-                    continue
-                multi = len(parts) > 1
-                # every ordering of every part
-                per_part = []
-                for part in parts:
-                    bt = None
-                    for perm in itertools.permutations(part):
-                        t, arg = best_times(perm, multi)
-                        if bt is None:
-                            bt = (t.copy(), [(perm, a) for a in arg])
-                        else:
-                            better = t < bt[0]
-                            for b in np.nonzero(better)[0]:
-                                bt[0][b] = t[b]
-                                bt[1][b] = (perm, arg[b])
-                    per_part.append(bt)
-                # min-max share allocation (every part gets >= 1 sample): DP over parts
-                g = np.full(B + 1, np.inf)
-                g[0] = 0.0
-                choice: list[list[int]] = []
-                for t, _ in per_part:
-                    ng = np.full(B + 1, np.inf)
-                    ch = [0] * (B + 1)
-                    for tot in range(1, B + 1):
-                        for b in range(1, tot + 1):
-                            v = max(g[tot - b], t[b])
-                            if v < ng[tot]:
-                                ng[tot], ch[tot] = v, b
-                    g = ng
-                    choice.append(ch)
-                if not math.isfinite(g[B]):
-                    continue
-                step = (
-                    max(float(g[B]), est.host_bound(float(chain.params[-1]), ctx.hosts, len(parts)))
-                    + est.step_overhead_s
-                )
-                if best is None or step < best.step_s * (1 - 1e-12):
-                    shares, tot = [], B
-                    for ch in reversed(choice):
-                        shares.append(ch[tot])
-                        tot -= ch[tot]
-                    shares.reverse()
-                    pipes, opts = [], []
-                    for (_, args), b in zip(per_part, shares, strict=False):
-                        perm, opt = args[b]
-                        pipes.append(perm)
-                        opts.append(opt)
-                    best = Evaluated(step, tuple(pipes), tuple(shares), tuple(opts), tuple(ctx.hosts))
-    return best
-
-
-def _set_partitions(items: list[int]):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in _set_partitions(rest):
-        for i in range(len(part)):
-            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
-        yield [[first], *part]

@@ -1,0 +1,97 @@
+"""Even grids: the plain data x pipeline layout every planner is measured against.
+
+An even grid of k pipelines takes the workers in the cluster file's order, gives each pipeline
+s = floor(workers / k) consecutive devices (leftovers idle), splits the chain's blocks (about one
+transformer layer each, fence.coarsen) evenly by count over the s stages, gives every pipeline an
+equal share of the batch, and runs the micro-batch size that is fastest for it. `even_grids`
+returns one per pipeline count that fits in memory, priced under the planner's cost model (the
+estimator in `ctx`, with its compression setting); the planner keeps the best of them as a
+candidate, so its plan is never slower than any even grid under its own model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from fusionnode.plan.planner import Context, Evaluated, Option, _pipe_time
+
+log = logging.getLogger(__name__)
+
+
+def even_split(blocks: int, stages: int) -> list[int]:
+    """Chain positions [0, ..., blocks] cutting `blocks` into `stages` non-empty parts, as equal
+    in count as integers allow (the larger parts first)."""
+    if not 1 <= stages <= blocks:
+        raise ValueError(f"cannot split {blocks} blocks into {stages} stages")
+    base, extra = divmod(blocks, stages)
+    out = [0]
+    for k in range(stages):
+        out.append(out[-1] + base + (1 if k < extra else 0))
+    return out
+
+
+def grid_counts(n_workers: int, blocks: int, batch: int) -> list[int]:
+    """Every pipeline count k whose pipelines have between 1 and `blocks` stages."""
+    return [k for k in range(1, min(n_workers, batch) + 1) if 1 <= n_workers // k <= blocks]
+
+
+def grid_pipelines(workers: Sequence[int], count: int) -> list[tuple[int, ...]]:
+    s = len(workers) // count
+    return [tuple(workers[k * s : (k + 1) * s]) for k in range(count)]
+
+
+def price_grid(
+    ctx: Context, pipes: Sequence[tuple[int, ...]], splits: Sequence[Sequence[int]]
+) -> Evaluated | None:
+    """The step time of fixed pipelines with fixed splits and equal shares (best micro-batch size per
+    pipeline), under ctx's estimator; None if a pipeline does not fit at any micro-batch size."""
+    est, chain, batch = ctx.est, ctx.chain, ctx.batch
+    count = len(pipes)
+    shares = [batch // count + (1 if k < batch % count else 0) for k in range(count)]
+    multi = count > 1
+    choices, times = [], []
+    for devs, split, share in zip(pipes, splits, shares, strict=True):
+        sizes = ctx.sizes if ctx.micro_batches is None else [max(1, -(-share // ctx.micro_batches))]
+        opts = []
+        for u in sizes:
+            if u > share:
+                continue
+            cost = est.evaluate(chain, devs, split, u)
+            if cost.fits:
+                opts.append(Option(cost, ctx.sync(cost, multi)))
+            elif u > 1:
+                break  # larger micro-batches only need more memory
+        t, opt = _pipe_time(opts, share, ctx.micro_batches)
+        if opt is None:
+            return None
+        choices.append(opt)
+        times.append(t)
+    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count)) + est.step_overhead_s
+    return Evaluated(step, tuple(tuple(p) for p in pipes), tuple(shares), tuple(choices), tuple(ctx.hosts))
+
+
+def even_grids(ctx: Context) -> list[Evaluated]:
+    """Every even grid that fits, fastest first."""
+    out = []
+    blocks = ctx.chain.blocks
+    for k in grid_counts(len(ctx.workers), blocks, ctx.batch):
+        pipes = grid_pipelines(ctx.workers, k)
+        s = len(pipes[0])
+        ev = price_grid(ctx, pipes, [even_split(blocks, s)] * k)
+        if ev is not None:
+            out.append(ev)
+    out.sort(key=lambda e: e.step_s)
+    return out
+
+
+def best_even_grid(ctx: Context) -> Evaluated | None:
+    grids = even_grids(ctx)
+    return grids[0] if grids else None
+
+
+def grid_shape(ev: Evaluated) -> tuple[int, int]:
+    """(pipelines, stages per pipeline) of an even grid."""
+    return len(ev.pipelines), int(np.max([len(p) for p in ev.pipelines]))

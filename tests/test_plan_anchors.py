@@ -1,0 +1,164 @@
+"""Even grids, DT-FM's scheduler (re-implementation) and its cost model, and the planner against them."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from fusionnode.bench.plan import gpt2_like_graph
+from fusionnode.plan import fence, grid
+from fusionnode.plan.cluster import load_cluster, load_cluster_dict
+from fusionnode.plan.dtfm import Scheduler, bottleneck_matching, open_loop_path
+from fusionnode.plan.dtfm_cost import dtfm_step_time
+from fusionnode.plan.dtfm_scenarios import SCENARIOS, scenario, with_activation_bytes
+from fusionnode.plan.planner import _context, build_plan, plan
+
+
+def test_even_split_and_counts():
+    assert grid.even_split(10, 3) == [0, 4, 7, 10]
+    assert grid.even_split(4, 4) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        grid.even_split(3, 4)
+    assert grid.grid_counts(8, 4, 512) == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_matching_and_path_are_optimal():
+    rng = np.random.default_rng(1)
+    for g in (2, 4, 6):
+        w = rng.random((g, g))
+        w = w + w.T
+        best = min(sum(w[p[i], p[i + 1]] for i in range(g - 1)) for p in itertools.permutations(range(g)))
+        total, path = open_loop_path(w)
+        assert total == pytest.approx(best) and sorted(path) == list(range(g))
+    for n in (2, 3, 5):
+        c = rng.random((n, n))
+        best = min(max(c[i, p[i]] for i in range(n)) for p in itertools.permutations(range(n)))
+        val, col = bottleneck_matching(c)
+        assert val == pytest.approx(best) and sorted(col) == list(range(n))
+
+
+def _two_sites(n: int = 8) -> dict:
+    devs = [{"id": f"d{i}", "tflops": 10, "memory_gb": 4, "site": "a" if i % 2 else "b"} for i in range(n)]
+    return {
+        "name": "two",
+        "devices": devs,
+        "links": {
+            "intra_site": {"bandwidth_gbps": 10, "latency_ms": 1},
+            "inter_site": {"bandwidth_gbps": 0.05, "latency_ms": 50},
+        },
+    }
+
+
+def test_dtfm_keeps_data_parallel_groups_inside_sites():
+    c = load_cluster_dict(_two_sites())
+    # heavy gradients, light activations: DP groups must not cross the slow link
+    sch = Scheduler(c, list(range(8)), replicas=4, stages=2, grad_bytes=1e9, act_bytes=1e6, seed=3)
+    res = sch.search(population=10, trials=30)
+    assert sorted(d for p in res.pipelines for d in p) == list(range(8))
+    assert all(len(p) == 2 for p in res.pipelines) and len(res.pipelines) == 4
+    for k in range(2):
+        assert len({c.devices[p[k]].site for p in res.pipelines}) == 1
+    random_best = min(sch.score(sch.random_labels())[0] for _ in range(10))
+    assert res.score_s <= random_best
+
+
+def test_dtfm_cost_of_a_grid_matches_the_formula():
+    g = gpt2_like_graph(4, 64, 16)
+    c = load_cluster_dict(_two_sites(4))
+    ctx = _context(g, c, 8, None, True, None, None, fence.MAX_BLOCKS, False)
+    split = grid.even_split(ctx.chain.blocks, 2)
+    ev = grid.price_grid(ctx, [(0, 2), (1, 3)], [split, split])
+    p = build_plan(g, ctx, ev, None, "grid")
+    got = dtfm_step_time(g, c, p)
+    lat, bw = c.latency_s, c.bandwidth_bps
+    pp_params = np.asarray(g.prefix_param_bytes(), dtype=float)
+    cut = g.cut_bytes()[p.pipelines[0].stages[0].hi]
+    pp = max(lat[a, b] + cut * 4 * 8 / bw[a, b] for a, b in ((0, 2), (1, 3)))
+    st = p.pipelines[0].stages
+    grads = [pp_params[s.hi] - pp_params[s.lo] for s in st]
+    dp = max(2 * (lat[0, 1] + gb * 8 / (bw[0, 1] * 2)) for gb in grads)
+    assert got.pp_s == pytest.approx(pp)
+    assert got.dp_s == pytest.approx(dp)
+    assert got.step_s == pytest.approx(got.compute_s + dp + 2 * pp)
+
+
+def test_planner_never_slower_than_an_even_grid():
+    g = gpt2_like_graph(6, 128, 32)
+    for c in (load_cluster("testbed-6-two-sites"), load_cluster_dict(_two_sites())):
+        p = plan(g, c, 16, compress=False)
+        ctx = _context(g, c, 16, None, True, None, None, fence.MAX_BLOCKS, False)
+        grids = grid.even_grids(ctx)
+        assert grids
+        assert p.prediction.step_time_s <= grids[0].step_s * (1 + 1e-9)
+
+
+def test_planner_simulates_its_choice_against_the_grids_on_larger_clusters():
+    from fusionnode.plan.anchors import SIMULATED
+    from fusionnode.plan.simulator import simulate
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster_dict(_two_sites(16))
+    p = plan(g, c, 32, compress=False)
+    ctx = _context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
+    grids = grid.even_grids(ctx)[:SIMULATED]
+    best_grid = min(simulate(g, c, build_plan(g, ctx, ev, None, "grid")).step_time_s for ev in grids)
+    assert simulate(g, c, p).step_time_s <= best_grid * (1 + 1e-9)
+
+
+def test_scenarios_rebuild_the_papers_links():
+    for name in SCENARIOS:
+        c = load_cluster_dict(scenario(name))
+        assert c.size == 64
+    w = load_cluster_dict(scenario("dtfm-worldwide"))
+    i, j = 0, 8 * 4  # Oregon, Seoul
+    assert w.bandwidth_bps[i, j] == pytest.approx(0.46e9) and w.latency_s[i, j] == pytest.approx(0.124)
+    g = gpt2_like_graph(2, 64, 16)
+    h = with_activation_bytes(g, 0.5)
+    assert h.cut_bytes()[5] * 2 == pytest.approx(g.cut_bytes()[5], abs=8)
+    assert sum(n.param_bytes for n in h.nodes) == sum(n.param_bytes for n in g.nodes)
+
+
+def test_simulate_scores_a_given_plan_and_refuses_bad_ones(tmp_path, capsys):
+    import json
+
+    from fusionnode.cli import main
+
+    args = ["simulate", "--cluster", "testbed-6-two-sites", "--model", "gpt2-tiny", "--batch-size", "8"]
+    assert main(["plan", *args[1:], "--compress", "none", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(doc))
+    assert main([*args, "--plan", str(good), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["given"]["fits"] and out["given"]["sim_step_s"] == pytest.approx(
+        out["plan"]["sim_step_s"], rel=0.02
+    )
+    assert {"grid", "dtfm", "even"} <= set(out)
+
+    def refused(mutate, reason):
+        bad = json.loads(json.dumps(doc))
+        mutate(bad)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        assert main([*args, "--plan", str(path)]) == 2
+        assert reason in capsys.readouterr().err
+
+    stages = doc["pipelines"][0]["stages"]
+
+    def twice(d):
+        d["pipelines"].append(json.loads(json.dumps(d["pipelines"][0])))
+        d["pipelines"][0]["batch_share"] = 4
+        d["pipelines"][1]["batch_share"] = 4
+
+    def uncovered(d):
+        d["pipelines"][0]["stages"][-1]["hi"] -= 1
+
+    def too_big(d):
+        d["pipelines"][0]["micro_batch_size"] = 10**6
+        d["pipelines"][0]["micro_batches"] = 1
+        d["batch_size"] = d["pipelines"][0]["batch_share"] = 8
+
+    refused(twice, "more than one stage")
+    refused(uncovered, "stages end at node")
+    refused(too_big, "GB usable")
+    assert len(stages) >= 1
