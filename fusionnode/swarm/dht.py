@@ -177,7 +177,14 @@ async def start_dht(
     try:
         try:
             dht = await asyncio.to_thread(
-                _start_blocking, identity, listen, initial_peers, startup_timeout, announce, authorizer, options
+                _start_blocking,
+                identity,
+                listen,
+                initial_peers,
+                startup_timeout,
+                announce,
+                authorizer,
+                options,
             )
         except BaseException:
             remove_stale_p2pd_sockets(since=started_at)
