@@ -61,8 +61,29 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--model",
-        default=S.DEFAULT_MODEL,
-        help="bundled model (gpt2-tiny, gpt2-small, ...) or 'package.module:factory' (default %(default)s)",
+        default=None,
+        help="bundled model (gpt2-tiny ... gpt2-xl, llama-tiny, qwen2-tiny, llama-1b, llama-7b, mistral-7b), "
+        "a Hugging Face config.json or the directory holding one (llama, qwen2, mistral, gpt2), or "
+        f"'package.module:factory' (default: the --init-from directory if given, else {S.DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of this local Hugging Face checkpoint (config.json + *.safetensors, "
+        "sharded or not); nothing is downloaded (default: none, random initialisation from --seed)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a Hugging Face tokenizer.json (see `fusionnode tokenizer train`); its vocabulary must fit "
+        "the model's (default: byte-level tokens, 256 ids)",
+    )
+    p.add_argument(
+        "--text-field",
+        default=S.DEFAULT_TEXT_FIELD,
+        help="the field holding the text in .jsonl / .parquet --data files (default %(default)s)",
     )
     p.add_argument(
         "--data",
@@ -109,10 +130,17 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(args: argparse.Namespace) -> Any:
-    from fusionnode.train.spec import JobSpec
+    from fusionnode.train.spec import DEFAULT_MODEL, JobSpec
 
+    init_from = os.path.abspath(args.init_from) if args.init_from else None
+    model = args.model or init_from or DEFAULT_MODEL
+    if os.path.exists(model):  # a Hugging Face config: pin the path so the daemon reads the same file
+        model = os.path.abspath(model)
     return JobSpec(
-        model=args.model,
+        model=model,
+        init_from=init_from,
+        tokenizer=os.path.abspath(args.tokenizer) if args.tokenizer else None,
+        text_field=args.text_field,
         data=args.data,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -353,15 +381,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", nargs=argparse.REMAINDER, help="COMMAND [FLAGS...] (default: join)")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (as written by --save)")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory (as written by --save) or a single-file export; the job's tokenizer "
+        "is used when it had one",
+    )
     p.add_argument("--prompt", default="def ")
     p.add_argument("--tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("export", help="export a checkpoint's model as one safetensors file")
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--out", required=True)
+    p = sub.add_parser(
+        "export", help="export a checkpoint's model as one safetensors file or a Hugging Face directory"
+    )
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory (as written by --save)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="the .safetensors file (--format safetensors) or the directory (--format hf) to write",
+    )
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="safetensors: one file with the job spec in its metadata (read back by `generate`); hf: "
+        "config.json + model.safetensors (+ tokenizer.json) for transformers' "
+        "AutoModelForCausalLM.from_pretrained (GPT-2 and Llama-family models; default %(default)s)",
+    )
+
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on your own corpus")
+    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
+    tsub.required = True
+    t = tsub.add_parser(
+        "train",
+        help="learn a byte-level BPE from --data and write its tokenizer.json",
+        description="Train a byte-level BPE (Hugging Face tokenizers) on the training split of a corpus; "
+        "it round-trips any text byte for byte. Use the result with --tokenizer.",
+    )
+    t.add_argument(
+        "--data",
+        default=None,
+        help="the corpus, as for `train --data` (default: the Python standard library's source)",
+    )
+    t.add_argument(
+        "--text-field",
+        default="text",
+        help="the field holding the text in .jsonl / .parquet files (default %(default)s)",
+    )
+    t.add_argument("--vocab-size", type=int, default=4096, help="ids in the vocabulary (default %(default)s)")
+    t.add_argument("--out", required=True, help="where to write tokenizer.json")
     return parser
 
 
@@ -641,18 +710,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fusionnode.train.export import load_model_from_checkpoint
+    from fusionnode.train.export import load_job_from_checkpoint
     from fusionnode.train.generate import generate
+    from fusionnode.train.tokenizer import load_tokenizer
 
-    model = load_model_from_checkpoint(args.checkpoint)
-    print(generate(model, args.prompt, args.tokens, args.temperature, seed=args.seed))
+    spec, model = load_job_from_checkpoint(args.checkpoint)
+    tokenizer = load_tokenizer(spec.tokenizer)
+    print(generate(model, args.prompt, args.tokens, args.temperature, seed=args.seed, tokenizer=tokenizer))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fusionnode.train.export import export_checkpoint
+    from fusionnode.train.export import export_checkpoint, export_hf
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = (
+        export_hf(args.checkpoint, args.out)
+        if args.format == "hf"
+        else export_checkpoint(args.checkpoint, args.out)
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from fusionnode.train.data import load_corpus, split_text
+    from fusionnode.train.tokenizer import train_bpe
+
+    train_text, _val = split_text(load_corpus(args.data))
+    out = train_bpe(iter(train_text.splitlines(keepends=True)), args.vocab_size, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -717,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "tokenizer":
+            return cmd_tokenizer(args)
     except FusionNodeError as exc:
         print(f"fusionnode {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Training data: the byte-level tokenizer, the corpora, and batches that depend only on (seed, step).
+"""Training data: the byte-level encoding, the corpora, and batches that depend only on (seed, step).
 
 Every batch is a pure function of (corpus, seed, step, batch size, sequence length): a batch
 can be regenerated exactly after a resume or a re-plan, and the local and distributed
@@ -171,17 +171,45 @@ def loss_scale(micro_batch_size: int, batch_size: int) -> float:
     return micro_batch_size / batch_size
 
 
-class BatchSource:
-    """Random windows of the training split; `batch(step)` depends only on (corpus, seed, step, B, T)."""
+def split_text(corpus: Corpus, val_fraction: float = VALIDATION_FRACTION) -> tuple[str, str]:
+    """(train, validation) text of a corpus for a real tokenizer: the cut of `split_corpus` moved
+    forward to the next line start, so neither split begins or ends inside a UTF-8 character."""
+    blob = corpus.tokens.numpy().tobytes()
+    cut = len(blob) - int(len(blob) * val_fraction)
+    nl = blob.find(b"\n", cut)
+    cut = len(blob) if nl < 0 else nl + 1
+    return blob[:cut].decode("utf-8", errors="replace"), blob[cut:].decode("utf-8", errors="replace")
 
-    def __init__(self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> None:
+
+def _tokenized_splits(corpus: Corpus, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    train_text, val_text = split_text(corpus)
+    dtype = torch.int32 if tokenizer.vocab_size < 2**31 else torch.int64
+    return (
+        torch.tensor(tokenizer.encode(train_text), dtype=dtype),
+        torch.tensor(tokenizer.encode(val_text), dtype=dtype),
+    )
+
+
+class BatchSource:
+    """Random windows of the training split; `batch(step)` depends only on (corpus, seed, step, B, T).
+
+    With a tokenizer (a `fusionnode.train.tokenizer.HFTokenizer`) the two splits are tokenized
+    separately (`split_text`); without one, the corpus bytes are the tokens."""
+
+    def __init__(
+        self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int, tokenizer: Any = None
+    ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         self.corpus = corpus
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
-        self.train, self.val = split_corpus(corpus.tokens)
+        self.tokenizer_digest = "bytes" if tokenizer is None else tokenizer.digest
+        if tokenizer is None or tokenizer.digest == "bytes":
+            self.train, self.val = split_corpus(corpus.tokens)
+        else:
+            self.train, self.val = _tokenized_splits(corpus, tokenizer)
         for name, split in (("training", self.train), ("validation", self.val)):
             if split.numel() < seq_len + 1:
                 raise ConfigError(
@@ -193,7 +221,16 @@ class BatchSource:
     @classmethod
     def from_spec(cls, spec: JobSpec, seq_len: int) -> BatchSource:
         """The batch source of a `JobSpec` (`seq_len` resolved by the caller, see `resolve_seq_len`)."""
-        return cls(load_corpus(spec.data), batch_size=spec.batch_size, seq_len=seq_len, seed=spec.seed)
+        from fusionnode.train.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+        return cls(
+            load_corpus(spec.data),
+            batch_size=spec.batch_size,
+            seq_len=seq_len,
+            seed=spec.seed,
+            tokenizer=tokenizer,
+        )
 
     def _windows(self, split: torch.Tensor, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(seed)
@@ -247,12 +284,15 @@ class BatchSource:
             "corpus_source": self.corpus.source,
             "corpus_bytes": self.corpus.n_bytes,
             "corpus_sha256": self.corpus.digest,
+            "tokenizer": self.tokenizer_digest,
         }
 
     def check_state(self, state: dict[str, Any]) -> int:
         """Verify a checkpoint's data state matches this source; return the step to resume at."""
         mine = self.state(0)
         diffs = [k for k in ("seed", "batch_size", "seq_len", "corpus_sha256") if state.get(k) != mine[k]]
+        if state.get("tokenizer", "bytes") != mine["tokenizer"]:
+            diffs.append("tokenizer")
         if diffs:
             detail = ", ".join(f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in diffs)
             raise ConfigError(f"cannot resume: the data differs from the checkpoint's ({detail})")

@@ -35,6 +35,15 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 SGD_MOMENTUM = 0.9
 
+DEFAULT_TEXT_FIELD = "text"
+# fields added after job ids were first derived: left out of the id while at their default, so the
+# ids of earlier jobs (and their checkpoints) stay what they were
+LATER_FIELD_DEFAULTS: dict[str, Any] = {
+    "init_from": None,
+    "tokenizer": None,
+    "text_field": DEFAULT_TEXT_FIELD,
+}
+
 JOB_ID_HEX_CHARS = 12  # length of a derived job id
 
 # Fields that do not change the numbers a run produces (where it writes, how it ships tensors).
@@ -71,6 +80,9 @@ class JobSpec:
     metrics_out: str | None = None
     compress: str = "none"  # parsed by fusionnode.compress
     job_id: str = ""  # derived from the other fields when empty
+    init_from: str | None = None  # a local HF checkpoint directory the initial weights come from
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; None = byte-level tokens
+    text_field: str = DEFAULT_TEXT_FIELD  # the text field of jsonl / parquet records
 
     def __post_init__(self) -> None:
         self._validate()
@@ -117,6 +129,12 @@ class JobSpec:
             raise bad("metrics_out", "must be a path or null")
         if not isinstance(self.compress, str) or not self.compress:
             raise bad("compress", "must be a non-empty string")
+        for name in ("init_from", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "must be a path or null")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise bad("text_field", "must be a non-empty string")
         if not isinstance(self.job_id, str) or len(self.job_id) > 64:
             raise bad("job_id", "must be a string of at most 64 characters")
         if self.job_id and not all(c.isalnum() or c in "-_." for c in self.job_id):
@@ -155,7 +173,11 @@ class JobSpec:
 
 def derive_job_id(spec: JobSpec) -> str:
     """A short, stable id: a hash of every other field."""
-    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k != "job_id"}
+    fields = {
+        k: v
+        for k, v in dataclasses.asdict(spec).items()
+        if k != "job_id" and not (k in LATER_FIELD_DEFAULTS and v == LATER_FIELD_DEFAULTS[k])
+    }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return f"job-{digest[:JOB_ID_HEX_CHARS]}"
 
