@@ -733,11 +733,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenizer(args: argparse.Namespace) -> int:
-    from fusionnode.train.data import load_corpus, split_text
+    from fusionnode.train.data import stream_files
+    from fusionnode.train.dataset import iter_documents, split_documents
     from fusionnode.train.tokenizer import train_bpe
 
-    train_text, _val = split_text(load_corpus(args.data))
-    out = train_bpe(iter(train_text.splitlines(keepends=True)), args.vocab_size, args.out)
+    files, _source = stream_files(args.data)
+    docs = split_documents(iter_documents(files, args.text_field), validation=False)
+    out = train_bpe(docs, args.vocab_size, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -171,49 +171,67 @@ def loss_scale(micro_batch_size: int, batch_size: int) -> float:
     return micro_batch_size / batch_size
 
 
-def split_text(corpus: Corpus, val_fraction: float = VALIDATION_FRACTION) -> tuple[str, str]:
-    """(train, validation) text of a corpus for a real tokenizer: the cut of `split_corpus` moved
-    forward to the next line start, so neither split begins or ends inside a UTF-8 character."""
-    blob = corpus.tokens.numpy().tobytes()
-    cut = len(blob) - int(len(blob) * val_fraction)
-    nl = blob.find(b"\n", cut)
-    cut = len(blob) if nl < 0 else nl + 1
-    return blob[:cut].decode("utf-8", errors="replace"), blob[cut:].decode("utf-8", errors="replace")
+def stream_files(data: str | None) -> tuple[list[Path], str]:
+    """(files, source name) that the streamed path reads for `--data` (or the default corpus, capped
+    at DEFAULT_CORPUS_MAX_BYTES as in memory)."""
+    from fusionnode.train.dataset import data_files
 
-
-def _tokenized_splits(corpus: Corpus, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    train_text, val_text = split_text(corpus)
-    dtype = torch.int32 if tokenizer.vocab_size < 2**31 else torch.int64
-    return (
-        torch.tensor(tokenizer.encode(train_text), dtype=dtype),
-        torch.tensor(tokenizer.encode(val_text), dtype=dtype),
-    )
+    if data is not None:
+        path = Path(data).expanduser().resolve()
+        files = data_files(path)
+        if not files:
+            raise ConfigError(f"--data {path}: no files found")
+        return files, str(path)
+    files, total = [], 0
+    for f in _stdlib_files():
+        files.append(f)
+        total += f.stat().st_size
+        if total >= DEFAULT_CORPUS_MAX_BYTES:
+            break
+    return files, DEFAULT_CORPUS_NAME
 
 
 class BatchSource:
-    """Random windows of the training split; `batch(step)` depends only on (corpus, seed, step, B, T).
+    """Windows of the training split; `batch(step)` depends only on (data, seed, step, B, T).
 
-    With a tokenizer (a `fusionnode.train.tokenizer.HFTokenizer`) the two splits are tokenized
-    separately (`split_text`); without one, the corpus bytes are the tokens."""
+    Two kinds of data: an in-memory byte corpus (`Corpus`, the default corpus without --data and
+    --tokenizer: random windows, as the demo has always trained), or a streamed, tokenized data set
+    (`dataset.TokenData`, for --data and --tokenizer: disjoint windows permuted per epoch)."""
 
     def __init__(
-        self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int, tokenizer: Any = None
+        self,
+        corpus: Corpus | None,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        token_data: Any = None,
+        tokenizer_digest: str = "bytes",
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         self.corpus = corpus
+        self.token_data = token_data
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
-        self.tokenizer_digest = "bytes" if tokenizer is None else tokenizer.digest
-        if tokenizer is None or tokenizer.digest == "bytes":
-            self.train, self.val = split_corpus(corpus.tokens)
+        self.tokenizer_digest = tokenizer_digest
+        if token_data is not None:
+            self.train, self.val = token_data.train, token_data.val
+            self.source_name, self.n_tokens, self.digest = (
+                token_data.source,
+                token_data.n_tokens,
+                token_data.digest,
+            )
         else:
-            self.train, self.val = _tokenized_splits(corpus, tokenizer)
+            assert corpus is not None
+            self.train, self.val = split_corpus(corpus.tokens)
+            self.source_name, self.n_tokens, self.digest = corpus.source, corpus.n_bytes, corpus.digest
+        unit = "tokens" if token_data is not None else "bytes"
         for name, split in (("training", self.train), ("validation", self.val)):
-            if split.numel() < seq_len + 1:
+            if len(split) < seq_len + 1:
                 raise ConfigError(
-                    f"corpus {corpus.source}: {split.numel()} bytes in the {name} split, "
+                    f"corpus {self.source_name}: {len(split)} {unit} in the {name} split, "
                     f"need at least seq_len + 1 = {seq_len + 1}"
                 )
         self._offsets = torch.arange(seq_len + 1)
@@ -221,28 +239,46 @@ class BatchSource:
     @classmethod
     def from_spec(cls, spec: JobSpec, seq_len: int) -> BatchSource:
         """The batch source of a `JobSpec` (`seq_len` resolved by the caller, see `resolve_seq_len`)."""
+        if spec.data is None and spec.tokenizer is None:
+            return cls(load_corpus(), batch_size=spec.batch_size, seq_len=seq_len, seed=spec.seed)
+        from fusionnode.train.dataset import load_token_data
         from fusionnode.train.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(spec.tokenizer) if spec.tokenizer else None
+        tokenizer = load_tokenizer(spec.tokenizer)
+        files, source = stream_files(spec.data)
+        data = load_token_data(files, source, tokenizer, spec.text_field)
         return cls(
-            load_corpus(spec.data),
+            None,
             batch_size=spec.batch_size,
             seq_len=seq_len,
             seed=spec.seed,
-            tokenizer=tokenizer,
+            token_data=data,
+            tokenizer_digest=tokenizer.digest,
         )
 
-    def _windows(self, split: torch.Tensor, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, split.numel() - self.seq_len, (n,), generator=gen)
-        windows = split[starts[:, None] + self._offsets].long()
+    def _take(self, split: Any, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = starts[:, None] + self._offsets
+        if isinstance(split, torch.Tensor):
+            windows = split[index].long()
+        else:  # a memory-mapped token file: only the windows' pages are read
+            windows = torch.from_numpy(np.asarray(split[index.numpy()]).astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def _windows(self, split: Any, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(split) - self.seq_len, (n,), generator=gen)
+        return self._take(split, starts)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both int64 [batch_size, seq_len]; targets are inputs shifted by one byte."""
+        """(inputs, targets), both int64 [batch_size, seq_len]; targets are inputs shifted by one token."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self._windows(self.train, step_seed(self.seed, step), self.batch_size)
+        if self.token_data is None:
+            return self._windows(self.train, step_seed(self.seed, step), self.batch_size)
+        from fusionnode.train.dataset import window_starts
+
+        ids = torch.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        return self._take(self.train, window_starts(len(self.train), self.seq_len, ids, self.seed, step_seed))
 
     def microbatches(self, step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's batch split evenly along dim 0 into `m` micro-batches, in order."""
@@ -281,9 +317,9 @@ class BatchSource:
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
-            "corpus_source": self.corpus.source,
-            "corpus_bytes": self.corpus.n_bytes,
-            "corpus_sha256": self.corpus.digest,
+            "corpus_source": self.source_name,
+            "corpus_bytes": self.n_tokens,
+            "corpus_sha256": self.digest,
             "tokenizer": self.tokenizer_digest,
         }
 

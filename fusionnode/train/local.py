@@ -207,8 +207,8 @@ def train_local(
     if resume and save_dir is None:
         raise ConfigError("--resume needs a save directory (--save-dir)")
     seq_len = resolve_seq_len(spec)
+    model = build_job_model(spec)  # first: a model/tokenizer mismatch is found before data is tokenized
     source = BatchSource.from_spec(spec, seq_len)
-    model = build_job_model(spec)
     model.train()
     optimizer = make_optimizer(model, spec)
     start = _resume(spec, save_dir, model, optimizer, source) if save_dir is not None and resume else 0
