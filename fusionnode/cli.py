@@ -86,6 +86,27 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
         help="the field holding the text in .jsonl / .parquet --data files (default %(default)s)",
     )
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train LoRA adapters of rank R on --lora-targets with every other parameter frozen; only the "
+        "adapters' gradients go to the optimizer hosts (default 0: no LoRA, train every parameter)",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=S.DEFAULT_LORA_ALPHA,
+        help="LoRA scale numerator: the update is B @ A * alpha / rank (default %(default)s)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=S.DEFAULT_LORA_TARGETS,
+        help="comma-separated names of the linear layers to adapt, matched as module-name suffixes, e.g. "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama) or c_attn,c_proj,c_fc (GPT-2) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--data",
         default=None,
         help="a text file or directory of text files (default: the Python "
@@ -141,6 +162,9 @@ def _spec_from_args(args: argparse.Namespace) -> Any:
         init_from=init_from,
         tokenizer=os.path.abspath(args.tokenizer) if args.tokenizer else None,
         text_field=args.text_field,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
         data=args.data,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -408,6 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="safetensors: one file with the job spec in its metadata (read back by `generate`); hf: "
         "config.json + model.safetensors (+ tokenizer.json) for transformers' "
         "AutoModelForCausalLM.from_pretrained (GPT-2 and Llama-family models; default %(default)s)",
+    )
+    p.add_argument(
+        "--lora",
+        choices=["merged", "adapters"],
+        default="merged",
+        help="for a LoRA job with --format hf: merged writes the base with the adapters folded in; "
+        "adapters writes only adapter_model.safetensors + adapter_config.json in PEFT's layout "
+        "(default %(default)s)",
     )
 
     p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on your own corpus")
@@ -724,7 +756,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fusionnode.train.export import export_checkpoint, export_hf
 
     out = (
-        export_hf(args.checkpoint, args.out)
+        export_hf(args.checkpoint, args.out, adapters_only=args.lora == "adapters")
         if args.format == "hf"
         else export_checkpoint(args.checkpoint, args.out)
     )

@@ -47,13 +47,23 @@ def export_checkpoint(checkpoint_dir: str | Path, out_path: str | Path) -> Path:
     return out
 
 
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> Path:
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, *, adapters_only: bool = False) -> Path:
     """Write the newest complete checkpoint as a Hugging Face directory (config.json, model.safetensors
-    and, when the job used one, its tokenizer.json) that AutoModelForCausalLM.from_pretrained loads."""
+    and, when the job used one, its tokenizer.json) that AutoModelForCausalLM.from_pretrained loads.
+    A LoRA job's adapters are merged into the weights, or with `adapters_only` written alone in
+    PEFT's layout (adapter_model.safetensors + adapter_config.json)."""
     from fusionnode.models.hf_checkpoint import save_hf_checkpoint
+    from fusionnode.models.lora import merge_lora, peft_adapter
 
     spec, model = load_job_from_checkpoint(checkpoint_dir)
-    out = save_hf_checkpoint(model, out_dir)
+    if adapters_only:
+        tensors, config = peft_adapter(model, spec.init_from or spec.model)
+        out = Path(out_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return out
+    out = save_hf_checkpoint(merge_lora(model), out_dir)
     if spec.tokenizer:
         shutil.copyfile(spec.tokenizer, out / "tokenizer.json")
     logger.info("exported %s as a Hugging Face checkpoint to %s", checkpoint_dir, out)

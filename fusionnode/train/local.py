@@ -59,7 +59,8 @@ class LocalResult:
 
 def build_job_model(spec: JobSpec) -> nn.Module:
     """The job's model with its initial weights: `torch.manual_seed(spec.seed)` then `build_model`,
-    then, with `spec.init_from`, the weights of that Hugging Face checkpoint.
+    then, with `spec.init_from`, the weights of that Hugging Face checkpoint, then, with
+    `spec.lora_rank`, LoRA adapters on `spec.lora_targets` with every other parameter frozen.
 
     A bundled or factory model is built with the tokenizer's vocabulary (256 for byte-level data).
     A model from a Hugging Face config keeps its own vocabulary, which must hold the tokenizer's.
@@ -83,6 +84,10 @@ def build_job_model(spec: JobSpec) -> nn.Module:
         from fusionnode.models.hf_checkpoint import load_hf_weights
 
         load_hf_weights(model, spec.init_from)
+    if spec.lora_rank:
+        from fusionnode.models.lora import apply_lora, parse_targets
+
+        apply_lora(model, parse_targets(spec.lora_targets), spec.lora_rank, spec.lora_alpha)
     return model
 
 

@@ -38,10 +38,15 @@ SGD_MOMENTUM = 0.9
 DEFAULT_TEXT_FIELD = "text"
 # fields added after job ids were first derived: left out of the id while at their default, so the
 # ids of earlier jobs (and their checkpoints) stay what they were
+DEFAULT_LORA_ALPHA = 16.0
+DEFAULT_LORA_TARGETS = "q_proj,v_proj"
 LATER_FIELD_DEFAULTS: dict[str, Any] = {
     "init_from": None,
     "tokenizer": None,
     "text_field": DEFAULT_TEXT_FIELD,
+    "lora_rank": 0,
+    "lora_alpha": DEFAULT_LORA_ALPHA,
+    "lora_targets": DEFAULT_LORA_TARGETS,
 }
 
 JOB_ID_HEX_CHARS = 12  # length of a derived job id
@@ -83,6 +88,9 @@ class JobSpec:
     init_from: str | None = None  # a local HF checkpoint directory the initial weights come from
     tokenizer: str | None = None  # a Hugging Face tokenizer.json; None = byte-level tokens
     text_field: str = DEFAULT_TEXT_FIELD  # the text field of jsonl / parquet records
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on lora_targets, the base frozen
+    lora_alpha: float = DEFAULT_LORA_ALPHA  # adapter scale = lora_alpha / lora_rank
+    lora_targets: str = DEFAULT_LORA_TARGETS  # comma-separated linear layer names (name suffixes)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -135,6 +143,12 @@ class JobSpec:
                 raise bad(name, "must be a path or null")
         if not isinstance(self.text_field, str) or not self.text_field:
             raise bad("text_field", "must be a non-empty string")
+        if not _is_int(self.lora_rank) or self.lora_rank < 0:
+            raise bad("lora_rank", "must be an integer >= 0 (0 = no LoRA, train every parameter)")
+        if not _is_number(self.lora_alpha) or self.lora_alpha <= 0:
+            raise bad("lora_alpha", "must be a finite number > 0")
+        if not isinstance(self.lora_targets, str) or not self.lora_targets.strip(", "):
+            raise bad("lora_targets", "must name at least one linear layer, e.g. q_proj,v_proj")
         if not isinstance(self.job_id, str) or len(self.job_id) > 64:
             raise bad("job_id", "must be a string of at most 64 characters")
         if self.job_id and not all(c.isalnum() or c in "-_." for c in self.job_id):
@@ -159,7 +173,7 @@ class JobSpec:
         if unknown:
             raise ConfigError(f"job spec: unknown field(s): {', '.join(unknown)}")
         values = dict(raw)
-        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "lora_alpha"):
             # JSON has one number type; accept integers where a float is expected.
             if _is_int(values.get(name)):
                 values[name] = float(values[name])
