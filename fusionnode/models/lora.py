@@ -82,7 +82,7 @@ def apply_lora(model: nn.Module, targets: tuple[str, ...], rank: int, alpha: flo
 
 
 def _is_tied(model: nn.Module, module: nn.Linear) -> bool:
-    return sum(1 for p in model.parameters(remove_duplicate=False) if p is module.weight) > 1
+    return sum(1 for _n, p in model.named_parameters(remove_duplicate=False) if p is module.weight) > 1
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
