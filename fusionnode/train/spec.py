@@ -160,8 +160,14 @@ class JobSpec:
         return self.batch_size // self.micro_batches
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON- and msgpack-able dict with every field (including the derived job id)."""
-        return dataclasses.asdict(self)
+        """A JSON- and msgpack-able dict with every field (including the derived job id); fields added
+        later (LATER_FIELD_DEFAULTS) are left out while at their default, so peers and checkpoints of
+        an earlier version still read the specs of jobs that do not use them."""
+        return {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if not (k in LATER_FIELD_DEFAULTS and v == LATER_FIELD_DEFAULTS[k])
+        }
 
     @classmethod
     def from_dict(cls, raw: Any) -> JobSpec:
