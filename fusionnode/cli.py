@@ -66,8 +66,50 @@ def _add_train_job_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--model",
-        default=S.DEFAULT_MODEL,
-        help="bundled model (gpt2-tiny, gpt2-small, ...) or 'package.module:factory' (default %(default)s)",
+        default=None,
+        help="bundled model (gpt2-tiny ... gpt2-xl, llama-tiny, qwen2-tiny, llama-1b, llama-7b, mistral-7b), "
+        "a Hugging Face config.json or the directory holding one (llama, qwen2, mistral, gpt2), or "
+        f"'package.module:factory' (default: the --init-from directory if given, else {S.DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="start from the weights of this local Hugging Face checkpoint (config.json + *.safetensors, "
+        "sharded or not); nothing is downloaded (default: none, random initialisation from --seed)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a Hugging Face tokenizer.json (see `fusionnode tokenizer train`); its vocabulary must fit "
+        "the model's (default: byte-level tokens, 256 ids)",
+    )
+    p.add_argument(
+        "--text-field",
+        default=S.DEFAULT_TEXT_FIELD,
+        help="the field holding the text in .jsonl / .parquet --data files (default %(default)s)",
+    )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="train LoRA adapters of rank R on --lora-targets with every other parameter frozen; only the "
+        "adapters' gradients go to the optimizer hosts (default 0: no LoRA, train every parameter)",
+    )
+    p.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=S.DEFAULT_LORA_ALPHA,
+        help="LoRA scale numerator: the update is B @ A * alpha / rank (default %(default)s)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        default=S.DEFAULT_LORA_TARGETS,
+        help="comma-separated names of the linear layers to adapt, matched as module-name suffixes, e.g. "
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Llama) or c_attn,c_proj,c_fc (GPT-2) "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--data",
@@ -218,10 +260,20 @@ _compress_arg.__name__ = "compression setting"  # "expected a compression settin
 
 
 def _spec_from_args(args: argparse.Namespace) -> Any:
-    from fusionnode.train.spec import JobSpec
+    from fusionnode.train.spec import DEFAULT_MODEL, JobSpec
 
+    init_from = os.path.abspath(args.init_from) if args.init_from else None
+    model = args.model or init_from or DEFAULT_MODEL
+    if os.path.exists(model):  # a Hugging Face config: pin the path so the daemon reads the same file
+        model = os.path.abspath(model)
     return JobSpec(
-        model=args.model,
+        model=model,
+        init_from=init_from,
+        tokenizer=os.path.abspath(args.tokenizer) if args.tokenizer else None,
+        text_field=args.text_field,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
         data=args.data,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -575,7 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the same key. Refuses to overwrite an existing file unless --force.",
     )
     p.add_argument("--out", required=True, help="where to write the key (required)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing file (default: refuse)")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite an existing file or directory (default: refuse)"
+    )
 
     p = _command(
         sub,
@@ -604,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint",
         required=True,
         help="the --save directory (its newest checkpoint), one step-* directory in it, or an "
-        "exported .safetensors file (required)",
+        "exported .safetensors file; the job's tokenizer is used when it had one (required)",
     )
     p.add_argument("--prompt", default="def ", help="text to continue (default %(default)r)")
     p.add_argument(
@@ -623,9 +677,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(
         sub,
         "export",
-        "export a checkpoint's model as one safetensors file",
-        "Write a checkpoint's parameters, with the job spec in the metadata, as one .safetensors "
-        "file that `fusionnode generate --checkpoint` also reads.",
+        "export a checkpoint's model as one safetensors file or a Hugging Face directory",
+        "Write a checkpoint's parameters as one .safetensors file with the job spec in its metadata "
+        "(read back by `fusionnode generate --checkpoint`), or with --format hf as a directory that "
+        "transformers' AutoModelForCausalLM.from_pretrained loads.",
     )
     p.add_argument(
         "--checkpoint",
@@ -633,9 +688,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="the --save directory (its newest checkpoint) or one step-* directory in it (required)",
     )
     p.add_argument(
-        "--out", required=True, help="the .safetensors file to write, or a directory for it (required)"
+        "--out",
+        required=True,
+        help="the .safetensors file (or a directory for it) with --format safetensors; the directory "
+        "to write with --format hf (required)",
     )
-    p.add_argument("--force", action="store_true", help="overwrite an existing file (default: refuse)")
+    p.add_argument(
+        "--force", action="store_true", help="overwrite an existing file or directory (default: refuse)"
+    )
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "hf"],
+        default="safetensors",
+        help="safetensors: one file with the job spec in its metadata (read back by `generate`); hf: "
+        "config.json + model.safetensors (+ tokenizer.json) for transformers' "
+        "AutoModelForCausalLM.from_pretrained (GPT-2 and Llama-family models; default %(default)s)",
+    )
+    p.add_argument(
+        "--lora",
+        choices=["merged", "adapters"],
+        default="merged",
+        help="for a LoRA job with --format hf: merged writes the base with the adapters folded in; "
+        "adapters writes only adapter_model.safetensors + adapter_config.json in PEFT's layout "
+        "(default %(default)s)",
+    )
+
+    p = _command(
+        sub,
+        "tokenizer",
+        "train a byte-level BPE tokenizer on your own corpus",
+        "`fusionnode tokenizer train --data ... --vocab-size N --out tokenizer.json` learns a byte-level "
+        "BPE for `train --tokenizer`.",
+    )
+    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION")
+    tsub.required = True
+    t = tsub.add_parser(
+        "train",
+        help="learn a byte-level BPE from --data and write its tokenizer.json",
+        description="Train a byte-level BPE (Hugging Face tokenizers) on the training split of a corpus; "
+        "it round-trips any text byte for byte. Use the result with --tokenizer.",
+    )
+    t.add_argument(
+        "--data",
+        default=None,
+        help="the corpus, as for `train --data` (default: the Python standard library's source)",
+    )
+    t.add_argument(
+        "--text-field",
+        default="text",
+        help="the field holding the text in .jsonl / .parquet files (default %(default)s)",
+    )
+    t.add_argument(
+        "--vocab-size",
+        type=_int_at_least(257),
+        default=4096,
+        help="ids in the vocabulary (default %(default)s)",
+    )
+    t.add_argument("--out", required=True, help="where to write tokenizer.json")
     return parser
 
 
@@ -868,18 +977,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fusionnode.train.export import load_model_from_checkpoint
+    from fusionnode.train.export import load_job_from_checkpoint
     from fusionnode.train.generate import generate
+    from fusionnode.train.tokenizer import load_tokenizer
 
-    model = load_model_from_checkpoint(args.checkpoint)
-    print(generate(model, args.prompt, args.tokens, args.temperature, seed=args.seed))
+    spec, model = load_job_from_checkpoint(args.checkpoint)
+    tokenizer = load_tokenizer(spec.tokenizer)
+    print(generate(model, args.prompt, args.tokens, args.temperature, seed=args.seed, tokenizer=tokenizer))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fusionnode.train.export import export_checkpoint
+    from fusionnode.train.export import export_checkpoint, export_hf
 
-    out = export_checkpoint(args.checkpoint, args.out, overwrite=args.force)
+    out = (
+        export_hf(args.checkpoint, args.out, adapters_only=args.lora == "adapters", overwrite=args.force)
+        if args.format == "hf"
+        else export_checkpoint(args.checkpoint, args.out, overwrite=args.force)
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_tokenizer(args: argparse.Namespace) -> int:
+    from fusionnode.train.data import stream_files
+    from fusionnode.train.dataset import iter_documents, split_documents
+    from fusionnode.train.tokenizer import train_bpe
+
+    files, _source = stream_files(args.data)
+    docs = split_documents(iter_documents(files, args.text_field), validation=False)
+    out = train_bpe(docs, args.vocab_size, args.out)
     print(f"wrote {out}")
     return 0
 
@@ -976,6 +1103,8 @@ def _dispatch(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             return cmd_generate(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "tokenizer":
+            return cmd_tokenizer(args)
     except FusionNodeError as exc:
         print(f"fusionnode {args.command}: error: {exc}", file=sys.stderr)
         return 2

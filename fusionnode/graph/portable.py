@@ -482,6 +482,15 @@ def arg_refs(value: Any) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- describe
+def _node_where(node: Any) -> str:
+    """'node NAME in module PATH (Type)': the model code a refused node came from."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return f"node {node.name!r}"
+    path, cls = list(stack.values())[-1]
+    return f"node {node.name!r} in module {path or '<root>'} ({getattr(cls, '__name__', cls)})"
+
+
 def _check_op(op: str, target: Any, args: Any, where: str) -> str:
     if op == "call_function":
         name = op_name(target)
@@ -568,7 +577,7 @@ def describe_stage(traced: TracedModel, lo: int, hi: int) -> dict:
 
     out_nodes: list[dict[str, Any]] = []
     for node in [*hoisted, *nodes[lo:hi]]:
-        where = f"node {node.name!r}"
+        where = _node_where(node)
         if node.op in ("placeholder", "output"):
             continue
         if node.op == "get_attr":

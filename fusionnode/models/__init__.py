@@ -1,8 +1,9 @@
 """Bundled models and the model-spec resolver.
 
-A model spec is either a bundled name (see BUNDLED_MODELS) or "package.module:factory":
-the factory is imported and called (with `vocab_size=` / `seq_len=` keywords only when
-those are given) and must return an `nn.Module`.
+A model spec is a bundled name (see BUNDLED_MODELS), a local Hugging Face config (a
+config.json file or a directory holding one: llama, qwen2, mistral or gpt2, see
+`hf_config`), or "package.module:factory": the factory is imported and called (with
+`vocab_size=` / `seq_len=` keywords only when those are given) and must return an `nn.Module`.
 
 Language models take input_ids LongTensor[B, T] and return logits [B, T, V]; the
 caller computes the loss. A factory model describes itself to `model_info` through
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
-from fusionnode.models import gpt2, resnet
+from fusionnode.models import gpt2, hf_config, llama, resnet
 
 __all__ = ["BUNDLED_MODELS", "ModelInfo", "build_model", "model_info"]
 
@@ -36,6 +37,26 @@ def _gpt2(name: str) -> BundledModel:
     return BundledModel("lm", functools.partial(gpt2.build, name))
 
 
+def _llama(name: str) -> BundledModel:
+    return BundledModel("lm", functools.partial(llama.build, name))
+
+
+def _hf(spec: str) -> Callable[..., nn.Module]:
+    """Factory for a local HF config.json (read at every build, so a changed file is seen)."""
+
+    def factory(*, vocab_size: int | None = None, seq_len: int | None = None) -> nn.Module:
+        cfg = hf_config.read_hf_config(spec)
+        if isinstance(cfg, gpt2.GPT2Config):
+            changes = {"vocab_size": vocab_size, "n_ctx": seq_len}
+            cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+            return gpt2.GPT2(cfg)
+        changes = {"vocab_size": vocab_size, "max_position_embeddings": seq_len}
+        cfg = dataclasses.replace(cfg, **{k: v for k, v in changes.items() if v is not None})
+        return llama.Llama(cfg)
+
+    return factory
+
+
 def _resnet(name: str) -> BundledModel:
     def factory(*, vocab_size: int | None = None, seq_len: int | None = None) -> nn.Module:
         if seq_len is not None:
@@ -47,6 +68,7 @@ def _resnet(name: str) -> BundledModel:
 
 BUNDLED_MODELS: dict[str, BundledModel] = {
     **{name: _gpt2(name) for name in gpt2.CONFIGS},
+    **{name: _llama(name) for name in llama.CONFIGS},
     **{name: _resnet(name) for name in resnet.VARIANTS},
 }
 
@@ -66,7 +88,9 @@ def _resolve_factory(spec: str) -> Callable[..., object]:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         known = ", ".join(BUNDLED_MODELS)
-        raise ConfigError(f"unknown model {spec!r}: expected one of {known} or 'package.module:factory'")
+        raise ConfigError(
+            f"unknown model {spec!r}: expected one of {known}, a Hugging Face config.json (or its directory) or 'package.module:factory'"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -85,7 +109,12 @@ def build_model(spec: str, *, vocab_size: int | None = None, seq_len: int | None
         if not isinstance(value, int) or value <= 0:
             raise ConfigError(f"model {spec!r}: {key} must be a positive int, got {value!r}")
     bundled = BUNDLED_MODELS.get(spec)
-    factory = bundled.factory if bundled is not None else _resolve_factory(spec)
+    if bundled is not None:
+        factory = bundled.factory
+    elif hf_config.looks_like_hf_config(spec):
+        factory = _hf(spec)
+    else:
+        factory = _resolve_factory(spec)
     try:
         model = factory(**kwargs)
     except ConfigError:

@@ -130,6 +130,7 @@ class StageJob:
         self.send_specs: dict[str, dict[str, Any]] = args.get("send_specs") or {}
         self.send_names: list[str] = list(self.send_specs)
         self.shared_names: set[str] = set(args.get("shared_names") or [])
+        self.args_frozen: list[str] = list(args.get("frozen") or [])  # parameters a LoRA job does not train
         self.spec: dict[str, Any] = args["spec"]
         opts = LinkOptions.from_dict(args.get("link_options"))
         compress = str(self.spec.get("compress") or "none")
@@ -390,7 +391,11 @@ class WorkerService:
         def build() -> None:
             module = StageModule.from_description(sj.description, params, device=sj.device)
             sj.module = module
-            sj.params = dict(module.named_stage_parameters())
+            frozen = set(sj.args_frozen)  # a LoRA job's base: no gradient, not optimized, not pushed
+            for name, p in module.named_stage_parameters().items():
+                if name in frozen:
+                    p.requires_grad_(False)
+            sj.params = {n: p for n, p in module.named_stage_parameters().items() if n not in frozen}
             sj.opt = None if sj.offload else make_optimizer(sj.params, sj.spec)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
@@ -738,15 +743,17 @@ class WorkerService:
             await backward(b)
             b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
+        optimizer_bytes = 0  # gradient bytes pushed to the optimizer hosts
         if sj.offload:
             pushes, sj.push_tasks = sj.push_tasks, []
-            sent_bytes += sum(await asyncio.gather(*pushes))
+            optimizer_bytes += sum(await asyncio.gather(*pushes))
             missing = [n for n in sj.params if sj.grad_counts.get(n, 0) < m]
             if missing:  # parameters this step did not touch still owe the host a (zero) contribution
                 for name in missing:
                     self._push(sj, name, torch.zeros_like(sj.params[name]))
                 pushes, sj.push_tasks = sj.push_tasks, []
-                sent_bytes += sum(await asyncio.gather(*pushes))
+                optimizer_bytes += sum(await asyncio.gather(*pushes))
+            sent_bytes += optimizer_bytes
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
         shared = [] if sj.offload else sorted(sj.shared_names & set(sj.params))
@@ -774,6 +781,7 @@ class WorkerService:
             "wait_s": wait_s,
             "total_s": time.perf_counter() - t_start,
             "sent_bytes": sent_bytes,
+            "optimizer_bytes": optimizer_bytes,
             "grad_sq": sq,
             "links": {"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
         }

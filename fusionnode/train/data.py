@@ -1,4 +1,4 @@
-"""Training data: the byte-level tokenizer, the corpora, and batches that depend only on (seed, step).
+"""Training data: the byte-level encoding, the corpora, and batches that depend only on (seed, step).
 
 Every batch is a pure function of (corpus, seed, step, batch size, sequence length): a batch
 can be regenerated exactly after a resume or a re-plan, and the local and distributed
@@ -171,21 +171,67 @@ def loss_scale(micro_batch_size: int, batch_size: int) -> float:
     return micro_batch_size / batch_size
 
 
-class BatchSource:
-    """Random windows of the training split; `batch(step)` depends only on (corpus, seed, step, B, T)."""
+def stream_files(data: str | None) -> tuple[list[Path], str]:
+    """(files, source name) that the streamed path reads for `--data` (or the default corpus, capped
+    at DEFAULT_CORPUS_MAX_BYTES as in memory)."""
+    from fusionnode.train.dataset import data_files
 
-    def __init__(self, corpus: Corpus, *, batch_size: int, seq_len: int, seed: int) -> None:
+    if data is not None:
+        path = Path(data).expanduser().resolve()
+        files = data_files(path)
+        if not files:
+            raise ConfigError(f"--data {path}: no files found")
+        return files, str(path)
+    files, total = [], 0
+    for f in _stdlib_files():
+        files.append(f)
+        total += f.stat().st_size
+        if total >= DEFAULT_CORPUS_MAX_BYTES:
+            break
+    return files, DEFAULT_CORPUS_NAME
+
+
+class BatchSource:
+    """Windows of the training split; `batch(step)` depends only on (data, seed, step, B, T).
+
+    Two kinds of data: an in-memory byte corpus (`Corpus`, the default corpus without --data and
+    --tokenizer: random windows, as the demo has always trained), or a streamed, tokenized data set
+    (`dataset.TokenData`, for --data and --tokenizer: disjoint windows permuted per epoch)."""
+
+    def __init__(
+        self,
+        corpus: Corpus | None,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        token_data: Any = None,
+        tokenizer_digest: str = "bytes",
+    ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ConfigError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
         self.corpus = corpus
+        self.token_data = token_data
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
-        self.train, self.val = split_corpus(corpus.tokens)
+        self.tokenizer_digest = tokenizer_digest
+        if token_data is not None:
+            self.train, self.val = token_data.train, token_data.val
+            self.source_name, self.n_tokens, self.digest = (
+                token_data.source,
+                token_data.n_tokens,
+                token_data.digest,
+            )
+        else:
+            assert corpus is not None
+            self.train, self.val = split_corpus(corpus.tokens)
+            self.source_name, self.n_tokens, self.digest = corpus.source, corpus.n_bytes, corpus.digest
+        unit = "tokens" if token_data is not None else "bytes"
         for name, split in (("training", self.train), ("validation", self.val)):
-            if split.numel() < seq_len + 1:
+            if len(split) < seq_len + 1:
                 raise ConfigError(
-                    f"corpus {corpus.source}: {split.numel()} bytes in the {name} split, "
+                    f"corpus {self.source_name}: {len(split)} {unit} in the {name} split, "
                     f"need at least seq_len + 1 = {seq_len + 1}"
                 )
         self._offsets = torch.arange(seq_len + 1)
@@ -193,19 +239,46 @@ class BatchSource:
     @classmethod
     def from_spec(cls, spec: JobSpec, seq_len: int) -> BatchSource:
         """The batch source of a `JobSpec` (`seq_len` resolved by the caller, see `resolve_seq_len`)."""
-        return cls(load_corpus(spec.data), batch_size=spec.batch_size, seq_len=seq_len, seed=spec.seed)
+        if spec.data is None and spec.tokenizer is None:
+            return cls(load_corpus(), batch_size=spec.batch_size, seq_len=seq_len, seed=spec.seed)
+        from fusionnode.train.dataset import load_token_data
+        from fusionnode.train.tokenizer import load_tokenizer
 
-    def _windows(self, split: torch.Tensor, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, split.numel() - self.seq_len, (n,), generator=gen)
-        windows = split[starts[:, None] + self._offsets].long()
+        tokenizer = load_tokenizer(spec.tokenizer)
+        files, source = stream_files(spec.data)
+        data = load_token_data(files, source, tokenizer, spec.text_field)
+        return cls(
+            None,
+            batch_size=spec.batch_size,
+            seq_len=seq_len,
+            seed=spec.seed,
+            token_data=data,
+            tokenizer_digest=tokenizer.digest,
+        )
+
+    def _take(self, split: Any, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = starts[:, None] + self._offsets
+        if isinstance(split, torch.Tensor):
+            windows = split[index].long()
+        else:  # a memory-mapped token file: only the windows' pages are read
+            windows = torch.from_numpy(np.asarray(split[index.numpy()]).astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def _windows(self, split: Any, seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(split) - self.seq_len, (n,), generator=gen)
+        return self._take(split, starts)
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), both int64 [batch_size, seq_len]; targets are inputs shifted by one byte."""
+        """(inputs, targets), both int64 [batch_size, seq_len]; targets are inputs shifted by one token."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        return self._windows(self.train, step_seed(self.seed, step), self.batch_size)
+        if self.token_data is None:
+            return self._windows(self.train, step_seed(self.seed, step), self.batch_size)
+        from fusionnode.train.dataset import window_starts
+
+        ids = torch.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        return self._take(self.train, window_starts(len(self.train), self.seq_len, ids, self.seed, step_seed))
 
     def microbatches(self, step: int, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's batch split evenly along dim 0 into `m` micro-batches, in order."""
@@ -244,15 +317,18 @@ class BatchSource:
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
-            "corpus_source": self.corpus.source,
-            "corpus_bytes": self.corpus.n_bytes,
-            "corpus_sha256": self.corpus.digest,
+            "corpus_source": self.source_name,
+            "corpus_bytes": self.n_tokens,
+            "corpus_sha256": self.digest,
+            "tokenizer": self.tokenizer_digest,
         }
 
     def check_state(self, state: dict[str, Any]) -> int:
         """Verify a checkpoint's data state matches this source; return the step to resume at."""
         mine = self.state(0)
         diffs = [k for k in ("seed", "batch_size", "seq_len", "corpus_sha256") if state.get(k) != mine[k]]
+        if state.get("tokenizer", "bytes") != mine["tokenizer"]:
+            diffs.append("tokenizer")
         if diffs:
             detail = ", ".join(f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in diffs)
             raise ConfigError(f"cannot resume: the data differs from the checkpoint's ({detail})")

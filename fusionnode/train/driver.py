@@ -198,6 +198,9 @@ class Job:
         self.state = "planning"
         self.history: list[dict[str, Any]] = []
         self.aliases: dict[str, str] = {}  # tied parameter names -> the name named_parameters() reports
+        # frozen parameters (the base of a LoRA job): shipped to the stages once, never trained, never
+        # on an optimizer host; the driver's copy is the value every checkpoint records
+        self.frozen: dict[str, torch.Tensor] = {}
         self.host_counters: list[dict[str, Any]] = []  # the optimizer hosts' push counters, last step
         self.phases: dict[
             str, float
@@ -484,7 +487,7 @@ class Driver:
                     "param_specs": pspecs,
                     "recv_specs": recv,
                     "send_specs": send,
-                    "shared_names": sorted(shared & set(pspecs)),
+                    "shared_names": sorted(shared & set(pspecs) - set(job.frozen)),
                     "spec": spec.to_dict(),
                     "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
                     "lease_s": job.lease_s,
@@ -496,10 +499,12 @@ class Driver:
                     "bw_next": (links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
                     "bw_prev": (links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
                 }
+                if job.frozen:
+                    a["frozen"] = sorted(set(pspecs) & set(job.frozen))
                 if host_of:
                     a["offload"] = {
-                        "hosts": {name: host_of[name] for name in pspecs},
-                        "host_index": {name: host_index[name] for name in pspecs},
+                        "hosts": {name: host_of[name] for name in pspecs if name in host_of},
+                        "host_index": {name: host_index[name] for name in pspecs if name in host_index},
                         "contributor": contributor_key(pipe.replica, gid),
                         "samples": pipe.samples,
                     }
@@ -548,6 +553,7 @@ class Driver:
             job.aliases = {name: canon for name, canon in canonical.items() if name != canon}
             full = {name: p.detach() for name, p in model.named_parameters()}
             job.model_bytes = sum(t.numel() * 4 for t in full.values())
+            job.frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
             start_step = 0
             if params.get("resume"):
                 start_step, full, secret = self._load_resume(ckpt, source, full)
@@ -620,7 +626,8 @@ class Driver:
                             "the plan has several pipelines: they need optimizer hosts (--offload)"
                         )
                 if job.offload:
-                    host_of, host_index = self._shard(full, job.hosts)
+                    trained = {n: t for n, t in full.items() if n not in job.frozen}
+                    host_of, host_index = self._shard(trained, job.hosts)
                 stage_args = self._stage_args(
                     job,
                     traced,
@@ -1047,6 +1054,7 @@ class Driver:
                         "wait_s": round(r["wait_s"], 4),
                         "link_s": round(max(0.0, r.get("total_s", 0.0) - r["compute_s"] - r["wait_s"]), 4),
                         "sent_bytes": r["sent_bytes"],
+                        "optimizer_bytes": r.get("optimizer_bytes", 0),
                         "links": r["links"],
                     }
                     for a, r in zip(run.stage_args, reports, strict=True)
@@ -1577,6 +1585,8 @@ class Driver:
         expected: dict[str, dict[str, dict[str, Any]]] = {}
         for a in stage_args:
             for name in a["param_specs"]:
+                if name in job.frozen:
+                    continue
                 expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
                     "replica": a["replica"],
                     "samples": job.pipelines[a["replica"]].samples,
@@ -1701,11 +1711,13 @@ class Driver:
         """The current parameters: from the optimizer hosts with offload (every name of `all_names`,
         or those the stages hold), else from replica 0's stages."""
         if not job.offload:
-            return await self._fetch(job, stage_args, "params")
-        out: dict[str, torch.Tensor] = {}
+            return {**job.frozen, **await self._fetch(job, stage_args, "params")}
+        out: dict[str, torch.Tensor] = dict(job.frozen)
         specs = {n: s for a in stage_args for n, s in a["param_specs"].items()}
         if all_names is not None:
             specs = {n: {"shape": list(t.shape), "dtype": "float32"} for n, t in all_names.items()}
+        for name in job.frozen:  # frozen (LoRA base) tensors never go to the hosts: the driver's copy
+            specs.pop(name, None)
         held = set(specs)
         for i, host in enumerate(job.hosts):
             names = sorted(n for n in held if (host_of or {}).get(n, host) == host)

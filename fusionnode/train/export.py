@@ -1,10 +1,11 @@
-"""Export a training checkpoint as one `model.safetensors`, and load a model back from either."""
+"""Export a training checkpoint (one `model.safetensors`, or a Hugging Face directory), and load a model back."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from safetensors import safe_open
@@ -65,8 +66,42 @@ def export_checkpoint(checkpoint_dir: str | Path, out_path: str | Path, *, overw
     return out
 
 
+def export_hf(
+    checkpoint_dir: str | Path, out_dir: str | Path, *, adapters_only: bool = False, overwrite: bool = False
+) -> Path:
+    """Write the newest complete checkpoint as a Hugging Face directory (config.json, model.safetensors
+    and, when the job used one, its tokenizer.json) that AutoModelForCausalLM.from_pretrained loads.
+    A LoRA job's adapters are merged into the weights, or with `adapters_only` written alone in
+    PEFT's layout (adapter_model.safetensors + adapter_config.json). A directory that already holds
+    files is written into only with `overwrite`."""
+    target = Path(out_dir).expanduser()
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ConfigError(f"{target} already holds files; pass --force to write into it")
+    from fusionnode.models.hf_checkpoint import save_hf_checkpoint
+    from fusionnode.models.lora import merge_lora, peft_adapter
+
+    spec, model = load_job_from_checkpoint(checkpoint_dir)
+    if adapters_only:
+        tensors, config = peft_adapter(model, spec.init_from or spec.model)
+        out = Path(out_dir).expanduser()
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return out
+    out = save_hf_checkpoint(merge_lora(model), out_dir)
+    if spec.tokenizer:
+        shutil.copyfile(spec.tokenizer, out / "tokenizer.json")
+    logger.info("exported %s as a Hugging Face checkpoint to %s", checkpoint_dir, out)
+    return out
+
+
 def load_model_from_checkpoint(path: str | Path) -> nn.Module:
     """A model with trained weights, from a checkpoint directory or an exported .safetensors file."""
+    return load_job_from_checkpoint(path)[1]
+
+
+def load_job_from_checkpoint(path: str | Path) -> tuple[JobSpec, nn.Module]:
+    """(job spec, model with trained weights) from a checkpoint directory or an exported file."""
     path = Path(path)
     if path.is_file():
         with safe_open(str(path), framework="pt") as f:
@@ -83,7 +118,7 @@ def load_model_from_checkpoint(path: str | Path) -> nn.Module:
         if ckpt is None:
             raise ConfigError(f"{path}: no complete checkpoint and not an exported model file")
         spec, params = ckpt.spec, ckpt.params
-    model = build_job_model(spec)
+    model = build_job_model(spec.replace(init_from=None, job_id=spec.job_id))  # weights come next
     model.load_state_dict(params, strict=True)
     model.eval()
-    return model
+    return spec, model

@@ -1,4 +1,4 @@
-"""Sampling text from a trained byte-level language model."""
+"""Sampling text from a trained language model (byte-level, or with the job's tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
-from fusionnode.train.data import encode
+from fusionnode.train.tokenizer import ByteTokenizer, Tokenizer, encode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,9 @@ def generate(
     temperature: float = DEFAULT_TEMPERATURE,
     top_k: int | None = DEFAULT_TOP_K,
     seed: int = 0,
+    tokenizer: Tokenizer | None = None,
 ) -> str:
-    """The prompt followed by `max_new_tokens` sampled bytes, decoded (invalid UTF-8 replaced).
+    """The prompt followed by `max_new_tokens` sampled tokens, decoded (byte-level: invalid UTF-8 replaced).
 
     temperature 0 is greedy decoding; `top_k` None or 0 samples from the whole distribution.
     The context is cropped to the model's last `max_seq_len` tokens. Deterministic for a seed.
@@ -47,7 +48,10 @@ def generate(
         raise ConfigError(f"temperature must be >= 0, got {temperature}")
     n_ctx = context_length(model)
     device = next(model.parameters()).device
-    ids = encode(prompt or EMPTY_PROMPT).to(device)
+    tok = tokenizer or ByteTokenizer()
+    ids = encode_tensor(tok, prompt or EMPTY_PROMPT).to(device)
+    if ids.numel() == 0:
+        ids = encode_tensor(tok, EMPTY_PROMPT).to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     was_training = model.training
     model.eval()
@@ -65,8 +69,11 @@ def generate(
             ids = torch.cat([ids, nxt])
     finally:
         model.train(was_training)
-    generated = ids if prompt else ids[1:]
-    return decode_whole(generated.cpu().tolist(), cut_start=not prompt)
+    n_prompt = len(tok.encode(EMPTY_PROMPT)) if not prompt else 0
+    generated = ids[n_prompt:].cpu().tolist()
+    if isinstance(tok, ByteTokenizer):
+        return decode_whole(generated, cut_start=not prompt)
+    return tok.decode(generated)
 
 
 def decode_whole(ids: list[int], *, cut_start: bool = False) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 
 from fusionnode.errors import ConfigError, FusionNodeError
 from fusionnode.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fusionnode.train.data import VOCAB_SIZE, BatchSource, loss_scale, step_seed
+from fusionnode.train.data import BatchSource, loss_scale, step_seed
 from fusionnode.train.metrics import MetricsWriter
 from fusionnode.train.spec import (
     ADAMW_BETAS,
@@ -58,19 +58,37 @@ class LocalResult:
 
 
 def build_job_model(spec: JobSpec) -> nn.Module:
-    """The job's model with its initial weights: `torch.manual_seed(spec.seed)` then `build_model`.
+    """The job's model with its initial weights: `torch.manual_seed(spec.seed)` then `build_model`,
+    then, with `spec.init_from`, the weights of that Hugging Face checkpoint, then, with
+    `spec.lora_rank`, LoRA adapters on `spec.lora_targets` with every other parameter frozen.
 
-    Byte-level data needs a 256-token vocabulary: a language model with another vocabulary size
-    is built with `vocab_size=256`.
+    A bundled or factory model is built with the tokenizer's vocabulary (256 for byte-level data).
+    A model from a Hugging Face config keeps its own vocabulary, which must hold the tokenizer's.
     """
     from fusionnode.models import build_model, model_info
+    from fusionnode.models.hf_config import looks_like_hf_config
+    from fusionnode.train.tokenizer import check_vocab, load_tokenizer
 
     info = model_info(spec.model)
     if info.kind != "lm":
         raise ConfigError(f"model {spec.model!r} is a {info.kind} model; training needs a language model")
-    kwargs: dict[str, Any] = {} if info.vocab_size == VOCAB_SIZE else {"vocab_size": VOCAB_SIZE}
+    tokenizer = load_tokenizer(spec.tokenizer)
+    kwargs: dict[str, Any] = {}
+    if looks_like_hf_config(spec.model):
+        check_vocab(tokenizer, info.vocab_size, spec.model)
+    elif info.vocab_size != tokenizer.vocab_size:
+        kwargs["vocab_size"] = tokenizer.vocab_size
     torch.manual_seed(spec.seed)
-    return build_model(spec.model, **kwargs)
+    model = build_model(spec.model, **kwargs)
+    if spec.init_from is not None:
+        from fusionnode.models.hf_checkpoint import load_hf_weights
+
+        load_hf_weights(model, spec.init_from)
+    if spec.lora_rank:
+        from fusionnode.models.lora import apply_lora, parse_targets
+
+        apply_lora(model, parse_targets(spec.lora_targets), spec.lora_rank, spec.lora_alpha)
+    return model
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -194,8 +212,8 @@ def train_local(
     if resume and save_dir is None:
         raise ConfigError("--resume needs a save directory (--save-dir)")
     seq_len = resolve_seq_len(spec)
+    model = build_job_model(spec)  # first: a model/tokenizer mismatch is found before data is tokenized
     source = BatchSource.from_spec(spec, seq_len)
-    model = build_job_model(spec)
     model.train()
     optimizer = make_optimizer(model, spec)
     start = _resume(spec, save_dir, model, optimizer, source) if save_dir is not None and resume else 0

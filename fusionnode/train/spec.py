@@ -35,6 +35,20 @@ ADAMW_BETAS = (0.9, 0.95)
 ADAMW_EPS = 1e-8
 SGD_MOMENTUM = 0.9
 
+DEFAULT_TEXT_FIELD = "text"
+# fields added after job ids were first derived: left out of the id while at their default, so the
+# ids of earlier jobs (and their checkpoints) stay what they were
+DEFAULT_LORA_ALPHA = 16.0
+DEFAULT_LORA_TARGETS = "q_proj,v_proj"
+LATER_FIELD_DEFAULTS: dict[str, Any] = {
+    "init_from": None,
+    "tokenizer": None,
+    "text_field": DEFAULT_TEXT_FIELD,
+    "lora_rank": 0,
+    "lora_alpha": DEFAULT_LORA_ALPHA,
+    "lora_targets": DEFAULT_LORA_TARGETS,
+}
+
 JOB_ID_HEX_CHARS = 12  # length of a derived job id
 
 # Fields that do not change the numbers a run produces (where it writes, how it ships tensors).
@@ -71,6 +85,12 @@ class JobSpec:
     metrics_out: str | None = None
     compress: str = "none"  # parsed by fusionnode.compress
     job_id: str = ""  # derived from the other fields when empty
+    init_from: str | None = None  # a local HF checkpoint directory the initial weights come from
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; None = byte-level tokens
+    text_field: str = DEFAULT_TEXT_FIELD  # the text field of jsonl / parquet records
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank on lora_targets, the base frozen
+    lora_alpha: float = DEFAULT_LORA_ALPHA  # adapter scale = lora_alpha / lora_rank
+    lora_targets: str = DEFAULT_LORA_TARGETS  # comma-separated linear layer names (name suffixes)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -117,6 +137,18 @@ class JobSpec:
             raise bad("metrics_out", "must be a path or null")
         if not isinstance(self.compress, str) or not self.compress:
             raise bad("compress", "must be a non-empty string")
+        for name in ("init_from", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "must be a path or null")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise bad("text_field", "must be a non-empty string")
+        if not _is_int(self.lora_rank) or self.lora_rank < 0:
+            raise bad("lora_rank", "must be an integer >= 0 (0 = no LoRA, train every parameter)")
+        if not _is_number(self.lora_alpha) or self.lora_alpha <= 0:
+            raise bad("lora_alpha", "must be a finite number > 0")
+        if not isinstance(self.lora_targets, str) or not self.lora_targets.strip(", "):
+            raise bad("lora_targets", "must name at least one linear layer, e.g. q_proj,v_proj")
         if not isinstance(self.job_id, str) or len(self.job_id) > 64:
             raise bad("job_id", "must be a string of at most 64 characters")
         if self.job_id and not all(c.isalnum() or c in "-_." for c in self.job_id):
@@ -128,8 +160,14 @@ class JobSpec:
         return self.batch_size // self.micro_batches
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON- and msgpack-able dict with every field (including the derived job id)."""
-        return dataclasses.asdict(self)
+        """A JSON- and msgpack-able dict with every field (including the derived job id); fields added
+        later (LATER_FIELD_DEFAULTS) are left out while at their default, so peers and checkpoints of
+        an earlier version still read the specs of jobs that do not use them."""
+        return {
+            k: v
+            for k, v in dataclasses.asdict(self).items()
+            if not (k in LATER_FIELD_DEFAULTS and v == LATER_FIELD_DEFAULTS[k])
+        }
 
     @classmethod
     def from_dict(cls, raw: Any) -> JobSpec:
@@ -141,7 +179,7 @@ class JobSpec:
         if unknown:
             raise ConfigError(f"job spec: unknown field(s): {', '.join(unknown)}")
         values = dict(raw)
-        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip"):
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "lora_alpha"):
             # JSON has one number type; accept integers where a float is expected.
             if _is_int(values.get(name)):
                 values[name] = float(values[name])
@@ -155,7 +193,11 @@ class JobSpec:
 
 def derive_job_id(spec: JobSpec) -> str:
     """A short, stable id: a hash of every other field."""
-    fields = {k: v for k, v in dataclasses.asdict(spec).items() if k != "job_id"}
+    fields = {
+        k: v
+        for k, v in dataclasses.asdict(spec).items()
+        if k != "job_id" and not (k in LATER_FIELD_DEFAULTS and v == LATER_FIELD_DEFAULTS[k])
+    }
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     return f"job-{digest[:JOB_ID_HEX_CHARS]}"
 
