@@ -486,7 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _state_dir_arg(p)
 
-    p = sub.add_parser("cancel", help="cancel a job the local daemon drives (its stages are released)")
+    p = _command(
+        sub,
+        "cancel",
+        "cancel a job the local daemon drives (its stages are released)",
+        "Cancel a training job that the local daemon drives: its `train` call ends with the job "
+        "cancelled and its workers and optimizer hosts release the job's stages and shards.",
+    )
     _state_dir_arg(p)
     p.add_argument("job", help="the job id (as `fusionnode status` shows it)")
 

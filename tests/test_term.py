@@ -36,7 +36,7 @@ def test_progress_is_plain_lines_off_a_terminal(monkeypatch):
         p.update(step(i))
     lines = out.getvalue().splitlines()
     # the first and the last step always, the others every PLAIN_EVERY_S seconds
-    assert lines[0] == "step 1/3 loss 5.0000 1234 tok/s wire 3.0 MiB util 50%/80%"
+    assert lines[0] == "step 1/3 loss 5.0000 1234 tok/s wire 3.0 MiB stages busy 50%/80%"
     assert lines[-1].startswith("step 3/3 loss 3.0000") and "\x1b" not in out.getvalue()
     assert len(lines) == 2
 
@@ -72,7 +72,7 @@ def test_status_view_lists_the_peer_its_peers_and_jobs():
     peer = {
         "peer_id": "12D3KooWAbcdefGHijkLmnop",
         "device": {"kind": "cpu", "name": "EPYC", "memory_total_bytes": 2**34, "tflops_fp32": 0.4},
-        "links": {"12D3KooWOther1": {"bandwidth_bps": 8e6}},
+        "links": {"12D3KooWOther1": {"bandwidth_bps": 8e6}, "12D3KooWGone99": {"bandwidth_bps": 1e6}},
         "roles": ["worker"],
         "availability": "available",
     }
@@ -83,7 +83,7 @@ def test_status_view_lists_the_peer_its_peers_and_jobs():
         "roles": ["worker"],
         "device": peer["device"],
         "availability": {"availability": "paused", "reason": "manual"},
-        "peers": [peer],
+        "peers": [peer, {**peer, "peer_id": "12D3KooWOther1", "links": {}}],
         "serving": [{"job": "j1", "stage": 1, "num_stages": 3, "last_step": 7}],
         "jobs": [
             {"job": "j1", "model": "gpt2-tiny", "state": "running", "step": 8, "steps": 10, "loss": math.pi}
@@ -93,8 +93,14 @@ def test_status_view_lists_the_peer_its_peers_and_jobs():
     out = io.StringIO()
     term.print_status(res, out)
     text = out.getvalue()
-    assert "state    paused (manual)" in text and "*12D3KooWAbcdefGH…" in text and "Other1:8Mb/s" in text
-    assert "j1   1/3" in text and "j1   gpt2-tiny  running  8/10  3.1416" in text and "v2, 3 stages" in text
+    assert "state    paused (manual)" in text and "*…ijkLmnop" in text and "…oWOther1:8Mb/s" in text
+    assert "Gone99" not in text  # links to departed peers are not listed
+    assert "2 peer(s), public (no --swarm-key)" in text
+    assert (
+        "j1   v1    1/3" in text
+        and "j1   gpt2-tiny  running  8/10  3.1416" in text
+        and "v2, 3 stages" in text
+    )
 
 
 def test_plan_and_simulate_tables():
@@ -104,7 +110,15 @@ def test_plan_and_simulate_tables():
     term.print_plan(plan(graph, cluster, 16), out)
     text = out.getvalue()
     assert "pipeline 0:" in text and "stage  devices" in text and "optimizer hosts:" in text
-    args = argparse.Namespace(micro_batches=None, seq_len=None, offload="auto", batch_size=16, steps=10)
+    args = argparse.Namespace(
+        micro_batches=None,
+        seq_len=None,
+        offload="auto",
+        batch_size=16,
+        steps=10,
+        compress="none",
+        plan_file=None,
+    )
     out = io.StringIO()
     term.print_simulation(compare_plans(graph, cluster, args), 10, out)
     lines = out.getvalue().splitlines()
@@ -114,11 +128,14 @@ def test_plan_and_simulate_tables():
         "(closed)",
         "tokens/s",
         "(sim)",
+        "DT-FM",
+        "model",
+        "s",
         "10",
         "steps",
         "(sim)",
         "plan",
         "x",
     ]
-    assert [ln.split()[0] for ln in lines[2:5]] == ["plan", "even", "memory"]
+    assert [ln.split()[0] for ln in lines[2:7]] == ["plan", "grid", "dtfm", "even", "memory"]
     assert "\x1b" not in out.getvalue()

@@ -247,21 +247,22 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     }
     tokens = args.batch_size * (args.seq_len or graph.seq_len or 1)
 
-    def make_grid(*_a, **_k) -> Plan:
-        ctx = _context(
+    def anchor_context():
+        """The planner's context for the anchors (even grid, DT-FM): no latency, fixed keep floor."""
+        return _context(
             graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
             fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
         )  # fmt: skip
+
+    def make_grid(*_a, **_k) -> Plan:
+        ctx = anchor_context()
         ev = grid.best_even_grid(ctx)
         if ev is None:
             raise PlanError("no even grid fits")
         return build_plan(graph, ctx, ev, args.seq_len, "grid")
 
     def make_dtfm(*_a, **_k) -> Plan:
-        ctx = _context(
-            graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
-            fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
-        )  # fmt: skip
+        ctx = anchor_context()
         ev = grid.best_even_grid(ctx)
         if ev is None:
             raise PlanError("no even grid fits, so DT-FM has no shape")
