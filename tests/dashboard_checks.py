@@ -4,8 +4,10 @@ actions), run on test_pipeline_e2e's swarm, whose first peer serves the dashboar
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +20,9 @@ from fusionnode.demo import LocalSwarm
 from fusionnode.errors import DaemonError
 from fusionnode.train.spec import JobSpec
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+# the browser tests' screenshots: a temporary folder, so a test run leaves the tree as it was;
+# FUSIONNODE_SCREENSHOTS=docs python3 -m pytest tests/test_web.py tests/test_pipeline_e2e.py renews docs/'s
+DOCS = Path(os.environ.get("FUSIONNODE_SCREENSHOTS") or tempfile.gettempdir()).resolve()
 N_PEERS = 3
 DASHBOARD_ARGS = ["--dashboard", "127.0.0.1:0", "--dashboard-actions"]  # for the swarm's first peer
 

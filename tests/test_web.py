@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,9 @@ PEERS = [
     "12D3KooWDbcdefGHijkLmnopQRstuvWXyz0123456789abcdefD4",
 ]
 BANDWIDTH = {(0, 1): 940e6, (1, 2): 8e6, (2, 3): 940e6, (0, 3): 95e6, (0, 2): 8e6, (1, 3): 95e6}  # bit/s
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+# the browser tests' screenshots: a temporary folder, so a test run leaves the tree as it was;
+# FUSIONNODE_SCREENSHOTS=docs python3 -m pytest tests/test_web.py tests/test_pipeline_e2e.py renews docs/'s
+DOCS = Path(os.environ.get("FUSIONNODE_SCREENSHOTS") or tempfile.gettempdir()).resolve()
 
 
 def link_counters(step: int, stage: int, ratio: float) -> dict[str, Any]:
