@@ -13,13 +13,12 @@ from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.plan import Plan
 from fusionnode.plan.planner import (
-    HOST_COUNT_MULTIPLIERS,
     Context,
     Evaluated,
     Option,
     _context,
     build_plan,
-    choose_hosts,
+    host_sets,
 )
 
 # ------------------------------------------------------------------------------------------------
@@ -49,14 +48,13 @@ def exhaustive_plan(
         raise ConfigError(
             f"exhaustive_plan is for <= {EXHAUSTIVE_MAX_DEVICES} workers and <= {EXHAUSTIVE_MAX_BLOCKS} nodes"
         )
-    host_sets = [list(ctx.hosts)]
-    if est.offload:
-        for mult in HOST_COUNT_MULTIPLIERS:
-            hs = choose_hosts(cluster, ctx.workers, float(chain.params[-1]), mult)
-            if hs not in host_sets:
-                host_sets.append(hs)
+    candidates = (
+        host_sets(cluster, ctx.workers, float(chain.params[-1]), ctx.hosts)
+        if est.offload
+        else [list(ctx.hosts)]
+    )
     best: Evaluated | None = None
-    for hs in host_sets:
+    for hs in candidates:
         ctx.hosts = hs
         ctx._host_terms = None
         cand = _exhaustive_search(ctx, batch_size)

@@ -574,6 +574,19 @@ def choose_hosts(
     return [(i, float(r / ram.sum())) for i, r in zip(picked, ram, strict=False)]
 
 
+def host_sets(
+    cluster: Cluster, workers: Sequence[int], total_param_bytes: float, first: list[tuple[int, float]]
+) -> list[list[tuple[int, float]]]:
+    """The optimizer host sets a whole search is run once for: `first`, then `choose_hosts` at every
+    HOST_COUNT_MULTIPLIERS multiple (duplicates dropped)."""
+    sets = [list(first)]
+    for mult in HOST_COUNT_MULTIPLIERS:
+        hs = choose_hosts(cluster, workers, total_param_bytes, mult)
+        if hs not in sets:
+            sets.append(hs)
+    return sets
+
+
 def assign_param_names(graph: OpGraph, hosts: Sequence[tuple[int, float]]) -> list[list[str]]:
     """Shard parameter names over hosts by bytes (greedy: the host furthest below its share)."""
     sizes: dict[str, float] = {}
@@ -848,14 +861,11 @@ def plan(
     levels = fence.fence_levels(cluster, workers)
     counts = _pipeline_counts(len(workers), min_stages, chain.blocks)
     small = len(workers) <= SMALL_CLUSTER
-    host_sets = [list(ctx.hosts)]
+    candidates = [list(ctx.hosts)]
     if small and est.offload:  # small clusters: the whole search once per optimizer host set
-        for mult in HOST_COUNT_MULTIPLIERS:
-            hs = choose_hosts(cluster, workers, float(chain.params[-1]), mult)
-            if hs not in host_sets:
-                host_sets.append(hs)
+        candidates = host_sets(cluster, workers, float(chain.params[-1]), ctx.hosts)
     best: Evaluated | None = None
-    for hs in host_sets:
+    for hs in candidates:
         ctx.hosts = hs
         ctx._host_terms = None
         found = _constructive(ctx, levels, counts, LOCAL_SEARCH_STARTS if small and local_search else 1)
@@ -869,7 +879,7 @@ def plan(
         from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
         from fusionnode.plan.grid import even_grids
 
-        ctx.hosts, ctx._host_terms = list(host_sets[0]), None
+        ctx.hosts, ctx._host_terms = list(candidates[0]), None
         shortlist = anchors(ctx)
         if shortlist and (best is None or shortlist[0].step_s < best.step_s):
             best = shortlist[0]
