@@ -1,0 +1,57 @@
+"""A worker's record of one step's micro-batches: the messages it received and sent, and their digests.
+
+With verification on, a worker keeps its last step's messages (as encoded on the wire) until the next
+step starts, so that the driver can ask for a checked micro-batch's inputs and outputs; the digests
+go into the step's report (its commitments). Parts of a micro-batch:
+
+- ``in``: the stage's input (``input`` tokens from the driver or ``act`` from the previous stage),
+- ``target``: the last stage's targets,
+- ``gin``: the gradients of its outputs, back from the next stage,
+- ``out``: the activations it sent on (non-last stages),
+- ``gout``: the gradients of its inputs it sent back (non-first stages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusionnode.verify.commitment import digest_encoded
+from fusionnode.wire.messages import TensorMessage
+
+PARTS = ("in", "target", "gin", "out", "gout")
+RECEIVED_PART = {"input": "in", "act": "in", "target": "target", "grad": "gin"}  # message kind -> part
+AUDIT_KIND = "audit_"  # + part: the kind of the messages a worker sends back to be checked
+
+
+class Ledger:
+    """Messages and digests of one step of one stage."""
+
+    def __init__(self, step: int, micro_batches: int, params_digest: str) -> None:
+        self.step = step
+        self.micro_batches = micro_batches
+        self.params_digest = params_digest
+        self.messages: dict[tuple[int, str], TensorMessage] = {}
+        self.digests: dict[tuple[int, str], str] = {}
+
+    def record(self, mb: int, part: str, msg: TensorMessage, digest: str | None = None) -> str:
+        """Keeps `msg` as micro-batch `mb`'s `part`; returns its digest."""
+        if part not in PARTS:
+            raise ValueError(f"unknown ledger part {part!r}")
+        d = digest if digest is not None else digest_encoded(msg.tensors)
+        self.messages[(mb, part)] = msg
+        self.digests[(mb, part)] = d
+        return d
+
+    def commitments(self) -> dict[str, Any]:
+        """The report's ``verify`` field: the parameters' digest and each micro-batch's digests."""
+        mbs: list[dict[str, str]] = [{} for _ in range(self.micro_batches)]
+        for (mb, part), d in self.digests.items():
+            if 0 <= mb < self.micro_batches:
+                mbs[mb][part] = d
+        return {"params": self.params_digest, "mbs": mbs}
+
+    def parts(self, mb: int) -> list[str]:
+        return [p for p in PARTS if (mb, p) in self.messages]
+
+
+__all__ = ["AUDIT_KIND", "PARTS", "RECEIVED_PART", "Ledger"]

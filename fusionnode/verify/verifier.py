@@ -1,0 +1,270 @@
+"""The driver's side of spot-checks: cross-check the commitments, pick micro-batches, recompute, compare.
+
+After every stage of a step has reported (each report carries its commitments: the digest of its
+parameters and of each micro-batch's received and sent messages), and before the step reaches the
+optimizer, the driver:
+
+1. cross-checks each link: what stage i says it sent must be what stage i+1 says it received (and
+   what the driver fed the first and last stages). A disagreement is a dispute between two peers:
+   both are checked on that micro-batch; if neither fails, the step is replayed and nobody is banned.
+2. draws the checked micro-batches (selector.CheckSelector, unpredictable before the reports),
+3. asks each checked stage's worker for those micro-batches' messages (`job.audit`), refuses any whose
+   digest differs from the commitment, takes the stage's parameters from `params_for` (the optimizer
+   hosts with offload: the truth, not the worker's word) and refuses a parameter digest that differs
+   from the committed one,
+4. recomputes each checked micro-batch (recompute.recompute) and compares (compare.py).
+
+A peer whose check fails is named in the returned verdict; the driver bans it, drops the step's
+contributions and replays the step under a new plan (train/driver.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.verify.commitment import digest_encoded, digest_tensors
+from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors
+from fusionnode.verify.ledger import AUDIT_KIND
+from fusionnode.verify.policy import VerifyPolicy
+from fusionnode.verify.recompute import build_stage, recompute
+from fusionnode.verify.selector import CheckSelector
+
+logger = logging.getLogger(__name__)
+
+AUDIT_RPC = "job.audit"
+
+
+@dataclass
+class Verdict:
+    caught: dict[str, str] = field(default_factory=dict)  # peer -> why its work was refused
+    disputes: list[str] = field(default_factory=list)  # links whose two ends disagree (unresolved)
+    checked: int = 0  # micro-batches recomputed
+    seconds: float = 0.0  # time the checks took
+
+    @property
+    def ok(self) -> bool:
+        return not self.caught and not self.disputes
+
+
+def chain_disputes(
+    stage_args: Sequence[Mapping[str, Any]],
+    commits: Sequence[Mapping[str, Any] | None],
+    fed: Mapping[tuple[int, int, str], str],
+    micro_batches: Callable[[Mapping[str, Any]], int],
+) -> tuple[dict[str, str], list[tuple[int, int, int, str]]]:
+    """Pure: (peers whose commitments are missing or malformed, disputed links as (stage, other
+    stage, mb, what)). `fed[(stage, mb, part)]`: digests of what the driver sent ("in" of first
+    stages, "target" of last stages)."""
+    bad: dict[str, str] = {}
+    by_pos = {(a["replica"], a["pos"]): (a, c) for a, c in zip(stage_args, commits, strict=True)}
+    for a, c in zip(stage_args, commits, strict=True):
+        m = micro_batches(a)
+        if not isinstance(c, Mapping) or not isinstance(c.get("mbs"), list) or len(c["mbs"]) != m:
+            bad[a["peer"]] = f"stage {a['stage']} sent no commitments for its {m} micro-batches"
+        elif not isinstance(c.get("params"), str):
+            bad[a["peer"]] = f"stage {a['stage']} sent no commitment to its parameters"
+    disputes: list[tuple[int, int, int, str]] = []
+    for a, c in zip(stage_args, commits, strict=True):
+        if a["peer"] in bad:
+            continue
+        mbs = c["mbs"]
+        last = a["pos"] == a["num_stages"] - 1
+        for mb in range(micro_batches(a)):
+            if a["pos"] == 0 and mbs[mb].get("in") != fed.get((a["stage"], mb, "in")):
+                disputes.append((a["stage"], -1, mb, "input"))
+            if last and mbs[mb].get("target") != fed.get((a["stage"], mb, "target")):
+                disputes.append((a["stage"], -1, mb, "target"))
+            nxt = by_pos.get((a["replica"], a["pos"] + 1))
+            if last or nxt is None or nxt[0]["peer"] in bad:
+                continue
+            b, cb = nxt
+            if mbs[mb].get("out") is None or mbs[mb].get("out") != cb["mbs"][mb].get("in"):
+                disputes.append((a["stage"], b["stage"], mb, "activations"))
+            if cb["mbs"][mb].get("gout") is None or cb["mbs"][mb].get("gout") != mbs[mb].get("gin"):
+                disputes.append((a["stage"], b["stage"], mb, "gradients"))
+    return bad, disputes
+
+
+def check_micro_batch(
+    module: Any,
+    a: Mapping[str, Any],
+    parts: Mapping[str, Mapping[str, torch.Tensor]],
+    micro_batches: int,
+    reported_loss: float | None,
+    rel_tol: float = CPU_REL_TOL,
+) -> list[Mismatch]:
+    """Pure: recomputes one micro-batch of stage `a` from `parts` (its ledger's decoded messages)
+    and lists what differs from what the worker sent (and, on the last stage, reported)."""
+    last, first = a["pos"] == a["num_stages"] - 1, a["pos"] == 0
+    target = parts.get("target", {}).get("target") if last else None
+    res = recompute(
+        module,
+        inputs=parts.get("in", {}),
+        send_names=list(a["send_specs"]),
+        is_last=last,
+        is_first=first,
+        micro_batches=micro_batches,
+        target=target,
+        output_grads=parts.get("gin"),
+    )
+    out: list[Mismatch] = []
+    if not last:
+        out += compare_tensors(parts.get("out", {}), res.outputs, rel_tol, "activation")
+    elif reported_loss is None:
+        out.append(Mismatch("loss", "not reported"))
+    else:
+        m = compare_loss(float(reported_loss), float(res.loss), rel_tol)
+        if m is not None:
+            out.append(m)
+    if not first:
+        out += compare_tensors(parts.get("gout", {}), res.input_grads, rel_tol, "gradient")
+    return out
+
+
+class Verifier:
+    """Spot-checks a job's steps (see the module docstring); one per running job."""
+
+    def __init__(
+        self,
+        transport: Any,
+        job_id: str,
+        policy: VerifyPolicy,
+        *,
+        timeout_s: float,
+        selector: CheckSelector | None = None,
+        rel_tol: float = CPU_REL_TOL,
+    ) -> None:
+        self.t = transport
+        self.job_id = job_id
+        self.policy = policy
+        self.selector = selector or CheckSelector.fresh()
+        self.timeout_s = timeout_s
+        self.rel_tol = rel_tol
+        self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
+        self.totals = {"steps": 0, "checked": 0, "caught": 0, "disputes": 0, "seconds": 0.0}
+
+    def start_step(self) -> None:
+        self.fed = {}
+
+    def record_fed(self, stage: int, mb: int, part: str, msg: Any) -> None:
+        """The driver fed `msg` (an input or a target) to `stage`: its digest, for the cross-check."""
+        self.fed[(stage, mb, part)] = digest_encoded(msg.tensors)
+
+    async def check(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        reports: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+        params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
+    ) -> Verdict:
+        t0 = time.perf_counter()
+        verdict = Verdict()
+        commits = [r.get("verify") for r in reports]
+        bad, disputes = chain_disputes(stage_args, commits, self.fed, micro_batches)
+        verdict.caught.update(bad)
+        forced: dict[int, set[int]] = {}
+        for s, o, mb, _what in disputes:
+            forced.setdefault(s, set()).add(mb)
+            if o >= 0:
+                forced.setdefault(o, set()).add(mb)
+        todo: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], list[int]]] = []
+        for a, r, c in zip(stage_args, reports, commits, strict=True):
+            if a["peer"] in bad:
+                continue
+            m = micro_batches(a)
+            mbs = set(self.selector.chosen(step, a["stage"], m, self.policy.rate)) | forced.get(
+                a["stage"], set()
+            )
+            if mbs:
+                todo.append((a, r, c, sorted(mbs)))
+        if todo:
+            params = await params_for([a for a, _, _, _ in todo])
+            results = await asyncio.gather(
+                *(self._check_stage(step, a, r, c, mbs, params, micro_batches(a)) for a, r, c, mbs in todo),
+                return_exceptions=True,
+            )
+            for (a, _, _, mbs), res in zip(todo, results, strict=True):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                        raise res
+                    verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+                elif res:
+                    verdict.caught[a["peer"]] = res
+                verdict.checked += len(mbs)
+        caught_stages = {a["stage"] for a in stage_args if a["peer"] in verdict.caught}
+        for s, o, mb, what in disputes:
+            if s not in caught_stages and o not in caught_stages:
+                verdict.disputes.append(f"stage {s} -> {o if o >= 0 else 'driver'}, micro-batch {mb}: {what}")
+        verdict.seconds = time.perf_counter() - t0
+        self.totals["steps"] += 1
+        self.totals["checked"] += verdict.checked
+        self.totals["caught"] += len(verdict.caught)
+        self.totals["disputes"] += len(verdict.disputes)
+        self.totals["seconds"] += verdict.seconds
+        return verdict
+
+    async def _check_stage(
+        self,
+        step: int,
+        a: Mapping[str, Any],
+        report: Mapping[str, Any],
+        commit: Mapping[str, Any],
+        mbs: list[int],
+        params: Mapping[str, torch.Tensor],
+        m: int,
+    ) -> str:
+        """'' when every checked micro-batch of stage `a` matches, else why not."""
+        from fusionnode.runtime.worker import decode_checked
+
+        mine = {n: params[n] for n in a["param_specs"]}
+        if digest_tensors(mine) != commit["params"]:
+            return f"stage {a['stage']} computed with parameters other than the job's (digest differs)"
+        res = await self.t.call(
+            a["peer"],
+            AUDIT_RPC,
+            {"job": self.job_id, "stage": a["stage"], "step": step, "mbs": mbs},
+            timeout=self.timeout_s,
+        )
+        listed = res.get("parts") if isinstance(res, dict) else None
+        if not isinstance(listed, dict):
+            return f"stage {a['stage']} answered the audit without its parts"
+        parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for mb in mbs:
+            want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
+            if sorted(listed.get(str(mb)) or []) != sorted(want):
+                return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
+            parts_of[mb] = {}
+            for part in want:
+                msg, src = await self.t.mailbox.get(
+                    (AUDIT_KIND + part, self.job_id, step, mb, a["stage"]), self.timeout_s, sender=a["peer"]
+                )
+                if digest_encoded(msg.tensors) != commit["mbs"][mb][part]:
+                    return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
+                parts_of[mb][part] = decode_checked(msg, None, None, src)
+        losses = report.get("losses") or []
+
+        def run() -> str:
+            module = build_stage(a["description"], mine)
+            for mb in mbs:
+                loss = losses[mb] if mb < len(losses) else None
+                bad = check_micro_batch(module, a, parts_of[mb], m, loss, self.rel_tol)
+                if bad:
+                    return (
+                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
+                        f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
+                    )
+            return ""
+
+        return await asyncio.to_thread(run)
+
+
+__all__ = ["AUDIT_RPC", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
