@@ -45,6 +45,7 @@ BENCHMARKS = {
     "testbed": "fusionnode.bench.testbed",
     "memory": "fusionnode.bench.memory",
     "faults": "fusionnode.bench.faults",
+    "verify": "fusionnode.bench.verify",
 }
 
 
@@ -235,6 +236,17 @@ def _float_bound(lo: float, strict: bool) -> Any:
     return parse
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def _float_above(lo: float) -> Any:
     """An argparse type: a finite number > lo."""
     return _float_bound(lo, strict=True)
@@ -408,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--debug",
         action="store_true",
-        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, for tests; "
-        "default: off)",
+        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, a lie told "
+        "as a worker from <state-dir>/debug_lie, for tests and benchmarks; default: off)",
     )
     p.add_argument(
         "--swarm-key",
@@ -547,6 +559,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
         "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
         "(even layers, memory-proportional)",
+    )
+    p.add_argument(
+        "--verify-policy",
+        choices=("auto", "off", "sample", "all"),
+        default="auto",
+        help="spot-check the workers' work by recomputing a random share of micro-batches: auto = "
+        "sample in a public swarm, off in a private one (default %(default)s)",
+    )
+    p.add_argument(
+        "--verify-rate",
+        type=_fraction,
+        default=None,
+        metavar="P",
+        help="with --verify-policy sample: probability that a micro-batch of a stage is checked "
+        "(default 0.25 in a public swarm, 0.05 in a private one)",
     )
     p.add_argument(
         "--rebalance-every",
@@ -887,6 +914,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
+        "verify_policy": args.verify_policy,
+        "verify_rate": args.verify_rate,
     }
     progress = Progress(spec.steps)
 

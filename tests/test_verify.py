@@ -330,7 +330,7 @@ def quadratic_problem(seed=0, n=5, d=50):
 
 
 def test_trimmed_mean_and_median_clipping_bound_a_scaled_liar():
-    target, params, honest = quadratic_problem()
+    _target, _params, honest = quadratic_problem()
     mean = {"w": torch.stack([c["w"] for c in honest]).mean(0)}
     liar = {"w": honest[0]["w"] * 1000}
     for agg in (trimmed_mean([*honest, liar], 0.2), median_clipped_mean([*honest, liar], 2.0)):

@@ -156,6 +156,7 @@ class StageJob:
         self.opt: torch.optim.Optimizer | None = None
         self.params: dict[str, torch.nn.Parameter] = {}
         self.busy = asyncio.Lock()
+        self.ledger: Any = None  # verify.Ledger of the last step run with verification on
         self.last_step = -1
         self.step_now = -1
         self.micro_batches_now = 0
@@ -200,6 +201,7 @@ class WorkerService:
         self.debug = os.environ.get(DEBUG_ENV) == "1"
         self.slow_factor = 1.0  # debug: compute time multiplier
         self.pace_tflops = 0.0  # debug: emulated device speed (0: off)
+        self.liar: Any = None  # debug: a verify.Liar read from <state dir>/debug_lie (tests, benchmarks)
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -212,6 +214,7 @@ class WorkerService:
             "job.fetch": self.rpc_fetch,
             "job.release": self.rpc_release,
             "job.ping": self.rpc_ping,
+            "job.audit": self.rpc_audit,
             "debug.slow": self.rpc_debug_slow,
         }.items():
             transport.add_rpc(name, fn)
@@ -273,6 +276,24 @@ class WorkerService:
             self.pace_tflops = 0.0
         except (OSError, ValueError) as exc:
             logger.warning("cannot read the debug device speed: %s", exc)
+        from fusionnode.verify.liar import Liar
+
+        try:
+            liar = Liar.read(self.state_dir)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("cannot read the debug lie: %s", exc)
+            liar = None
+        if (
+            liar is None
+            or self.liar is None
+            or (liar.kind, liar.factor, liar.fraction)
+            != (
+                self.liar.kind,
+                self.liar.factor,
+                self.liar.fraction,
+            )
+        ):
+            self.liar = liar
 
     def release_all(self) -> None:
         """Drops every stage this worker holds (the owner wants the device back); their drivers re-plan."""
@@ -414,6 +435,8 @@ class WorkerService:
                 sj.grad_counts[name] = sj.grad_counts.get(name, 0) + 1
                 if sj.grad_counts[name] == sj.micro_batches_now:
                     grad = p.grad.detach().clone()
+                    if self.liar is not None and self.liar.kind == "random_pseudo_gradient":
+                        grad = self.liar.pseudo_gradient(grad)
                     loop.call_soon_threadsafe(self._push, sj, name, grad)
 
             return hook
@@ -513,6 +536,9 @@ class WorkerService:
             sj.step_now = int(args["step"])
             sj.micro_batches_now = int(args["micro_batches"])
             sj.grad_counts = {}
+            sj.ledger = None
+            if args.get("verify"):  # commitments in the report, messages kept for the driver's checks
+                sj.ledger = await self._open_ledger(sj, int(args["step"]), int(args["micro_batches"]))
             task = asyncio.ensure_future(
                 self._run_step(
                     sj,
@@ -534,6 +560,40 @@ class WorkerService:
                 raise PeerError(f"step {args['step']} of stage {sj.stage} aborted by the driver")
             sj.last_report = (int(args["step"]), task.result())
             return sj.last_report[1]
+
+    async def _open_ledger(self, sj: StageJob, step: int, m: int) -> Any:
+        from fusionnode.verify.commitment import digest_tensors
+        from fusionnode.verify.ledger import Ledger
+
+        named = sj.module.named_stage_parameters()
+        digest = await asyncio.get_running_loop().run_in_executor(
+            self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
+        )
+        return Ledger(step, m, digest)
+
+    async def rpc_audit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """Sends the driver the kept messages of the checked micro-batches of the last verified step
+        (one ``audit_<part>`` message per part; see fusionnode/verify/ledger.py)."""
+        from fusionnode.verify.ledger import AUDIT_KIND
+
+        sj = self._get(args, sender)
+        step, mbs = args.get("step"), args.get("mbs")
+        led = sj.ledger
+        if led is None or led.step != step:
+            raise PeerError(f"stage {sj.stage} kept no messages of step {step!r}")
+        if not isinstance(mbs, list) or not all(
+            isinstance(mb, int) and not isinstance(mb, bool) and 0 <= mb < led.micro_batches for mb in mbs
+        ):
+            raise PeerError(f"mbs must be a list of micro-batch indices below {led.micro_batches}")
+        parts: dict[str, list[str]] = {}
+        for mb in sorted(set(mbs)):
+            parts[str(mb)] = led.parts(mb)
+            for part in parts[str(mb)]:
+                meta = {"job": sj.job, "step": step, "mb": mb, "stage": sj.stage}
+                await self.t.send(
+                    sj.driver, TensorMessage(AUDIT_KIND + part, meta, led.messages[(mb, part)].tensors)
+                )
+        return {"parts": parts}
 
     async def rpc_step_result(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
@@ -607,6 +667,7 @@ class WorkerService:
         compute_s = wait_s = 0.0
         sends: list[asyncio.Task] = []
         t_start = time.perf_counter()
+        ledger = sj.ledger
 
         send_failed: list[BaseException] = []
 
@@ -625,6 +686,8 @@ class WorkerService:
             planned = {"act": sj.prev, "grad": sj.next}.get(kind, sj.driver)  # input, target: the driver
             out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout, sender=planned)
             wait_s += time.perf_counter() - t0
+            if ledger is not None:
+                self._record_received(ledger, kind, mb, *out)
             return out
 
         def send(
@@ -635,8 +698,14 @@ class WorkerService:
             target = target_time_s or (compute_s / max(1, f + b) if f + b else None)
             # the wire carries float32 activations and gradients whatever precision this device computes in
             tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
+            if self.liar is not None:
+                tensors = self.liar.tamper(kind, sj.stage, step, mb, sj.is_last, tensors)
             enc = link.encode(tensors, step, kind, target)
             msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
+            if ledger is not None:  # the commitment travels with the tensors
+                from fusionnode.verify.commitment import DIGEST_KEY
+
+                meta[DIGEST_KEY] = ledger.record(mb, "out" if kind == "act" else "gout", msg)
             task = asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe))
             task.add_done_callback(check_sent)
             sends.append(task)
@@ -784,7 +853,21 @@ class WorkerService:
             "optimizer_bytes": optimizer_bytes,
             "grad_sq": sq,
             "links": {"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
+            **({"verify": ledger.commitments()} if ledger is not None else {}),
         }
+
+    @staticmethod
+    def _record_received(ledger: Any, kind: str, mb: int, msg: TensorMessage, src: str) -> None:
+        """Keeps a received message for the driver's checks; refuses one whose attached digest (the
+        sender's commitment) is not that of the tensors that arrived."""
+        from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+        from fusionnode.verify.ledger import RECEIVED_PART
+
+        digest = digest_encoded(msg.tensors)
+        claimed = msg.meta.get(DIGEST_KEY)
+        if kind in ("act", "grad") and claimed != digest:
+            raise PeerError(f"peer {src[:12]}… sent {kind!r} tensors that do not match its commitment")
+        ledger.record(mb, RECEIVED_PART[kind], msg, digest)
 
 
 def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> Any:

@@ -295,6 +295,7 @@ class _Run:
     steps_on_plan: int = 0
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
+    verifier: Any = None  # verify.Verifier when the job's work is spot-checked
 
     def observe(self, job: Job, reports: list[dict[str, Any]]) -> None:
         """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
@@ -534,6 +535,7 @@ class Driver:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
+        verify_policy = self._verify_policy(params)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
         self._forget_old_jobs()
@@ -725,9 +727,26 @@ class Driver:
                 source=source,
                 first_step=start_step,
             )
+            if verify_policy.on:
+                from fusionnode.verify.verifier import Verifier
+
+                run.verifier = Verifier(
+                    self.t, spec.job_id, verify_policy, timeout_s=self.config.step_timeout_s
+                )
+                metrics.event(
+                    "verify", **verify_policy.to_dict(), commitment=run.verifier.selector.commitment
+                )
             await self._train(job, run, source, start_step)
             final = await self._fetch_params(job, run.stage_args, run.host_of)
             result = await self._finish(job, model, final, source, metrics)
+            if run.verifier is not None:  # the checks' totals, and the secret their choices came from
+                v = run.verifier
+                result["verify"] = {
+                    **v.policy.to_dict(),
+                    **v.totals,
+                    "commitment": v.selector.commitment,
+                    "secret": v.selector.reveal(),
+                }
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:
@@ -1102,6 +1121,9 @@ class Driver:
         input_name = next(iter(stage_args[0]["recv_specs"]))
         timeout = self.config.step_timeout_s
         sends: dict[str, list[Any]] = {}
+        verifier = run.verifier
+        if verifier is not None:
+            verifier.start_step()
         shards = run.source.shard_batches(step, [p.samples for p in job.pipelines])
         for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
             first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
@@ -1109,12 +1131,13 @@ class Driver:
                 zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
             ):
                 meta = {"job": jid, "step": step, "mb": mb}
-                sends.setdefault(pipe.peers[0], []).append(
-                    tensor_message("input", {**meta, "stage": first}, {input_name: x})
-                )
-                sends.setdefault(pipe.peers[-1], []).append(
-                    tensor_message("target", {**meta, "stage": last}, {"target": y})
-                )
+                msg_in = tensor_message("input", {**meta, "stage": first}, {input_name: x})
+                msg_target = tensor_message("target", {**meta, "stage": last}, {"target": y})
+                sends.setdefault(pipe.peers[0], []).append(msg_in)
+                sends.setdefault(pipe.peers[-1], []).append(msg_target)
+                if verifier is not None:
+                    verifier.record_fed(first, mb, "in", msg_in)
+                    verifier.record_fed(last, mb, "target", msg_target)
 
         async def feed(peer: str, msgs: list[Any]) -> None:
             for msg in msgs:
@@ -1142,6 +1165,7 @@ class Driver:
                         "micro_batches": job.pipelines[a["replica"]].micro_batches,
                         "mb_size": job.pipelines[a["replica"]].mb_size,
                         "target_time_s": run.target_time_s,
+                        **({"verify": True} if verifier is not None else {}),
                     },
                     timeout=timeout * 2,
                     recall="job.step_result",  # a reply lost to a stream reset: fetch it, the step ran
@@ -1156,6 +1180,10 @@ class Driver:
         reports = [results[("step", a["stage"])] for a in stage_args]
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
+        if verifier is not None:  # before the optimizer: nothing from a caught worker is applied
+            await self._verify_step(job, run, step, reports)
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
             await self._dump_grads(job, stage_args, run.params["dump_grads"])
         if job.offload:
@@ -1202,6 +1230,44 @@ class Driver:
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
+
+    async def _verify_step(self, job: Job, run: _Run, step: int, reports: list[dict[str, Any]]) -> None:
+        """Spot-checks the step's work (fusionnode/verify/verifier.py); a peer caught lying is out of
+        the job for good and the step is replayed without it (its contributions are dropped by the
+        re-plan); a dispute nobody can be blamed for replays the step with the same peers."""
+
+        async def params_for(stages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            if job.offload:  # the hosts' values: what every stage should have computed with
+                return await self._fetch_params(job, stages, run.host_of)
+            out: dict[str, torch.Tensor] = dict(job.frozen)
+            for a in stages:  # without offload only the worker holds them: bound by its commitment
+                out.update(await self._fetch(job, [{**a, "replica": 0}], "params"))
+            return out
+
+        verdict = await run.verifier.check(
+            step, run.stage_args, reports, lambda a: job.pipelines[a["replica"]].micro_batches, params_for
+        )
+        if verdict.ok:
+            return
+        for peer, why in sorted(verdict.caught.items()):
+            run.gone.add(peer)  # out of this job for good (the ban below also keeps it out of the plan)
+            await self._event(run, job, "caught", peer=peer, step=step, reason=why)
+        if verdict.disputes and not verdict.caught:
+            await self._event(
+                run, job, "dispute", peer=None, step=step, reason="; ".join(verdict.disputes[:4])
+            )
+        raise _StepFailed(step, {p: f"verification: {why}" for p, why in verdict.caught.items()}, [])
+
+    def _verify_policy(self, params: dict[str, Any]) -> Any:
+        """--verify-policy / --verify-rate; `auto` depends on whether this driver's swarm is private."""
+        from fusionnode.security.keys import SWARM_KEY_ENV
+        from fusionnode.verify.policy import resolve_policy
+
+        private = bool(getattr(self.config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
+        try:
+            return resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
     async def _gather_or_fail(
         self, job: Job, run: _Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]
