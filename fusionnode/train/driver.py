@@ -1174,6 +1174,11 @@ class Driver:
             },
         }
         peer_of = {("step", a["stage"]): a["peer"] for a in stage_args}
+        if verifier is not None:  # the parameters the checks will need, fetched while the stages compute
+            verifier.prefetch(
+                verifier.planned(step, stage_args, lambda a: job.pipelines[a["replica"]].micro_batches),
+                lambda stages: self._verify_params(job, run, stages),
+            )
         phases["feed_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         results = await self._gather_or_fail(job, run, step, calls, peer_of)
@@ -1236,16 +1241,12 @@ class Driver:
         the job for good and the step is replayed without it (its contributions are dropped by the
         re-plan); a dispute nobody can be blamed for replays the step with the same peers."""
 
-        async def params_for(stages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-            if job.offload:  # the hosts' values: what every stage should have computed with
-                return await self._fetch_params(job, stages, run.host_of)
-            out: dict[str, torch.Tensor] = dict(job.frozen)
-            for a in stages:  # without offload only the worker holds them: bound by its commitment
-                out.update(await self._fetch(job, [{**a, "replica": 0}], "params"))
-            return out
-
         verdict = await run.verifier.check(
-            step, run.stage_args, reports, lambda a: job.pipelines[a["replica"]].micro_batches, params_for
+            step,
+            run.stage_args,
+            reports,
+            lambda a: job.pipelines[a["replica"]].micro_batches,
+            lambda stages: self._verify_params(job, run, stages),
         )
         if verdict.ok:
             return
@@ -1257,6 +1258,18 @@ class Driver:
                 run, job, "dispute", peer=None, step=step, reason="; ".join(verdict.disputes[:4])
             )
         raise _StepFailed(step, {p: f"verification: {why}" for p, why in verdict.caught.items()}, [])
+
+    async def _verify_params(
+        self, job: Job, run: _Run, stages: list[dict[str, Any]]
+    ) -> dict[str, torch.Tensor]:
+        """The parameters the checked stages should have computed with: the optimizer hosts' values
+        with offload; without, only the worker holds them (bound by its commitment, not checked)."""
+        if job.offload:
+            return await self._fetch_params(job, stages, run.host_of)
+        out: dict[str, torch.Tensor] = dict(job.frozen)
+        for a in stages:
+            out.update(await self._fetch(job, [{**a, "replica": 0}], "params"))
+        return out
 
     def _verify_policy(self, params: dict[str, Any]) -> Any:
         """--verify-policy / --verify-rate; `auto` depends on whether this driver's swarm is private."""

@@ -149,10 +149,47 @@ class Verifier:
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
         self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
+        self._prefetch: tuple[set[int], asyncio.Future] | None = None  # (stages, their parameters)
         self.totals = {"steps": 0, "checked": 0, "caught": 0, "disputes": 0, "seconds": 0.0}
 
     def start_step(self) -> None:
         self.fed = {}
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+        self._prefetch = None
+
+    def planned(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+    ) -> list[Mapping[str, Any]]:
+        """The stages this step will check (the driver knows its secret; the workers do not)."""
+        return [
+            a
+            for a in stage_args
+            if self.selector.chosen(step, a["stage"], micro_batches(a), self.policy.rate)
+        ]
+
+    def prefetch(self, stages: list[Mapping[str, Any]], params_for: Callable[..., Awaitable[Any]]) -> None:
+        """Starts fetching the parameters of the stages to check while the step runs (the values the
+        stages compute with do not change during a step), off the step's critical path."""
+        if stages:
+            self._prefetch = ({a["stage"] for a in stages}, asyncio.ensure_future(params_for(stages)))
+
+    async def _params(
+        self, stages: list[Mapping[str, Any]], params_for: Callable[..., Awaitable[Any]]
+    ) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        have: set[int] = set()
+        if self._prefetch is not None:
+            have, task = self._prefetch
+            self._prefetch = None
+            got = dict(await task)
+        rest = [a for a in stages if a["stage"] not in have]
+        if rest:
+            got.update(await params_for(rest))
+        return got
 
     def record_fed(self, stage: int, mb: int, part: str, msg: Any) -> None:
         """The driver fed `msg` (an input or a target) to `stage`: its digest, for the cross-check."""
@@ -187,7 +224,7 @@ class Verifier:
             if mbs:
                 todo.append((a, r, c, sorted(mbs)))
         if todo:
-            params = await params_for([a for a, _, _, _ in todo])
+            params = await self._params([a for a, _, _, _ in todo], params_for)
             results = await asyncio.gather(
                 *(self._check_stage(step, a, r, c, mbs, params, micro_batches(a)) for a, r, c, mbs in todo),
                 return_exceptions=True,
