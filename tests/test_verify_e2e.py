@@ -1,7 +1,8 @@
 """Spot-checks on real `fusionnode join --debug` processes on loopback: an honest run bans nobody and
 trains exactly as one process does; a worker scaling its activations by 1% is caught by the
 recompute, banned, its step dropped and replayed under a new plan, and the run still matches the
-single-process reference (nothing from the liar was applied)."""
+single-process reference (nothing from the liar was applied); so is a worker pushing a random
+gradient to the optimizer hosts (the gradient check)."""
 
 from __future__ import annotations
 
@@ -93,5 +94,25 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert len(plans) >= 2 and liar[0] not in [s["peer"] for s in plans[-1]["stages"]]
         assert result["verify"]["caught"] == 1
         assert_matches_reference(spec, events)  # the lied step was dropped and replayed
+        for i in range(len(swarm.ready)):
+            (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+
+        # 3. a worker pushing a random gradient of the right norm to the optimizer hosts
+        spec = spec_for(tmp_path, "gradient", seed=7, steps=4)
+        liar.clear()
+        lie = {"kind": "random_pseudo_gradient"}
+
+        async def on_plan(ev: dict) -> None:
+            if ev["type"] == "plan" and not liar:
+                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+                i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
+                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie))
+                liar.append(victim)
+
+        result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}, on_plan))
+        caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
+        assert [e["peer"] for e in caught] == liar, caught
+        assert "pushed a gradient" in caught[0]["reason"]
+        assert_matches_reference(spec, events)
     finally:
         swarm.stop()

@@ -37,6 +37,7 @@ from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
+from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
@@ -70,6 +71,9 @@ class HostedShard:
         self.save_every = save_every
         self.host_index = host_index
         self.rejected: dict[str, int] = {}
+        # step -> contributor -> name -> digest of the gradient pushed (pushes that carry one: the
+        # job's work is spot-checked, fusionnode/verify/); the driver reads them with opt.ready
+        self.push_digests: dict[int, dict[str, dict[str, str]]] = {}
 
 
 @dataclasses.dataclass
@@ -321,6 +325,8 @@ class OptimizerHostService:
         if self.bans.is_banned(sender):
             self.bans.dropped_while_banned += 1
             return
+        if DIGEST_KEY in m and not self._record_digest(shard, msg, key):
+            return
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
@@ -345,6 +351,19 @@ class OptimizerHostService:
                     return
                 logger.warning("push of %s from %s rejected: %s", name, sender[:12], res.reason)
 
+    def _record_digest(self, shard: HostedShard, msg: TensorMessage, key: str) -> bool:
+        """A push that carries its digest (the worker's commitment): refused when the tensors that
+        arrived are not the ones it names, else recorded for the driver's checks."""
+        digest = digest_encoded(msg.tensors)
+        if msg.meta.get(DIGEST_KEY) != digest or len(msg.tensors) != 1:
+            shard.rejected["digest_mismatch"] = shard.rejected.get("digest_mismatch", 0) + 1
+            return False
+        step = int(msg.meta.get("step", -1))
+        for old in [s for s in shard.push_digests if s <= shard.store.applied_step]:
+            del shard.push_digests[old]
+        shard.push_digests.setdefault(step, {}).setdefault(key, {})[next(iter(msg.tensors))] = digest
+        return True
+
     async def rpc_ready(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """Waits until every expected contribution of the step arrived, or its deadline passed."""
         shard = self._shard(args, sender)
@@ -357,6 +376,7 @@ class OptimizerHostService:
             "complete": complete,
             "grad_sq": shard.store.pending_grad_sq_norm(step),
             "missing": {k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {},
+            **({"digests": shard.push_digests.get(step, {})} if args.get("digests") else {}),
         }
 
     async def rpc_apply(self, args: dict[str, Any], sender: str) -> dict[str, Any]:

@@ -455,6 +455,10 @@ class WorkerService:
             "samples": int(off["samples"]),
         }
         msg = tensor_message("push", meta, {name: grad})
+        if sj.ledger is not None:  # the commitment the optimizer host checks and keeps for the driver
+            from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+
+            msg.meta[DIGEST_KEY] = digest_encoded(msg.tensors)
         sj.push_tasks.append(asyncio.ensure_future(self._send_push(off["hosts"][name], msg)))
 
     async def _send_push(self, host: str, msg: TensorMessage) -> int:

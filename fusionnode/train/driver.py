@@ -1247,6 +1247,8 @@ class Driver:
             reports,
             lambda a: job.pipelines[a["replica"]].micro_batches,
             lambda stages: self._verify_params(job, run, stages),
+            lambda a: self._fetch(job, [{**a, "replica": 0}], "grads"),
+            (lambda step: self._pushed_digests(job, step)) if job.offload else None,
         )
         if verdict.ok:
             return
@@ -1269,6 +1271,26 @@ class Driver:
         out: dict[str, torch.Tensor] = dict(job.frozen)
         for a in stages:
             out.update(await self._fetch(job, [{**a, "replica": 0}], "params"))
+        return out
+
+    async def _pushed_digests(self, job: Job, step: int) -> dict[str, dict[str, str]]:
+        """contributor -> parameter -> digest of the gradient the hosts received from it this step."""
+        ready = await asyncio.gather(
+            *(
+                self.t.call(
+                    h,
+                    "opt.ready",
+                    {"job": job.spec.job_id, "step": step + 1, "digests": True},
+                    timeout=self.config.step_timeout_s + 5,
+                    idempotent=True,
+                )
+                for h in job.hosts
+            )
+        )
+        out: dict[str, dict[str, str]] = {}
+        for r in ready:
+            for contributor, names in (r.get("digests") or {}).items():
+                out.setdefault(contributor, {}).update(names)
         return out
 
     def _verify_policy(self, params: dict[str, Any]) -> Any:

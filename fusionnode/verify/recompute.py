@@ -34,10 +34,12 @@ def recompute(
     micro_batches: int,
     target: torch.Tensor | None = None,
     output_grads: Mapping[str, torch.Tensor] | None = None,
+    accumulate: bool = False,
 ) -> Recomputed:
     """One micro-batch through `module` (a StageModule): forward from `inputs` (what the stage
     received), the loss with `target` on the last stage, the backward from `output_grads` (what the
-    next stage sent back) elsewhere. Mirrors the worker's schedule (runtime/worker.py)."""
+    next stage sent back) elsewhere. Mirrors the worker's schedule (runtime/worker.py); with
+    `accumulate` the parameters' .grad keep what earlier micro-batches left."""
     input_names = set(module.input_names)
     leaves: dict[str, torch.Tensor] = {}
     for name, t in inputs.items():
@@ -45,8 +47,9 @@ def recompute(
         if t.is_floating_point():
             t.requires_grad_(True)
         leaves[name] = t
-    for p in module.parameters():
-        p.grad = None
+    if not accumulate:  # else parameter gradients add up over micro-batches, as on the worker
+        for p in module.parameters():
+            p.grad = None
     outs = module({n: leaves[n] for n in module.input_names})
     loss_val = None
     if is_last:

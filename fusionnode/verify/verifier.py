@@ -100,6 +100,7 @@ def check_micro_batch(
     micro_batches: int,
     reported_loss: float | None,
     rel_tol: float = CPU_REL_TOL,
+    accumulate: bool = False,
 ) -> list[Mismatch]:
     """Pure: recomputes one micro-batch of stage `a` from `parts` (its ledger's decoded messages)
     and lists what differs from what the worker sent (and, on the last stage, reported)."""
@@ -114,6 +115,7 @@ def check_micro_batch(
         micro_batches=micro_batches,
         target=target,
         output_grads=parts.get("gin"),
+        accumulate=accumulate,
     )
     out: list[Mismatch] = []
     if not last:
@@ -202,7 +204,14 @@ class Verifier:
         reports: Sequence[Mapping[str, Any]],
         micro_batches: Callable[[Mapping[str, Any]], int],
         params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
+        grads_for: Callable[[Mapping[str, Any]], Awaitable[dict[str, torch.Tensor]]] | None = None,
+        pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
     ) -> Verdict:
+        """`grads_for(a)`: the parameter gradients stage `a`'s worker shows; `pushed_for(step)`: the
+        optimizer hosts' digests of what each contributor pushed (None without offload). With
+        `grads_for`, a stage drawn for a gradient check (micro-batch index -1 of the selector) has
+        every micro-batch recomputed and its accumulated parameter gradients compared with what it
+        shows, and what it shows with what it pushed."""
         t0 = time.perf_counter()
         verdict = Verdict()
         commits = [r.get("verify") for r in reports]
@@ -214,6 +223,7 @@ class Verifier:
             if o >= 0:
                 forced.setdefault(o, set()).add(mb)
         todo: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], list[int]]] = []
+        grad_checked: set[int] = set()
         for a, r, c in zip(stage_args, reports, commits, strict=True):
             if a["peer"] in bad:
                 continue
@@ -221,12 +231,29 @@ class Verifier:
             mbs = set(self.selector.chosen(step, a["stage"], m, self.policy.rate)) | forced.get(
                 a["stage"], set()
             )
+            if grads_for is not None and self.grad_checked(step, a["stage"]):
+                grad_checked.add(a["stage"])
+                mbs = set(range(m))
             if mbs:
                 todo.append((a, r, c, sorted(mbs)))
+        pushed = await pushed_for(step) if grad_checked and pushed_for is not None else None
         if todo:
             params = await self._params([a for a, _, _, _ in todo], params_for)
             results = await asyncio.gather(
-                *(self._check_stage(step, a, r, c, mbs, params, micro_batches(a)) for a, r, c, mbs in todo),
+                *(
+                    self._check_stage(
+                        step,
+                        a,
+                        r,
+                        c,
+                        mbs,
+                        params,
+                        micro_batches(a),
+                        grads_for if a["stage"] in grad_checked else None,
+                        pushed,
+                    )
+                    for a, r, c, mbs in todo
+                ),
                 return_exceptions=True,
             )
             for (a, _, _, mbs), res in zip(todo, results, strict=True):
@@ -249,6 +276,10 @@ class Verifier:
         self.totals["seconds"] += verdict.seconds
         return verdict
 
+    def grad_checked(self, step: int, stage: int) -> bool:
+        """Whether this step checks the stage's parameter gradients (all its micro-batches)."""
+        return self.selector.draw(step, stage, -1) < self.policy.rate
+
     async def _check_stage(
         self,
         step: int,
@@ -258,6 +289,8 @@ class Verifier:
         mbs: list[int],
         params: Mapping[str, torch.Tensor],
         m: int,
+        grads_for: Callable[[Mapping[str, Any]], Awaitable[dict[str, torch.Tensor]]] | None = None,
+        pushed: Mapping[str, Mapping[str, str]] | None = None,
     ) -> str:
         """'' when every checked micro-batch of stage `a` matches, else why not."""
         from fusionnode.runtime.worker import decode_checked
@@ -288,16 +321,41 @@ class Verifier:
                     return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
                 parts_of[mb][part] = decode_checked(msg, None, None, src)
         losses = report.get("losses") or []
+        shown: dict[str, torch.Tensor] | None = None
+        if grads_for is not None:
+            shown = await grads_for(a)
+            contributor = (a.get("offload") or {}).get("contributor")
+            if pushed is not None and contributor is not None:
+                mine_pushed = pushed.get(contributor, {})
+                for name, g in shown.items():
+                    if mine_pushed.get(name) != digest_tensors({name: g}):
+                        return (
+                            f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
+                            f"than the one it holds (or none with its commitment) at step {step}"
+                        )
 
         def run() -> str:
             module = build_stage(a["description"], mine)
             for mb in mbs:
                 loss = losses[mb] if mb < len(losses) else None
-                bad = check_micro_batch(module, a, parts_of[mb], m, loss, self.rel_tol)
+                bad = check_micro_batch(module, a, parts_of[mb], m, loss, self.rel_tol, accumulate=True)
                 if bad:
                     return (
                         f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
                         f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
+                    )
+            if shown is not None:
+                trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+                named = module.named_stage_parameters()
+                want = {
+                    n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
+                    for n in trained
+                }
+                bad = compare_tensors(shown, want, self.rel_tol, "parameter gradient")
+                if bad:
+                    return (
+                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
+                        + "; ".join(str(x) for x in bad[:3])
                     )
             return ""
 
