@@ -11,7 +11,9 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
 - lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
   first stage that is not the driver's own peer lies from its first step (`scale` by 1.01 = a 1%
   activation scaling; `noise` of 1% RMS; `stale` tensors of the previous step; `other`: another
-  micro-batch's tensors; `fraction`: a 1% scaling on only `--fraction` of its micro-batches).
+  micro-batch's tensors; `fraction`: a 1% scaling on only `--fraction` of its micro-batches;
+  `gradient`: a random parameter gradient of the right norm pushed to the optimizer hosts, found by
+  the gradient check, which recomputes all of a stage's micro-batches with probability `--rate`).
   Reported: the step at which it was caught (steps until caught, counted from its first lie), the
   final loss and its difference to the single-process reference of the same job, and one
   `--unchecked` run per kind with checks off (the loss a liar leaves behind when nobody checks).
@@ -45,6 +47,7 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "stale": {"kind": "stale"},
     "other": {"kind": "other"},
     "fraction": {"kind": "scale", "factor": 1.01},  # + "fraction": --fraction
+    "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
 }
 CATCH_WITHIN = 20  # steps: the target
 
@@ -81,12 +84,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--clean-steps", type=int, default=500, help="steps of the clean run, 0 = skip (default %(default)s)"
     )
-    p.add_argument("--clean-policy", choices=["all", "sample"], default="all", help="(default %(default)s)")
+    p.add_argument(
+        "--clean-policy",
+        choices=["all", "sample"],
+        default="all",
+        help="checks of the clean run: every micro-batch, or the --rate sample (default %(default)s)",
+    )
     p.add_argument(
         "--unchecked",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="one unchecked liar run per kind",
+        help="also one liar run per kind with checks off, for its loss (default: on)",
     )
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default %(default)s)")
@@ -277,6 +285,11 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
             liar = Liar.from_dict({**cfg, "seed": seed})
             found = None
             for step in range(CATCH_WITHIN * 5):
+                if cfg["kind"] == "random_pseudo_gradient":  # every step; caught when a gradient check
+                    if sel.draw(step, stage, -1) < args.rate:
+                        found = step
+                        break
+                    continue
                 for mb in range(m):
                     x = {"h": torch.full((1,), float(step * m + mb + 1))}
                     lied = liar.tamper("act", stage, step, mb, False, x)["h"] is not x["h"]
@@ -288,7 +301,9 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
             steps_needed.append(found + 1 if found is not None else None)
             caught_within += found is not None and found + 1 <= CATCH_WITHIN
         lied_per_step = m * cfg.get("fraction", 1.0)
-        if kind == "stale":  # nothing to replay on the first step
+        if kind == "gradient":  # one gradient check draw per stage and step
+            lied_total = CATCH_WITHIN
+        elif kind == "stale":  # nothing to replay on the first step
             lied_total = lied_per_step * (CATCH_WITHIN - 1)
         elif kind == "other":  # micro-batch 0 has no earlier one to copy
             lied_total = (m - 1) * CATCH_WITHIN
