@@ -65,7 +65,7 @@ def test_the_ledger_reports_one_commitment_per_part_and_micro_batch():
     led = Ledger(step=3, micro_batches=2, params_digest="p")
     m = TensorMessage("act", {}, enc({"h": torch.ones(2, 2)}))
     d = led.record(1, "out", m)
-    assert led.commitments() == {"params": "p", "mbs": [{}, {"out": d}]}
+    assert led.commitments() == {"params": "p", "mbs": [{}, {"out": d}], "device": "cpu", "autocast": False}
     assert led.parts(1) == ["out"] and led.parts(0) == []
     with pytest.raises(ValueError):
         led.record(0, "bogus", m)
@@ -361,3 +361,17 @@ def test_scores_drop_a_random_pseudo_gradient_and_keep_honest_ones():
     agg = robust_aggregate(contribs, "median_clip", weights=weights)
     assert loss({"w": params["w"] - agg["w"]}) < loss(params)
     assert weights_from_scores([float("nan"), 1.0]) == [0.0, 1.0]
+
+
+def test_a_worker_claiming_a_gpu_its_record_does_not_name_is_compared_at_the_cpu_tolerance():
+    from fusionnode.verify.compare import CUDA_BF16_REL_TOL
+    from fusionnode.verify.policy import VerifyPolicy
+    from fusionnode.verify.verifier import Verifier
+
+    v = Verifier(None, "job", VerifyPolicy("sample", 0.25), timeout_s=1.0)
+    v.device_kinds = {"gpu-peer": "cuda", "cpu-peer": "cpu"}
+    claim = {"device": "cuda", "autocast": True}
+    assert v.tolerance("gpu-peer", claim) == CUDA_BF16_REL_TOL
+    assert v.tolerance("cpu-peer", claim) == CPU_REL_TOL
+    assert v.tolerance("unknown-peer", claim) == CPU_REL_TOL
+    assert v.tolerance("cpu-peer", {"device": "cpu"}) == CPU_REL_TOL

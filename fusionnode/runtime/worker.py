@@ -573,7 +573,7 @@ class WorkerService:
         digest = await asyncio.get_running_loop().run_in_executor(
             self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
         )
-        return Ledger(step, m, digest)
+        return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
 
     async def rpc_audit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """Sends the driver the kept messages of the checked micro-batches of the last verified step

@@ -1241,6 +1241,9 @@ class Driver:
         the job for good and the step is replayed without it (its contributions are dropped by the
         re-plan); a dispute nobody can be blamed for replays the step with the same peers."""
 
+        if any(a["peer"] not in run.verifier.device_kinds for a in run.stage_args):
+            with contextlib.suppress(FusionNodeError, OSError, asyncio.TimeoutError):
+                run.verifier.device_kinds = {p.peer_id: p.device.kind for p in await self.membership.peers()}
         verdict = await run.verifier.check(
             step,
             run.stage_args,

@@ -26,10 +26,14 @@ AUDIT_KIND = "audit_"  # + part: the kind of the messages a worker sends back to
 class Ledger:
     """Messages and digests of one step of one stage."""
 
-    def __init__(self, step: int, micro_batches: int, params_digest: str) -> None:
+    def __init__(
+        self, step: int, micro_batches: int, params_digest: str, device: str = "cpu", autocast: bool = False
+    ) -> None:
         self.step = step
         self.micro_batches = micro_batches
         self.params_digest = params_digest
+        self.device = device  # the kind of device the stage computes on (sets the check's tolerance)
+        self.autocast = autocast  # whether it computes under bf16 autocast
         self.messages: dict[tuple[int, str], TensorMessage] = {}
         self.digests: dict[tuple[int, str], str] = {}
 
@@ -43,12 +47,13 @@ class Ledger:
         return d
 
     def commitments(self) -> dict[str, Any]:
-        """The report's ``verify`` field: the parameters' digest and each micro-batch's digests."""
+        """The report's ``verify`` field: the parameters' digest, each micro-batch's digests, and the
+        device kind the stage computes on."""
         mbs: list[dict[str, str]] = [{} for _ in range(self.micro_batches)]
         for (mb, part), d in self.digests.items():
             if 0 <= mb < self.micro_batches:
                 mbs[mb][part] = d
-        return {"params": self.params_digest, "mbs": mbs}
+        return {"params": self.params_digest, "mbs": mbs, "device": self.device, "autocast": self.autocast}
 
     def parts(self, mb: int) -> list[str]:
         return [p for p in PARTS if (mb, p) in self.messages]

@@ -31,7 +31,7 @@ import torch
 
 from fusionnode.errors import FusionNodeError
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
-from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors
+from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
 from fusionnode.verify.ledger import AUDIT_KIND
 from fusionnode.verify.policy import VerifyPolicy
 from fusionnode.verify.recompute import build_stage, recompute
@@ -152,6 +152,7 @@ class Verifier:
         self.rel_tol = rel_tol
         self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
         self._prefetch: tuple[set[int], asyncio.Future] | None = None  # (stages, their parameters)
+        self.device_kinds: dict[str, str] = {}  # peer -> device kind its published record names
         self.totals = {"steps": 0, "checked": 0, "caught": 0, "disputes": 0, "seconds": 0.0}
 
     def start_step(self) -> None:
@@ -276,6 +277,15 @@ class Verifier:
         self.totals["seconds"] += verdict.seconds
         return verdict
 
+    def tolerance(self, peer: str, commit: Mapping[str, Any]) -> float:
+        """The comparison's tolerance for a stage computed on the device its worker reports (compare.py),
+        but the CPU one when the peer's published record names another kind of device: claiming a GPU
+        to be compared more loosely does not work."""
+        kind = str(commit.get("device") or "cpu")
+        if kind != "cpu" and self.device_kinds.get(peer) != kind:
+            kind = "cpu"
+        return max(self.rel_tol, tolerance_for(kind, bool(commit.get("autocast"))))
+
     def grad_checked(self, step: int, stage: int) -> bool:
         """Whether this step checks the stage's parameter gradients (all its micro-batches)."""
         return self.selector.draw(step, stage, -1) < self.policy.rate
@@ -293,6 +303,7 @@ class Verifier:
         pushed: Mapping[str, Mapping[str, str]] | None = None,
     ) -> str:
         """'' when every checked micro-batch of stage `a` matches, else why not."""
+        rel_tol = self.tolerance(a["peer"], commit)
         from fusionnode.runtime.worker import decode_checked
 
         mine = {n: params[n] for n in a["param_specs"]}
@@ -338,7 +349,7 @@ class Verifier:
             module = build_stage(a["description"], mine)
             for mb in mbs:
                 loss = losses[mb] if mb < len(losses) else None
-                bad = check_micro_batch(module, a, parts_of[mb], m, loss, self.rel_tol, accumulate=True)
+                bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
                 if bad:
                     return (
                         f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
@@ -351,7 +362,7 @@ class Verifier:
                     n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
                     for n in trained
                 }
-                bad = compare_tensors(shown, want, self.rel_tol, "parameter gradient")
+                bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
                 if bad:
                     return (
                         f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
