@@ -23,6 +23,7 @@ from fusionnode.verify.liar import Liar
 from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE, resolve_policy
 from fusionnode.verify.recompute import build_stage
 from fusionnode.verify.score import (
+    judge_contributions,
     median_clipped_mean,
     robust_aggregate,
     score_contributions,
@@ -361,6 +362,11 @@ def test_scores_drop_a_random_pseudo_gradient_and_keep_honest_ones():
     agg = robust_aggregate(contribs, "median_clip", weights=weights)
     assert loss({"w": params["w"] - agg["w"]}) < loss(params)
     assert weights_from_scores([float("nan"), 1.0]) == [0.0, 1.0]
+    j = judge_contributions(loss, params, contribs, step_size=0.1)
+    assert j.weights == weights and torch.equal(j.aggregate["w"], agg["w"])
+    # as pseudo-gradients (parameter change before - after, step size 1) the verdict is the same
+    j1 = judge_contributions(loss, params, [{"w": 0.1 * c["w"]} for c in contribs], step_size=1.0)
+    assert j1.weights == weights
 
 
 def test_a_worker_claiming_a_gpu_its_record_does_not_name_is_compared_at_the_cpu_tolerance():

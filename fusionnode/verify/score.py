@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -121,10 +122,40 @@ def weights_from_scores(scores: Sequence[float], min_gain: float = 0.0) -> list[
     return [1.0 if math.isfinite(s) and s > min_gain else 0.0 for s in scores]
 
 
+@dataclass(frozen=True)
+class Judgement:
+    scores: list[float]  # loss improvement of each contribution on the held-out batch
+    weights: list[float]  # 1 kept, 0 dropped
+    aggregate: dict[str, torch.Tensor]  # robust aggregate of the kept contributions
+
+
+def judge_contributions(
+    loss_fn: Callable[[Mapping[str, torch.Tensor]], float],
+    params: Mapping[str, torch.Tensor],
+    contribs: Sequence[Contribution],
+    step_size: float,
+    *,
+    method: str = "median_clip",
+    min_gain: float = 0.0,
+) -> Judgement:
+    """The one entry point for data-parallel contributions, per-step gradients (`step_size` = the
+    learning rate) and pseudo-gradients (`step_size` = 1, or the outer learning rate) alike: score
+    each on the held-out batch, drop those that do not help, aggregate the rest robustly. When none
+    helps (a bad held-out batch, late in training) every one is kept: the robust aggregate is then
+    the floor."""
+    scores = score_contributions(loss_fn, params, contribs, step_size)
+    weights = weights_from_scores(scores, min_gain)
+    if not any(weights):
+        weights = [1.0] * len(contribs)
+    return Judgement(scores, weights, robust_aggregate(contribs, method, weights=weights))
+
+
 __all__ = [
     "DEFAULT_CLIP_MULT",
     "DEFAULT_TRIM",
+    "Judgement",
     "flat_norm",
+    "judge_contributions",
     "median_clipped_mean",
     "robust_aggregate",
     "score_contributions",
