@@ -72,6 +72,28 @@ def test_the_ledger_reports_one_commitment_per_part_and_micro_batch():
         led.record(0, "bogus", m)
 
 
+def test_an_audit_packs_into_chunks_within_the_wire_limits_and_unpacks_exactly(monkeypatch):
+    from fusionnode.verify import ledger as L
+
+    monkeypatch.setattr(L, "AUDIT_MAX_TENSORS", 3)
+    led = Ledger(step=0, micro_batches=2, params_digest="p")
+    for mb in range(2):
+        for part in ("in", "out"):
+            led.record(
+                mb, part, TensorMessage("act", {}, enc({"a": torch.full((2,), mb), "b": torch.ones(3)}))
+            )
+    grads = enc({"w": torch.zeros(4)})
+    chunks = L.pack_audit(led, [0, 1], grads)
+    assert [len(c) for c in chunks] == [3, 3, 3]
+    got = L.unpack_audit(chunks)
+    assert set(got) == {(0, "in"), (0, "out"), (1, "in"), (1, "out"), (-1, "grads")}
+    assert digest_encoded(got[(1, "out")]) == led.digests[(1, "out")]
+    with pytest.raises(ValueError):
+        L.unpack_audit([{"0/bogus/a": grads["w"]}])
+    with pytest.raises(ValueError):
+        L.unpack_audit([{"x/in/a": grads["w"]}])
+
+
 # ---- the check selector --------------------------------------------------------------------------
 def test_choices_are_fixed_by_the_secret_and_revealed_verifiably():
     a = CheckSelector(b"\x01" * 32)

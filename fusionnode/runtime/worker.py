@@ -576,9 +576,10 @@ class WorkerService:
         return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
 
     async def rpc_audit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        """Sends the driver the kept messages of the checked micro-batches of the last verified step
-        (one ``audit_<part>`` message per part; see fusionnode/verify/ledger.py)."""
-        from fusionnode.verify.ledger import AUDIT_KIND
+        """Sends the driver the kept messages of the checked micro-batches of the last verified step,
+        and with ``grads`` the parameter gradients it pushed, packed into as few ``audit`` messages as
+        the wire limits allow (see fusionnode/verify/ledger.py)."""
+        from fusionnode.verify.ledger import AUDIT_KIND, pack_audit
 
         sj = self._get(args, sender)
         step, mbs = args.get("step"), args.get("mbs")
@@ -589,15 +590,20 @@ class WorkerService:
             isinstance(mb, int) and not isinstance(mb, bool) and 0 <= mb < led.micro_batches for mb in mbs
         ):
             raise PeerError(f"mbs must be a list of micro-batch indices below {led.micro_batches}")
-        parts: dict[str, list[str]] = {}
-        for mb in sorted(set(mbs)):
-            parts[str(mb)] = led.parts(mb)
-            for part in parts[str(mb)]:
-                meta = {"job": sj.job, "step": step, "mb": mb, "stage": sj.stage}
-                await self.t.send(
-                    sj.driver, TensorMessage(AUDIT_KIND + part, meta, led.messages[(mb, part)].tensors)
-                )
-        return {"parts": parts}
+        grads = None
+        if args.get("grads"):
+            grads = {
+                n: tensor_message(
+                    "g", {}, {n: p.grad if p.grad is not None else torch.zeros_like(p)}
+                ).tensors[n]
+                for n, p in sj.params.items()
+            }
+        parts = {str(mb): led.parts(mb) for mb in sorted(set(mbs))}
+        chunks = pack_audit(led, sorted(set(mbs)), grads)
+        for idx, tensors in enumerate(chunks):
+            meta = {"job": sj.job, "step": step, "mb": idx, "stage": sj.stage}
+            await self.t.send(sj.driver, TensorMessage(AUDIT_KIND, meta, tensors))
+        return {"parts": parts, "chunks": len(chunks)}
 
     async def rpc_step_result(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while

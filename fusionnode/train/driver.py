@@ -1250,8 +1250,8 @@ class Driver:
             reports,
             lambda a: job.pipelines[a["replica"]].micro_batches,
             lambda stages: self._verify_params(job, run, stages),
-            lambda a: self._fetch(job, [{**a, "replica": 0}], "grads"),
-            (lambda step: self._pushed_digests(job, step)) if job.offload else None,
+            check_grads=True,
+            pushed_for=(lambda step: self._pushed_digests(job, step)) if job.offload else None,
         )
         if verdict.ok:
             return

@@ -16,11 +16,15 @@ from __future__ import annotations
 from typing import Any
 
 from fusionnode.verify.commitment import digest_encoded
+from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.messages import TensorMessage
 
 PARTS = ("in", "target", "gin", "out", "gout")
 RECEIVED_PART = {"input": "in", "act": "in", "target": "target", "grad": "gin"}  # message kind -> part
-AUDIT_KIND = "audit_"  # + part: the kind of the messages a worker sends back to be checked
+AUDIT_KIND = "audit"  # the kind of the messages a worker sends back to be checked
+AUDIT_MAX_TENSORS = 200  # tensors per audit message (the wire allows 256)
+AUDIT_MAX_BYTES = 64 << 20  # payload bytes per audit message (the wire allows 256 MiB frames)
+GRADS = "grads"  # the part naming the parameter gradients in an audit
 
 
 class Ledger:
@@ -59,4 +63,49 @@ class Ledger:
         return [p for p in PARTS if (mb, p) in self.messages]
 
 
-__all__ = ["AUDIT_KIND", "PARTS", "RECEIVED_PART", "Ledger"]
+def pack_audit(
+    ledger: Ledger, mbs: list[int], grads: dict[str, EncodedTensor] | None = None
+) -> list[dict[str, EncodedTensor]]:
+    """The kept messages of `mbs` (and the parameter gradients) as chunks of tensors named
+    ``"<mb>/<part>/<name>"`` (``"-1/grads/<name>"``), each chunk within the audit limits."""
+    items: list[tuple[str, EncodedTensor]] = []
+    for mb in mbs:
+        for part in ledger.parts(mb):
+            for name, enc in ledger.messages[(mb, part)].tensors.items():
+                items.append((f"{mb}/{part}/{name}", enc))
+    for name, enc in (grads or {}).items():
+        items.append((f"-1/{GRADS}/{name}", enc))
+    chunks: list[dict[str, EncodedTensor]] = [{}]
+    size = 0
+    for key, enc in items:
+        if chunks[-1] and (len(chunks[-1]) >= AUDIT_MAX_TENSORS or size + len(enc.data) > AUDIT_MAX_BYTES):
+            chunks.append({})
+            size = 0
+        chunks[-1][key] = enc
+        size += len(enc.data)
+    return chunks
+
+
+def unpack_audit(chunks: list[dict[str, EncodedTensor]]) -> dict[tuple[int, str], dict[str, EncodedTensor]]:
+    """(mb, part) -> the tensors of that part, from `pack_audit`'s chunks; ValueError on a bad name."""
+    out: dict[tuple[int, str], dict[str, EncodedTensor]] = {}
+    for chunk in chunks:
+        for key, enc in chunk.items():
+            mb_text, part, name = [*key.split("/", 2), "", ""][:3]
+            if part not in (*PARTS, GRADS) or not name or not mb_text.lstrip("-").isdigit():
+                raise ValueError(f"bad audit tensor name {key[:80]!r}")
+            out.setdefault((int(mb_text), part), {})[name] = enc
+    return out
+
+
+__all__ = [
+    "AUDIT_KIND",
+    "AUDIT_MAX_BYTES",
+    "AUDIT_MAX_TENSORS",
+    "GRADS",
+    "PARTS",
+    "RECEIVED_PART",
+    "Ledger",
+    "pack_audit",
+    "unpack_audit",
+]

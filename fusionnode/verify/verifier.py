@@ -32,14 +32,16 @@ import torch
 from fusionnode.errors import FusionNodeError
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
-from fusionnode.verify.ledger import AUDIT_KIND
+from fusionnode.verify.ledger import AUDIT_KIND, GRADS, unpack_audit
 from fusionnode.verify.policy import VerifyPolicy
 from fusionnode.verify.recompute import build_stage, recompute
 from fusionnode.verify.selector import CheckSelector
+from fusionnode.wire.messages import TensorMessage
 
 logger = logging.getLogger(__name__)
 
 AUDIT_RPC = "job.audit"
+MAX_AUDIT_CHUNKS = 4096  # audit messages one stage may answer with
 
 
 @dataclass
@@ -205,14 +207,13 @@ class Verifier:
         reports: Sequence[Mapping[str, Any]],
         micro_batches: Callable[[Mapping[str, Any]], int],
         params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
-        grads_for: Callable[[Mapping[str, Any]], Awaitable[dict[str, torch.Tensor]]] | None = None,
+        check_grads: bool = False,
         pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
     ) -> Verdict:
-        """`grads_for(a)`: the parameter gradients stage `a`'s worker shows; `pushed_for(step)`: the
-        optimizer hosts' digests of what each contributor pushed (None without offload). With
-        `grads_for`, a stage drawn for a gradient check (micro-batch index -1 of the selector) has
-        every micro-batch recomputed and its accumulated parameter gradients compared with what it
-        shows, and what it shows with what it pushed."""
+        """With `check_grads`, a stage drawn for a gradient check (micro-batch -1 of the selector) has
+        every micro-batch recomputed and its accumulated parameter gradients compared with those it
+        shows; `pushed_for(step)` gives the optimizer hosts' digests of what each contributor pushed
+        (contributor -> name -> digest; None without offload), which what it shows must match."""
         t0 = time.perf_counter()
         verdict = Verdict()
         commits = [r.get("verify") for r in reports]
@@ -232,7 +233,7 @@ class Verifier:
             mbs = set(self.selector.chosen(step, a["stage"], m, self.policy.rate)) | forced.get(
                 a["stage"], set()
             )
-            if grads_for is not None and self.grad_checked(step, a["stage"]):
+            if check_grads and self.grad_checked(step, a["stage"]):
                 grad_checked.add(a["stage"])
                 mbs = set(range(m))
             if mbs:
@@ -250,7 +251,7 @@ class Verifier:
                         mbs,
                         params,
                         micro_batches(a),
-                        grads_for if a["stage"] in grad_checked else None,
+                        a["stage"] in grad_checked,
                         pushed,
                     )
                     for a, r, c, mbs in todo
@@ -299,7 +300,7 @@ class Verifier:
         mbs: list[int],
         params: Mapping[str, torch.Tensor],
         m: int,
-        grads_for: Callable[[Mapping[str, Any]], Awaitable[dict[str, torch.Tensor]]] | None = None,
+        grads: bool = False,
         pushed: Mapping[str, Mapping[str, str]] | None = None,
     ) -> str:
         """'' when every checked micro-batch of stage `a` matches, else why not."""
@@ -312,12 +313,33 @@ class Verifier:
         res = await self.t.call(
             a["peer"],
             AUDIT_RPC,
-            {"job": self.job_id, "stage": a["stage"], "step": step, "mbs": mbs},
+            {
+                "job": self.job_id,
+                "stage": a["stage"],
+                "step": step,
+                "mbs": mbs,
+                "grads": grads,
+            },
             timeout=self.timeout_s,
         )
         listed = res.get("parts") if isinstance(res, dict) else None
-        if not isinstance(listed, dict):
+        n_chunks = res.get("chunks") if isinstance(res, dict) else None
+        if (
+            not isinstance(listed, dict)
+            or not isinstance(n_chunks, int)
+            or not 0 < n_chunks <= MAX_AUDIT_CHUNKS
+        ):
             return f"stage {a['stage']} answered the audit without its parts"
+        chunks = []
+        for idx in range(n_chunks):
+            msg, src = await self.t.mailbox.get(
+                (AUDIT_KIND, self.job_id, step, idx, a["stage"]), self.timeout_s, sender=a["peer"]
+            )
+            chunks.append(msg.tensors)
+        try:
+            shown_parts = unpack_audit(chunks)
+        except ValueError as exc:
+            return f"stage {a['stage']} answered the audit with {exc}"
         parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         for mb in mbs:
             want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
@@ -325,16 +347,18 @@ class Verifier:
                 return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
             parts_of[mb] = {}
             for part in want:
-                msg, src = await self.t.mailbox.get(
-                    (AUDIT_KIND + part, self.job_id, step, mb, a["stage"]), self.timeout_s, sender=a["peer"]
-                )
-                if digest_encoded(msg.tensors) != commit["mbs"][mb][part]:
+                tensors = shown_parts.get((mb, part), {})
+                if digest_encoded(tensors) != commit["mbs"][mb][part]:
                     return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
-                parts_of[mb][part] = decode_checked(msg, None, None, src)
+                parts_of[mb][part] = decode_checked(TensorMessage(part, {}, tensors), None, None, src)
         losses = report.get("losses") or []
         shown: dict[str, torch.Tensor] | None = None
-        if grads_for is not None:
-            shown = await grads_for(a)
+        if grads:
+            grads_enc = shown_parts.get((-1, GRADS), {})
+            trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+            if set(grads_enc) != trained:
+                return f"stage {a['stage']} did not show its parameter gradients"
+            shown = decode_checked(TensorMessage(GRADS, {}, grads_enc), a["param_specs"], None, a["peer"])
             contributor = (a.get("offload") or {}).get("contributor")
             if pushed is not None and contributor is not None:
                 mine_pushed = pushed.get(contributor, {})
