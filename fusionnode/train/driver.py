@@ -296,6 +296,7 @@ class _Run:
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
     verifier: Any = None  # verify.Verifier when the job's work is spot-checked
+    last_checks: dict[str, Any] | None = None  # what the last step's checks covered (its step record)
 
     def observe(self, job: Job, reports: list[dict[str, Any]]) -> None:
         """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
@@ -1081,6 +1082,8 @@ class Driver:
             }
             if job.offload:
                 record["optimizer_hosts"] = job.host_counters
+            if run.last_checks is not None:
+                record["verify"] = run.last_checks
             run.metrics.step(record)
             job.history.append(record)
             if len(job.history) > 2 * HISTORY_KEPT:  # the status shows the last HISTORY_KEPT
@@ -1253,6 +1256,7 @@ class Driver:
             check_grads=True,
             pushed_for=(lambda step: self._pushed_digests(job, step)) if job.offload else None,
         )
+        run.last_checks = {"checked": {str(k): v for k, v in verdict.plan.items()}, "grads": verdict.grads}
         if verdict.ok:
             return
         for peer, why in sorted(verdict.caught.items()):

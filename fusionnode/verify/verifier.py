@@ -49,6 +49,8 @@ class Verdict:
     caught: dict[str, str] = field(default_factory=dict)  # peer -> why its work was refused
     disputes: list[str] = field(default_factory=list)  # links whose two ends disagree (unresolved)
     checked: int = 0  # micro-batches recomputed
+    plan: dict[int, list[int]] = field(default_factory=dict)  # stage -> micro-batches checked
+    grads: list[int] = field(default_factory=list)  # stages whose parameter gradients were checked
     seconds: float = 0.0  # time the checks took
 
     @property
@@ -238,6 +240,8 @@ class Verifier:
                 mbs = set(range(m))
             if mbs:
                 todo.append((a, r, c, sorted(mbs)))
+        verdict.plan = {a["stage"]: mbs for a, _, _, mbs in todo}
+        verdict.grads = sorted(grad_checked)
         pushed = await pushed_for(step) if grad_checked and pushed_for is not None else None
         if todo:
             params = await self._params([a for a, _, _, _ in todo], params_for)
