@@ -184,16 +184,19 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {"off": [], "on": []}
     verify_s: list[float] = []
     losses: dict[str, float] = {}
+    parts: dict[str, float] = {}
     for r in range(args.overhead_repeats):
         for mode in ("off", "on"):
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
-            _result, events = asyncio.run(
+            result, events = asyncio.run(
                 _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
             )
             steps = _steps(events)
             times[mode] += [s["step_time_s"] for s in steps[3:]]
             if mode == "on":
                 verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
+                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps"):
+                    parts[k] = parts.get(k, 0.0) + result["verify"][k]
             losses[mode] = steps[-1]["loss"]
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     return {
@@ -207,6 +210,10 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "final_loss_off": losses["off"],
         "final_loss_on": losses["on"],
         "steps_timed": {k: len(v) for k, v in times.items()},
+        "mean_per_step_s": {
+            k: round(parts[k] / parts["steps"], 4)
+            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s")
+        },
     }
 
 

@@ -157,7 +157,17 @@ class Verifier:
         self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
         self._prefetch: tuple[set[int], asyncio.Future] | None = None  # (stages, their parameters)
         self.device_kinds: dict[str, str] = {}  # peer -> device kind its published record names
-        self.totals = {"steps": 0, "checked": 0, "caught": 0, "disputes": 0, "seconds": 0.0}
+        self.totals = {
+            "steps": 0,
+            "checked": 0,
+            "caught": 0,
+            "disputes": 0,
+            "seconds": 0.0,  # the checks' time on the step's critical path, of which:
+            "params_s": 0.0,  # waiting for the checked stages' parameters (prefetched during the step)
+            "pushed_s": 0.0,  # waiting for the hosts' digests of the pushed gradients
+            "audit_s": 0.0,  # the audits (summed over stages checked in parallel)
+            "recompute_s": 0.0,  # the recomputes (summed over stages checked in parallel)
+        }
 
     def start_step(self) -> None:
         self.fed = {}
@@ -242,9 +252,18 @@ class Verifier:
                 todo.append((a, r, c, sorted(mbs)))
         verdict.plan = {a["stage"]: mbs for a, _, _, mbs in todo}
         verdict.grads = sorted(grad_checked)
-        pushed = await pushed_for(step) if grad_checked and pushed_for is not None else None
+        pushed_task = (
+            asyncio.ensure_future(pushed_for(step)) if grad_checked and pushed_for is not None else None
+        )
+        pushed = None
         if todo:
+            t1 = time.perf_counter()
             params = await self._params([a for a, _, _, _ in todo], params_for)
+            self.totals["params_s"] += time.perf_counter() - t1
+            if pushed_task is not None:  # the hosts' digests, asked while the parameters came
+                t1 = time.perf_counter()
+                pushed = await pushed_task
+                self.totals["pushed_s"] += time.perf_counter() - t1
             results = await asyncio.gather(
                 *(
                     self._check_stage(
@@ -314,6 +333,7 @@ class Verifier:
         mine = {n: params[n] for n in a["param_specs"]}
         if digest_tensors(mine) != commit["params"]:
             return f"stage {a['stage']} computed with parameters other than the job's (digest differs)"
+        t1 = time.perf_counter()
         res = await self.t.call(
             a["peer"],
             AUDIT_RPC,
@@ -398,7 +418,12 @@ class Verifier:
                     )
             return ""
 
-        return await asyncio.to_thread(run)
+        self.totals["audit_s"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self.totals["recompute_s"] += time.perf_counter() - t1
 
 
 __all__ = ["AUDIT_RPC", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
