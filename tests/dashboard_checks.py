@@ -16,7 +16,7 @@ from cdp import Browser
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.errors import DaemonError
 from fusionnode.train.spec import JobSpec
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.graph.portable import describe_stage
 from fusionnode.graph.trace import trace_model
 from fusionnode.train.checkpoint import load_checkpoint

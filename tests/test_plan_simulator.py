@@ -11,7 +11,7 @@ import pytest
 from fusionnode.bench import plan as bench
 from fusionnode.bench.plan import gpt2_like_graph, random_graph
 from fusionnode.plan.cluster import load_cluster, load_cluster_dict
-from fusionnode.plan.commands import (
+from fusionnode.cli.plan import (
     add_plan_arguments,
     add_simulate_arguments,
     compare_plans,
