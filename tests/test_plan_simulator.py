@@ -10,7 +10,6 @@ import pytest
 
 from fusionnode.bench import plan as bench
 from fusionnode.bench.plan import gpt2_like_graph, random_graph
-from fusionnode.plan.cluster import load_cluster, load_cluster_dict
 from fusionnode.cli.plan import (
     add_plan_arguments,
     add_simulate_arguments,
@@ -19,6 +18,7 @@ from fusionnode.cli.plan import (
     run_plan,
     run_simulate,
 )
+from fusionnode.plan.cluster import load_cluster, load_cluster_dict
 from fusionnode.plan.planner import plan
 from fusionnode.plan.simulator import one_f_one_b, simulate, simulate_pipeline
 

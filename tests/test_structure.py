@@ -169,3 +169,13 @@ def test_too_long_for_now_entries_are_still_long() -> None:
         rel for rel in sorted(TOO_LONG_FOR_NOW) if len((ROOT / rel).read_text().splitlines()) <= MAX_LINES
     ]
     assert not short, f"remove these from TOO_LONG_FOR_NOW, they are short now: {short}"
+
+
+def test_plan_stays_pure() -> None:
+    """Planning is a function of a model graph and a cluster description: fusionnode.plan imports
+    nothing that trains, talks to the swarm or reaches a daemon (the `plan --swarm` adapter is the
+    CLI's, fusionnode/cli/plan.py)."""
+    graph = package_graph()
+    forbidden = {"train", "swarm", "control", "node", "runtime", "optim", "cli", "bench", "web"}
+    found = {dst: sorted(set(files)) for dst, files in graph.get("plan", {}).items() if dst in forbidden}
+    assert not found, f"fusionnode.plan imports {found}"

@@ -260,7 +260,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     DT-FM's cost model."""
     from fusionnode.plan import dtfm, fence, grid
     from fusionnode.plan.dtfm_cost import dtfm_step_time
-    from fusionnode.plan.planner import _context, build_plan, evaluate_plan
+    from fusionnode.plan.evaluate import build_plan, evaluate_plan, make_context
 
     compress = args.compress == "adatopk"
     kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload == "on"}
@@ -275,7 +275,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
 
     def anchor_context():
         """The planner's context for the anchors (even grid, DT-FM): no latency, fixed keep floor."""
-        return _context(
+        return make_context(
             graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
             fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
         )  # fmt: skip
