@@ -1,5 +1,6 @@
-"""A swarm of real `fusionnode join` daemons on loopback, started as processes of this machine:
-what `fusionnode demo`, the benchmarks and the end-to-end tests start. Each peer has its own state
+"""A local swarm: N real `fusionnode join` daemons on loopback, started as processes.
+
+What `fusionnode demo`, the benchmarks and the end-to-end tests start. Each peer has its own state
 dir and log under a work dir; `stop` ends every process it started (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Whether the machine's owner is using it: ``ActivityMonitor`` samples CPU (system-wide busy CPU
-minus the CPU of FusionNode's own process tree: the daemon, its hivemind DHT child, p2pd, ...),
-GPU (other processes' utilisation and memory through NVML, ``pynvml`` when importable) and
-keyboard/mouse idleness where the platform exposes it (X11 with libXss, macOS, Windows)."""
+"""Whether the machine's owner is using it: the owner-activity monitor (CPU, GPU, input idleness).
+
+``ActivityMonitor`` samples CPU (system-wide busy CPU minus the CPU of FusionNode's own process
+tree: the daemon, its hivemind DHT child, p2pd, ...), GPU (other processes' utilisation and memory
+through NVML, ``pynvml`` when importable) and keyboard/mouse idleness where the platform exposes
+it (X11 with libXss, macOS, Windows)."""
 
 from __future__ import annotations
 

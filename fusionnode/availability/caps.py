@@ -1,6 +1,7 @@
-"""How much of the machine this peer takes while it contributes: ``--max-util`` (torch threads, a
-duty cycle on CUDA), ``--max-memory`` on CUDA, and handing cached accelerator memory back to the
-owner when the peer pauses."""
+"""How much of the machine a contributing peer takes: --max-util, --max-memory, freeing memory.
+
+``--max-util`` sets torch threads (and a duty cycle on CUDA), ``--max-memory`` caps the CUDA
+allocator, and cached accelerator memory is handed back to the owner when the peer pauses."""
 
 from __future__ import annotations
 

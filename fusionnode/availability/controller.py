@@ -1,6 +1,8 @@
-"""The async runner of availability: samples the owner's activity every ``interval_s``, feeds the
-state machine (policy.py) with it and the schedule, and calls ``on_change(availability,
-next_window)`` whenever what this peer should advertise changes; pause/resume by hand."""
+"""The async runner of availability: sample, feed the state machine, tell the node what to advertise.
+
+Samples the owner's activity every ``interval_s``, feeds it and the schedule to the state machine
+(policy.py), and calls ``on_change(availability, next_window)`` whenever what this peer should
+advertise changes; pause and resume by hand."""
 
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class AvailabilityController:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             await self.check()
 

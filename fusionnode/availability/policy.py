@@ -1,5 +1,6 @@
-"""Whether this peer is available: a pure state machine over ``AvailabilityState``. Causes of a
-pause, by precedence: manual > schedule > owner. Hysteresis on the owner: pause after
+"""Whether this peer is available: the pure pause/resume state machine and its advertisement.
+
+Causes of a pause, by precedence: manual > schedule > owner. Hysteresis on the owner: pause after
 ``confirm_samples`` consecutive active samples (default 2, i.e. within about 2 check intervals);
 resume only after ``grace_s`` seconds with no active sample. ``advertisement`` turns a state into
 what the peer record says."""

@@ -1,6 +1,7 @@
-"""When this peer may contribute by the clock: local-time windows ("22:00-07:00,12:00-13:00"; a
-window may cross midnight) and the start of the next window (advertised as ``next_window`` while
-paused by the schedule)."""
+"""When this peer may contribute by the clock: local-time windows and the next window's start.
+
+Windows such as "22:00-07:00,12:00-13:00" (a window may cross midnight); the start of the next one
+is advertised as ``next_window`` while the peer is paused by the schedule."""
 
 from __future__ import annotations
 

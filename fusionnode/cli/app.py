@@ -1,6 +1,8 @@
-"""The `fusionnode` command: the top-level parser (each command's options are defined by its
-module: node, jobs, plan, demo, models), layered defaults from flags, environment and config file,
-and the dispatch of a parsed command to its handler with uniform error handling and exit codes."""
+"""The `fusionnode` command: its top-level parser, `main`, and the dispatch to each command.
+
+Each command's options are defined by its module (node, jobs, plan, demo, models); `main` layers
+defaults from flags, environment and config file (settings.py); the dispatch runs the command's
+handler with uniform error handling and exit codes (2 for misuse, 130 on Ctrl-C)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What the command modules share: argparse value types (checked where they are parsed, with the
-wording config errors reuse), the options every daemon command takes, and how a command reaches
-the local daemon (its control socket, an event loop)."""
+"""What the command modules share: argparse value types and the daemon's state-dir option.
+
+The value types check a value where it is parsed, with the wording config errors reuse; a command
+reaches the local daemon through its control socket (`control_path`) on an event loop (`run`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The commands about training jobs: `train` (on the swarm through the local daemon, or --local in
-this process) and `cancel`; the job options `train` and `demo` share, and following a job's
-events to its result."""
+"""The commands about training jobs: `train` (on the swarm, or --local) and `cancel`.
+
+Also the job options `train` and `demo` share, the JobSpec built from them, and following a job's
+events (plan, steps, failures, re-plans) to its result."""
 
 from __future__ import annotations
 

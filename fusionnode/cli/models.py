@@ -1,5 +1,7 @@
-"""The commands about a trained model: `generate` (sample from a checkpoint), `export` (a
-safetensors file or a Hugging Face directory) and `tokenizer train` (a BPE for `train --tokenizer`)."""
+"""The commands about a trained model: `generate`, `export` and `tokenizer train`.
+
+`generate` samples from a checkpoint, `export` writes a safetensors file or a Hugging Face
+directory, `tokenizer train` learns a BPE for `train --tokenizer`."""
 
 from __future__ import annotations
 

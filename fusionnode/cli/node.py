@@ -1,5 +1,7 @@
-"""The commands about this machine's daemon: `join` (run it), `peers`, `status`, `pause`,
-`resume`, `leave` (ask it over its control socket) and `keygen` (a private swarm's key)."""
+"""The commands about this machine's daemon: join, peers, status, pause, resume, leave, keygen.
+
+`join` runs the daemon; the others ask it over its control socket, except `keygen`, which writes
+a private swarm's key."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The `plan` and `simulate` commands: their options, the live swarm as a cluster (`plan --swarm`,
-through the local daemon's control socket), and a plan compared with the baselines. The planning
-itself is fusionnode.plan's, which knows nothing of the daemon, the swarm or training."""
+"""The `plan` and `simulate` commands, and the live swarm as a cluster for `plan --swarm`.
+
+Their options, the swarm as the local daemon sees it (through its control socket) turned into a
+cluster, and a plan compared with the baselines under the closed form and the simulator. The
+planning itself is fusionnode.plan's, which knows nothing of the daemon, the swarm or training."""
 
 from __future__ import annotations
 

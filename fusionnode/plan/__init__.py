@@ -1,4 +1,4 @@
-"""Planning: cluster files, the workload estimator, OP-Fence, the DP x PP planner, baselines, simulator."""
+"""Planning, pure: cluster files, the cost model, OP-Fence, the DP x PP search, baselines, simulator."""
 
 from fusionnode.plan.baselines import contiguous_split_plan, even_plan, memory_plan
 from fusionnode.plan.cluster import Cluster, Device, bundled_clusters, load_cluster, load_cluster_dict

@@ -1,8 +1,10 @@
-"""Evaluating a configuration under the cost model (plan/estimator.py): a pipeline's options (a
-split per micro-batch size, with its data-parallel sync), cached in a `Context`; the batch shared
-between pipelines to minimise the slowest (`evaluate_config`); an evaluated configuration turned
-into a Plan (`build_plan`); and the step time of an existing Plan (`evaluate_plan`). Every search
-(planner, anchors, grids, DT-FM, baselines, the exhaustive reference) prices through here."""
+"""Pricing a configuration (pipelines as device orders) under the cost model, and building its Plan.
+
+A pipeline's options (a split per micro-batch size, with its data-parallel sync) cached in a
+`Context`; the batch shared between pipelines to minimise the slowest (`evaluate_config`); an
+evaluated configuration turned into a Plan (`build_plan`); the step time of an existing Plan
+(`evaluate_plan`). Every search (planner, anchors, grids, DT-FM, baselines, the exhaustive
+reference) prices through here, with plan/estimator.py's cost model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Optimizer hosts: which optimizer-role devices hold a job's optimizer state (best connected
-first, enough RAM, shares by RAM), the host sets a search is run for, and the parameters each
-host owns."""
+"""Optimizer hosts: which devices hold a job's optimizer state, and which parameters each owns.
+
+Optimizer-role devices, best connected first, enough of them for the state (shares by RAM); the
+host sets a search is run for; parameter names sharded over the hosts by bytes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The search: the best asymmetric DP x PP plan for a model on a cluster (FlashFlex-style search
-over OP-Fence device groupings), priced by plan/evaluate.py.
+"""The planner's search: the best asymmetric DP x PP plan for a model on a cluster.
+
+A FlashFlex-style search over OP-Fence device groupings, priced by plan/evaluate.py:
 
 1. coarsen the OP-DAG into a chain of blocks at cheap cuts (fence.coarsen);
 2. group the worker devices by bandwidth (fence.fence_levels) and, for every grouping and a

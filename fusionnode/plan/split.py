@@ -1,8 +1,9 @@
-"""Stage split: the min-max DP that cuts a chain of blocks over one pipeline's devices (in order)
-at one micro-batch size. Stage k costs its compute plus its outgoing link, under memory limits;
-AdaTopK ratios are re-chosen from the split's bottleneck and the DP re-run (`best_split`), and a
-coordinate descent moves single boundaries against any objective (`refine_split`). O(S n^2),
-vectorised over the chain."""
+"""Stage split: the min-max DP that cuts a chain of blocks over one pipeline's devices.
+
+For devices in order at one micro-batch size, stage k costs its compute plus its outgoing link,
+under memory limits; AdaTopK ratios are re-chosen from the split's bottleneck and the DP re-run
+(`best_split`); a coordinate descent moves single boundaries against any objective
+(`refine_split`). O(S n^2), vectorised over the chain."""
 
 from __future__ import annotations
 
