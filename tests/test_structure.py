@@ -37,18 +37,18 @@ def unit_of(module: str) -> str | None:
     return parts[1]
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
     """Every module `path` imports, anywhere in the file (function-level imports included)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    me = module_name(path)
+    me = module_name(path, root)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -126,11 +126,15 @@ def test_cycle_finder_sees_a_cycle_and_nothing_else() -> None:
 
 
 def test_imports_are_read_from_function_bodies_and_relative_forms(tmp_path: Path) -> None:
-    pkg = ROOT / "plan"
-    found = imported_modules(pkg / "__init__.py")
+    found = imported_modules(ROOT / "plan" / "__init__.py")
     assert any(m.startswith("fusionnode.plan.") for m in found)
     src = ROOT / "node.py"  # imports inside methods must count
     assert "fusionnode.availability" in {".".join(m.split(".")[:2]) for m in imported_modules(src)}
+    pkg = tmp_path / "fusionnode" / "demo"  # `from .. import x` inside a subpackage module
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text("def f():\n    from ..plan import planner\n    from . import sibling\n")
+    found = imported_modules(pkg / "mod.py", root=tmp_path / "fusionnode")
+    assert {"fusionnode.plan.planner", "fusionnode.demo.sibling"} <= found
 
 
 def test_no_import_cycle_between_packages() -> None:
