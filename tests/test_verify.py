@@ -21,7 +21,6 @@ from fusionnode.verify.compare import CPU_REL_TOL, compare_loss, compare_tensor,
 from fusionnode.verify.ledger import Ledger
 from fusionnode.verify.liar import Liar
 from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE, resolve_policy
-from fusionnode.verify.recompute import build_stage
 from fusionnode.verify.score import (
     judge_contributions,
     median_clipped_mean,
@@ -226,7 +225,7 @@ def check_all(stages, parts, losses, m, threads):
     try:
         found = []
         for i, (a, params) in enumerate(stages):
-            module = build_stage(a["description"], params)
+            module = StageModule.from_description(a["description"], dict(params))
             for mb in range(m):
                 loss = losses[mb] if i == len(stages) - 1 else None
                 found.append(check_micro_batch(module, a, parts[i][mb], m, loss, CPU_REL_TOL))
@@ -248,7 +247,7 @@ def test_an_honest_recompute_never_mismatches_on_cpu(stages):
         from fusionnode.verify.recompute import recompute
 
         res = recompute(
-            build_stage(a["description"], params),
+            StageModule.from_description(a["description"], dict(params)),
             inputs=parts[1][0]["in"],
             send_names=list(a["send_specs"]),
             is_last=False,
@@ -396,7 +395,7 @@ def test_a_worker_claiming_a_gpu_its_record_does_not_name_is_compared_at_the_cpu
     from fusionnode.verify.policy import VerifyPolicy
     from fusionnode.verify.verifier import Verifier
 
-    v = Verifier(None, "job", VerifyPolicy("sample", 0.25), timeout_s=1.0)
+    v = Verifier(None, "job", VerifyPolicy("sample", 0.25), timeout_s=1.0, build_stage=None)
     v.device_kinds = {"gpu-peer": "cuda", "cpu-peer": "cpu"}
     claim = {"device": "cuda", "autocast": True}
     assert v.tolerance("gpu-peer", claim) == CUDA_BF16_REL_TOL

@@ -350,7 +350,7 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
 
     args = parse_args(argv)
     torch.set_num_threads(1)

@@ -732,7 +732,11 @@ class Driver:
                 from fusionnode.verify.verifier import Verifier
 
                 run.verifier = Verifier(
-                    self.t, spec.job_id, verify_policy, timeout_s=self.config.step_timeout_s
+                    self.t,
+                    spec.job_id,
+                    verify_policy,
+                    timeout_s=self.config.step_timeout_s,
+                    build_stage=_cpu_stage,
                 )
                 metrics.event(
                     "verify", **verify_policy.to_dict(), commitment=run.verifier.selector.commitment
@@ -1967,6 +1971,13 @@ class Driver:
         ]
         calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]
         await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> Any:
+    """A stage rebuilt on CPU from its description, for the verifier's recomputes."""
+    from fusionnode.runtime.stage import StageModule
+
+    return StageModule.from_description(description, params, device="cpu")
 
 
 def _canonical_names(model: torch.nn.Module) -> dict[str, str]:

@@ -17,13 +17,6 @@ class Recomputed:
     input_grads: dict[str, torch.Tensor]  # what it sends back (the tensors of its "grad" message)
 
 
-def build_stage(description: dict[str, Any], params: Mapping[str, torch.Tensor]) -> Any:
-    """The stage's module on CPU with the given parameters (a verifier's copy)."""
-    from fusionnode.runtime.stage import StageModule
-
-    return StageModule.from_description(description, dict(params), device="cpu")
-
-
 def recompute(
     module: Any,
     *,
@@ -36,7 +29,8 @@ def recompute(
     output_grads: Mapping[str, torch.Tensor] | None = None,
     accumulate: bool = False,
 ) -> Recomputed:
-    """One micro-batch through `module` (a StageModule): forward from `inputs` (what the stage
+    """One micro-batch through `module` (a runtime.stage.StageModule, built by the caller: this
+    package does not import the runtime, which imports it): forward from `inputs` (what the stage
     received), the loss with `target` on the last stage, the backward from `output_grads` (what the
     next stage sent back) elsewhere. Mirrors the worker's schedule (runtime/worker.py); with
     `accumulate` the parameters' .grad keep what earlier micro-batches left."""
@@ -88,4 +82,4 @@ def recompute(
     return Recomputed(outputs=sent, loss=loss_val, input_grads=in_grads)
 
 
-__all__ = ["Recomputed", "build_stage", "recompute"]
+__all__ = ["Recomputed", "recompute"]

@@ -34,9 +34,9 @@ from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
 from fusionnode.verify.ledger import AUDIT_KIND, GRADS, unpack_audit
 from fusionnode.verify.policy import VerifyPolicy
-from fusionnode.verify.recompute import build_stage, recompute
+from fusionnode.verify.recompute import recompute
 from fusionnode.verify.selector import CheckSelector
-from fusionnode.wire.messages import TensorMessage
+from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,27 @@ def chain_disputes(
     return bad, disputes
 
 
+def decode_shown(
+    tensors: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]] | None, peer: str
+) -> dict[str, torch.Tensor]:
+    """Decodes tensors a worker shows; a FusionNodeError naming the peer when they do not decode, are
+    not what `specs` (name -> shape, dtype) says or are not finite."""
+    out = {}
+    for name, enc in tensors.items():
+        if specs is not None:
+            spec = specs.get(name)
+            if spec is None or tuple(enc.shape) != tuple(spec["shape"]) or enc.dtype != spec["dtype"]:
+                raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} as {enc.dtype}{list(enc.shape)}")
+        try:
+            t = decode_tensor(enc)
+        except FusionNodeError as exc:
+            raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} undecodable: {exc}") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FusionNodeError(f"peer {peer[:12]}… showed non-finite values in {name!r}")
+        out[name] = t
+    return out
+
+
 def check_micro_batch(
     module: Any,
     a: Mapping[str, Any],
@@ -145,13 +166,16 @@ class Verifier:
         policy: VerifyPolicy,
         *,
         timeout_s: float,
+        build_stage: Callable[[dict[str, Any], dict[str, torch.Tensor]], Any],
         selector: CheckSelector | None = None,
         rel_tol: float = CPU_REL_TOL,
     ) -> None:
+        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule)."""
         self.t = transport
         self.job_id = job_id
         self.policy = policy
         self.selector = selector or CheckSelector.fresh()
+        self.build_stage = build_stage
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
         self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
@@ -328,8 +352,6 @@ class Verifier:
     ) -> str:
         """'' when every checked micro-batch of stage `a` matches, else why not."""
         rel_tol = self.tolerance(a["peer"], commit)
-        from fusionnode.runtime.worker import decode_checked
-
         mine = {n: params[n] for n in a["param_specs"]}
         if digest_tensors(mine) != commit["params"]:
             return f"stage {a['stage']} computed with parameters other than the job's (digest differs)"
@@ -374,7 +396,7 @@ class Verifier:
                 tensors = shown_parts.get((mb, part), {})
                 if digest_encoded(tensors) != commit["mbs"][mb][part]:
                     return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
-                parts_of[mb][part] = decode_checked(TensorMessage(part, {}, tensors), None, None, src)
+                parts_of[mb][part] = decode_shown(tensors, None, src)
         losses = report.get("losses") or []
         shown: dict[str, torch.Tensor] | None = None
         if grads:
@@ -382,7 +404,7 @@ class Verifier:
             trained = set(a["param_specs"]) - set(a.get("frozen") or [])
             if set(grads_enc) != trained:
                 return f"stage {a['stage']} did not show its parameter gradients"
-            shown = decode_checked(TensorMessage(GRADS, {}, grads_enc), a["param_specs"], None, a["peer"])
+            shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
             contributor = (a.get("offload") or {}).get("contributor")
             if pushed is not None and contributor is not None:
                 mine_pushed = pushed.get(contributor, {})
@@ -394,7 +416,7 @@ class Verifier:
                         )
 
         def run() -> str:
-            module = build_stage(a["description"], mine)
+            module = self.build_stage(a["description"], mine)
             for mb in mbs:
                 loss = losses[mb] if mb < len(losses) else None
                 bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
