@@ -537,6 +537,19 @@ class Driver:
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         verify_policy = self._verify_policy(params)
+        verify_off_reason = None
+        if verify_policy.on and spec.compress != "none":  # the checks compare tensors sent exactly
+            if params.get("verify_policy") in ("sample", "all"):
+                raise ConfigError(
+                    f"--verify-policy {params['verify_policy']} compares the tensors workers send with a "
+                    f"recompute, which a lossy link codec (--compress {spec.compress}) would fail: "
+                    "use --compress none with checks"
+                )
+            verify_off_reason = (
+                f"spot-checks are off for this job: its links are compressed ({spec.compress}), and the "
+                "checks compare exact tensors (use --compress none to have the work checked)"
+            )
+            verify_policy = dataclasses.replace(verify_policy, policy="off", rate=0.0)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
         self._forget_old_jobs()
@@ -728,6 +741,11 @@ class Driver:
                 source=source,
                 first_step=start_step,
             )
+            if verify_off_reason is not None:
+                metrics.event("notice", what="verify_off", reason=verify_off_reason)
+                await emit(
+                    {"type": "event", "kind": "notice", "what": "verify_off", "reason": verify_off_reason}
+                )
             if verify_policy.on:
                 from fusionnode.verify.verifier import Verifier
 
