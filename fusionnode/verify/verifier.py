@@ -176,6 +176,7 @@ class Verifier:
         self.policy = policy
         self.selector = selector or CheckSelector.fresh()
         self.build_stage = build_stage
+        self._modules: dict[int, Any] = {}  # stage -> its module, kept across steps (new values loaded)
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
         self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
@@ -325,6 +326,16 @@ class Verifier:
         self.totals["seconds"] += verdict.seconds
         return verdict
 
+    def _module(self, a: Mapping[str, Any], params: dict[str, torch.Tensor]) -> Any:
+        """Stage `a`'s module with `params` loaded: built once per stage of a plan, then reloaded."""
+        cached = self._modules.get(a["stage"])
+        if cached is not None and cached[0] is a["description"]:
+            cached[1].load_state(params)
+            return cached[1]
+        module = self.build_stage(a["description"], params)
+        self._modules[a["stage"]] = (a["description"], module)
+        return module
+
     def tolerance(self, peer: str, commit: Mapping[str, Any]) -> float:
         """The comparison's tolerance for a stage computed on the device its worker reports (compare.py),
         but the CPU one when the peer's published record names another kind of device: claiming a GPU
@@ -416,7 +427,9 @@ class Verifier:
                         )
 
         def run() -> str:
-            module = self.build_stage(a["description"], mine)
+            module = self._module(a, mine)
+            for p in module.parameters():  # the micro-batches below accumulate from zero
+                p.grad = None
             for mb in mbs:
                 loss = losses[mb] if mb < len(losses) else None
                 bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
