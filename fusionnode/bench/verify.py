@@ -15,7 +15,10 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
   `gradient`: a random parameter gradient of the right norm pushed to the optimizer hosts, found by
   the gradient check, which recomputes all of a stage's micro-batches with probability `--rate`).
   Reported: the step at which it was caught (steps until caught, counted from its first lie), the
-  final loss and its difference to the single-process reference of the same job, and one
+  validation loss at the end and the last step's loss, each with its difference to the
+  single-process reference of the same job (the validation loss is the steadier figure: the last
+  batch's loss of a 24-step run moves by tenths when only the plan, hence the summation order,
+  changes), and one
   `--unchecked` run per kind with checks off (the loss a liar leaves behind when nobody checks).
 - statistics over 100 seeded runs: the real runs are too slow here for 100 per kind, so they are
   simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
@@ -230,7 +233,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             seed = args.seed + r
             spec = _spec(args, f"verify-{kind}-{mode}-{r}", args.steps, workdir / f"{kind}-{r}.jsonl", seed)
             if seed not in refs:
-                refs[seed] = train_local(spec.replace(metrics_out=None, job_id="")).losses
+                refs[seed] = train_local(spec.replace(metrics_out=None, job_id=""))
             victim: list[int] = []
 
             async def on_event(
@@ -244,7 +247,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
 
             t0 = time.monotonic()
             try:
-                _result, events = asyncio.run(
+                result, events = asyncio.run(
                     _train(
                         swarm, _params(spec, "sample" if mode == "checked" else "off", args.rate), on_event
                     )
@@ -254,7 +257,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
             caught = _events(events, "caught")
             steps = _steps(events)
-            ref = refs[seed]
+            ref, ref_val = refs[seed].losses, refs[seed].val_loss
             final = steps[-1]["loss"]
             rows.append(
                 {
@@ -264,6 +267,9 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     "caught_peer_is_liar": bool(caught)
                     and caught[0]["peer"] == swarm.ready[victim[0]]["peer_id"]
                     and len(caught) == 1,
+                    "val_loss": result["val_loss"],
+                    "reference_val_loss": ref_val,
+                    "val_loss_rel_diff": abs(result["val_loss"] - ref_val) / ref_val,
                     "final_loss": final,
                     "reference_final_loss": ref[-1],
                     "final_loss_rel_diff": abs(final - ref[-1]) / ref[-1],
