@@ -105,36 +105,52 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warmup to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    """Linear warmup to `lr` over `warmup_steps`, `hold_steps` steps at `lr`, then cosine decay to
+    `lr * min_lr_ratio` at `total_steps` (see `warmup_cosine_lr`)."""
 
     lr: float
     warmup_steps: int = 0
     total_steps: int = 1
     min_lr_ratio: float = 0.1
+    hold_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.lr < 0 or self.warmup_steps < 0 or self.total_steps < 1:
-            raise ConfigError("LRSchedule needs lr >= 0, warmup_steps >= 0, total_steps >= 1")
+        if self.lr < 0 or self.warmup_steps < 0 or self.total_steps < 1 or self.hold_steps < 0:
+            raise ConfigError(
+                "LRSchedule needs lr >= 0, warmup_steps >= 0, total_steps >= 1, hold_steps >= 0"
+            )
         if self.warmup_steps > self.total_steps:
             raise ConfigError("warmup_steps must not exceed total_steps")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio must lie in [0, 1]")
 
 
-def lr_at(step: int, cfg: LRSchedule) -> float:
-    """Learning rate of `step` (steps are numbered from 1; step <= 0 gives 0).
+def warmup_cosine_lr(
+    step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float, hold_steps: int = 0
+) -> float:
+    """THE learning-rate schedule (every trainer and `lr_at` call it): the rate of optimizer step
+    `step`, numbered from 1 (step <= 0: nothing applied yet, 0.0).
 
-    Warmup: lr * step / warmup_steps for step <= warmup_steps. Then cosine from lr down to
-    lr * min_lr_ratio at total_steps, and lr * min_lr_ratio after it.
+    Warmup: lr * step / warmup_steps for step <= warmup_steps. Then lr for `hold_steps` steps
+    (never past total_steps). Then a half cosine from lr down to lr * min_lr_ratio, reached at
+    step == total_steps, and lr * min_lr_ratio after it.
     """
     if step <= 0:
         return 0.0
-    if step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    span = cfg.total_steps - cfg.warmup_steps
-    progress = 1.0 if span <= 0 else min(1.0, (step - cfg.warmup_steps) / span)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if step <= min(warmup_steps + hold_steps, total_steps):
+        return lr
+    min_lr = lr * min_lr_ratio
+    start = warmup_steps + hold_steps
+    span = total_steps - start
+    progress = 1.0 if span <= 0 else min(1.0, (step - start) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_at(step: int, cfg: LRSchedule) -> float:
+    """Learning rate of `step` under `cfg` (steps are numbered from 1; step <= 0 gives 0)."""
+    return warmup_cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio, cfg.hold_steps)
 
 
 def clip_coefficient(sq_norm: float, max_norm: float) -> float:

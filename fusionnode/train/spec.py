@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.optimizers import warmup_cosine_lr
 
 logger = logging.getLogger(__name__)
 
@@ -212,21 +213,16 @@ def trajectory_mismatch(a: JobSpec, b: JobSpec) -> list[str]:
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr.
+    """Learning rate for optimizer step `step` (0-based: the rate of the (step+1)-th update).
 
-    Warmup: lr * (step + 1) / warmup_steps for step < warmup_steps. Then a half cosine from lr
-    at step == warmup_steps to lr * min_lr_ratio at step == steps - 1; min_lr beyond that.
+    The one schedule (`fusionnode.optim.optimizers.warmup_cosine_lr`, whose steps count from 1)
+    with the trainers' shape: lr * (step + 1) / warmup_steps for step < warmup_steps, lr at
+    step == warmup_steps (one step held at the peak), then a half cosine down to
+    lr * min_lr_ratio at step == steps - 1; min_lr beyond that.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    min_lr = spec.lr * spec.min_lr_ratio
-    decay_steps = spec.steps - 1 - spec.warmup_steps
-    if decay_steps <= 0:
-        return spec.lr if step < spec.steps else min_lr
-    progress = min(1.0, (step - spec.warmup_steps) / decay_steps)
-    return min_lr + 0.5 * (spec.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine_lr(step + 1, spec.lr, spec.warmup_steps, spec.steps, spec.min_lr_ratio, hold_steps=1)
 
 
 def weight_decay_for(name: str, ndim: int, spec: JobSpec) -> float:
