@@ -44,6 +44,15 @@ DEFAULT_EPS = 1e-8
 DEFAULT_DECAY_MIN_NDIM = 2  # tensors with at least this many dimensions get weight decay
 CLIP_EPS = 1e-6  # added to the global norm before dividing, as torch.nn.utils.clip_grad_norm_
 OPTIMIZER_NAMES = ("adamw", "sgd")
+ADAMW_BETAS = DEFAULT_BETAS  # the training jobs' AdamW (local reference trainer, workers, hosts)
+ADAMW_EPS = DEFAULT_EPS
+SGD_MOMENTUM = 0.9  # the training jobs' SGD momentum
+
+
+def decays_by_shape(ndim: int) -> bool:
+    """The training jobs' weight-decay rule: matrices (embeddings, linear weights) decay; biases and
+    norm gains do not."""
+    return ndim >= DEFAULT_DECAY_MIN_NDIM
 
 
 @dataclass(frozen=True)
@@ -327,18 +336,28 @@ def make_local_optimizer(params: Mapping[str, nn.Parameter], cfg: OptimizerConfi
     return LocalOptimizer(params, cfg)
 
 
-def job_optimizer_config(spec_dict: dict[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
-    """A training job's optimizer: the reference trainer's math (betas, eps, decay rule) for the named parameters."""
-    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, weight_decay_for
-
-    spec = JobSpec.from_dict(spec_dict)
-    decay = frozenset(n for n, s in names.items() if weight_decay_for(n, len(s["shape"]), spec) > 0)
+def job_optimizer_config(spec: Mapping[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
+    """A training job's optimizer: the reference trainer's math (betas ADAMW_BETAS, eps ADAMW_EPS,
+    momentum SGD_MOMENTUM, decay by `decays_by_shape`) for the named parameters, from the job
+    spec's optimizer fields ("optimizer", "lr", "weight_decay", as JobSpec.to_dict writes them)."""
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"job spec must be a mapping, got {type(spec).__name__}")
+    missing = [k for k in ("optimizer", "lr", "weight_decay") if k not in spec]
+    if missing:
+        raise ConfigError(f"job spec: missing field(s) {', '.join(missing)}")
+    name, lr, wd = spec["optimizer"], spec["lr"], spec["weight_decay"]
+    for field_name, v in (("lr", lr), ("weight_decay", wd)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ConfigError(f"job spec: {field_name} must be a finite number, got {v!r:.40}")
+    if not isinstance(name, str):
+        raise ConfigError(f"job spec: optimizer must be a name, got {name!r:.40}")
+    decay = frozenset(n for n, s in names.items() if wd > 0 and decays_by_shape(len(s["shape"])))
     return OptimizerConfig(
-        name=spec.optimizer,
-        lr=spec.lr,
+        name=name,
+        lr=float(lr),
         betas=ADAMW_BETAS,
         eps=ADAMW_EPS,
-        weight_decay=spec.weight_decay,
-        momentum=SGD_MOMENTUM if spec.optimizer == "sgd" else 0.0,
+        weight_decay=float(wd),
+        momentum=SGD_MOMENTUM if name == "sgd" else 0.0,
         decay_names=decay,
     )

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionnode.errors import ConfigError
-from fusionnode.optim.optimizers import warmup_cosine_lr
+from fusionnode.optim.optimizers import (  # noqa: F401  (the trainers' optimizer constants live with the math)
+    ADAMW_BETAS,
+    ADAMW_EPS,
+    SGD_MOMENTUM,
+    decays_by_shape,
+    warmup_cosine_lr,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +38,6 @@ DEFAULT_WEIGHT_DECAY = 0.1  # decoupled (AdamW) / L2 (SGD); applied to tensors w
 DEFAULT_GRAD_CLIP = 1.0  # global L2 norm
 DEFAULT_SAVE_EVERY = 100  # steps between checkpoints (0 = only at the end)
 
-ADAMW_BETAS = (0.9, 0.95)
-ADAMW_EPS = 1e-8
-SGD_MOMENTUM = 0.9
 
 DEFAULT_TEXT_FIELD = "text"
 # fields added after job ids were first derived: left out of the id while at their default, so the
@@ -228,7 +231,7 @@ def lr_at(step: int, spec: JobSpec) -> float:
 def weight_decay_for(name: str, ndim: int, spec: JobSpec) -> float:
     """Weight decay for one parameter: matrices (embeddings, linear weights) decay; biases and norms do not."""
     del name  # the rule is by shape; the name is accepted so that callers can log it
-    return spec.weight_decay if ndim >= 2 else 0.0
+    return spec.weight_decay if decays_by_shape(ndim) else 0.0
 
 
 def resolve_seq_len(spec: JobSpec) -> int:
