@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from fusionnode.compress.link import LinkCompressor, LinkOptions
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
-from fusionnode.runtime.links import LinkCompressor, LinkOptions
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_flight, schedule
 from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
 from fusionnode.runtime.transport import Transport
