@@ -136,6 +136,7 @@ class LinkCompressor:
         """Encodes one message's tensors; `key` names the message slot ("act" or "grad")."""
         floating = [t for t in tensors.values() if t.is_floating_point()]
         dense = sum(t.numel() * t.element_size() for t in floating)
+        self._shape_policy(floating, key)
         warm = step < self.options.warmup_steps
         link_ratio = self._link_ratio(dense, target_time_s)
         ratio = 1.0 if warm else link_ratio
@@ -174,6 +175,17 @@ class LinkCompressor:
             self.wire_bytes += len(enc.data)
             out[name] = enc
         return out
+
+    def _shape_policy(self, floating: list[torch.Tensor], key: str) -> None:
+        """Tell the policy's byte model what top-k would send for this message's largest tensor:
+        its row length in row mode, its channel means when centered."""
+        big = max(floating, key=lambda t: t.numel(), default=None)
+        if big is None or big.dim() == 0:
+            return
+        last = int(big.shape[-1])
+        self.policy.row_len = last if self.options.mode == "row" and big.dim() >= 2 else None
+        centered = self.options.center and (key != GRAD_KEY or self.options.center_gradients)
+        self.policy.center_channels = last if centered else 0
 
     def _quantize(self, t: torch.Tensor, codec: str) -> EncodedTensor:
         """q8/q4 per row (seeded stochastic rounding by default); fp16 when `t` holds non-finite values."""
