@@ -51,6 +51,8 @@ def test_the_digest_is_the_same_on_both_ends_of_a_link_and_binds_every_element()
     d = digest_encoded(sent)
     assert digest_encoded(received) == d
     assert digest_tensors(x) == d  # the same for plain tensors
+    odd = {"b": torch.tensor([True, False]), "bf": torch.randn(3).bfloat16(), "t": torch.randn(3, 4).t()}
+    assert digest_tensors(odd) == digest_encoded(enc(odd))  # hashed in place or encoded: the same
     for i in range(0, x["h"].numel(), 97):  # any single element changed by one ulp changes it
         y = x["h"].clone().view(-1)
         y[i] = torch.nextafter(y[i], torch.tensor(float("inf")))

@@ -37,7 +37,7 @@ from fusionnode.optim.store import Contributor, ExpectedContributions, Parameter
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
-from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+from fusionnode.verify.commitment import COMMIT_KEY, digest_encoded
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
@@ -351,7 +351,7 @@ class OptimizerHostService:
         if self.bans.is_banned(sender):
             self.bans.dropped_while_banned += 1
             return
-        if DIGEST_KEY in m and not self._record_digest(shard, msg, key):
+        if m.get(COMMIT_KEY) is True and not self._record_digest(shard, msg, key):
             return
         for name, enc in msg.tensors.items():
             try:
@@ -378,12 +378,12 @@ class OptimizerHostService:
                 logger.warning("push of %s from %s rejected: %s", name, sender[:12], res.reason)
 
     def _record_digest(self, shard: HostedShard, msg: TensorMessage, key: str) -> bool:
-        """A push that carries its digest (the worker's commitment): refused when the tensors that
-        arrived are not the ones it names, else recorded for the driver's checks."""
-        digest = digest_encoded(msg.tensors)
-        if msg.meta.get(DIGEST_KEY) != digest or len(msg.tensors) != 1:
-            shard.rejected["digest_mismatch"] = shard.rejected.get("digest_mismatch", 0) + 1
+        """A push marked as committed (its job is spot-checked): the digest of what arrived is kept
+        for the driver, which compares it with the gradient the worker shows when checked."""
+        if len(msg.tensors) != 1:
+            shard.rejected["commit_malformed"] = shard.rejected.get("commit_malformed", 0) + 1
             return False
+        digest = digest_encoded(msg.tensors)
         step = int(msg.meta.get("step", -1))
         for old in [s for s in shard.push_digests if s <= shard.store.applied_step]:
             del shard.push_digests[old]

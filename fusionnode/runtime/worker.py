@@ -404,9 +404,9 @@ class WorkerService:
         }
         msg = tensor_message("push", meta, {name: grad})
         if sj.ledger is not None:  # the commitment the optimizer host checks and keeps for the driver
-            from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+            from fusionnode.verify.commitment import COMMIT_KEY
 
-            msg.meta[DIGEST_KEY] = digest_encoded(msg.tensors)
+            msg.meta[COMMIT_KEY] = True
         sj.push_tasks.append(asyncio.ensure_future(self._send_push(off["hosts"][name], msg)))
 
     async def _send_push(self, host: str, msg: TensorMessage) -> int:
@@ -522,10 +522,12 @@ class WorkerService:
         from fusionnode.verify.commitment import digest_tensors
         from fusionnode.verify.ledger import Ledger
 
-        named = sj.module.named_stage_parameters()
-        digest = await asyncio.get_running_loop().run_in_executor(
-            self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
-        )
+        digest = None  # with offload the driver checks against the optimizer hosts' values
+        if not sj.offload:  # else only this worker holds them: it commits to them
+            named = sj.module.named_stage_parameters()
+            digest = await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
+            )
         return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
 
     async def rpc_audit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:

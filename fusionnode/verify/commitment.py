@@ -13,14 +13,16 @@ tensor of a message in name order, so it is the same on both ends of a link what
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping
 
 import torch
 
-from fusionnode.wire.codec_api import EncodedTensor
+from fusionnode.wire.codec_api import DTYPE_NAMES, EncodedTensor
 from fusionnode.wire.tensors import encode_tensor
 
 DIGEST_KEY = "digest"  # in a TensorMessage's meta: hex digest of its tensors
+COMMIT_KEY = "commit"  # in a gradient push's meta: true = the host records the digest of what arrived
 DIGEST_SIZE = 16  # bytes of BLAKE2b output (128-bit: second preimages are out of reach)
 
 
@@ -41,11 +43,19 @@ def digest_encoded(tensors: Mapping[str, EncodedTensor]) -> str:
 
 
 def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
-    """Digest of plain tensors (a stage's parameters): the digest of their raw float/int encoding,
-    so equal values on any device give the same digest."""
-    return digest_encoded(
-        {n: encode_tensor(t.detach().cpu().contiguous(), "raw") for n, t in tensors.items()}
-    )
+    """Digest of plain tensors (a stage's parameters, gradients): the digest of their raw encoding
+    (what `digest_encoded` gives for them sent with the raw codec), so equal values on any device
+    give the same digest. Hashes a little-endian host's CPU tensors in place, without a copy."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        if t.device.type != "cpu" or sys.byteorder != "little" or t.dtype not in DTYPE_NAMES:
+            _update(h, name, encode_tensor(t.cpu().contiguous(), "raw"))
+            continue
+        t = t.resolve_conj().resolve_neg().contiguous()
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        _update(h, name, EncodedTensor(DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape), "raw", {}, data))
+    return h.hexdigest()
 
 
 def digest_value(value: float) -> str:
@@ -53,4 +63,4 @@ def digest_value(value: float) -> str:
     return digest_tensors({"value": torch.tensor([float(value)], dtype=torch.float64)})
 
 
-__all__ = ["DIGEST_KEY", "DIGEST_SIZE", "digest_encoded", "digest_tensors", "digest_value"]
+__all__ = ["COMMIT_KEY", "DIGEST_KEY", "DIGEST_SIZE", "digest_encoded", "digest_tensors", "digest_value"]
