@@ -37,9 +37,19 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.transport import Transport
-from fusionnode.runtime.worker import LEAVING_MARK, decode_checked, tensor_message
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, DEFAULT_WINDOW, Bans
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import (
+    ErrorCode,
+    Failure,
+    Rpc,
+    StageAssignment,
+    StepReport,
+    TensorKind,
+    decode_checked,
+    tensor_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,15 +257,18 @@ class Job:
 class _StepFailed(FusionNodeError):
     """A step did not complete: which peers' calls failed (and why), which did not answer a probe."""
 
-    def __init__(self, step: int, errors: dict[str, str], unreachable: list[str]):
+    def __init__(self, step: int, errors: dict[str, list[Failure]], unreachable: list[str]):
         self.step = step
-        self.errors = errors
+        self.errors = errors  # peer -> the failures of the calls to it (code, peer to blame, text)
         self.unreachable = unreachable
         self.t0 = time.perf_counter()
         super().__init__(self.summary())
 
+    def reason(self, peer: str) -> str:
+        return " | ".join(f.text for f in self.errors.get(peer, ()))
+
     def summary(self) -> str:
-        parts = [f"{p[:12]}…: {e[:300]}" for p, e in sorted(self.errors.items())]
+        parts = [f"{p[:12]}…: {self.reason(p)[:300]}" for p in sorted(self.errors)]
         if self.unreachable:
             parts.append(f"unreachable: {[p[:12] for p in self.unreachable]}")
         return "; ".join(parts)
@@ -282,7 +295,7 @@ class _Run:
     strategy: str
     n_stages: int
     shares: list[int]
-    stage_args: list[dict[str, Any]]
+    stage_args: list[StageAssignment]
     seq_len: int
     known: set[str]  # workers seen so far (a new one is a "join")
     move_s: float  # seconds the last plan change took (the cost of moving)
@@ -296,14 +309,14 @@ class _Run:
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
 
-    def observe(self, job: Job, reports: list[dict[str, Any]]) -> None:
+    def observe(self, job: Job, reports: list[StepReport]) -> None:
         """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
         self.steps_on_plan += 1
         if self.steps_on_plan == 1:
             return
         for a, r in zip(self.stage_args, reports, strict=True):
-            q = self.samples.setdefault(a["peer"], collections.deque(maxlen=DEFAULT_WINDOW))
-            q.append((a["peer"], a["lo"], a["hi"], float(r["compute_s"])))
+            q = self.samples.setdefault(a.peer, collections.deque(maxlen=DEFAULT_WINDOW))
+            q.append((a.peer, a.lo, a.hi, float(r.compute_s)))
 
     def speeds(self) -> dict[str, float]:
         from fusionnode.train.rebalance import measured_speeds
@@ -311,17 +324,17 @@ class _Run:
         return measured_speeds(self.flops, [s for q in self.samples.values() for s in q])
 
 
-def _stage_rows(stage_args: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _stage_rows(stage_args: list[StageAssignment]) -> list[dict[str, Any]]:
     return [
         {
-            "stage": a["stage"],
-            "replica": a["replica"],
-            "pos": a["pos"],
-            "peer": a["peer"],
-            "lo": a["lo"],
-            "hi": a["hi"],
-            "n_params": len(a["param_specs"]),
-            "shared": a["shared_names"],
+            "stage": a.stage,
+            "replica": a.replica,
+            "pos": a.pos,
+            "peer": a.peer,
+            "lo": a.lo,
+            "hi": a.hi,
+            "n_params": len(a.param_specs),
+            "shared": a.shared_names,
         }
         for a in stage_args
     ]
@@ -437,13 +450,13 @@ class Driver:
         host_index: dict[str, int],
         links: dict[tuple[str, str], float] | None = None,
         link_options: dict[str, Any] | None = None,
-    ) -> list[dict]:
+    ) -> list[StageAssignment]:
         from fusionnode.graph.portable import describe_stage
         from fusionnode.optim.store import contributor_key
 
         graph = traced.graph
         spec = job.spec
-        args: list[dict[str, Any]] = []
+        args: list[StageAssignment] = []
         for pipe in job.pipelines:
             n = len(pipe.peers)
             descs = [describe_stage(traced, pipe.bounds[i], pipe.bounds[i + 1]) for i in range(n)]
@@ -472,42 +485,43 @@ class Driver:
                 act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
                 in_flight = min(n - i, pipe.micro_batches)
                 state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
-                a = {
-                    "job": spec.job_id,
-                    "stage": gid,
-                    "pos": i,
-                    "num_stages": n,
-                    "replica": pipe.replica,
-                    "prev_stage": gid - 1,
-                    "next_stage": gid + 1,
-                    "driver": self.t.peer_id,
-                    "prev": pipe.peers[i - 1] if i > 0 else "",
-                    "next": pipe.peers[i + 1] if i < n - 1 else "",
-                    "description": d,
-                    "param_specs": pspecs,
-                    "recv_specs": recv,
-                    "send_specs": send,
-                    "shared_names": sorted(shared & set(pspecs) - set(job.frozen)),
-                    "spec": spec.to_dict(),
-                    "need_bytes": int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
-                    "lease_s": job.lease_s,
-                    "lo": lo,
-                    "flops_per_sample": float(sum(node.flops for node in graph.nodes[lo:hi])),
-                    "hi": hi,
-                    "peer": pipe.peers[i],
-                    "link_options": link_options or {},
-                    "bw_next": (links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
-                    "bw_prev": (links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
-                }
-                if job.frozen:
-                    a["frozen"] = sorted(set(pspecs) & set(job.frozen))
+                offload = None
                 if host_of:
-                    a["offload"] = {
-                        "hosts": {name: host_of[name] for name in pspecs if name in host_of},
-                        "host_index": {name: host_index[name] for name in pspecs if name in host_index},
-                        "contributor": contributor_key(pipe.replica, gid),
-                        "samples": pipe.samples,
-                    }
+                    offload = jp.Offload(
+                        hosts={name: host_of[name] for name in pspecs if name in host_of},
+                        host_index={name: host_index[name] for name in pspecs if name in host_index},
+                        contributor=contributor_key(pipe.replica, gid),
+                        samples=pipe.samples,
+                    ).to_wire()
+                a = StageAssignment(
+                    job=spec.job_id,
+                    stage=gid,
+                    pos=i,
+                    num_stages=n,
+                    replica=pipe.replica,
+                    prev_stage=gid - 1,
+                    next_stage=gid + 1,
+                    driver=self.t.peer_id,
+                    prev=pipe.peers[i - 1] if i > 0 else "",
+                    next=pipe.peers[i + 1] if i < n - 1 else "",
+                    description=d,
+                    param_specs=pspecs,
+                    recv_specs=recv,
+                    send_specs=send,
+                    shared_names=sorted(shared & set(pspecs) - set(job.frozen)),
+                    frozen=sorted(set(pspecs) & set(job.frozen)),
+                    spec=spec.to_dict(),
+                    need_bytes=int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
+                    lease_s=job.lease_s,
+                    lo=lo,
+                    hi=hi,
+                    flops_per_sample=float(sum(node.flops for node in graph.nodes[lo:hi])),
+                    peer=pipe.peers[i],
+                    link_options=link_options or {},
+                    bw_next=(links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
+                    bw_prev=(links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
+                    offload=offload,
+                )
                 args.append(a)
         return args
 
@@ -592,7 +606,7 @@ class Driver:
                 metrics.event("notice", what="rebalance_off", reason=reason)
                 await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
             flops = [node.flops for node in traced.graph.nodes]
-            stage_args: list[dict[str, Any]] = []
+            stage_args: list[StageAssignment] = []
             prediction: dict[str, Any] = {}
             for _attempt in range(MAX_PROPOSALS):
                 if len(workers) < replicas:
@@ -806,8 +820,12 @@ class Driver:
         candidates = await self._candidates(params.get("optimizer_peers"), "optimizer")
         res = await asyncio.gather(
             *(
-                self.t.call(
-                    c, "opt.held", {"job": job.spec.job_id, "secret": job.secret}, timeout=PING_TIMEOUT_S
+                jp.call(
+                    self.t,
+                    c,
+                    Rpc.OPT_HELD,
+                    jp.OptHeld(job=job.spec.job_id, secret=job.secret),
+                    timeout=PING_TIMEOUT_S,
                 )
                 for c in candidates
             ),
@@ -815,8 +833,8 @@ class Driver:
         )
         best: dict[int, tuple[int, str]] = {}
         for peer, r in zip(candidates, res, strict=True):
-            if isinstance(r, dict):
-                for idx, steps in (r.get("held") or {}).items():
+            if isinstance(r, jp.OptHeldReply):
+                for idx, steps in r.held.items():
                     if str(idx).isdigit() and steps:
                         best[int(idx)] = max(best.get(int(idx), (-1, "")), (max(int(x) for x in steps), peer))
         chosen = [best[i][1] for i in range(len(hosts)) if i in best]
@@ -847,7 +865,7 @@ class Driver:
     async def _init_hosts(
         self,
         job: Job,
-        stage_args: list[dict[str, Any]],
+        stage_args: list[StageAssignment],
         full: dict[str, torch.Tensor],
         host_of: dict[str, str],
         *,
@@ -864,34 +882,27 @@ class Driver:
 
         async def announce(i: int, host: str) -> list[int]:
             names = names_of[host]
-            res = await self.t.call(
-                host,
-                "opt.init",
-                {
-                    "job": job.spec.job_id,
-                    "driver": self.t.peer_id,
-                    "secret": job.secret,
-                    "host_index": i,
-                    "spec": job.spec.to_dict(),
-                    "param_specs": {n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
-                    "expected": {n: expected[n] for n in names},
-                    "step_deadline_s": self.config.step_timeout_s,
-                    "save_every": job.spec.save_every,
-                    "resume": resume,
-                },
-                timeout=timeout,
+            req = jp.OptInit(
+                job=job.spec.job_id,
+                driver=self.t.peer_id,
+                secret=job.secret,
+                host_index=i,
+                spec=job.spec.to_dict(),
+                param_specs={n: {"shape": list(full[n].shape), "dtype": "float32"} for n in names},
+                expected={n: expected[n] for n in names},
+                step_deadline_s=self.config.step_timeout_s,
+                save_every=job.spec.save_every or 0,
+                resume=resume,
             )
-            return [int(x) for x in res.get("steps", [])]
+            return (await jp.call(self.t, host, Rpc.OPT_INIT, req, timeout=timeout)).steps
 
         async def load(i: int, host: str, step: int | None) -> int:
             for idx, name in enumerate(names_of[host]):
                 meta = {"job": job.spec.job_id, "stage": i, "step": -1, "mb": idx}
-                await self.t.send(host, tensor_message("opt_params", meta, {name: full[name]}))
-            args: dict[str, Any] = {"job": job.spec.job_id, "resume_step": step}
-            if step is None and start_step:
-                args["start_step"] = start_step
-            res = await self.t.call(host, "opt.load", args, timeout=timeout)
-            return int(res.get("applied_step", 0))
+                await self.t.send(host, tensor_message(TensorKind.OPT_PARAMS, meta, {name: full[name]}))
+            fresh = start_step if step is None and start_step else None
+            req = jp.OptLoad(job=job.spec.job_id, resume_step=step, start_step=fresh)
+            return (await jp.call(self.t, host, Rpc.OPT_LOAD, req, timeout=timeout)).applied_step
 
         hosts = list(enumerate(job.hosts))
         steps = await asyncio.gather(*(announce(i, h) for i, h in hosts))
@@ -922,48 +933,44 @@ class Driver:
                 logger.warning("optimizer hosts could not load their step-%d checkpoint: %s", step, exc)
         raise AssertionError("unreachable")
 
-    def _accept(self, job: Job, stage_args: list[dict[str, Any]]) -> None:
+    def _accept(self, job: Job, stage_args: list[StageAssignment]) -> None:
         """This driver takes data messages of the job (fetched parameters, shared gradients) only from
         the job's stages and hosts, at most the model's bytes (and slack) from each."""
-        peers = {a["peer"] for a in stage_args} | set(job.hosts)
+        peers = {a.peer for a in stage_args} | set(job.hosts)
         self.t.mailbox.accept(job.spec.job_id, "driver", peers, job.model_bytes + MAILBOX_SLACK_BYTES)
 
-    async def _propose(self, stage_args: list[dict[str, Any]], metrics: Any, emit: Any) -> list[str]:
+    async def _propose(self, stage_args: list[StageAssignment], metrics: Any, emit: Any) -> list[str]:
         results = await asyncio.gather(
-            *(self.t.call(a["peer"], "job.assign", a) for a in stage_args), return_exceptions=True
+            *(jp.call(self.t, a.peer, Rpc.JOB_ASSIGN, a) for a in stage_args), return_exceptions=True
         )
         refused = []
         for a, res in zip(stage_args, results, strict=True):
             if isinstance(res, BaseException):
                 if not isinstance(res, FusionNodeError):
                     raise res
-                refused.append(a["peer"])
-                metrics.event("refused", peer=a["peer"], reason=str(res))
-                await emit({"type": "event", "kind": "refused", "peer": a["peer"], "reason": str(res)})
+                refused.append(a.peer)
+                metrics.event("refused", peer=a.peer, reason=str(res))
+                await emit({"type": "event", "kind": "refused", "peer": a.peer, "reason": str(res)})
         if refused:  # release what the others accepted; the next proposal reassigns
             await asyncio.gather(
                 *(
-                    self.t.call(a["peer"], "job.release", {"job": a["job"], "stage": a["stage"]})
+                    jp.call(self.t, a.peer, Rpc.JOB_RELEASE, jp.ReleaseRequest(job=a.job, stage=a.stage))
                     for a in stage_args
-                    if a["peer"] not in refused
+                    if a.peer not in refused
                 ),
                 return_exceptions=True,
             )
         return refused
 
     async def _ship_params(
-        self, job: Job, stage_args: list[dict[str, Any]], full: dict[str, torch.Tensor]
+        self, job: Job, stage_args: list[StageAssignment], full: dict[str, torch.Tensor]
     ) -> None:
-        async def ship(a: dict[str, Any]) -> None:
-            for idx, name in enumerate(sorted(a["param_specs"])):
-                meta = {"job": job.spec.job_id, "stage": a["stage"], "step": -1, "mb": idx}
-                await self.t.send(a["peer"], tensor_message("params", meta, {name: full[name]}))
-            await self.t.call(
-                a["peer"],
-                "job.start",
-                {"job": job.spec.job_id, "stage": a["stage"]},
-                timeout=self.config.step_timeout_s,
-            )
+        async def ship(a: StageAssignment) -> None:
+            for idx, name in enumerate(sorted(a.param_specs)):
+                meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
+                await self.t.send(a.peer, tensor_message(TensorKind.PARAMS, meta, {name: full[name]}))
+            req = jp.StageRef(job=job.spec.job_id, stage=a.stage)
+            await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.config.step_timeout_s)
 
         await asyncio.gather(*(ship(a) for a in stage_args))
 
@@ -982,10 +989,12 @@ class Driver:
         """Renews the stages' leases while steps or plan changes take long (a ping a third of a lease)."""
         while True:
             await asyncio.sleep(job.lease_s / 3)
-            peers = sorted({a["peer"] for a in run.stage_args})
+            peers = sorted({a.peer for a in run.stage_args})
             await asyncio.gather(
                 *(
-                    self.t.call(p, "job.ping", {"job": job.spec.job_id}, timeout=PING_TIMEOUT_S)
+                    jp.call(
+                        self.t, p, Rpc.JOB_PING, jp.PingRequest(job=job.spec.job_id), timeout=PING_TIMEOUT_S
+                    )
                     for p in peers
                 ),
                 return_exceptions=True,
@@ -1027,14 +1036,14 @@ class Driver:
             failures_in_a_row = 0
             step_time = time.perf_counter() - t0
             run.target_time_s = max(
-                r["compute_s"] / job.pipelines[a["replica"]].micro_batches
+                r.compute_s / job.pipelines[a.replica].micro_batches
                 for a, r in zip(run.stage_args, reports, strict=True)
             )
             loss = self._step_loss(job, run.stage_args, reports)
             tokens = spec.batch_size * run.seq_len
             tokens_total += tokens
             time_total += step_time
-            wire = sum(r["sent_bytes"] for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
+            wire = sum(r.sent_bytes for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
             record = {
                 "step": step,
                 "loss": loss,
@@ -1048,14 +1057,14 @@ class Driver:
                 "phases": job.phases,
                 "stages": [
                     {
-                        "stage": r["stage"],
-                        "peer": a["peer"],
-                        "compute_s": round(r["compute_s"], 4),
-                        "wait_s": round(r["wait_s"], 4),
-                        "link_s": round(max(0.0, r.get("total_s", 0.0) - r["compute_s"] - r["wait_s"]), 4),
-                        "sent_bytes": r["sent_bytes"],
-                        "optimizer_bytes": r.get("optimizer_bytes", 0),
-                        "links": r["links"],
+                        "stage": r.stage,
+                        "peer": a.peer,
+                        "compute_s": round(r.compute_s, 4),
+                        "wait_s": round(r.wait_s, 4),
+                        "link_s": round(max(0.0, r.total_s - r.compute_s - r.wait_s), 4),
+                        "sent_bytes": r.sent_bytes,
+                        "optimizer_bytes": r.optimizer_bytes,
+                        "links": r.links,
                     }
                     for a, r in zip(run.stage_args, reports, strict=True)
                 ],
@@ -1091,7 +1100,7 @@ class Driver:
 
     async def _one_step(
         self, job: Job, run: _Run, step: int, lr: float
-    ) -> tuple[list[dict[str, Any]], float, _StepFailed | None]:
+    ) -> tuple[list[StepReport], float, _StepFailed | None]:
         """One step on the plan in force: inputs, `job.step` everywhere, the optimizer, commits.
 
         Raises _StepFailed when the step did not reach the optimizer (it is to be replayed); returns
@@ -1099,7 +1108,7 @@ class Driver:
         spec = job.spec
         jid = spec.job_id
         stage_args = run.stage_args
-        input_name = next(iter(stage_args[0]["recv_specs"]))
+        input_name = next(iter(stage_args[0].recv_specs))
         timeout = self.config.step_timeout_s
         sends: dict[str, list[Any]] = {}
         shards = run.source.shard_batches(step, [p.samples for p in job.pipelines])
@@ -1110,10 +1119,10 @@ class Driver:
             ):
                 meta = {"job": jid, "step": step, "mb": mb}
                 sends.setdefault(pipe.peers[0], []).append(
-                    tensor_message("input", {**meta, "stage": first}, {input_name: x})
+                    tensor_message(TensorKind.INPUT, {**meta, "stage": first}, {input_name: x})
                 )
                 sends.setdefault(pipe.peers[-1], []).append(
-                    tensor_message("target", {**meta, "stage": last}, {"target": y})
+                    tensor_message(TensorKind.TARGET, {**meta, "stage": last}, {"target": y})
                 )
 
         async def feed(peer: str, msgs: list[Any]) -> None:
@@ -1132,28 +1141,29 @@ class Driver:
         )
         calls = {
             **{
-                ("step", a["stage"]): self.t.call(
-                    a["peer"],
-                    "job.step",
-                    {
-                        "job": jid,
-                        "stage": a["stage"],
-                        "step": step,
-                        "micro_batches": job.pipelines[a["replica"]].micro_batches,
-                        "mb_size": job.pipelines[a["replica"]].mb_size,
-                        "target_time_s": run.target_time_s,
-                    },
+                ("step", a.stage): jp.call(
+                    self.t,
+                    a.peer,
+                    Rpc.JOB_STEP,
+                    jp.StepRequest(
+                        job=jid,
+                        stage=a.stage,
+                        step=step,
+                        micro_batches=job.pipelines[a.replica].micro_batches,
+                        mb_size=job.pipelines[a.replica].mb_size,
+                        target_time_s=run.target_time_s,
+                    ),
                     timeout=timeout * 2,
-                    recall="job.step_result",  # a reply lost to a stream reset: fetch it, the step ran
+                    recall=Rpc.JOB_STEP_RESULT,  # a reply lost to a stream reset: fetch it, the step ran
                 )
                 for a in stage_args
             },
         }
-        peer_of = {("step", a["stage"]): a["peer"] for a in stage_args}
+        peer_of = {("step", a.stage): a.peer for a in stage_args}
         phases["feed_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         results = await self._gather_or_fail(job, run, step, calls, peer_of)
-        reports = [results[("step", a["stage"])] for a in stage_args]
+        reports = [results[("step", a.stage)] for a in stage_args]
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
@@ -1165,26 +1175,27 @@ class Driver:
                 dead, _leaving = await self._probe(list(job.hosts))
                 if not dead:
                     raise
-                raise _HostFailed(step, {h: str(exc) for h in dead}, dead) from None
+                raise _HostFailed(step, {h: [Failure.of(exc)] for h in dead}, dead) from None
             commit_extra: dict[str, Any] = {}
         else:
             shared_sum = await self._sum_shared(job, stage_args, step)
-            sq = sum(r["grad_sq"] for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
+            sq = sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
             grad_norm = math.sqrt(sq)
             clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
             for a in stage_args:
-                mine = {k: shared_sum[k] for k in a["shared_names"]}
+                mine = {k: shared_sum[k] for k in a.shared_names}
                 if mine:
-                    meta = {"job": jid, "step": step, "mb": -1, "stage": a["stage"]}
-                    await self.t.send(a["peer"], tensor_message("shared_sum", meta, mine))
+                    meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
+                    await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, mine))
             commit_extra = {"lr": lr, "clip_coef": clip}
         phases["optimizer_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         commits = {
-            ("commit", a["stage"]): self.t.call(
-                a["peer"],
-                "job.commit",
-                {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
+            ("commit", a.stage): jp.call(
+                self.t,
+                a.peer,
+                Rpc.JOB_COMMIT,
+                jp.CommitRequest(job=jid, stage=a.stage, step=step, **commit_extra),
                 timeout=timeout,
                 idempotent=True,  # a commit already applied answers so
             )
@@ -1193,7 +1204,7 @@ class Driver:
         late = None
         try:
             await self._gather_or_fail(
-                job, run, step, commits, {("commit", a["stage"]): a["peer"] for a in stage_args}
+                job, run, step, commits, {("commit", a.stage): a.peer for a in stage_args}
             )
         except _StepFailed as fail:
             if not job.offload:
@@ -1223,7 +1234,7 @@ class Driver:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-        errors: dict[str, str] = {}
+        errors: dict[str, list[Failure]] = {}
         for key, t in tasks.items():
             if t.cancelled():
                 continue
@@ -1233,28 +1244,26 @@ class Driver:
             if not isinstance(exc, FusionNodeError | OSError | asyncio.TimeoutError):
                 raise exc
             peer = peer_of[key]
-            errors[peer] = (errors.get(peer, "") + " | " + str(exc)).strip(" |")
+            errors.setdefault(peer, []).append(Failure.of(exc))
         if not errors:
             return {key: t.result() for key, t in tasks.items()}
-        unreachable, draining = await self._probe(
-            sorted({a["peer"] for a in run.stage_args} | set(job.hosts))
-        )
+        unreachable, draining = await self._probe(sorted({a.peer for a in run.stage_args} | set(job.hosts)))
         dead_hosts = [h for h in job.hosts if h in unreachable]
         if dead_hosts:
-            raise _HostFailed(
-                step, {h: errors.get(h, "did not answer a liveness probe") for h in dead_hosts}, dead_hosts
-            )
+            unanswered = [Failure(ErrorCode.DEADLINE, "did not answer a liveness probe")]
+            raise _HostFailed(step, {h: errors.get(h, unanswered) for h in dead_hosts}, dead_hosts)
         for p in draining:
-            errors.setdefault(p, LEAVING_MARK)
+            errors.setdefault(p, [Failure(ErrorCode.LEAVING, "the peer answered a probe that it is leaving")])
         raise _StepFailed(step, errors, unreachable)
 
     async def _probe(self, peers: list[str]) -> tuple[list[str], list[str]]:
         """(peers that did not answer a ping in PING_TIMEOUT_S, peers that answered they are leaving)."""
         res = await asyncio.gather(
-            *(self.t.call(p, "job.ping", {}, timeout=PING_TIMEOUT_S) for p in peers), return_exceptions=True
+            *(jp.call(self.t, p, Rpc.JOB_PING, jp.PingRequest(), timeout=PING_TIMEOUT_S) for p in peers),
+            return_exceptions=True,
         )
         dead = [p for p, r in zip(peers, res, strict=True) if isinstance(r, BaseException)]
-        leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, dict) and r.get("draining")]
+        leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, jp.PingReply) and r.draining]
         return dead, leaving
 
     async def _recover(self, job: Job, run: _Run, source: Any, step: int, fail: _StepFailed) -> None:
@@ -1263,7 +1272,7 @@ class Driver:
 
         t0 = time.perf_counter()
         now = time.monotonic()
-        peers = sorted({a["peer"] for a in run.stage_args})
+        peers = sorted({a.peer for a in run.stage_args})
         verdict = blame(fail.errors, peers, fail.unreachable)
         verdict.pop(self.t.peer_id, None)  # the driver's own peer answered (it is running this)
         if not verdict:  # a transient error (a stream reset, say): recorded, and the step replayed
@@ -1287,7 +1296,7 @@ class Driver:
                     "failure",
                     peer=peer,
                     step=step,
-                    reason=fail.errors.get(peer) or "did not answer a liveness probe",
+                    reason=fail.reason(peer) or "did not answer a liveness probe",
                     unreachable=peer in fail.unreachable,
                     ban_s=ban_s,
                 )
@@ -1340,7 +1349,7 @@ class Driver:
         for h in fail.unreachable:
             ban_s = run.bans.fail(h, now)
             await self._event(
-                run, job, "failure", peer=h, step=step, role="optimizer", reason=fail.errors[h], ban_s=ban_s
+                run, job, "failure", peer=h, step=step, role="optimizer", reason=fail.reason(h), ban_s=ban_s
             )
         peers = await self.membership.peers()
         spares = [
@@ -1351,7 +1360,7 @@ class Driver:
             and not run.bans.banned(p.peer_id, now)
             and p.peer_id not in run.gone
         ]
-        workers = {a["peer"] for a in run.stage_args}
+        workers = {a.peer for a in run.stage_args}
         spares.sort(key=lambda h: (h in workers, h))  # prefer peers that are not the job's workers
         hosts = list(job.hosts)
         for i, h in enumerate(hosts):
@@ -1442,10 +1451,11 @@ class Driver:
         old_args = run.stage_args
         await asyncio.gather(
             *(
-                self.t.call(
-                    a["peer"],
-                    "job.release",
-                    {"job": spec.job_id, "stage": a["stage"], "abort": True},
+                jp.call(
+                    self.t,
+                    a.peer,
+                    Rpc.JOB_RELEASE,
+                    jp.ReleaseRequest(job=spec.job_id, stage=a.stage, abort=True),
                     timeout=PING_TIMEOUT_S,
                 )
                 for a in old_args
@@ -1503,13 +1513,14 @@ class Driver:
             expected = self._expected(job, stage_args)
             await asyncio.gather(
                 *(
-                    self.t.call(
+                    jp.call(
+                        self.t,
                         h,
-                        "opt.replan",
-                        {
-                            "job": spec.job_id,
-                            "expected": {n: expected[n] for n in expected if run.host_of[n] == h},
-                        },
+                        Rpc.OPT_REPLAN,
+                        jp.OptReplan(
+                            job=spec.job_id,
+                            expected={n: expected[n] for n in expected if run.host_of[n] == h},
+                        ),
                         timeout=self.config.step_timeout_s,
                     )
                     for h in job.hosts
@@ -1541,8 +1552,8 @@ class Driver:
             reason=reason,
             plan_version=job.plan_version,
             step=job.step,
-            peers=[a["peer"] for a in stage_args],
-            bounds=[[a["lo"], a["hi"]] for a in stage_args],
+            peers=[a.peer for a in stage_args],
+            bounds=[[a.lo, a.hi] for a in stage_args],
             move_s=round(run.move_s, 3),
         )
 
@@ -1579,29 +1590,29 @@ class Driver:
             await self._adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout=d.layout)
 
     @staticmethod
-    def _expected(job: Job, stage_args: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    def _expected(job: Job, stage_args: list[StageAssignment]) -> dict[str, dict[str, dict[str, Any]]]:
         from fusionnode.optim.store import contributor_key
 
         expected: dict[str, dict[str, dict[str, Any]]] = {}
         for a in stage_args:
-            for name in a["param_specs"]:
+            for name in a.param_specs:
                 if name in job.frozen:
                     continue
-                expected.setdefault(name, {})[contributor_key(a["replica"], a["stage"])] = {
-                    "replica": a["replica"],
-                    "samples": job.pipelines[a["replica"]].samples,
-                    "peer": a["peer"],
+                expected.setdefault(name, {})[contributor_key(a.replica, a.stage)] = {
+                    "replica": a.replica,
+                    "samples": job.pipelines[a.replica].samples,
+                    "peer": a.peer,
                 }
         return expected
 
     @staticmethod
-    def _step_loss(job: Job, stage_args: list[dict[str, Any]], reports: list[dict[str, Any]]) -> float:
+    def _step_loss(job: Job, stage_args: list[StageAssignment], reports: list[StepReport]) -> float:
         """The batch's mean loss: each replica's mean micro-batch loss weighted by its samples."""
         total, weight = 0.0, 0
         for a, r in zip(stage_args, reports, strict=True):
-            if a["pos"] == a["num_stages"] - 1:
-                n = job.pipelines[a["replica"]].samples
-                total += n * sum(r["losses"]) / len(r["losses"])
+            if a.pos == a.num_stages - 1:
+                n = job.pipelines[a.replica].samples
+                total += n * sum(r.losses) / len(r.losses)
                 weight += n
         return total / weight
 
@@ -1610,10 +1621,11 @@ class Driver:
         jid, ostep = job.spec.job_id, step + 1  # the stores count steps from 1
         ready = await asyncio.gather(
             *(
-                self.t.call(
+                jp.call(
+                    self.t,
                     h,
-                    "opt.ready",
-                    {"job": jid, "step": ostep},
+                    Rpc.OPT_READY,
+                    jp.OptReady(job=jid, step=ostep),
                     timeout=self.config.step_timeout_s + 5,
                     idempotent=True,
                 )
@@ -1621,25 +1633,26 @@ class Driver:
             )
         )
         for h, r in zip(job.hosts, ready, strict=True):
-            if not r["complete"]:
+            if not r.complete:
                 logger.warning(
-                    "step %d: host %s applies without %s (deadline passed)", step, h[:12], r["missing"]
+                    "step %d: host %s applies without %s (deadline passed)", step, h[:12], r.missing
                 )
-        grad_norm = math.sqrt(sum(r["grad_sq"] for r in ready))
+        grad_norm = math.sqrt(sum(r.grad_sq for r in ready))
         clip = 1.0 if job.spec.grad_clip is None else min(1.0, job.spec.grad_clip / (grad_norm + 1e-6))
         applied = await asyncio.gather(
             *(
-                self.t.call(
+                jp.call(
+                    self.t,
                     h,
-                    "opt.apply",
-                    {
-                        "job": jid,
-                        "step": ostep,
-                        "lr": lr,
-                        "clip_coef": clip,
-                        "force": not r["complete"],
-                        "save": self._checkpoints_at(job.spec, ostep),  # with the driver's, same step
-                    },
+                    Rpc.OPT_APPLY,
+                    jp.OptApply(
+                        job=jid,
+                        step=ostep,
+                        lr=lr,
+                        clip_coef=clip,
+                        force=not r.complete,
+                        save=self._checkpoints_at(job.spec, ostep),  # with the driver's, same step
+                    ),
                     timeout=self.config.step_timeout_s,
                     idempotent=True,  # a host re-applying an applied step answers with the earlier result
                 )
@@ -1648,51 +1661,47 @@ class Driver:
         )
         # what the hosts accepted and rejected (with reasons), for the metrics file
         job.host_counters = [
-            {"host": h, **res.get("counters", {}), "rejected": res.get("rejected", {})}
+            {"host": h, **res.counters, "rejected": res.rejected}
             for h, res in zip(job.hosts, applied, strict=True)
         ]
         return grad_norm, clip
 
     async def _sum_shared(
-        self, job: Job, stage_args: list[dict[str, Any]], step: int
+        self, job: Job, stage_args: list[StageAssignment], step: int
     ) -> dict[str, torch.Tensor]:
         total: dict[str, torch.Tensor] = {}
         for a in stage_args:
-            if not a["shared_names"]:
+            if not a.shared_names:
                 continue
             msg, src = await self.t.mailbox.get(
-                ("shared_grad", job.spec.job_id, step, -1, a["stage"]),
+                (TensorKind.SHARED_GRAD, job.spec.job_id, step, -1, a.stage),
                 self.config.step_timeout_s,
-                sender=a["peer"],
+                sender=a.peer,
             )
-            got = decode_checked(msg, {k: a["param_specs"][k] for k in a["shared_names"]}, None, src)
+            got = decode_checked(msg, {k: a.param_specs[k] for k in a.shared_names}, None, src)
             for name, g in got.items():
                 total[name] = total[name] + g if name in total else g.clone()
         return total
 
-    async def _fetch(self, job: Job, stage_args: list[dict[str, Any]], what: str) -> dict[str, torch.Tensor]:
+    async def _fetch(self, job: Job, stage_args: list[StageAssignment], what: str) -> dict[str, torch.Tensor]:
         """Parameters (or gradients) of replica 0, by name; a name held by several stages is summed for
         gradients (tied weights) and taken once for parameters (the copies are equal)."""
         out: dict[str, torch.Tensor] = {}
 
-        async def one(a: dict[str, Any]) -> dict[str, torch.Tensor]:
-            res = await self.t.call(
-                a["peer"],
-                "job.fetch",
-                {"job": job.spec.job_id, "stage": a["stage"], "what": what},
-                timeout=self.config.step_timeout_s,
-            )
+        async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
+            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what=what)
+            res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.config.step_timeout_s)
             got: dict[str, torch.Tensor] = {}
-            for idx in range(int(res["count"])):
+            for idx in range(res.count):
                 msg, src = await self.t.mailbox.get(
-                    (f"fetch_{what}", job.spec.job_id, -1, idx, a["stage"]),
+                    (jp.FETCH_KIND[what], job.spec.job_id, -1, idx, a.stage),
                     self.config.step_timeout_s,
-                    sender=a["peer"],
+                    sender=a.peer,
                 )
-                got.update(decode_checked(msg, a["param_specs"], None, src))
+                got.update(decode_checked(msg, a.param_specs, None, src))
             return got
 
-        parts = await asyncio.gather(*(one(a) for a in stage_args if a["replica"] == 0))
+        parts = await asyncio.gather(*(one(a) for a in stage_args if a.replica == 0))
         for part in parts:
             for name, t in part.items():
                 if name in out and what == "grads":
@@ -1704,7 +1713,7 @@ class Driver:
     async def _fetch_params(
         self,
         job: Job,
-        stage_args: list[dict[str, Any]],
+        stage_args: list[StageAssignment],
         host_of: dict[str, str] | None,
         all_names: dict[str, Any] | None = None,
     ) -> dict[str, torch.Tensor]:
@@ -1713,32 +1722,31 @@ class Driver:
         if not job.offload:
             return {**job.frozen, **await self._fetch(job, stage_args, "params")}
         out: dict[str, torch.Tensor] = dict(job.frozen)
-        specs = {n: s for a in stage_args for n, s in a["param_specs"].items()}
+        specs = {n: s for a in stage_args for n, s in a.param_specs.items()}
         if all_names is not None:
             specs = {n: {"shape": list(t.shape), "dtype": "float32"} for n, t in all_names.items()}
         for name in job.frozen:  # frozen (LoRA base) tensors never go to the hosts: the driver's copy
             specs.pop(name, None)
         held = set(specs)
-        for i, host in enumerate(job.hosts):
+        for host in job.hosts:
             names = sorted(n for n in held if (host_of or {}).get(n, host) == host)
             if not names:
                 continue
             tag = -next(self._tags)  # distinct from any pull a worker makes (those are step numbers)
-            res = await self.t.call(
-                host,
-                "opt.pull",
-                {"job": job.spec.job_id, "names": names, "tag": tag, "stage": -1},
-                timeout=self.config.step_timeout_s,
-                idempotent=True,
+            req = jp.OptPull(job=job.spec.job_id, names=names, tag=tag, stage=-1)
+            res = await jp.call(
+                self.t, host, Rpc.OPT_PULL, req, timeout=self.config.step_timeout_s, idempotent=True
             )
-            for idx in range(int(res["count"])):
+            for idx in range(res.count):
                 msg, src = await self.t.mailbox.get(
-                    (f"pulled{i}", job.spec.job_id, tag, idx, -1), self.config.step_timeout_s, sender=host
+                    (TensorKind.PULLED, job.spec.job_id, tag, idx, -1),
+                    self.config.step_timeout_s,
+                    sender=host,
                 )  # exactly the name asked for at this index, in its shape
                 out.update(decode_checked(msg, {names[idx]: specs[names[idx]]}, None, src))
         return out
 
-    async def _dump_grads(self, job: Job, stage_args: list[dict[str, Any]], path: str) -> None:
+    async def _dump_grads(self, job: Job, stage_args: list[StageAssignment], path: str) -> None:
         from safetensors.torch import save_file
 
         grads = await self._fetch(job, stage_args, "grads")
@@ -1849,15 +1857,19 @@ class Driver:
         # release (and any later `leave`) wait out the step's deadline
         abort = job.state != "done"
         calls = [
-            self.t.call(
+            jp.call(
+                self.t,
                 s["peer"],
-                "job.release",
-                {"job": job.spec.job_id, "stage": s["stage"], "abort": abort},
+                Rpc.JOB_RELEASE,
+                jp.ReleaseRequest(job=job.spec.job_id, stage=s["stage"], abort=abort),
                 timeout=5,
             )
             for s in job.stages
         ]
-        calls += [self.t.call(h, "opt.release", {"job": job.spec.job_id}, timeout=5) for h in job.hosts]
+        calls += [
+            jp.call(self.t, h, Rpc.OPT_RELEASE, jp.OptRelease(job=job.spec.job_id), timeout=5)
+            for h in job.hosts
+        ]
         await asyncio.gather(*calls, return_exceptions=True)
 
 
