@@ -425,6 +425,7 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
 
     from fusionnode.optim import checkpoint as ck
     from fusionnode.optim.store import contributor_key
+    from fusionnode.train.checkpoint import job_secret
     from fusionnode.train.driver import Driver, Job, Pipeline
 
     real_write = ck._write_chunk
@@ -449,7 +450,11 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
             )
             job = Job(spec, d.peer_id)
             job.pipelines = [Pipeline(0, [d.peer_id], [0, 1], 1, 1)]
-            job.hosts, job.secret, job.model_bytes = [h1.peer_id, h2.peer_id], drv._job_secret("j6"), 24
+            job.hosts, job.secret, job.model_bytes = (
+                [h1.peer_id, h2.peer_id],
+                job_secret(drv.state_dir, "j6"),
+                24,
+            )
             stage_args = [
                 StageAssignment(
                     job="j6",
@@ -464,8 +469,10 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
             ]
             full = {"a": torch.zeros(3), "b": torch.zeros(3)}
             host_of = {"a": h1.peer_id, "b": h2.peer_id}
-            drv._accept(job, stage_args)
-            assert await drv._init_hosts(job, stage_args, full, host_of, resume=False, start_step=0) == [0, 0]
+            drv.placement.accept(job, stage_args)
+            assert await drv.placement.start_hosts(
+                job, stage_args, full, host_of, resume=False, start_step=0
+            ) == [0, 0]
             at: dict[int, torch.Tensor] = {}
             for step in range(1, 5):
                 for name, host, svc in (("a", h1, svcs[0]), ("b", h2, svcs[1])):
@@ -478,7 +485,9 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
                 at[step] = svcs[1].shards["j6"].store.get_params(["b"])[1]["b"].clone()
             for h in job.hosts:
                 await d.call(h, "opt.release", {"job": "j6"})
-            applied = await drv._init_hosts(job, stage_args, full, host_of, resume=True, start_step=4)
+            applied = await drv.placement.start_hosts(
+                job, stage_args, full, host_of, resume=True, start_step=4
+            )
             assert applied == [3, 3]  # the newest step both hosts have
             torch.testing.assert_close(svcs[1].shards["j6"].store.get_params(["b"])[1]["b"], at[3])
 
