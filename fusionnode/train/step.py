@@ -52,7 +52,10 @@ class StepFailed(FusionNodeError):
         super().__init__(self.summary())
 
     def reason(self, peer: str) -> str:
-        return " | ".join(f.text for f in self.errors.get(peer, ()))
+        """Why `peer` is to blame: its own calls' failures, else the failures that blame it."""
+        own = [f.text for f in self.errors.get(peer, ())]
+        named = [f.text for fs in self.errors.values() for f in fs if f.blame == peer]
+        return " | ".join(own or named)
 
     def summary(self) -> str:
         parts = [f"{p[:12]}…: {self.reason(p)[:300]}" for p in sorted(self.errors)]
