@@ -28,8 +28,9 @@ from fusionnode.security.auth import NonceCache
 from fusionnode.security.limits import MAX_LEASE_S, MAX_STAGES_PER_DRIVER
 from fusionnode.swarm.probe import PROBE_PROTOCOL, LinkProber, ProbeConfig
 from fusionnode.train.spec import JobSpec
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.frames import pack_header
-from fusionnode.wire.job import StageAssignment, tensor_message
+from fusionnode.wire.job import StageAssignment
 from fusionnode.wire.limits import DEFAULT_MAX_ENVELOPE_BYTES
 from fusionnode.wire.messages import Call, encode_message
 
@@ -48,7 +49,7 @@ async def _shard(driver: Transport, host: str, job: str, init: torch.Tensor, **k
         del load_args["resume_step"]
     save_dir = kw.pop("save_dir", None)
     if save_dir is not None:  # a driver cannot name where the host writes: the field does not exist
-        with pytest.raises(PeerError, match="unknown field.*save_dir"):
+        with pytest.raises(PeerError, match=r"unknown field.*save_dir"):
             await driver.call(host, "opt.init", {"job": job, "driver": driver.peer_id, "save_dir": save_dir})
     res = await driver.call(
         host,

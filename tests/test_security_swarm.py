@@ -36,7 +36,7 @@ from fusionnode.security import (
 from fusionnode.swarm import load_or_create_identity, start_dht, stop_dht
 from fusionnode.swarm.libp2p import create_p2p
 from fusionnode.train.spec import JobSpec
-from fusionnode.wire.job import tensor_message
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.messages import Call, TensorMessage, encode_message
 
 torch.set_num_threads(1)
@@ -415,9 +415,7 @@ def test_fuzzed_frames_no_crash_no_hang_memory_flat():
         async with peers(None, SwarmAuthorizer(KEY), None) as (pub, priv, attacker):
             _echo_counter(pub)
             _echo_counter(priv)
-            msg = tensor_message(
-                "act", {"job": "f", "step": 1, "mb": 0, "stage": 0}, {"x": torch.ones(2, 3)}
-            )
+            msg = tensor_message("act", {"job": "f", "step": 1, "mb": 0, "stage": 0}, {"x": torch.ones(2, 3)})
             signed = priv.authorizer.sign(msg, attacker.peer_id, priv.peer_id)
             seeds = [
                 encode_message(Call("echo", {"x": 1})),

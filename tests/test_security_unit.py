@@ -26,8 +26,8 @@ from fusionnode.security import (
     swarm_key_from_env_or_path,
     write_swarm_key,
 )
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.codec_api import EncodedTensor
-from fusionnode.wire.job import tensor_message
 from fusionnode.wire.messages import Call, Reply, TensorMessage, decode_message, encode_message
 
 torch.set_num_threads(1)

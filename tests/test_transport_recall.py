@@ -94,7 +94,7 @@ def test_an_unanswered_step_is_fetched_not_rerun():
 def _tmsg(i: int):
     import torch
 
-    from fusionnode.wire.job import tensor_message
+    from fusionnode.wire.checked import tensor_message
 
     return tensor_message(
         "act", {"job": "j", "step": i, "mb": 0, "stage": 1}, {"x": torch.full((64,), float(i))}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fusionnode.errors import DeadlineError, PeerError
-from fusionnode.wire import Call, Reply, decode_message, encode_message
+from fusionnode.wire import Call, Reply, checked, decode_message, encode_message
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, Failure, JobError, Rpc, TensorKind
 
@@ -170,13 +170,13 @@ def test_error_codes_and_blame_cross_a_reply():
 
 def test_tensor_helpers_check_kind_names_shapes_and_values():
     with pytest.raises(ValueError, match="unknown tensor kind 'activation'"):
-        jp.tensor_message("activation", {}, {"x": torch.ones(1)})
-    msg = jp.tensor_message(
+        checked.tensor_message("activation", {}, {"x": torch.ones(1)})
+    msg = checked.tensor_message(
         TensorKind.ACT, {"job": "j"}, {"h": torch.ones(2, 3), "ids": torch.arange(2)}, "fp16"
     )
     back = decode_message(encode_message(msg))
     specs = {"h": {"shape": [1, 3], "dtype": "float32"}, "ids": {"shape": [1], "dtype": "int64"}}
-    out = jp.decode_checked(back, specs, 2, PEER)
+    out = checked.decode_checked(back, specs, 2, PEER)
     assert out["h"].shape == (2, 3) and out["ids"].tolist() == [0, 1]
     assert back.tensors["h"].codec == "fp16" and back.tensors["ids"].codec == "raw"
     for bad, why in (
@@ -185,7 +185,7 @@ def test_tensor_helpers_check_kind_names_shapes_and_values():
         ({"h": torch.full((2, 3), float("nan")), "ids": torch.arange(2)}, "non-finite"),
     ):
         with pytest.raises(JobError, match=why) as e:
-            jp.decode_checked(jp.tensor_message(TensorKind.ACT, {}, bad), specs, 2, PEER)
+            checked.decode_checked(checked.tensor_message(TensorKind.ACT, {}, bad), specs, 2, PEER)
         assert (e.value.code, e.value.blame) == (ErrorCode.BAD_TENSOR, PEER)
 
 

@@ -18,7 +18,8 @@ import torch
 
 from fusionnode.errors import PeerError, PlanError
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import Rpc, TensorKind, decode_checked, tensor_message
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import Rpc, TensorKind
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,8 @@ from fusionnode.runtime.transport import Transport
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind, decode_checked, tensor_message
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 

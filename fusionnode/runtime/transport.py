@@ -388,7 +388,7 @@ class Transport:
                 raise JobError(
                     ErrorCode.UNANSWERED,
                     f"peer {peer_id[:12]}… closed the {method!r} {UNANSWERED} "
-                    "(a stream reset, a private swarm whose key this peer lacks, or a rate limit)"
+                    "(a stream reset, a private swarm whose key this peer lacks, or a rate limit)",
                 ) from exc
             raise
         finally:

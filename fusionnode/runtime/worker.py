@@ -49,7 +49,8 @@ from fusionnode.runtime.links import LinkCompressor, LinkOptions
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind, decode_checked, tensor_message
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from fusionnode.optim.client import OptimizerClient
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import Rpc, StageAssignment, TensorKind, decode_checked, tensor_message
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import Rpc, StageAssignment, TensorKind
 
 logger = logging.getLogger(__name__)
 

@@ -25,16 +25,8 @@ from fusionnode.train.checkpoint import save_at
 from fusionnode.train.placement import PING_TIMEOUT_S, Placement
 from fusionnode.train.state import Job, Run
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import (
-    ErrorCode,
-    Failure,
-    Rpc,
-    StageAssignment,
-    StepReport,
-    TensorKind,
-    decode_checked,
-    tensor_message,
-)
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment, StepReport, TensorKind
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +239,10 @@ class Stepper:
         if dead_hosts:
             unanswered = [Failure(ErrorCode.DEADLINE, "did not answer a liveness probe")]
             raise HostFailed(step, {h: errors.get(h, unanswered) for h in dead_hosts}, dead_hosts)
-        for p in draining:
-            errors.setdefault(p, [Failure(ErrorCode.LEAVING, "the peer answered a probe that it is leaving")])
+        for p in draining:  # its calls failed because it is leaving (a pause released its stages, say)
+            errors.setdefault(p, []).append(
+                Failure(ErrorCode.LEAVING, "the peer answered a probe that it is leaving")
+            )
         raise StepFailed(step, errors, unreachable)
 
     async def sum_shared(

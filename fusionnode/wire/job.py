@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Final
 
-import torch
-
 from fusionnode.errors import DeadlineError, PeerError
 from fusionnode.security.limits import MAX_LEASE_S, MIN_LEASE_S
-from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor, encode_tensor
+from fusionnode.wire.typed import FieldError, TypedMessage, message
 
 # ---------------------------------------------------------------- names
 
@@ -163,92 +158,16 @@ def _bad(what: str) -> JobError:
     return JobError(ErrorCode.BAD_REQUEST, what)
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _check(value: Any, tp: Any, where: str) -> Any:
-    """`value` as the annotation `tp` (bool is no int, an int is a float); JobError otherwise."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _check(value, inner[0], where)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise _bad(f"{where} must be a list, got {type(value).__name__}")
-        (item,) = typing.get_args(tp)
-        return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _bad(f"{where} must be a map, got {type(value).__name__}")
-        kt, vt = typing.get_args(tp)
-        return {_check(k, kt, f"{where} key"): _check(v, vt, f"{where}[{k!r:.40}]") for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(f"{where} must be a number, got {type(value).__name__}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(f"{where} must be an integer, got {value!r:.40}")
-        return value
-    if tp in (str, bool):
-        if not isinstance(value, tp):
-            raise _bad(f"{where} must be {tp.__name__}, got {type(value).__name__}")
-        return value
-    raise TypeError(f"unsupported annotation {_type_name(tp)} in {where}")
-
-
-class JobMessage:
-    """Base of the typed job messages: `to_wire` gives the map that crosses the wire, `from_wire`
-    checks one and builds the message (missing, unknown, mistyped or out-of-bounds fields refused)."""
-
-    _hints: ClassVar[dict[type, dict[str, Any]]] = {}
-
-    @classmethod
-    def _fields(cls) -> dict[str, Any]:
-        hints = JobMessage._hints.get(cls)
-        if hints is None:
-            hints = typing.get_type_hints(cls)
-            hints = {f.name: hints[f.name] for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-            JobMessage._hints[cls] = hints
-        return hints
-
-    def to_wire(self) -> dict[str, Any]:
-        out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if value is None:
-                continue  # an optional field left out
-            out[f.name] = value
-        return out
+class JobMessage(TypedMessage):
+    """Base of the job's messages: a map that does not match is refused with `bad_request`."""
 
     @classmethod
     def from_wire(cls, args: Any) -> Any:
-        name = cls.__name__
-        if not isinstance(args, dict):
-            raise _bad(f"{name} must be a map, got {type(args).__name__}")
-        hints = cls._fields()
-        unknown = sorted(str(k) for k in args if k not in hints)
-        if unknown:
-            raise _bad(f"{name}: unknown field(s) {unknown[:5]}")
-        values = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if f.name not in args:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise _bad(f"{name}: missing field {f.name!r}")
-                continue
-            values[f.name] = _check(args[f.name], hints[f.name], f"{name}.{f.name}")
-        return cls(**values)
+        try:
+            return super().from_wire(args)
+        except FieldError as exc:
+            raise _bad(str(exc)) from None
 
-    def replace(self, **changes: Any) -> Any:
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
-
-
-message = dataclasses.dataclass(frozen=True)
 
 Specs = dict[str, dict[str, Any]]  # tensor name -> {"shape": [...], "dtype": "float32"}
 
@@ -694,63 +613,6 @@ def serve(transport: Any, method: str, handler: Handler) -> None:
     transport.add_rpc(method, typed)
 
 
-# ---------------------------------------------------------------- tensors of data messages
-
-
-def tensor_message(
-    kind: str,
-    meta: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    codec: str = "raw",
-    **codec_options: Any,
-) -> TensorMessage:
-    """A data message of one of `TensorKind.ALL`; float tensors in `codec`, the others raw."""
-    if kind not in TensorKind.ALL:
-        raise ValueError(f"unknown tensor kind {kind!r} (known: {sorted(TensorKind.ALL)})")
-    enc = {}
-    for name, t in tensors.items():
-        t = t.detach()
-        if codec != "raw" and t.is_floating_point():
-            enc[name] = encode_tensor(t.cpu(), codec, **codec_options)
-        else:
-            enc[name] = encode_tensor(t.cpu(), "raw")
-    return TensorMessage(kind=kind, meta=meta, tensors=enc)
-
-
-def decode_checked(
-    msg: TensorMessage, expected: dict[str, dict[str, Any]] | None, batch: int | None, sender: str
-) -> dict[str, torch.Tensor]:
-    """Decodes every tensor, checking exact dtype and shape (where known) and finiteness; a
-    `JobError(bad_tensor)` blaming `sender` otherwise."""
-    out = {}
-    for name, enc in msg.tensors.items():
-        if expected is not None:
-            spec = expected.get(name)
-            if spec is None:
-                raise JobError(
-                    ErrorCode.BAD_TENSOR,
-                    f"peer {sender[:12]}… sent an unexpected tensor {name!r} in {msg.kind!r}",
-                    sender,
-                )
-            want_shape = tuple(spec["shape"]) if batch is None else (batch, *tuple(spec["shape"])[1:])
-            if tuple(enc.shape) != want_shape or enc.dtype != spec["dtype"]:
-                raise JobError(
-                    ErrorCode.BAD_TENSOR,
-                    f"peer {sender[:12]}… sent {name!r} as {enc.dtype}{list(enc.shape)}, "
-                    f"expected {spec['dtype']}{list(want_shape)}",
-                    sender,
-                )
-        t = decode_tensor(enc)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise JobError(
-                ErrorCode.BAD_TENSOR,
-                f"peer {sender[:12]}… sent non-finite values in {name!r} ({msg.kind!r})",
-                sender,
-            )
-        out[name] = t
-    return out
-
-
 __all__ = [
     "RPCS",
     "ErrorCode",
@@ -762,9 +624,7 @@ __all__ = [
     "StepReport",
     "TensorKind",
     "call",
-    "decode_checked",
     "error_result",
     "remote_error",
     "serve",
-    "tensor_message",
 ]
