@@ -129,6 +129,8 @@ def test_a_worker_refuses_with_machine_readable_codes(tmp_path):
         assert (
             await code_of(Rpc.JOB_STEP, jp.StepRequest(job="j", stage=0, step=0, micro_batches=1, mb_size=1))
         )[0] == ErrorCode.NOT_HELD
+        step = jp.StepRequest(job="j", stage=0, step=0, micro_batches=1, mb_size=1)
+        assert (await code_of(Rpc.JOB_STEP_RESULT, step))[0] == ErrorCode.NOT_HELD  # the recall parses
         code, text = await code_of(Rpc.JOB_ASSIGN, a.replace(need_bytes=1 << 40))
         assert code == ErrorCode.NO_ROOM and "offers" in text
         with pytest.raises(JobError, match="unknown field") as e:

@@ -86,6 +86,9 @@ def test_the_table_names_every_rpc_once_with_its_types():
         assert issubclass(spec.reply, jp.JobMessage) and spec.caller
         assert set(spec.errors) <= ErrorCode.ALL
     assert len(jp.MESSAGE_TYPES) >= 30
+    # a lost job.step reply is recalled with the same request under job.step_result (Transport.call)
+    assert jp.RPCS[Rpc.JOB_STEP_RESULT].request is jp.RPCS[Rpc.JOB_STEP].request
+    assert jp.RPCS[Rpc.JOB_STEP_RESULT].reply is jp.RPCS[Rpc.JOB_STEP].reply
 
 
 @pytest.mark.parametrize("cls", jp.MESSAGE_TYPES, ids=lambda c: c.__name__)

@@ -492,9 +492,10 @@ class WorkerService:
             sj.last_report = (req.step, task.result())
             return sj.last_report[1]
 
-    async def rpc_step_result(self, req: jp.StepResultRequest, sender: str) -> jp.StepReport:
+    async def rpc_step_result(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
-        the step ran on): waits for the step if it is still running."""
+        the step ran on): the transport re-sends the `job.step` request under this name; waits for
+        the step if it is still running."""
         sj = self._get(req, sender)
         step = req.step
         task = sj.step_task

@@ -292,15 +292,6 @@ class StepReport(JobMessage):
 
 
 @message
-class StepResultRequest(JobMessage):
-    """`job.step_result`: the report of a step whose `job.step` reply was lost."""
-
-    job: str
-    stage: int
-    step: int
-
-
-@message
 class CommitRequest(JobMessage):
     """`job.commit`: apply the optimizer step (local optimizer), or prefetch the hosts' parameters."""
 
@@ -550,7 +541,7 @@ RPCS: dict[str, RpcSpec] = {
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.BAD_TENSOR, _E.DEADLINE)),
         RpcSpec(Rpc.JOB_STEP, StepRequest, StepReport, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE)),
-        RpcSpec(Rpc.JOB_STEP_RESULT, StepResultRequest, StepReport, "the stage's driver",
+        RpcSpec(Rpc.JOB_STEP_RESULT, StepRequest, StepReport, "the stage's driver (the job.step request again: its recall)",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.ABORTED, _E.NO_REPORT)),
         RpcSpec(Rpc.JOB_COMMIT, CommitRequest, CommitReply, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.BAD_TENSOR, _E.DEADLINE)),
@@ -572,11 +563,6 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.OPT_RELEASE, OptRelease, ReleaseReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
     )
 }  # fmt: skip
-REQUEST_RPC: dict[type, RpcSpec] = {}
-for _spec in RPCS.values():
-    if _spec.request is not DebugSlow:
-        REQUEST_RPC[_spec.request] = _spec
-REQUEST_RPC[DebugSlow] = RPCS[Rpc.DEBUG_SLOW]
 MESSAGE_TYPES: tuple[type, ...] = tuple(
     dict.fromkeys([Offload, *(s.request for s in RPCS.values()), *(s.reply for s in RPCS.values())])
 )
