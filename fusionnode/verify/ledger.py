@@ -17,11 +17,17 @@ from typing import Any
 
 from fusionnode.verify.commitment import digest_encoded
 from fusionnode.wire.codec_api import EncodedTensor
+from fusionnode.wire.job import TensorKind
 from fusionnode.wire.messages import TensorMessage
 
 PARTS = ("in", "target", "gin", "out", "gout")
-RECEIVED_PART = {"input": "in", "act": "in", "target": "target", "grad": "gin"}  # message kind -> part
-AUDIT_KIND = "audit"  # the kind of the messages a worker sends back to be checked
+RECEIVED_PART = {
+    TensorKind.INPUT: "in",
+    TensorKind.ACT: "in",
+    TensorKind.TARGET: "target",
+    TensorKind.GRAD: "gin",
+}
+AUDIT_KIND = TensorKind.AUDIT  # the kind of the messages a worker sends back to be checked
 AUDIT_MAX_TENSORS = 200  # tensors per audit message (the wire allows 256)
 AUDIT_MAX_BYTES = 64 << 20  # payload bytes per audit message (the wire allows 256 MiB frames)
 GRADS = "grads"  # the part naming the parameter gradients in an audit

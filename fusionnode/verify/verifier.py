@@ -36,11 +36,12 @@ from fusionnode.verify.ledger import AUDIT_KIND, GRADS, unpack_audit
 from fusionnode.verify.policy import VerifyPolicy
 from fusionnode.verify.recompute import recompute
 from fusionnode.verify.selector import CheckSelector
+from fusionnode.wire.job import Rpc
 from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
-AUDIT_RPC = "job.audit"
+AUDIT_RPC = Rpc.JOB_AUDIT
 MAX_AUDIT_CHUNKS = 4096  # audit messages one stage may answer with
 
 
