@@ -261,8 +261,17 @@ class Node:
         self._stop.set()
 
     async def graceful_leave(self) -> None:
+        """Drains (steps in flight finish; new ones are refused with the code `leaving`), then waits,
+        bounded, until the drivers have released this peer's stages: they learn of the leave from that
+        refusal and re-plan, and the commit of a step already run still finds this peer here."""
+
+        async def drain_and_wait_released() -> None:
+            await self.worker.drain()
+            while self.worker.jobs:
+                await asyncio.sleep(0.1)
+
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.worker.drain(), self.config.rpc_timeout_s)
+            await asyncio.wait_for(drain_and_wait_released(), self.config.rpc_timeout_s)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.membership.withdraw(), 5)
 

@@ -279,8 +279,12 @@ class Placement:
                 "--offload on needs at least one peer with the optimizer role (fusionnode join "
                 "--role optimizer)"
             )
-        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs)
-        hosts.sort(key=lambda h: (h in workers, h != self.t.peer_id, h))
+        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs);
+        # among equals the driver's own peer first (no hop for its pulls), except for a job that keeps
+        # checkpoints: it can be resumed from another peer, so its optimizer state stays off the
+        # driver's peer, where it would die with the driver
+        resumable = bool(params.get("spec", {}).get("save_dir"))
+        hosts.sort(key=lambda h: (h in workers, (h == self.t.peer_id) == resumable, h))
         k = int(params.get("optimizer_hosts") or 1)
         return hosts[: max(1, k)]
 
