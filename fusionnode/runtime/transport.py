@@ -294,6 +294,7 @@ class Transport:
         self.peer_limiter = PeerLimiter(peer_limits)
         self.auth_refused: dict[str, int] = defaultdict(int)  # per peer id: streams closed for bad auth
         self._bad_streams: dict[str, int] = {}  # per peer id: malformed or refused streams (log throttle)
+        self.reach: Any = None  # swarm/reachability.py Reachability: dials peers behind NAT via relays
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
@@ -364,13 +365,21 @@ class Transport:
                 name = again
         raise AssertionError("unreachable")
 
-    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+    async def _open_stream(self, peer_id: str, proto: str) -> tuple[Any, Any, Any]:
+        """A libp2p stream to `peer_id`; when p2pd cannot dial it, once more after connecting through
+        the relays the peer advertises (a peer behind NAT, swarm/reachability.py)."""
         from hivemind.p2p import PeerID
 
         try:
-            _info, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer_id), PROTO_RPC
-            )
+            return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+        except Exception:
+            if self.reach is None or not await self.reach.dial(self.p2p, peer_id):
+                raise
+        return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+
+    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            _info, reader, writer = await self._open_stream(peer_id, PROTO_RPC)
         except Exception as exc:
             raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
         try:
@@ -529,11 +538,10 @@ class Transport:
 
     async def _open_data(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new data stream to peer_id; the messages still unacknowledged are written on it first."""
-        from hivemind.p2p import PeerID
 
         try:
             _info, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_DATA), self.rpc_timeout
+                self._open_stream(peer_id, PROTO_DATA), self.rpc_timeout
             )
         except Exception as exc:
             raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc

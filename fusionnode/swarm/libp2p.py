@@ -19,6 +19,22 @@ from hivemind.p2p import P2P
 from fusionnode.config import LOCAL_ONLY, NetworkOptions
 from fusionnode.errors import ConfigError
 
+# p2pd's limits on what a relay carries (its flags' defaults, set explicitly on every relay so that
+# they are ours to state): a relayed connection is reset after RELAY_TIME_LIMIT or after
+# RELAY_DATA_LIMIT_BYTES in either direction; a data stream broken that way is reopened (a new
+# circuit) and its unacknowledged messages written again (runtime/transport.py).
+RELAY_TIME_LIMIT = "30m0s"
+RELAY_TIME_LIMIT_S = 1800.0
+RELAY_DATA_LIMIT_BYTES = 4 << 30
+RELAY_MAX_CIRCUITS = 16  # open relayed connections per peer
+RELAY_MAX_RESERVATIONS = 128  # peers holding a slot on one relay
+RELAY_LIMITS = {
+    "time_limit_s": RELAY_TIME_LIMIT_S,
+    "data_limit_bytes": RELAY_DATA_LIMIT_BYTES,
+    "max_circuits_per_peer": RELAY_MAX_CIRCUITS,
+    "max_reservations": RELAY_MAX_RESERVATIONS,
+}
+
 
 def p2p_kwargs(options: NetworkOptions, listen: Sequence[str]) -> dict[str, Any]:
     """Keyword arguments for hivemind's ``P2P.create`` (the relay service goes by `daemon_flags`)."""
@@ -36,11 +52,27 @@ def daemon_flags(options: NetworkOptions, listen: Sequence[str]) -> dict[str, An
     """p2pd flags forced on every p2pd a `_FlaggedP2P` starts: the relay service, which
     ``P2P.create`` does not expose, and the two discovery options again (see `_FlaggedP2P`)."""
     eff = options.resolve(list(listen))
-    return {
+    flags: dict[str, Any] = {
         "natPortMap": eff["nat_port_map"],
         "autonat": eff["autonat"],
         "relayService": eff["relay_service"],
     }
+    if eff["relay_service"]:
+        flags.update(
+            relayTimeLimit=RELAY_TIME_LIMIT,
+            relayDataLimit=RELAY_DATA_LIMIT_BYTES,
+            relayMaxCircuits=RELAY_MAX_CIRCUITS,
+            relayMaxReservations=RELAY_MAX_RESERVATIONS,
+        )
+    if eff["reachability"] == "public":
+        flags["forceReachabilityPublic"] = True
+    elif eff["reachability"] == "private":
+        # behind NAT: p2pd's AutoRelay reserves a slot on the trusted relays and serves circuits
+        flags["forceReachabilityPrivate"] = True
+        if eff["relay_client"] and eff["relays"]:
+            flags["autoRelay"] = True
+            flags["trustedRelays"] = ",".join(eff["relays"])
+    return flags
 
 
 _PROBE_FLAGS = daemon_flags(LOCAL_ONLY, ["/ip4/127.0.0.1/tcp/0"])

@@ -82,6 +82,7 @@ class LinkProber:
         # private swarms: (write_preamble(writer, peer, proto), read_preamble(reader, peer, proto)) of the
         # Transport's authorizer, so an outsider cannot use our probe either
         self.auth: tuple[Any, Any] | None = None
+        self.reach: Any = None  # swarm/reachability.py Reachability: relayed links are dialed and flagged
 
     async def start(self) -> None:
         """Register the probe handler (no-op when probing is disabled)."""
@@ -168,7 +169,12 @@ class LinkProber:
     async def _probe(self, pid: PeerID) -> LinkMeasurement:
         cfg = self.config
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
+            except Exception:
+                if self.reach is None or not await self.reach.dial(self.p2p, pid.to_base58()):
+                    raise
+                _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
         except (
             Exception
         ) as exc:  # the daemon reports an unreachable peer or missing handler as various errors
@@ -209,7 +215,10 @@ class LinkProber:
         # elapsed ~= transfer + one RTT (first byte out, acknowledgement back); never credit more than 2x.
         transfer = max(elapsed - rtt, elapsed / 2)
         bandwidth = min(8.0 * cfg.probe_bytes / transfer, MAX_BANDWIDTH_BPS)
-        return LinkMeasurement(bandwidth_bps=bandwidth, rtt_s=max(rtt, 1e-9), measured_at=time.time())
+        relayed = self.reach is not None and self.reach.is_relayed(pid.to_base58())
+        return LinkMeasurement(
+            bandwidth_bps=bandwidth, rtt_s=max(rtt, 1e-9), measured_at=time.time(), relayed=relayed
+        )
 
     def due(self) -> bool:
         """Whether a round is due (interval elapsed since the last round that probed someone)."""
