@@ -422,6 +422,7 @@ class Reachability:
         self.records: Any = None  # () -> the peer records membership knows (their advertised addresses)
         self.reservations: dict[str, dict[str, Any]] = {}  # relay maddr -> its terms
         self.connections: dict[str, list[str]] = {}  # peer id -> remote addresses of p2pd's connections
+        self.relay_dials: dict[str, int] = {}  # peer id -> connections we opened to it through a relay
         self._reserve_logged: set[str] = set()
 
     @property
@@ -541,6 +542,9 @@ class Reachability:
             self._dial_logged.add(peer_id)
             logger.info("reaching %s through relay %s", peer_id[:12], relay_of(addr))
         self.relayed_peers[peer_id] = addr
+        self.relay_dials[peer_id] = self.relay_dials.get(peer_id, 0) + 1
+        if len(self.relay_dials) > 4096:
+            self.relay_dials.pop(next(iter(self.relay_dials)))
         return True
 
     def status(self) -> dict[str, Any]:
@@ -555,6 +559,7 @@ class Reachability:
             "relays": list(self.relays),
             "circuit_addrs": list(self.circuit_addrs),
             "relayed_peers": sorted(self.relayed_peers),
+            "relay_dials": dict(self.relay_dials),
             "connections": {p: list(a) for p, a in list(self.connections.items())[:64]},
             "relay_service": self.relay_service,
             "relay_limits": dict(RELAY_LIMITS),
