@@ -131,6 +131,9 @@ class NetworkOptions:
     # "auto": find out at start by asking peers to dial back; "public"/"private": take the user's word
     reachability: str = DEFAULT_REACHABILITY
     relays: tuple[str, ...] = ()  # trusted relays (multiaddrs ending /p2p/<id>); none: relays among peers
+    direct: bool = (
+        True  # data streams over TCP + TLS to peers that can be dialed directly (runtime/direct.py)
+    )
 
     def __post_init__(self) -> None:
         if self.reachability not in REACHABILITY_CHOICES:
@@ -175,6 +178,7 @@ class NetworkOptions:
             "dht_mode": self.dht_mode,
             "reachability": "local" if local and self.reachability == "auto" else self.reachability,
             "relays": list(self.relays),
+            "direct": self.direct,
         }
 
 
@@ -239,6 +243,13 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         "repeatable; without one, the initial peers that offer relaying are used",
     )
     p.add_argument(
+        "--direct",
+        choices=["on", "off"],
+        default="on",
+        help="move tensor streams to a TCP + TLS 1.3 connection (keyed to the peers' libp2p identities) "
+        "when the other peer can be dialed directly; libp2p otherwise (default %(default)s)",
+    )
+    p.add_argument(
         "--dht-mode",
         choices=DHT_MODES,
         default=DEFAULT_DHT_MODE,
@@ -261,6 +272,7 @@ def network_options(args: argparse.Namespace) -> NetworkOptions:
         dht_mode=args.dht_mode,
         reachability=reachability,
         relays=tuple(getattr(args, "relay_via", None) or ()),
+        direct=getattr(args, "direct", "on") == "on",
     )
 
 

@@ -160,6 +160,8 @@ class Node:
         )
         if cfg.egress_limit_bps:
             self.transport.egress_limit = TokenBucket(cfg.egress_limit_bps)
+        if cfg.network.direct:
+            await self._start_direct()
         self.transport.reach = self.reach
         self.reach.records = self.membership.known_peers
         self.transport.add_rpc(DIALBACK_METHOD, self._rpc_dialback)
@@ -269,6 +271,33 @@ class Node:
         force = {"public": "public", "nat": "private"}.get(verdict.state, "auto")
         self.reach = Reachability(verdict, relays=relays, relay_service=bool(eff["relay_service"]))
         return dataclasses.replace(net, reachability=force, relays=tuple(relays))
+
+    async def _start_direct(self) -> None:
+        """The direct fast path (runtime/direct.py): a TLS listener on the listen address's host,
+        advertised as `<ip>:<port>/tls/fusionnode-direct` in our record."""
+        from fusionnode.runtime.direct import DIRECT_TAG, DirectPath
+        from fusionnode.swarm.reachability import ip_of
+
+        hosts = [ip_of(m) for m in self.config.listen if str(m).startswith("/ip4/")]
+        host = next((h for h in hosts if h), "0.0.0.0")
+        direct = DirectPath(self.identity.private_key, self.peer_id, host=host)
+        await direct.start(self.transport._on_data_stream)
+        ips = [ip for ip in dict.fromkeys(ip_of(m) for m in self.maddrs) if ip and ":" not in ip]
+        if any(ip != "127.0.0.1" for ip in ips):
+            ips = [ip for ip in ips if ip != "127.0.0.1"]
+        if host != "0.0.0.0":
+            ips = [host]
+        self.transport.direct = direct
+        self.maddrs = [*self.maddrs, *direct.addrs(ips[:4])][:16]
+        self.membership.set_maddrs(self.maddrs)
+
+        def book(peer_id: str) -> list[str]:
+            for rec in self.membership.known_peers():
+                if rec.peer_id == peer_id:
+                    return [m for m in rec.maddrs if m.endswith(DIRECT_TAG)]
+            return []
+
+        self.transport.direct_book = book
 
     async def _rpc_dialback(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         from fusionnode.swarm.reachability import answer_dialback, ip_of
