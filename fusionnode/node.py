@@ -81,6 +81,7 @@ class Node:
         self.swarm_fingerprint: str | None = None
         self.availability: Any = None
         self.reach: Any = None  # swarm/reachability.py Reachability
+        self.direct_addrs: list[str] = []  # where the direct fast path listens (runtime/direct.py)
         self.dashboard: Any = None
         self.dashboard_url: str | None = None
         self._job_tasks: dict[str, asyncio.Task[Any]] = {}  # job id -> the control call that drives it
@@ -135,7 +136,7 @@ class Node:
         logger.info("P2P replicated in %.2f s", time.monotonic() - t0)
         self.reach.peer_id = self.peer_id
         await self.reach.keep_reservations(self.p2p)
-        self.maddrs = [*self.reach.circuit_addrs, *self.maddrs][:16]  # advertised in our record
+        self.maddrs = [*self.reach.circuit_addrs, *self.maddrs][:12]  # advertised in our record
         logger.info("%s", self.reach.line())
         print(self.reach.line(), file=sys.stderr, flush=True)
         capacity = cfg.max_memory_bytes or self.profile.memory_free_bytes
@@ -288,8 +289,8 @@ class Node:
         if host != "0.0.0.0":
             ips = [host]
         self.transport.direct = direct
-        self.maddrs = [*self.maddrs, *direct.addrs(ips[:4])][:16]
-        self.membership.set_maddrs(self.maddrs)
+        self.direct_addrs = direct.addrs(ips[:4])  # in our record only (they are not libp2p addresses)
+        self.membership.set_maddrs([*self.maddrs, *self.direct_addrs])
 
         def book(peer_id: str) -> list[str]:
             for rec in self.membership.known_peers():
@@ -317,8 +318,8 @@ class Node:
                 await self.reach.refresh(self.p2p)
                 await self.reach.keep_reservations(self.p2p)
                 own = [m for m in self.maddrs if "/p2p-circuit" not in m]
-                self.maddrs = [*self.reach.circuit_addrs, *own][:16]
-                self.membership.set_maddrs(self.maddrs)
+                self.maddrs = [*self.reach.circuit_addrs, *own][:12]
+                self.membership.set_maddrs([*self.maddrs, *self.direct_addrs])
             await asyncio.sleep(5.0)
 
     @property

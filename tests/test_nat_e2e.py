@@ -169,6 +169,13 @@ def test_a_peer_behind_nat_is_a_middle_stage_through_a_relay(tmp_path):
             file=sys.stderr,
         )
         assert dials >= 1, (status_a["reachability"], status_b["reachability"])
+        # the direct fast path where a dial can reach: A -> the relay (public); libp2p through the relay
+        # between the two NATs, after one logged failed direct dial (private addresses)
+        paths_a = status_a["security"]["paths"]
+        print("A's paths", paths_a, file=sys.stderr)
+        assert paths_a.get(ready["b"]["peer_id"]) == "libp2p", paths_a
+        if ready["relay"]["peer_id"] in paths_a:
+            assert paths_a[ready["relay"]["peer_id"]] == "direct", paths_a
         # never a direct connection between the two NATs (no hole punching in the shipped p2pd)
         for addr in status_a["reachability"]["connections"].get(ready["b"]["peer_id"], []):
             assert "/p2p-circuit" in addr, addr
