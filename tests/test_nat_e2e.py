@@ -148,6 +148,8 @@ def test_a_peer_behind_nat_is_a_middle_stage_through_a_relay(tmp_path):
             raise AssertionError("no result")
 
         events = asyncio.run(run())
+        plans = [e for e in events if e.get("type") == "plan"]
+        assert plans and [st["peer"] for st in plans[0]["stages"]] == ids, plans  # A is the middle stage
         dist = [e["loss"] for e in events if e["type"] == "step"]
         ref = train_local(spec).losses
         assert len(dist) == len(ref) == spec.steps
@@ -174,8 +176,17 @@ def test_a_peer_behind_nat_is_a_middle_stage_through_a_relay(tmp_path):
         paths_a = status_a["security"]["paths"]
         print("A's paths", paths_a, file=sys.stderr)
         assert paths_a.get(ready["b"]["peer_id"]) == "libp2p", paths_a
-        if ready["relay"]["peer_id"] in paths_a:
+        status_r = asyncio.run(control.call(sock["relay"], "status"))
+        print(
+            "paths R, A, B",
+            status_r["security"]["paths"],
+            paths_a,
+            status_b["security"]["paths"],
+            file=sys.stderr,
+        )
+        if ready["relay"]["peer_id"] in paths_a:  # A dials the public relay: the direct path
             assert paths_a[ready["relay"]["peer_id"]] == "direct", paths_a
+        assert status_r["security"]["paths"].get(ready["a"]["peer_id"]) == "libp2p"  # A's address is private
         # never a direct connection between the two NATs (no hole punching in the shipped p2pd)
         for addr in status_a["reachability"]["connections"].get(ready["b"]["peer_id"], []):
             assert "/p2p-circuit" in addr, addr

@@ -164,3 +164,31 @@ def test_a_peer_reached_through_its_relay_over_loopback():
                 await p.shutdown()
 
     asyncio.run(go())
+
+
+def test_relayed_links_are_flagged_in_records_and_in_the_planners_cluster():
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_swarm_records import make_record
+
+    from fusionnode.swarm.records import LinkMeasurement, PeerRecord
+    from fusionnode.train.driver import cluster_from_records
+
+    a_id, b_id = (
+        "QmQBmnNqwNGtDVC7qQSEEW6jgyT6KyBTWxNHEWe7z5Jca7",
+        "QmQeF1MRu2re6xR1gKK8sy1CVkSbbJBU8wJAfR7LbWDnuZ",
+    )
+    relayed = LinkMeasurement(bandwidth_bps=2e6, rtt_s=0.05, measured_at=1.0e9, relayed=True)
+    a = make_record(a_id, links={b_id: relayed})
+    b = make_record(b_id, links={a_id: dataclasses.replace(relayed, relayed=False, bandwidth_bps=3e6)})
+    wire = a.to_wire()
+    assert wire["links"][b_id]["relayed"] is True
+    assert PeerRecord.from_wire(wire).links[b_id].relayed
+    old = b.to_wire()
+    del old["links"][a_id]["relayed"]  # a record from before issue 22
+    assert PeerRecord.from_wire(old).links[a_id].relayed is False
+    doc = cluster_from_records([a, b], [a_id, b_id], [])
+    (pair,) = doc["links"]["pairs"]
+    assert pair["relayed"] is True and pair["bandwidth_gbps"] == 2e6 / 1e9  # the slower measured figure

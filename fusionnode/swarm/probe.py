@@ -35,6 +35,7 @@ PING_BYTES = 8
 
 DEFAULT_PROBE_INTERVAL = 30.0  # seconds between probe rounds
 DEFAULT_PROBE_BYTES = 1 << 20  # bytes sent per bandwidth probe (1 MiB)
+RELAYED_PROBE_BYTES = 64 << 10  # bytes per probe of a relayed link (inside the relay's 128 KiB)
 DEFAULT_PEERS_PER_ROUND = 3  # peers probed per round
 DEFAULT_PINGS = 4  # RTT samples per probe (the minimum is kept)
 DEFAULT_PROBE_TIMEOUT = 20.0  # seconds for one whole probe
@@ -179,10 +180,13 @@ class LinkProber:
             Exception
         ) as exc:  # the daemon reports an unreachable peer or missing handler as various errors
             raise PeerError(f"cannot open probe stream to {pid}: {exc}") from exc
+        relayed = self.reach is not None and self.reach.is_relayed(pid.to_base58())
+        # a relayed connection is reset after 128 KiB (the shipped p2pd's relay limit): a smaller probe
+        nbytes = min(cfg.probe_bytes, RELAYED_PROBE_BYTES) if relayed else cfg.probe_bytes
         try:
             if self.auth is not None:
                 await self.auth[0](writer, pid.to_base58(), PROBE_PROTOCOL)
-            writer.write(_HEADER.pack(PROBE_MAGIC, PROBE_VERSION, cfg.pings, 0, cfg.probe_bytes))
+            writer.write(_HEADER.pack(PROBE_MAGIC, PROBE_VERSION, cfg.pings, 0, nbytes))
             rtts = []
             for _ in range(cfg.pings):
                 nonce = os.urandom(PING_BYTES)
@@ -194,9 +198,9 @@ class LinkProber:
                 if echo != nonce:
                     raise PeerError(f"{pid} echoed a wrong probe nonce")
             rtt = min(rtts)
-            payload = bytes(min(cfg.probe_bytes, CHUNK_BYTES))
+            payload = bytes(min(nbytes, CHUNK_BYTES))
             t0 = time.perf_counter()
-            left = cfg.probe_bytes
+            left = nbytes
             while left > 0:
                 n = min(left, len(payload))
                 writer.write(payload[:n] if n < len(payload) else payload)
@@ -210,12 +214,11 @@ class LinkProber:
             ) from exc
         finally:
             writer.close()
-        if count != cfg.probe_bytes:
-            raise PeerError(f"{pid} acknowledged {count} of {cfg.probe_bytes} probe bytes")
+        if count != nbytes:
+            raise PeerError(f"{pid} acknowledged {count} of {nbytes} probe bytes")
         # elapsed ~= transfer + one RTT (first byte out, acknowledgement back); never credit more than 2x.
         transfer = max(elapsed - rtt, elapsed / 2)
-        bandwidth = min(8.0 * cfg.probe_bytes / transfer, MAX_BANDWIDTH_BPS)
-        relayed = self.reach is not None and self.reach.is_relayed(pid.to_base58())
+        bandwidth = min(8.0 * nbytes / transfer, MAX_BANDWIDTH_BPS)
         return LinkMeasurement(
             bandwidth_bps=bandwidth, rtt_s=max(rtt, 1e-9), measured_at=time.time(), relayed=relayed
         )
