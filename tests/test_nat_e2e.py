@@ -24,7 +24,7 @@ import pytest
 from nat_topology import NatTopology, nft_missing, skip_reason
 
 from fusionnode import control
-from fusionnode.demo import fusionnode_command
+from fusionnode.localswarm import fusionnode_command
 from fusionnode.node import READY_PREFIX
 from fusionnode.train.local import train_local
 from fusionnode.train.spec import JobSpec

@@ -82,12 +82,16 @@ def _crypto_key(private_key: Any) -> Any:
 
 
 def peer_id_of_der(public_der: bytes) -> str:
-    from cryptography.hazmat.primitives.serialization import load_der_public_key
+    """libp2p peer id of an RSA public key (as fusionnode.swarm.identity derives it): multihash(sha2-256,
+    protobuf PublicKey{RSA, SubjectPublicKeyInfo DER})."""
+    import multihash
+    from hivemind.p2p import PeerID
+    from hivemind.proto import crypto_pb2
 
-    from fusionnode.swarm.identity import peer_id_from_public_key
-
-    key = load_der_public_key(public_der)
-    return peer_id_from_public_key(key).to_base58()
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public_der).SerializeToString()
+    return PeerID(
+        multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    ).to_base58()
 
 
 def _public_der(key: Any) -> bytes:
@@ -138,7 +142,7 @@ class DirectIdentity:
         self.peer_id = peer_id
         self.public_der = _public_der(self.key.public_key())
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id[:64])])
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(name)
@@ -470,7 +474,7 @@ class DirectPath:
                 )
             except WrongIdentity:
                 raise
-            except (OSError, ssl.SSLError, PeerError, asyncio.TimeoutError, ConnectionError) as exc:
+            except (TimeoutError, OSError, ssl.SSLError, PeerError, ConnectionError) as exc:
                 reasons.append(f"{hp[0]}:{hp[1]}: {exc!r}"[:200])
                 continue
             self.connections += 1

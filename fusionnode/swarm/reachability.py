@@ -99,7 +99,7 @@ async def observed_addrs(p2p: Any, peer_id: str) -> list[str]:
 async def _dial(ip: str, port: int, timeout: float) -> bool:
     try:
         _r, w = await asyncio.wait_for(asyncio.open_connection(ip, port), timeout)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     w.close()
     with contextlib.suppress(Exception):
@@ -162,7 +162,7 @@ async def ask_dialback(
         try:
             res = await transport.call(pid, DIALBACK_METHOD, {"ports": list(ports)[:MAX_PORTS]}, timeout)
             answers.append((pid, res))
-        except (PeerError, ProtocolError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, PeerError, ProtocolError, OSError) as exc:
             errors.append(f"{pid[:12]}…: {exc}")
         except Exception as exc:  # DeadlineError and the like: that peer did not answer
             errors.append(f"{pid[:12]}…: {type(exc).__name__}: {exc}")
@@ -190,13 +190,13 @@ async def probe_before_start(
     listen: Sequence[str],
     initial_peers: Sequence[str],
     *,
-    authorizer: Any = None,
+    make_transport: Any,
     startup_timeout: float = 30.0,
 ) -> Verdict:
     """Reachability of a node that has not started yet: a short-lived p2pd (random identity, nothing
-    beyond its listen addresses) on `listen` asks the initial peers to dial it back, then stops."""
+    beyond its listen addresses) on `listen` asks the initial peers to dial it back, then stops.
+    `make_transport(p2p)`: the node's Transport on that p2pd (its RPC calls, its swarm key)."""
     from fusionnode.config import LOCAL_ONLY
-    from fusionnode.runtime.transport import Transport
     from fusionnode.swarm.libp2p import create_p2p
 
     peers = [m.rsplit("/p2p/", 1)[1] for m in initial_peers if "/p2p/" in m and "/p2p-circuit" not in m]
@@ -215,7 +215,7 @@ async def probe_before_start(
         return Verdict("unknown", "none answered", reason=f"could not reach the initial peers: {exc}"[:300])
     try:
         ports = tcp_ports([str(m) for m in await p2p.get_visible_maddrs()]) or tcp_ports(listen)
-        transport = Transport(p2p, rpc_timeout=ASK_TIMEOUT_S, authorizer=authorizer)
+        transport = make_transport(p2p)
         verdict = await ask_dialback(transport, peers, ports[:MAX_PORTS])
     finally:
         with contextlib.suppress(Exception):
@@ -393,7 +393,7 @@ async def reserve(p2p: Any, relay: str, timeout: float = RESERVE_TIMEOUT_S) -> d
 
     try:
         return await asyncio.wait_for(go(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise PeerError(
             f"relay {relay_id[:12]}… did not answer a reservation within {timeout:.0f} s"
         ) from None
