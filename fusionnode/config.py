@@ -224,8 +224,9 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         "--relay",
         action="store_true",
         help="offer this peer as a circuit relay for peers behind NAT (the same as --relay-service on "
-        "--reachability public: a relay must be dialable from the internet; the shipped p2pd resets "
-        "each relayed connection after 2 min or 128 KiB each way; 16 circuits per peer, 128 slots)",
+        "--reachability public: a relay must be dialable from the internet; it asks p2pd for 30 min and "
+        "4 GiB per relayed connection, but the shipped p2pd may grant go-libp2p's 2 min and 128 KiB; "
+        "16 circuits per peer, 128 slots)",
     )
     p.add_argument(
         "--reachability",

@@ -19,22 +19,23 @@ from hivemind.p2p import P2P
 from fusionnode.config import LOCAL_ONLY, NetworkOptions
 from fusionnode.errors import ConfigError
 
-# What a relay carries. A relay's p2pd is started with the limits below, but the shipped p2pd grants
-# go-libp2p's defaults whatever its -relayTimeLimit/-relayDataLimit flags say: measured from the
-# relay's answer to a reservation (tests/test_nat_e2e.py), each relayed connection is reset after
-# 120 s or 128 KiB in either direction. A data stream broken that way is reopened on a new circuit and
-# its unacknowledged messages written again (runtime/transport.py), so relayed links work but pay a
-# new circuit every 128 KiB: they suit control traffic and small activations, not bulk tensors. Each
-# reservation reports the relay's actual terms (`fusionnode status`, reachability.reservations).
-RELAY_TIME_LIMIT = "30m0s"  # asked for
-RELAY_DATA_LIMIT_BYTES = 4 << 30  # asked for
-RELAY_GRANTED_TIME_S = 120.0  # granted by the shipped p2pd
-RELAY_GRANTED_DATA_BYTES = 128 << 10  # granted by the shipped p2pd
+# What a relay carries. Measured with the shipped p2pd (tests/test_nat_e2e.py, test_reachability.py):
+# every p2pd answers circuit-relay v2 reservations with go-libp2p's default limits (120 s and 128 KiB
+# per relayed connection each way), even one started with -relayService=0; one started with
+# -relayService=1 and the limits below also runs a relay with those (30 min, 4 GiB), and which of the
+# two answered a reservation varied from run to run. Each reservation reports the terms actually
+# granted (`fusionnode status`, reachability.reservations). A relayed connection cut at its limit
+# breaks the data stream, which reopens on a new circuit and writes its unacknowledged messages again
+# (runtime/transport.py): jobs go on, paying a new circuit per 128 KiB with the small terms.
+RELAY_TIME_LIMIT = "30m0s"  # what a FusionNode relay (--relay) asks its p2pd for
+RELAY_DATA_LIMIT_BYTES = 4 << 30
+RELAY_GRANTED_TIME_S = 120.0  # go-libp2p's defaults, which any p2pd may grant instead
+RELAY_GRANTED_DATA_BYTES = 128 << 10
 RELAY_MAX_CIRCUITS = 16  # open relayed connections per peer
 RELAY_MAX_RESERVATIONS = 128  # peers holding a slot on one relay
 RELAY_LIMITS = {
-    "time_limit_s": RELAY_GRANTED_TIME_S,
-    "data_limit_bytes": RELAY_GRANTED_DATA_BYTES,
+    "time_limit_s": [RELAY_GRANTED_TIME_S, 1800.0],  # the two terms a shipped p2pd relay grants
+    "data_limit_bytes": [RELAY_GRANTED_DATA_BYTES, RELAY_DATA_LIMIT_BYTES],
     "max_circuits_per_peer": RELAY_MAX_CIRCUITS,
     "max_reservations": RELAY_MAX_RESERVATIONS,
 }

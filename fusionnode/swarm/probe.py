@@ -181,7 +181,7 @@ class LinkProber:
         ) as exc:  # the daemon reports an unreachable peer or missing handler as various errors
             raise PeerError(f"cannot open probe stream to {pid}: {exc}") from exc
         relayed = self.reach is not None and self.reach.is_relayed(pid.to_base58())
-        # a relayed connection is reset after 128 KiB (the shipped p2pd's relay limit): a smaller probe
+        # a relayed connection may be reset after 128 KiB (go-libp2p's relay terms): a smaller probe
         nbytes = min(cfg.probe_bytes, RELAYED_PROBE_BYTES) if relayed else cfg.probe_bytes
         try:
             if self.auth is not None:
