@@ -24,8 +24,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -33,7 +34,6 @@ from fusionnode.errors import PeerError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
-from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
@@ -106,10 +106,36 @@ def _spec_bytes(specs: Any) -> int:
     return total
 
 
+class HostMailbox(Protocol):
+    """The inbox part of `HostTransport`."""
+
+    def accept(self, job: str, holder: Any, peers: Any, max_bytes: int) -> None: ...
+
+    def release(self, job: str, holder: Any) -> None: ...
+
+    async def get(self, key: tuple, timeout: float, *, sender: str) -> tuple[TensorMessage, str]: ...
+
+
+class HostTransport(Protocol):
+    """What the optimizer host needs of a transport (`fusionnode.runtime.transport.Transport` is one;
+    optim/ does not import the runtime)."""
+
+    @property
+    def mailbox(self) -> HostMailbox: ...
+
+    def add_rpc(
+        self, method: str, handler: Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+    ) -> None: ...
+
+    async def send(
+        self, peer_id: str, msg: TensorMessage, observe: Callable[[int, float], None] | None = None
+    ) -> int: ...
+
+
 class OptimizerHostService:
     def __init__(
         self,
-        transport: Transport,
+        transport: HostTransport,
         *,
         state_dir: Path,
         step_deadline_s: float = 60.0,
