@@ -228,3 +228,31 @@ def test_an_outsider_cannot_skip_authentication(tmp_path):
             await _close(a, m)
 
     asyncio.run(go())
+
+
+def test_a_flood_of_silent_connections_is_capped_and_then_cleared():
+    from fusionnode.runtime.direct import HELLO_TIMEOUT_S, MAX_PENDING_HANDSHAKES
+
+    key, pid = _key()
+    other_key, other_id = _key()
+
+    async def go():
+        listener = DirectPath(key, pid, host="127.0.0.1")
+        await listener.start(lambda *args: asyncio.sleep(0))
+        silent = []
+        try:
+            for _ in range(MAX_PENDING_HANDSHAKES + 8):
+                silent.append(socket.create_connection(("127.0.0.1", listener.port), timeout=5))
+            await _wait(lambda: listener.refused >= 8)  # the ones past the cap: closed unread at once
+            await asyncio.sleep(HELLO_TIMEOUT_S + 1)  # the pending handshakes time out
+            sock = await asyncio.to_thread(
+                dial_blocking, DirectIdentity(other_key, other_id), "127.0.0.1", listener.port, pid, 3
+            )
+            sock.close()
+            assert listener.connections == 1
+        finally:
+            for s in silent:
+                s.close()
+            listener.close()
+
+    asyncio.run(go())

@@ -52,6 +52,7 @@ MAX_HELLO_BYTES = 4096  # dialer's public key + signature
 HELLO_TIMEOUT_S = 5.0  # seconds for a dialer to finish the handshake and its hello
 DIAL_TIMEOUT_S = 3.0  # seconds to connect and authenticate before falling back to libp2p
 RETRY_AFTER_S = 300.0  # seconds a peer whose direct dial failed stays on libp2p
+MAX_PENDING_HANDSHAKES = 64  # inbound connections still in their handshake; more are closed at once
 HIGH_WATER = 8 << 20  # bytes queued for the writer thread before drain() waits
 READ_BYTES = 1 << 20  # bytes the reader thread hands over at most at a time
 _LEN = struct.Struct(">H")
@@ -412,6 +413,7 @@ class DirectPath:
         self.connections = 0  # authenticated direct connections opened or accepted
         self.refused = 0  # inbound connections that failed the handshake
         self._tasks: set[asyncio.Task] = set()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
 
     async def start(self, handler: StreamHandler) -> int:
         """Listens; each authenticated inbound connection goes to `handler(info, reader, writer)`."""
@@ -434,17 +436,24 @@ class DirectPath:
                 raw, _addr = self._server.accept()
             except OSError:
                 return
+            if not self._pending.acquire(blocking=False):  # a flood: no thread for it
+                self.refused += 1
+                with contextlib.suppress(OSError):
+                    raw.close()
+                continue
             threading.Thread(target=self._handshake, args=(raw,), daemon=True).start()
 
     def _handshake(self, raw: socket.socket) -> None:
         try:
             sock, peer = accept_blocking(self.ident, raw)
         except Exception as exc:
+            self._pending.release()
             self.refused += 1
             logger.debug("direct connection refused: %r", exc)
             with contextlib.suppress(OSError):
                 raw.close()
             return
+        self._pending.release()
         loop = self._loop
         if loop is None or loop.is_closed():
             sock.close()
