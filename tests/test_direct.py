@@ -256,3 +256,41 @@ def test_a_flood_of_silent_connections_is_capped_and_then_cleared():
             listener.close()
 
     asyncio.run(go())
+
+
+def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
+    from fusionnode.runtime.direct import READ_BUFFERS, READ_BYTES, READ_HIGH_WATER
+
+    key, pid = _key()
+    other_key, other_id = _key()
+
+    async def go():
+        held = []
+
+        async def idle(_info, reader, writer):  # accepts and never reads
+            held.append(reader)
+            await asyncio.sleep(30)
+
+        listener = DirectPath(key, pid, host="127.0.0.1")
+        await listener.start(idle)
+        dialer = DirectPath(other_key, other_id, host="127.0.0.1")
+        try:
+            _r, w = await dialer.dial(pid, [direct_addr("127.0.0.1", listener.port)])
+            chunk = bytes(1 << 20)
+
+            async def push():
+                for _ in range(256):  # 256 MiB, far more than any buffer
+                    w.write(chunk)
+                    await w.drain()
+
+            task = asyncio.ensure_future(push())
+            await asyncio.sleep(3)
+            assert not task.done()  # the sender is held back
+            await _wait(lambda: bool(held))
+            assert len(held[0]._buffer) <= READ_HIGH_WATER + READ_BUFFERS * READ_BYTES, len(held[0]._buffer)
+            task.cancel()
+            w.close()
+        finally:
+            listener.close()
+
+    asyncio.run(go())

@@ -170,9 +170,18 @@ async def _measure(
     open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None
 ) -> float:
     times = []
-    for _ in range(repeats + 1):  # first run warms up
+    cpu0 = 0.0
+    for i in range(repeats + 1):  # first run warms up
+        if i == 1:
+            cpu0 = time.process_time()
         times.append(await asyncio.wait_for(_send(open_stream, total, chunk, msg), TRANSFER_TIMEOUT))
+    # CPU seconds this process spent (every thread, both ends of the stream) per MiB: unlike the
+    # throughput, not skewed by other processes competing for the cores (p2pd's own CPU is not in it)
+    LAST_CPU_MS_PER_MIB[0] = (time.process_time() - cpu0) * 1e3 / (total / MIB * repeats)
     return total / MIB / statistics.median(times[1:])
+
+
+LAST_CPU_MS_PER_MIB = [0.0]  # of the latest `_measure`
 
 
 async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
@@ -196,7 +205,14 @@ async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: 
         finally:
             server.close()
             await server.wait_closed()
-        rows.append({"transport": "tcp", "payload": "framed" if framed else "raw", "mib_s": rate})
+        rows.append(
+            {
+                "transport": "tcp",
+                "payload": "framed" if framed else "raw",
+                "mib_s": rate,
+                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
+            }
+        )
     rows += await _bench_direct(total, chunk, repeats, msg, frame_bytes, limits)
     if with_p2p:
         rows += await _bench_p2p(total, chunk, repeats, msg, frame_bytes, limits)
@@ -237,7 +253,14 @@ async def _bench_direct(
             )
         finally:
             listener.close()
-        rows.append({"transport": "direct", "payload": "framed" if framed else "raw", "mib_s": rate})
+        rows.append(
+            {
+                "transport": "direct",
+                "payload": "framed" if framed else "raw",
+                "mib_s": rate,
+                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
+            }
+        )
     return rows
 
 
@@ -297,10 +320,12 @@ def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, 
     print("  read_message yields (zero-copy); the pair ratios use the sum of both times")
     if stream_rows:
         print("streams on loopback, MiB/s (median)")
-        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7}")
+        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7} {'cpu ms/MiB':>10}")
         for r in stream_rows:
             ratio = f"{r['ratio_to_tcp']:.2f}" if "ratio_to_tcp" in r else "-"
-            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7}")
+            cpu = f"{r['cpu_ms_per_mib']:.2f}" if "cpu_ms_per_mib" in r else "-"
+            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7} {cpu:>10}")
+        print("  cpu ms/MiB: this process's CPU (both ends, all threads) per MiB; p2pd's is not counted")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import datetime
 import hashlib
 import logging
 import os
+import queue
 import select
 import socket
 import ssl
@@ -55,6 +56,8 @@ RETRY_AFTER_S = 300.0  # seconds a peer whose direct dial failed stays on libp2p
 MAX_PENDING_HANDSHAKES = 64  # inbound connections still in their handshake; more are closed at once
 HIGH_WATER = 8 << 20  # bytes queued for the writer thread before drain() waits
 READ_BYTES = 1 << 20  # bytes the reader thread hands over at most at a time
+READ_BUFFERS = 4  # buffers of READ_BYTES per connection the reader thread fills in turn
+READ_HIGH_WATER = 8 << 20  # bytes received but not yet read before the reader thread stops reading
 _LEN = struct.Struct(">H")
 
 
@@ -354,14 +357,20 @@ class DirectConnection:
         self._done = 0
         self._lock = threading.Lock()
         self.writer = _Writer(sock, loop, self._half_closed)
+        self._reader_done = False
+        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        for _ in range(READ_BUFFERS):
+            self._free.put(bytearray(READ_BYTES))
         self._thread = threading.Thread(target=self._read, name="direct-reader", daemon=True)
         self._thread.start()
 
     def _read(self) -> None:
-        buf = bytearray(READ_BYTES)
-        view = memoryview(buf)
+        """Fills one of a few buffers per hand-over; the loop feeds it to the reader (one copy, the
+        StreamReader's own) and gives it back."""
         try:
             while True:
+                buf = self._free.get()
+                view = memoryview(buf)
                 n = self.sock.recv_into(view, READ_BYTES)
                 if not n:
                     break
@@ -370,13 +379,29 @@ class DirectConnection:
                     if not got:
                         break
                     n += got
-                self.loop.call_soon_threadsafe(self.reader.feed_data, bytes(view[:n]))
-        except (OSError, ValueError):
+                self.loop.call_soon_threadsafe(self._feed, buf, n)
+        except (OSError, ValueError, RuntimeError):
             pass
         finally:
+            self._reader_done = True
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self.reader.feed_eof)
             self._half_closed()
+
+    def _feed(self, buf: bytearray, n: int) -> None:
+        self.reader.feed_data(memoryview(buf)[:n])
+        self._give_back(buf)
+
+    def _give_back(self, buf: bytearray) -> None:
+        """Back to the reader thread once what the reader holds unread is under READ_HIGH_WATER: with
+        every buffer out the thread stops reading, TCP's window fills and the sender waits (the
+        flow control asyncio's own transports have; a sender cannot make us buffer without bound)."""
+        if self._reader_done:
+            return  # nobody reads into it any more
+        if len(self.reader._buffer) > READ_HIGH_WATER and not self.writer.is_closing():
+            self.loop.call_later(0.001, self._give_back, buf)
+            return
+        self._free.put(buf)
 
     def _half_closed(self) -> None:
         with self._lock:
