@@ -294,3 +294,21 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
             listener.close()
 
     asyncio.run(go())
+
+
+def test_a_slow_probed_link_keeps_libp2p(tmp_path, caplog):
+    async def go():
+        a = await _peer(tmp_path, "a")
+        b = await _peer(tmp_path, "b", initial=await a.p2p.get_visible_maddrs())
+        try:
+            a.t.direct_book = lambda pid: [b.addr] if pid == b.id else []
+            a.t.link_bps = lambda pid: 20e6  # probed at 20 Mbit/s: nothing to gain off libp2p
+            with caplog.at_level(logging.WARNING, logger="fusionnode.runtime.transport"):
+                await a.t.send(b.id, _msg(0))
+            await _wait(lambda: len(b.got) == 1)
+            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
+            assert not [r for r in caplog.records if "direct path" in r.getMessage()]  # not a failure
+        finally:
+            await _close(a, b)
+
+    asyncio.run(go())

@@ -62,6 +62,7 @@ RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
 
+DIRECT_MIN_BPS = 200e6  # bits/s: links probed slower than this keep libp2p for their data streams
 UNANSWERED = "call unanswered"  # in the error of a call whose stream closed before its reply
 
 
@@ -298,6 +299,8 @@ class Transport:
         self.direct: Any = None  # runtime/direct.py DirectPath: data streams over TCP + TLS when it can
         self.direct_book: Callable[[str], list[str]] | None = None  # peer id -> its direct addresses
         self.paths: dict[str, str] = {}  # per peer id: "direct" or "libp2p", the last data stream's path
+        self.link_bps: Callable[[str], float | None] | None = None  # peer id -> probed bits/s, if known
+        self.direct_min_bps = DIRECT_MIN_BPS  # slower probed links keep libp2p (nothing to gain)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
@@ -591,6 +594,9 @@ class Transport:
         if self.direct is None or self.direct_book is None:
             return None
         if self.reach is not None and self.reach.is_relayed(peer_id):
+            return None
+        bps = self.link_bps(peer_id) if self.link_bps is not None else None
+        if bps is not None and bps < self.direct_min_bps:
             return None
         failed = self.direct.failed.get(peer_id)
         if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
