@@ -192,3 +192,34 @@ def test_relayed_links_are_flagged_in_records_and_in_the_planners_cluster():
     doc = cluster_from_records([a, b], [a_id, b_id], [])
     (pair,) = doc["links"]["pairs"]
     assert pair["relayed"] is True and pair["bandwidth_gbps"] == 2e6 / 1e9  # the slower measured figure
+
+
+def test_the_probe_before_start_speaks_the_private_swarms_authentication():
+    from fusionnode.security import SwarmAuthorizer
+    from fusionnode.security.keys import SwarmKey
+    from fusionnode.swarm.reachability import probe_before_start
+
+    key = SwarmKey.generate()
+
+    async def go():
+        a = await create_p2p(LOOPBACK, options=LOCAL_ONLY)
+        ta = Transport(a, authorizer=SwarmAuthorizer(key))
+        ta.add_rpc(DIALBACK_METHOD, lambda args, sender: answer_dialback(a, sender, args))
+        await ta.start()
+        boot = [str(m) for m in await a.get_visible_maddrs()]
+        try:
+            member = await probe_before_start(
+                LOOPBACK, boot, make_transport=lambda p2p: Transport(p2p, authorizer=SwarmAuthorizer(key))
+            )
+            assert member.state == "public" and member.source == "dial-back", member
+            outsider = await probe_before_start(
+                LOOPBACK,
+                boot,
+                make_transport=lambda p2p: Transport(p2p, authorizer=SwarmAuthorizer(SwarmKey.generate())),
+            )
+            assert outsider.state == "unknown" and outsider.reason, outsider  # refused unanswered
+        finally:
+            await ta.close()
+            await a.shutdown()
+
+    asyncio.run(go())
