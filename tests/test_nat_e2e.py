@@ -190,6 +190,17 @@ def test_a_peer_behind_nat_is_a_middle_stage_through_a_relay(tmp_path):
         # never a direct connection between the two NATs (no hole punching in the shipped p2pd)
         for addr in status_a["reachability"]["connections"].get(ready["b"]["peer_id"], []):
             assert "/p2p-circuit" in addr, addr
+        # the link probes of A and B ran over the relay and say so in the records the planner reads
+        recs = {r["peer_id"]: r for r in asyncio.run(control.call(sock["relay"], "peers"))["peers"]}
+        links = {n: recs[ready[n]["peer_id"]]["links"] for n in ("a", "b")}
+        print("A's and B's links", links, file=sys.stderr)
+        relayed_links = [
+            m
+            for n, other in (("a", "b"), ("b", "a"))
+            for pid, m in links[n].items()
+            if pid == ready[other]["peer_id"]
+        ]
+        assert relayed_links and all(m["relayed"] and m["bandwidth_bps"] > 0 for m in relayed_links), links
         out = subprocess.run(
             [sys.executable, "-m", "fusionnode", "status", "--state-dir", str(dirs["a"])],
             capture_output=True,
