@@ -174,7 +174,7 @@ def test_relayed_links_are_flagged_in_records_and_in_the_planners_cluster():
     from test_swarm_records import make_record
 
     from fusionnode.swarm.records import LinkMeasurement, PeerRecord
-    from fusionnode.train.driver import cluster_from_records
+    from fusionnode.train.placement import cluster_from_records
 
     a_id, b_id = (
         "QmQBmnNqwNGtDVC7qQSEEW6jgyT6KyBTWxNHEWe7z5Jca7",
