@@ -134,10 +134,19 @@ def cluster_from_records(
             }
         )
     measured = symmetric_links(records)
+    relayed = {  # links through a circuit relay (issue 22): priced by their measured bandwidth, flagged
+        frozenset((r.peer_id, o))
+        for r in records
+        for o, m in (r.links or {}).items()
+        if getattr(m, "relayed", False)
+    }
     for (a, b), (bps, rtt_s) in sorted(measured.items()):
         if a < b and a in by_id and b in by_id and (a, b) not in seen:
             seen.add((a, b))
-            pairs.append({"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0})
+            pair = {"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0}
+            if frozenset((a, b)) in relayed:
+                pair["relayed"] = True
+            pairs.append(pair)
     return {
         "version": 1,
         "name": "swarm",
