@@ -21,8 +21,7 @@ TOO_LONG_FOR_NOW = {
 
 # Package edges that close cycles in other engineers' areas (issue 16, i16r: the optimizer math made
 # importable without train/ and runtime/). The integrator removes each entry once its fix is merged.
-KNOWN_EDGES: set[tuple[str, str]] = {
-}
+KNOWN_EDGES: set[tuple[str, str]] = {}
 
 
 def unit_of(module: str) -> str | None:

@@ -63,6 +63,7 @@ RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
 
+DIRECT_MIN_BPS = 200e6  # bits/s: links probed slower than this keep libp2p for their data streams
 UNANSWERED = "call unanswered"  # in the error of a call whose stream closed before its reply
 
 
@@ -295,12 +296,20 @@ class Transport:
         self.peer_limiter = PeerLimiter(peer_limits)
         self.auth_refused: dict[str, int] = defaultdict(int)  # per peer id: streams closed for bad auth
         self._bad_streams: dict[str, int] = {}  # per peer id: malformed or refused streams (log throttle)
+        self.reach: Any = None  # swarm/reachability.py Reachability: dials peers behind NAT via relays
+        self.direct: Any = None  # runtime/direct.py DirectPath: data streams over TCP + TLS when it can
+        self.direct_book: Callable[[str], list[str]] | None = None  # peer id -> its direct addresses
+        self.paths: dict[str, str] = {}  # per peer id: "direct" or "libp2p", the last data stream's path
+        self.link_bps: Callable[[str], float | None] | None = None  # peer id -> probed bits/s, if known
+        self.direct_min_bps = DIRECT_MIN_BPS  # slower probed links keep libp2p (nothing to gain)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
         await self.p2p.add_binary_stream_handler(PROTO_DATA, self._on_data_stream)
 
     async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         for _reader, writer in list(self._out.values()):
             writer.close()
         self._out.clear()
@@ -365,13 +374,21 @@ class Transport:
                 name = again
         raise AssertionError("unreachable")
 
-    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+    async def _open_stream(self, peer_id: str, proto: str) -> tuple[Any, Any, Any]:
+        """A libp2p stream to `peer_id`; when p2pd cannot dial it, once more after connecting through
+        the relays the peer advertises (a peer behind NAT, swarm/reachability.py)."""
         from hivemind.p2p import PeerID
 
         try:
-            _info, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer_id), PROTO_RPC
-            )
+            return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+        except Exception:
+            if self.reach is None or not await self.reach.dial(self.p2p, peer_id):
+                raise
+        return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+
+    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            _info, reader, writer = await self._open_stream(peer_id, PROTO_RPC)
         except Exception as exc:
             raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
         try:
@@ -531,14 +548,18 @@ class Transport:
 
     async def _open_data(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new data stream to peer_id; the messages still unacknowledged are written on it first."""
-        from hivemind.p2p import PeerID
-
-        try:
-            _info, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_DATA), self.rpc_timeout
-            )
-        except Exception as exc:
-            raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+        opened = await self._open_direct(peer_id)
+        if opened is not None:
+            reader, writer = opened
+            self.paths[peer_id] = "direct"
+        else:
+            try:
+                _info, reader, writer = await asyncio.wait_for(
+                    self._open_stream(peer_id, PROTO_DATA), self.rpc_timeout
+                )
+            except Exception as exc:
+                raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+            self.paths[peer_id] = "libp2p"
         await self._write_preamble(writer, peer_id, PROTO_DATA)
         pending = self._unacked[peer_id]
         while pending and pending[0][2] >= MAX_RESENDS:  # the oldest were written the most often
@@ -565,6 +586,35 @@ class Transport:
             entry[3] = await self._write_data(peer_id, writer, entry[1])
             entry[2] += 1
         return reader, writer
+
+    async def _open_direct(self, peer_id: str) -> tuple[Any, Any] | None:
+        """A data stream to `peer_id` over the direct path when both ends have one and it is not a
+        relayed peer; None (libp2p then) when it cannot be had. A failed dial is logged once with its
+        reason and the peer stays on libp2p for `RETRY_AFTER_S`."""
+        from fusionnode.runtime.direct import RETRY_AFTER_S
+
+        if self.direct is None or self.direct_book is None:
+            return None
+        if self.reach is not None and self.reach.is_relayed(peer_id):
+            return None
+        bps = self.link_bps(peer_id) if self.link_bps is not None else None
+        if bps is not None and bps < self.direct_min_bps:
+            return None
+        failed = self.direct.failed.get(peer_id)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
+            return None
+        addrs = self.direct_book(peer_id)
+        if not addrs:
+            return None
+        try:
+            return await self.direct.dial(peer_id, addrs)
+        except PeerError as exc:
+            if failed is None or failed[1] != str(exc):
+                logger.warning("direct path to %s failed, using libp2p: %s", peer_id[:12], exc)
+            self.direct.failed[peer_id] = (time.monotonic(), str(exc))
+            if len(self.direct.failed) > 4096:
+                self.direct.failed.pop(next(iter(self.direct.failed)))
+            return None
 
     async def _read_acks(
         self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -725,4 +775,6 @@ class Transport:
             "auth_refused_streams": dict(self.auth_refused),
             "peer_limits": self.peer_limiter.status(),
             "mailbox": self.mailbox.status(),
+            "direct": self.direct.status() if self.direct is not None else None,
+            "paths": dict(list(self.paths.items())[:256]),
         }
