@@ -404,3 +404,27 @@ def test_a_worker_claiming_a_gpu_its_record_does_not_name_is_compared_at_the_cpu
     assert v.tolerance("cpu-peer", claim) == CPU_REL_TOL
     assert v.tolerance("unknown-peer", claim) == CPU_REL_TOL
     assert v.tolerance("cpu-peer", {"device": "cpu"}) == CPU_REL_TOL
+
+
+def test_the_job_policy_follows_the_swarm_and_refuses_checks_over_lossy_links(monkeypatch):
+    from types import SimpleNamespace
+
+    from fusionnode.errors import ConfigError
+    from fusionnode.security.keys import SWARM_KEY_ENV
+    from fusionnode.train.checks import job_policy
+    from fusionnode.train.spec import JobSpec
+
+    monkeypatch.delenv(SWARM_KEY_ENV, raising=False)
+    public, private = SimpleNamespace(swarm_key_file=None), SimpleNamespace(swarm_key_file="/k")
+    dense, lossy = JobSpec(model="gpt2-tiny"), JobSpec(model="gpt2-tiny", compress="adatopk")
+    assert job_policy({}, public, dense) == (resolve_policy("sample", None, private=False), None)
+    assert not job_policy({}, private, dense)[0].on
+    monkeypatch.setenv(SWARM_KEY_ENV, "/k")
+    assert not job_policy({}, public, dense)[0].on  # the key from the environment: private too
+    monkeypatch.delenv(SWARM_KEY_ENV)
+    policy, why = job_policy({}, public, lossy)  # auto over lossy links: off, and said
+    assert not policy.on and "compressed" in why
+    with pytest.raises(ConfigError, match="--compress none"):
+        job_policy({"verify_policy": "all"}, public, lossy)
+    with pytest.raises(ConfigError):
+        job_policy({"verify_policy": "sample", "verify_rate": 2.0}, public, dense)
