@@ -1,5 +1,5 @@
 """Spot-checks on real `fusionnode join --debug` processes on loopback: an honest run bans nobody and
-trains exactly as one process does; a worker scaling its activations by 1% is caught by the
+trains exactly as one process does; a worker scaling what it sends by 1% is caught by the
 recompute, banned, its step dropped and replayed under a new plan, and the run still matches the
 single-process reference (nothing from the liar was applied); so is a worker pushing a random
 gradient to the optimizer hosts (the gradient check)."""
@@ -74,7 +74,8 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert result["verify"]["caught"] == 0 and result["verify"]["checked"] == spec.steps * 2 * 2
         assert_matches_reference(spec, events)
 
-        # 2. the worker of the first stage (not the driver's own peer) scales its activations by 1%
+        # 2. a stage's worker other than the driver's peer scales what it sends by 1% (activations, or
+        # the input gradients if it holds the last stage)
         spec = spec_for(tmp_path, "liar", seed=6)
         liar: list[str] = []
 
