@@ -24,7 +24,8 @@ from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
 from fusionnode.errors import ConfigError, DaemonError, JobCancelled
 from fusionnode.runtime.hooks import hook_from_env
-from fusionnode.runtime.transport import TokenBucket, Transport
+from fusionnode.runtime.shaping import TokenBucket
+from fusionnode.runtime.transport import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from fusionnode.node import READY_PREFIX
 from fusionnode.train.local import train_local
 from fusionnode.train.spec import JobSpec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e]  # in the default run: the one test of NAT traversal (about 2 min)
 
 PORT = 31337
 READY_TIMEOUT_S = 120.0
