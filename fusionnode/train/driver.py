@@ -35,6 +35,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
+from fusionnode.train import checks
 from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
 from fusionnode.train.placement import (
     PLANNERS,
@@ -112,6 +113,7 @@ class Driver:
         if offload_choice not in OFFLOAD_CHOICES:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
+        verify_policy, verify_off = checks.job_policy(params, self.config, spec)
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
@@ -311,9 +313,23 @@ class Driver:
                 first_step=start_step,
                 book=self.book,
             )
+            if verify_off is not None:
+                await run.event(job, "notice", what="verify_off", reason=verify_off)
+            if verify_policy.on:
+                verifier = checks.start(self.t, spec.job_id, verify_policy, self.stepper.step_timeout_s)
+                run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
+                metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
             result = await self._finish(job, model, final, source, metrics)
+            if run.checks is not None:  # the checks' totals, and the secret their choices came from
+                v = run.checks.v
+                result["verify"] = {
+                    **v.policy.to_dict(),
+                    **v.totals,
+                    "commitment": v.selector.commitment,
+                    "secret": v.selector.reveal(),
+                }
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:
@@ -414,6 +430,8 @@ class Driver:
             }
             if job.offload:
                 record["optimizer_hosts"] = job.host_counters
+            if run.checks is not None and run.checks.last is not None:
+                record["verify"] = run.checks.last
             run.metrics.step(record)
             job.history.append(record)
             if len(job.history) > 2 * HISTORY_KEPT:  # the status shows the last HISTORY_KEPT

@@ -132,6 +132,7 @@ class Run:
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     # this run's last DEFAULT_WINDOW samples per peer (what rebalancing reads: recent behaviour)
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
+    checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
 
     @property
     def bans(self) -> Bans:
