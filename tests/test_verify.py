@@ -415,10 +415,14 @@ def test_the_job_policy_follows_the_swarm_and_refuses_checks_over_lossy_links(mo
     from fusionnode.train.spec import JobSpec
 
     monkeypatch.delenv(SWARM_KEY_ENV, raising=False)
-    public, private = SimpleNamespace(swarm_key_file=None), SimpleNamespace(swarm_key_file="/k")
+    public = SimpleNamespace(swarm_key_file=None, listen=("/ip4/0.0.0.0/tcp/0",))
+    private = SimpleNamespace(swarm_key_file="/k", listen=("/ip4/0.0.0.0/tcp/0",))
+    local = SimpleNamespace(swarm_key_file=None, listen=("/ip4/127.0.0.1/tcp/0",))
     dense, lossy = JobSpec(model="gpt2-tiny"), JobSpec(model="gpt2-tiny", compress="adatopk")
     assert job_policy({}, public, dense) == (resolve_policy("sample", None, private=False), None)
     assert not job_policy({}, private, dense)[0].on
+    assert not job_policy({}, local, dense)[0].on  # loopback only: this machine's own processes
+    assert job_policy({"verify_policy": "sample"}, local, dense)[0].rate == 0.05  # still on request
     monkeypatch.setenv(SWARM_KEY_ENV, "/k")
     assert not job_policy({}, public, dense)[0].on  # the key from the environment: private too
     monkeypatch.delenv(SWARM_KEY_ENV)

@@ -97,7 +97,8 @@ def add_train_command(sub: Any) -> None:
         choices=("auto", "off", "sample", "all"),
         default="auto",
         help="spot-check the workers' work by recomputing a random share of micro-batches: auto = "
-        "sample in a public swarm, off in a private one (default %(default)s)",
+        "sample in a public swarm, off in a private one or a local one (the daemon listens on loopback "
+        "only) (default %(default)s)",
     )
     p.add_argument(
         "--verify-rate",
@@ -105,7 +106,7 @@ def add_train_command(sub: Any) -> None:
         default=None,
         metavar="P",
         help="with --verify-policy sample: probability that a micro-batch of a stage is checked "
-        "(default 0.25 in a public swarm, 0.05 in a private one)",
+        "(default 0.25 in a public swarm, 0.05 in a private or local one)",
     )
     p.add_argument(
         "--rebalance-every",

@@ -28,7 +28,13 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     from fusionnode.security.keys import SWARM_KEY_ENV
     from fusionnode.verify.policy import resolve_policy
 
-    private = bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
+    from fusionnode.config import is_loopback
+
+    # a private swarm (swarm key), or a local one (this peer listens on loopback only, so every peer
+    # it can reach runs on this machine: the user's own processes): auto leaves checks off
+    listen = tuple(getattr(config, "listen", ()) or ())
+    local = bool(listen) and all(is_loopback(a) for a in listen)
+    private = local or bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
     try:
         policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
     except ValueError as exc:

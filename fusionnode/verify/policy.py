@@ -5,7 +5,8 @@
 - ``all``: every micro-batch of every stage (rate 1; for tests and audits).
 
 ``auto`` resolves to ``sample`` at ``DEFAULT_PUBLIC_RATE`` in a public swarm and to ``off`` in a
-private one (a swarm key keeps strangers out; its members are trusted to compute honestly, and
+private one or a local one (train/checks.py: a peer listening on loopback only reaches only this
+machine's processes) (a swarm key keeps strangers out; its members are trusted to compute honestly, and
 ``--verify-policy sample`` still checks them, at ``DEFAULT_PRIVATE_RATE`` unless a rate is given).
 
 Why 0.25: a stage that lies on ``f`` of its ``m`` micro-batches per step escapes ``n`` steps with
