@@ -25,10 +25,9 @@ from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
 
 def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str | None]:
     """(the policy in force, why checks are off despite it, or None); ConfigError on bad options."""
+    from fusionnode.config import is_loopback
     from fusionnode.security.keys import SWARM_KEY_ENV
     from fusionnode.verify.policy import resolve_policy
-
-    from fusionnode.config import is_loopback
 
     # a private swarm (swarm key), or a local one (this peer listens on loopback only, so every peer
     # it can reach runs on this machine: the user's own processes): auto leaves checks off
