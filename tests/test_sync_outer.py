@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fusionnode.errors import ConfigError
-from fusionnode.optim.outer import AveragedOuter, NesterovOuter, SyncConfig, make_outer, weighted_mean
+from fusionnode.optim.outer import AveragedOuter, NesterovOuter, make_outer, weighted_mean
+from fusionnode.sync import SyncConfig
 
 
 def test_nesterov_hand_computed() -> None:
