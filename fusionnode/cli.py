@@ -46,6 +46,7 @@ BENCHMARKS = {
     "testbed": "fusionnode.bench.testbed",
     "memory": "fusionnode.bench.memory",
     "faults": "fusionnode.bench.faults",
+    "sync": "fusionnode.bench.sync",  # issue 19
 }
 
 
@@ -894,6 +895,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "rebalance_gain": args.rebalance_gain,
         "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
+        "sync": sync.to_dict(),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
     }
     progress = Progress(spec.steps)

@@ -206,10 +206,6 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
             raise ConfigError(f"--sync {mode} closes rounds on the optimizer hosts: use --offload on or auto")
         if getattr(args, "rebalance_every", 0):
             raise ConfigError(f"--rebalance-every cannot move stages in the middle of a --sync {mode} round")
-        if not getattr(args, "local", False):
-            raise ConfigError(
-                f"--sync {mode}: the swarm driver does not run rounds yet; use --local for the reference"
-            )
     return cfg
 
 

@@ -33,10 +33,12 @@ from fusionnode.errors import PeerError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
-from fusionnode.runtime.transport import Transport
+from fusionnode.runtime.transport import Transport, message_bytes
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
+from fusionnode.sync import SyncConfig
+from fusionnode.train.rounds import RoundCombiner, RoundError, RoundUpdate
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
@@ -70,6 +72,11 @@ class HostedShard:
         self.save_every = save_every
         self.host_index = host_index
         self.rejected: dict[str, int] = {}
+        self.received_bytes = 0  # cumulative bytes of the job's data messages this host accepted
+        self.sent_bytes = 0  # cumulative bytes this host sent as an optimizer host (pulls, round updates)
+        # --sync diloco|sparseloco (issue 19): the rounds of this shard's names, closed updates by round id
+        self.rounds: RoundCombiner | None = None
+        self.round_updates: dict[int, RoundUpdate] = {}
 
 
 @dataclasses.dataclass
@@ -131,9 +138,12 @@ class OptimizerHostService:
             "opt.pull": self.rpc_pull,
             "opt.release": self.rpc_release,
             "opt.replan": self.rpc_replan,
+            "opt.round_pull": self.rpc_round_pull,
+            "opt.counters": self.rpc_counters,
         }.items():
             transport.add_rpc(name, fn)
         transport.on_data("push", self._on_push)
+        transport.on_data("round", self._on_round)
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -306,6 +316,9 @@ class OptimizerHostService:
             pend.host_index,
             owner=pend.owner,
         )
+        sync = SyncConfig.from_dict(a.get("sync"))
+        if sync.rounds:
+            self.shards[job].rounds = RoundCombiner(sync, int(a.get("replicas") or 1), set(pend.specs))
         return {"ready": True, "applied_step": store.applied_step, "resumed": resumed}
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -321,6 +334,7 @@ class OptimizerHostService:
         if self.bans.is_banned(sender):
             self.bans.dropped_while_banned += 1
             return
+        shard.received_bytes += message_bytes(msg)
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
@@ -390,6 +404,7 @@ class OptimizerHostService:
             "missing": list(res.missing),
             "counters": dict(shard.store.counters),
             "rejected": shard.rejected,
+            **self._bytes(shard),
         }
 
     async def rpc_pull(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
@@ -411,8 +426,109 @@ class OptimizerHostService:
                 "stage": int(args.get("stage", -1)),
                 "host": shard.host_index,
             }
-            await self.t.send(sender, tensor_message(f"pulled{shard.host_index}", meta, {name: values[name]}))
+            shard.sent_bytes += await self.t.send(
+                sender, tensor_message(f"pulled{shard.host_index}", meta, {name: values[name]})
+            )
         return {"count": len(names), "step": step}
+
+    def _bytes(self, shard: HostedShard) -> dict[str, int]:
+        """Cumulative bytes of the job this host received (its data messages) and sent."""
+        return {
+            "received_bytes": shard.received_bytes,
+            "sent_bytes": int(self.t.bytes_sent.get(shard.job, 0)),
+        }
+
+    async def rpc_counters(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """The shard's counters and cumulative bytes (the driver's step records, under --sync rounds)."""
+        shard = self._shard(args, sender)
+        rounds = shard.rounds.round if shard.rounds is not None else None
+        return {"counters": dict(shard.store.counters), "rounds_closed": rounds, **self._bytes(shard)}
+
+    def _on_round(self, msg: TensorMessage, sender: str) -> None:
+        """A stage's pseudo-gradients of a round (issue 19); the round closes, and the outer step is
+        applied to the masters, when every replica sent every name of the shard."""
+        m = msg.meta
+        shard = self.shards.get(str(m.get("job")))
+        if shard is None or shard.rounds is None:
+            return
+        key = str(m.get("contributor", ""))
+        if shard.peers.get(key) != sender or self.bans.is_banned(sender):
+            shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
+            return
+        shard.received_bytes += message_bytes(msg)
+        for name, enc in msg.tensors.items():
+            spec = shard.specs.get(name)
+            try:
+                value = decode_tensor(enc)
+            except Exception as exc:
+                self._offence(shard, sender, "undecodable", str(exc)[:200])
+                return
+            if (
+                spec is None
+                or tuple(value.shape) != tuple(spec["shape"])
+                or not bool(torch.isfinite(value).all())
+            ):
+                self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
+                return
+        try:
+            complete = shard.rounds.add(
+                int(m["step"]), int(m["replica"]), float(m["tokens"]), dict(msg.tensors)
+            )
+        except (RoundError, KeyError, TypeError, ValueError) as exc:
+            shard.rejected["round"] = shard.rejected.get("round", 0) + 1
+            logger.warning("round contribution from %s refused: %s", sender[:12], exc)
+            return
+        if complete:
+            update = shard.store.update_masters(shard.rounds.close)
+            shard.round_updates[update.round] = update
+            for old in [r for r in shard.round_updates if r < update.round - 1]:
+                del shard.round_updates[old]
+
+    async def rpc_round_pull(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        """Waits until round `round` is closed, then sends the caller the update of `names`: u per name
+        (diloco), or every replica's message per name with its token weight (sparseloco)."""
+        shard = self._shard(args, sender, driver_only=False)
+        if sender not in set(shard.peers.values()):
+            raise PeerError("only the job's workers may pull a round")
+        round_id = int(args["round"])
+        names = [str(n) for n in args["names"]]
+        if any(n not in shard.specs for n in names):
+            raise PeerError("this host does not hold all of those names")
+        deadline = time.monotonic() + float(args.get("timeout", self.step_deadline_s))
+        while round_id not in shard.round_updates and time.monotonic() < deadline:
+            if shard.rounds is None or shard.rounds.round > round_id + 1:
+                break
+            await asyncio.sleep(READY_POLL_S)
+        update = shard.round_updates.get(round_id)
+        if update is None:
+            raise PeerError(f"round {round_id} was not closed in time (missing contributions)")
+        stage = int(args.get("stage", -1))
+        kind = f"rupd{shard.host_index}"
+        count = 0
+        if update.mode == "diloco":
+            for idx, name in enumerate(names):
+                meta = {
+                    "job": shard.job,
+                    "step": round_id,
+                    "mb": idx,
+                    "stage": stage,
+                    "host": shard.host_index,
+                }
+                shard.sent_bytes += await self.t.send(
+                    sender, TensorMessage(kind, meta, {name: update.updates[name]})
+                )
+                count += 1
+            weights: list[float] = []
+        else:
+            weights = [w for w, _ in update.relayed]
+            for r, (_w, encs) in enumerate(update.relayed):
+                for idx, name in enumerate(names):
+                    meta = {"job": shard.job, "step": round_id, "mb": r * len(names) + idx, "stage": stage}
+                    shard.sent_bytes += await self.t.send(
+                        sender, TensorMessage(kind, meta, {name: encs[name]})
+                    )
+                    count += 1
+        return {"count": count, "mode": update.mode, "weights": weights, "outer_lr": update.outer_lr}
 
     async def rpc_replan(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);

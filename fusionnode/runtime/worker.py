@@ -45,6 +45,7 @@ import torch
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.links import LinkCompressor, LinkOptions
+from fusionnode.runtime.rounds import StageRounds
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import (
     MAILBOX_SLACK_BYTES,
@@ -52,6 +53,7 @@ from fusionnode.security.limits import (
     MAX_STAGES_PER_DRIVER,
     MIN_LEASE_S,
 )
+from fusionnode.sync import SyncConfig
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
@@ -144,6 +146,9 @@ class StageJob:
         )  # forward, for --debug pacing
         # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
         self.offload: dict[str, Any] | None = args.get("offload")
+        # --sync diloco|sparseloco (issue 19): a local inner optimizer, pseudo-gradients every round
+        self.sync = SyncConfig.from_dict(args.get("sync"))
+        self.rounds: StageRounds | None = None
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None
         self.step_task_step = -1  # the step step_task runs (or ran last)
@@ -396,10 +401,12 @@ class WorkerService:
                 if name in frozen:
                     p.requires_grad_(False)
             sj.params = {n: p for n, p in module.named_stage_parameters().items() if n not in frozen}
-            sj.opt = None if sj.offload else make_optimizer(sj.params, sj.spec)
+            sj.opt = None if sj.offload and not sj.sync.rounds else make_optimizer(sj.params, sj.spec)
+            if sj.sync.rounds:
+                sj.rounds = StageRounds(sj.sync, sj.params)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             self._install_push_hooks(sj, asyncio.get_running_loop())
         return {"ready": True, "params": len(sj.params)}
 
@@ -555,7 +562,7 @@ class WorkerService:
         step = int(args["step"])
         if sj.last_step >= step:  # a retried commit whose first reply was lost: applied (or pulling) already
             return {"applied": step, "again": True}
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             # the hosts applied the step: prefetch the new parameters while the driver prepares the next one
             sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
             sj.last_step = step
@@ -582,8 +589,11 @@ class WorkerService:
 
         async with sj.busy:
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
+            round_bytes = 0
+            if sj.rounds is not None and args.get("round"):
+                round_bytes = await sj.rounds.close_round(self, sj, args["round"])
             sj.last_step = step
-        return {"applied": step}
+        return {"applied": step, "round_bytes": round_bytes}
 
     async def _debug_delay(self, compute_s: float, flops: float = 0.0) -> None:
         """Debug: stretch a compute of `compute_s` seconds by the slow-down factor, and to at least
@@ -744,7 +754,7 @@ class WorkerService:
             b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
         optimizer_bytes = 0  # gradient bytes pushed to the optimizer hosts
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             pushes, sj.push_tasks = sj.push_tasks, []
             optimizer_bytes += sum(await asyncio.gather(*pushes))
             missing = [n for n in sj.params if sj.grad_counts.get(n, 0) < m]
@@ -756,7 +766,7 @@ class WorkerService:
             sent_bytes += optimizer_bytes
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
-        shared = [] if sj.offload else sorted(sj.shared_names & set(sj.params))
+        shared = [] if sj.offload and not sj.sync.rounds else sorted(sj.shared_names & set(sj.params))
         if shared:
             g = {
                 n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))

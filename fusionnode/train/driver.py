@@ -39,6 +39,7 @@ from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import LEAVING_MARK, decode_checked, tensor_message
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
+from fusionnode.sync import SyncConfig
 from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, DEFAULT_WINDOW, Bans
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,8 @@ class Job:
         self.stages: list[dict[str, Any]] = []  # flat, by global stage id
         self.hosts: list[str] = []
         self.offload = False
+        self.sync = SyncConfig()  # --sync (issue 19): diloco/sparseloco close rounds on the hosts
+        self.round_bytes = 0  # bytes the stages sent at the last step's round end (issue 19)
         self.step = 0
         self.loss: float | None = None
         self.tokens_per_s = 0.0
@@ -295,6 +298,7 @@ class _Run:
     steps_on_plan: int = 0
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
+    names_by_stage: dict[int, list[str]] | None = None  # --sync rounds: what each stage sends (issue 19)
 
     def observe(self, job: Job, reports: list[dict[str, Any]]) -> None:
         """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
@@ -501,6 +505,8 @@ class Driver:
                 }
                 if job.frozen:
                     a["frozen"] = sorted(set(pspecs) & set(job.frozen))
+                if job.sync.rounds:
+                    a["sync"] = job.sync.to_dict()
                 if host_of:
                     a["offload"] = {
                         "hosts": {name: host_of[name] for name in pspecs if name in host_of},
@@ -539,6 +545,9 @@ class Driver:
         self._forget_old_jobs()
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
+        job.sync = SyncConfig.from_dict(params.get("sync"))
+        if job.sync.rounds and (params.get("resume") or int(params.get("rebalance_every") or 0) > 0):
+            raise ConfigError(f"--sync {job.sync.mode} does not resume or rebalance yet")
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = self._job_secret(spec.job_id)
         self.jobs[spec.job_id] = job
@@ -878,6 +887,8 @@ class Driver:
                     "step_deadline_s": self.config.step_timeout_s,
                     "save_every": job.spec.save_every,
                     "resume": resume,
+                    "sync": job.sync.to_dict(),
+                    "replicas": len(job.pipelines),
                 },
                 timeout=timeout,
             )
@@ -1013,6 +1024,11 @@ class Driver:
                 continue
             except _StepFailed as fail:
                 failures_in_a_row += 1
+                if job.sync.rounds:
+                    raise PeerError(
+                        f"step {step} failed ({fail.summary()}); --sync {job.sync.mode} does not recover "
+                        "a failed worker yet"
+                    ) from None
                 if not job.offload:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
@@ -1035,6 +1051,7 @@ class Driver:
             tokens_total += tokens
             time_total += step_time
             wire = sum(r["sent_bytes"] for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
+            wire += job.round_bytes  # pseudo-gradients sent at a round's end (issue 19)
             record = {
                 "step": step,
                 "loss": loss,
@@ -1158,7 +1175,12 @@ class Driver:
         t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
             await self._dump_grads(job, stage_args, run.params["dump_grads"])
-        if job.offload:
+        if job.sync.rounds:  # issue 19: each replica steps its own inner optimizer; rounds on the hosts
+            grad_norm, commit_by_stage = await self._round_commit_args(
+                job, run, stage_args, reports, step, lr
+            )
+            commit_extra = {}
+        elif job.offload:
             try:
                 grad_norm, _clip = await self._apply_on_hosts(job, step, lr)
             except (FusionNodeError, OSError, asyncio.TimeoutError) as exc:
@@ -1180,11 +1202,13 @@ class Driver:
             commit_extra = {"lr": lr, "clip_coef": clip}
         phases["optimizer_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
+        if not job.sync.rounds:
+            commit_by_stage = {a["stage"]: commit_extra for a in stage_args}
         commits = {
             ("commit", a["stage"]): self.t.call(
                 a["peer"],
                 "job.commit",
-                {"job": jid, "stage": a["stage"], "step": step, **commit_extra},
+                {"job": jid, "stage": a["stage"], "step": step, **commit_by_stage[a["stage"]]},
                 timeout=timeout,
                 idempotent=True,  # a commit already applied answers so
             )
@@ -1192,11 +1216,13 @@ class Driver:
         }
         late = None
         try:
-            await self._gather_or_fail(
+            committed = await self._gather_or_fail(
                 job, run, step, commits, {("commit", a["stage"]): a["peer"] for a in stage_args}
             )
+            if job.sync.rounds:
+                await self._round_counters(job, committed)
         except _StepFailed as fail:
-            if not job.offload:
+            if not job.offload or job.sync.rounds:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
             late = fail
         phases["commit_s"] = time.perf_counter() - t_phase
@@ -1648,10 +1674,70 @@ class Driver:
         )
         # what the hosts accepted and rejected (with reasons), for the metrics file
         job.host_counters = [
-            {"host": h, **res.get("counters", {}), "rejected": res.get("rejected", {})}
+            {
+                "host": h,
+                **res.get("counters", {}),
+                "rejected": res.get("rejected", {}),
+                "received_bytes": res.get("received_bytes", 0),  # cumulative (issue 19)
+                "sent_bytes": res.get("sent_bytes", 0),
+            }
             for h, res in zip(job.hosts, applied, strict=True)
         ]
         return grad_norm, clip
+
+    async def _round_commit_args(
+        self,
+        job: Job,
+        run: _Run,
+        stage_args: list[dict[str, Any]],
+        reports: list[dict[str, Any]],
+        step: int,
+        lr: float,
+    ) -> tuple[float, dict[int, dict[str, Any]]]:
+        """--sync diloco|sparseloco: per replica, its tied-weight gradient sums and its own clip factor
+        (each replica steps alone, as the local reference does); at a round's end, what each stage
+        sends. Returns (the replicas' mean gradient norm, the commit arguments per stage)."""
+        from fusionnode.train.rounds import contributing_names, round_of, round_tokens
+
+        spec = job.spec
+        if run.names_by_stage is None:
+            run.names_by_stage = contributing_names(stage_args)
+        round_id = round_of(job.sync, step, spec.steps)
+        out: dict[int, dict[str, Any]] = {}
+        norms = []
+        for pipe in job.pipelines:
+            mine = [(a, r) for a, r in zip(stage_args, reports, strict=True) if a["replica"] == pipe.replica]
+            shared_sum = await self._sum_shared(job, [a for a, _ in mine], step)
+            norm = math.sqrt(sum(r["grad_sq"] for _, r in mine) + FlatOptimizer.grad_sq_norm(shared_sum))
+            norms.append(norm)
+            clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
+            for a, _ in mine:
+                part = {k: shared_sum[k] for k in a["shared_names"]}
+                if part:
+                    meta = {"job": spec.job_id, "step": step, "mb": -1, "stage": a["stage"]}
+                    await self.t.send(a["peer"], tensor_message("shared_sum", meta, part))
+                out[a["stage"]] = {"lr": lr, "clip_coef": clip}
+                if round_id is not None:
+                    out[a["stage"]]["round"] = {
+                        "id": round_id,
+                        "tokens": round_tokens(job.sync, step, pipe.samples, run.seq_len),
+                        "names": run.names_by_stage[a["stage"]],
+                    }
+        return sum(norms) / len(norms), out
+
+    async def _round_counters(self, job: Job, committed: dict[Any, Any]) -> None:
+        """The hosts' cumulative bytes and rounds (the step record's optimizer_hosts), under --sync rounds."""
+        job.round_bytes = sum(int(r.get("round_bytes", 0)) for r in committed.values())
+        res = await asyncio.gather(
+            *(
+                self.t.call(h, "opt.counters", {"job": job.spec.job_id}, timeout=self.config.step_timeout_s)
+                for h in job.hosts
+            )
+        )
+        job.host_counters = [
+            {"host": h, **r.get("counters", {}), **{k: v for k, v in r.items() if k != "counters"}}
+            for h, r in zip(job.hosts, res, strict=True)
+        ]
 
     async def _sum_shared(
         self, job: Job, stage_args: list[dict[str, Any]], step: int

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -114,11 +115,20 @@ class RoundCombiner:
     """The owner's side of the rounds for a set of names: one contribution per replica per round,
     rounds closed in order, each exactly once."""
 
-    def __init__(self, cfg: SyncConfig, replicas: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        replicas: int,
+        names: frozenset[str] | set[str] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        """`names`: the names every replica must send before the round closes (an optimizer host's
+        shard, sent piecewise by the stages that hold them); None = whatever the first message holds."""
         if replicas < 1:
             raise ValueError("a round needs at least one replica")
         self.cfg = cfg
         self.replicas = replicas
+        self.names = frozenset(names) if names is not None else None
         self.limits = limits
         self.outer: NesterovOuter | AveragedOuter = make_outer(cfg)
         self.round = 0  # the open round
@@ -126,26 +136,42 @@ class RoundCombiner:
         self.received_bytes = 0  # cumulative, every contribution accepted
         self.sent_bytes = 0  # cumulative, the update once per replica
 
+    def complete(self) -> bool:
+        if len(self.pending) != self.replicas:
+            return False
+        if self.names is None:
+            return True
+        return all(set(encs) >= self.names for _, encs in self.pending.values())
+
     def add(self, round_id: int, replica: int, tokens: float, encs: dict[str, EncodedTensor]) -> bool:
-        """Accept replica `replica`'s contribution to `round_id`; returns whether the round is complete.
-        Raises RoundError for a closed or future round, a second contribution or a bad replica."""
+        """Accept (part of) replica `replica`'s contribution to `round_id`; returns whether the round
+        is complete. Raises RoundError for a closed or future round, a name sent twice, a name not
+        expected, tokens that differ from the replica's earlier part, or a bad replica."""
         if round_id != self.round:
             why = "already applied" if round_id < self.round else "not open yet"
             raise RoundError(f"round {round_id} is {why} (the open round is {self.round})")
         if not 0 <= replica < self.replicas:
             raise RoundError(f"replica {replica} is not one of the {self.replicas} replicas")
-        if replica in self.pending:
-            raise RoundError(f"replica {replica} already contributed to round {round_id}")
         if not tokens > 0:
             raise RoundError(f"replica {replica} reports {tokens} tokens for round {round_id}")
-        self.pending[replica] = (float(tokens), encs)
+        if self.names is not None and not set(encs) <= self.names:
+            raise RoundError(f"round {round_id}: names not held here: {sorted(set(encs) - self.names)[:3]}")
+        held = self.pending.get(replica)
+        if held is not None:
+            if self.names is None or set(encs) & set(held[1]):
+                raise RoundError(f"replica {replica} already contributed to round {round_id}")
+            if float(tokens) != held[0]:
+                raise RoundError(f"replica {replica} reports {tokens} tokens, earlier {held[0]}")
+            held[1].update(encs)
+        else:
+            self.pending[replica] = (float(tokens), dict(encs))
         self.received_bytes += encoded_bytes(encs)
-        return len(self.pending) == self.replicas
+        return self.complete()
 
     def close(self, masters: Mapping[str, Tensor] | None = None) -> RoundUpdate:
         """Close the open round: the update (also applied to `masters` when given)."""
-        if len(self.pending) != self.replicas:
-            raise RoundError(f"round {self.round} has {len(self.pending)} of {self.replicas} contributions")
+        if not self.complete():
+            raise RoundError(f"round {self.round} is missing contributions")
         contributions = [self.pending[r] for r in range(self.replicas)]  # replica order: same bits everywhere
         update = RoundUpdate(self.round, self.cfg.mode, self.cfg.outer_lr)
         if self.cfg.mode == "diloco":
@@ -166,3 +192,31 @@ class RoundCombiner:
         self.pending = {}
         self.round += 1
         return update
+
+
+# ---- the driver's side: which stage sends which name, and what closes a round ---------------------
+def contributing_names(stage_args: list[dict[str, Any]]) -> dict[int, list[str]]:
+    """Per stage id, the names it sends at a round's end: each name of a replica once, by the first
+    of its stages (in stage order) that holds it (a tied parameter lives on two stages)."""
+    out: dict[int, list[str]] = {}
+    seen: set[tuple[int, str]] = set()
+    for a in sorted(stage_args, key=lambda a: a["stage"]):
+        frozen = set(a.get("frozen") or [])
+        mine = []
+        for name in sorted(a["param_specs"]):
+            if name in frozen or (a["replica"], name) in seen:
+                continue
+            seen.add((a["replica"], name))
+            mine.append(name)
+        out[a["stage"]] = mine
+    return out
+
+
+def round_of(cfg: SyncConfig, step: int, total_steps: int) -> int | None:
+    """The id of the round that `step` closes (rounds closed by step count), or None."""
+    return step // cfg.inner_steps if cfg.round_closes(step, total_steps) else None
+
+
+def round_tokens(cfg: SyncConfig, step: int, samples: int, seq_len: int) -> int:
+    """Tokens a replica of `samples` sequences per step processed in the round `step` closes."""
+    return samples * seq_len * (step - (step // cfg.inner_steps) * cfg.inner_steps + 1)

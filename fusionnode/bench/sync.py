@@ -1,0 +1,168 @@
+"""Sync-mode benchmark: bytes to a target loss, and the final loss at equal tokens, for
+`--sync step`, `--sync diloco` and `--sync sparseloco` (issue 19).
+
+Method.
+- The in-process reference (`train.replicas.train_local_replicas`): `--replicas` replicas of
+  gpt2-tiny on the default corpus, the same seed, batch (split evenly between the replicas) and
+  tokens per step for every mode; `--steps` steps each.
+- Bytes: what the replicas and the optimizer hosts exchange for data-parallel sync, counted as
+  each encoded tensor's msgpack form (descriptor and payload; frame headers not counted):
+  step = every trainable tensor as raw float32, gradients up and parameters down, every step;
+  diloco = the pseudo-gradient up and the outer update down in the sync codec, once per round;
+  sparseloco = the ctopk2 message up, every replica's message relayed down, once per round.
+  Traffic between the stages of one pipeline is the same in every mode and is not counted.
+- Validation loss (`EVAL_BATCHES` fixed batches) of the shared parameters every `--eval-every`
+  steps (a multiple of every H, so always at a round's end). The target loss is the lowest
+  validation loss every mode reaches (stated); each mode's bytes to the target are its
+  cumulative bytes at its first evaluation at or below it.
+- Settings are fixed before the run: DiLoCo outer lr 0.7, momentum 0.9 (the paper), raw codec;
+  SparseLoCo density, chunk, EF decay and H as given below; nothing is tuned per run.
+
+Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.sync import SyncConfig
+from fusionnode.train.replicas import train_local_replicas
+from fusionnode.train.spec import JobSpec
+
+DEFAULT_STEPS = 300
+DEFAULT_REPLICAS = 2
+DEFAULT_BATCH = 16
+DEFAULT_SEQ_LEN = 64
+DEFAULT_H = 10  # inner steps per round for diloco and sparseloco
+DEFAULT_SPARSE_DENSITY = 1 / 16  # sparseloco: share of each chunk sent
+DEFAULT_SPARSE_CHUNK = 256  # sparseloco: u8 indices
+DEFAULT_WARMUP = 20
+
+
+def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
+    return {
+        "step": SyncConfig(),
+        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps),
+        "sparseloco": SyncConfig(
+            "sparseloco",
+            inner_steps=args.sparse_inner_steps or args.inner_steps,
+            topk_density=args.topk_density,
+            chunk=args.topk_chunk,
+        ),
+    }
+
+
+def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
+    """(bytes, step) at the first evaluation at or below `target`; (None, None) if never."""
+    for rec in records:
+        if rec.get("val_loss", math.inf) <= target:
+            h = rec["optimizer_hosts"][0]
+            return h["received_bytes"] + h["sent_bytes"], rec["step"]
+    return None, None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    spec = JobSpec(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        warmup_steps=min(DEFAULT_WARMUP, args.steps),
+        seed=args.seed,
+    )
+    cfgs = configs(args)
+    hs = [c.inner_steps for c in cfgs.values()]
+    eval_every = args.eval_every or math.lcm(*hs)
+    if any(eval_every % h for h in hs):
+        raise SystemExit(f"--eval-every {eval_every} must be a multiple of every H ({hs})")
+    rows: dict[str, dict[str, Any]] = {}
+    for name, cfg in cfgs.items():
+        t0 = time.perf_counter()
+        res = train_local_replicas(spec, cfg, replicas=args.replicas, eval_every=eval_every)
+        rows[name] = {
+            "sync": cfg.to_dict(),
+            "records": [r for r in res.records if "val_loss" in r],
+            "final_val_loss": res.val_loss,
+            "final_train_loss": sum(res.losses[-10:]) / len(res.losses[-10:]),
+            "bytes": res.bytes_up + res.bytes_down,
+            "rounds": res.rounds,
+            "wall_s": time.perf_counter() - t0,
+        }
+    target = args.target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
+    step_final = rows["step"]["final_val_loss"]
+    for row in rows.values():
+        row["bytes_to_target"], row["step_at_target"] = bytes_to_target(row["records"], target)
+        row["final_vs_step"] = row["final_val_loss"] / step_final - 1
+    base = rows["step"]["bytes_to_target"]
+    for row in rows.values():
+        b = row["bytes_to_target"]
+        row["fewer_bytes_than_step"] = (base / b) if (base and b) else None
+    return {
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "tokens": args.steps * args.batch_size * args.seq_len,
+        "eval_every": eval_every,
+        "target_val_loss": target,
+        "modes": rows,
+    }
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "not reached" if n is None else f"{n / 1e6:,.2f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fusionnode bench sync", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="sequences per step, all replicas")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
+    p.add_argument("--inner-steps", type=int, default=DEFAULT_H, help="H for diloco (and sparseloco)")
+    p.add_argument("--sparse-inner-steps", type=int, default=None, help="H for sparseloco if different")
+    p.add_argument("--topk-density", type=float, default=DEFAULT_SPARSE_DENSITY)
+    p.add_argument("--topk-chunk", type=int, default=DEFAULT_SPARSE_CHUNK)
+    p.add_argument("--eval-every", type=int, default=0, help="default: the lcm of the H values")
+    p.add_argument("--target", type=float, default=None, help="target validation loss (default: see Method)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas, {out['steps']} steps x {args.batch_size} x "
+        f"{args.seq_len} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
+        f"target validation loss {out['target_val_loss']:.4f} (the lowest every mode reaches)"
+    )
+    print(
+        f"{'mode':<11} {'H':>3} {'bytes to target':>16} {'at step':>8} {'x fewer':>8} {'final val':>10} {'vs step':>8} {'total bytes':>14}"
+    )
+    for name, row in out["modes"].items():
+        fewer = row["fewer_bytes_than_step"]
+        print(
+            f"{name:<11} {row['sync']['inner_steps']:>3} {_fmt_bytes(row['bytes_to_target']):>16} "
+            f"{row['step_at_target'] if row['step_at_target'] is not None else '-':>8} "
+            f"{(f'{fewer:,.0f}x' if fewer else '-'):>8} {row['final_val_loss']:>10.4f} "
+            f"{row['final_vs_step'] * 100:>+7.2f}% {_fmt_bytes(row['bytes']):>14}"
+        )
+    s = out["modes"]["sparseloco"]["sync"]
+    print(
+        f"sparseloco: density {s['topk_density']:.4f}, chunk {s['chunk']}, EF decay {s['ef_decay']}, outer lr "
+        f"{s['outer_lr']}; diloco: outer lr {out['modes']['diloco']['sync']['outer_lr']}, momentum "
+        f"{out['modes']['diloco']['sync']['outer_momentum']}, codec raw"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
