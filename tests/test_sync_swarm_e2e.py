@@ -11,6 +11,8 @@ import pytest
 from fusionnode import control
 from fusionnode.demo import LocalSwarm
 from fusionnode.sync import SyncConfig
+from fusionnode.train.checkpoint import load_checkpoint
+from fusionnode.train.local import build_job_model
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
 
@@ -98,15 +100,25 @@ def test_diloco_follows_the_local_reference(swarm):
     _check_records([e for e in events if e["type"] == "step"], sync)
 
 
-def test_sparseloco_follows_the_local_reference(swarm):
-    s = spec()
+def test_sparseloco_follows_the_local_reference(swarm, tmp_path):
+    s = spec(save_dir=str(tmp_path / "ckpt"), save_every=0)
     sync = SyncConfig("sparseloco", inner_steps=5, topk_density=1 / 16, chunk=256)
     _res, events = run_job(swarm, s, sync)
     dist = [e["loss"] for e in events if e["type"] == "step"]
-    ref = train_local_replicas(s, sync, replicas=2).losses
-    for i, (a, b) in enumerate(zip(dist, ref, strict=True)):
+    ref = train_local_replicas(s.replace(save_dir=None), sync, replicas=2)
+    for i, (a, b) in enumerate(zip(dist, ref.losses, strict=True)):
         assert abs(a - b) < 1e-3, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
     _check_records([e for e in events if e["type"] == "step"], sync)
+    # the positions the rounds changed: the union of every index any replica transmitted
+    start = dict(build_job_model(s).named_parameters())
+    final = load_checkpoint(str(tmp_path / "ckpt")).params
+    same = total = 0
+    for name, p0 in start.items():
+        touched_swarm = (final[name].float() - p0.detach()) != 0
+        touched_ref = (ref.params[name] - p0.detach()) != 0
+        same += int((touched_swarm == touched_ref).sum())
+        total += p0.numel()
+    assert same / total >= 0.99, f"{same / total:.4f} of the transmitted positions agree"
 
 
 def test_step_records_carry_host_bytes(swarm):

@@ -588,6 +588,8 @@ class WorkerService:
                 sj.opt.zero_grad()
 
         async with sj.busy:
+            if sj.last_step >= step:  # a retried commit that waited for the first one (a long round end)
+                return {"applied": step, "again": True}
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
             round_bytes = 0
             if sj.rounds is not None and args.get("round"):
