@@ -168,16 +168,11 @@ class Node:
                 self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
             )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
-        from fusionnode.availability import (
-            ActivityThresholds,
-            AvailabilityController,
-            AvailabilityPolicy,
-            Schedule,
-            apply_memory_cap,
-            apply_util_cap,
-            build_monitor,
-            describe,
-        )
+        from fusionnode.availability.activity import ActivityThresholds, build_monitor
+        from fusionnode.availability.caps import apply_memory_cap, apply_util_cap
+        from fusionnode.availability.controller import AvailabilityController
+        from fusionnode.availability.policy import AvailabilityPolicy, describe
+        from fusionnode.availability.schedule import Schedule
 
         if cfg.max_util_percent:
             apply_util_cap(cfg.max_util_percent, requested_threads=cfg.torch_threads)
@@ -314,7 +309,7 @@ class Node:
 
     async def _on_availability(self, availability: str, next_window: str | None) -> None:
         """The owner came back (or left), a schedule window closed (or opened), or a manual pause/resume."""
-        from fusionnode.availability import free_accelerator_memory
+        from fusionnode.availability.caps import free_accelerator_memory
 
         self.membership.set_availability(availability, next_window)  # planners skip a paused peer
         if availability == "paused":

@@ -6,7 +6,7 @@ the CLI turns into a usage error, exit 2) before the job starts.
 
 `step` (the default) combines the replicas' gradients after every step; `diloco` and `sparseloco`
 let each replica run `inner_steps` (H) inner steps alone, then exchange pseudo-gradients in rounds
-(the outer optimizers are in `optim/outer.py`, the round protocol in `train/rounds.py`).
+(the outer optimizers are in `optim/outer.py`, the round protocol in `optim/rounds.py`).
 """
 
 from __future__ import annotations

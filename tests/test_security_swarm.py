@@ -94,7 +94,7 @@ async def _raw_exchange(p2p, peer: str, proto: str, data: bytes, timeout: float 
         writer.write(data)
         await writer.drain()
         return await asyncio.wait_for(reader.read(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return None
     finally:
         writer.close()

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fusionnode import cli
+from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, RoundError, apply_update, encoded_bytes
 from fusionnode.sync import SyncConfig
 from fusionnode.train.local import train_local
 from fusionnode.train.replicas import step_bytes_per_replica, train_local_replicas
-from fusionnode.train.rounds import ReplicaSync, RoundCombiner, RoundError, apply_update, encoded_bytes
 from fusionnode.train.spec import JobSpec
 from fusionnode.wire.tensors import encode_tensor
 

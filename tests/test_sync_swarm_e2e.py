@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.sync import SyncConfig
 from fusionnode.train.checkpoint import load_checkpoint
 from fusionnode.train.local import build_job_model

@@ -15,8 +15,10 @@ Method.
   steps (a multiple of every H, so always at a round's end). The target loss is the lowest
   validation loss every mode reaches (stated); each mode's bytes to the target are its
   cumulative bytes at its first evaluation at or below it.
-- Settings are fixed before the run: DiLoCo outer lr 0.7, momentum 0.9 (the paper), raw codec;
-  SparseLoCo density, chunk, EF decay and H as given below; nothing is tuned per run.
+- Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
+  0.9, raw codec); diloco-avg (outer lr 1, momentum 0: plain parameter averaging); sparseloco
+  (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
+  picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
 
 Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--json]
 """
@@ -46,9 +48,13 @@ DEFAULT_WARMUP = 20
 
 
 def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
+    """The contenders, fixed before the run: step; DiLoCo with the paper's outer step (Nesterov, lr
+    0.7, momentum 0.9); DiLoCo with a plain averaged outer step (lr 1, momentum 0: local SGD); and
+    SparseLoCo."""
     return {
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps),
+        "diloco-avg": SyncConfig("diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0),
         "sparseloco": SyncConfig(
             "sparseloco",
             inner_steps=args.sparse_inner_steps or args.inner_steps,
@@ -121,19 +127,50 @@ def _fmt_bytes(n: int | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fusionnode bench sync", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS)
-    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS)
-    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="sequences per step, all replicas")
-    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
-    p.add_argument("--inner-steps", type=int, default=DEFAULT_H, help="H for diloco (and sparseloco)")
-    p.add_argument("--sparse-inner-steps", type=int, default=None, help="H for sparseloco if different")
-    p.add_argument("--topk-density", type=float, default=DEFAULT_SPARSE_DENSITY)
-    p.add_argument("--topk-chunk", type=int, default=DEFAULT_SPARSE_CHUNK)
-    p.add_argument("--eval-every", type=int, default=0, help="default: the lcm of the H values")
-    p.add_argument("--target", type=float, default=None, help="target validation loss (default: see Method)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per mode (default %(default)s)")
+    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help="replicas (default %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="sequences per step, all replicas (default %(default)s)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per sequence (default %(default)s)"
+    )
+    p.add_argument(
+        "--inner-steps", type=int, default=DEFAULT_H, help="H for diloco and sparseloco (default %(default)s)"
+    )
+    p.add_argument(
+        "--sparse-inner-steps", type=int, default=None, help="H for sparseloco (default: --inner-steps)"
+    )
+    p.add_argument(
+        "--topk-density",
+        type=float,
+        default=DEFAULT_SPARSE_DENSITY,
+        help="sparseloco share per chunk (default 1/16)",
+    )
+    p.add_argument(
+        "--topk-chunk",
+        type=int,
+        default=DEFAULT_SPARSE_CHUNK,
+        help="sparseloco chunk length (default %(default)s)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps between validations (default 0: the lcm of the H values)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="target validation loss (default: the lowest every mode reaches)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="job seed (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     args = p.parse_args(argv)
     out = run(args)
     if args.json:
@@ -156,10 +193,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['final_vs_step'] * 100:>+7.2f}% {_fmt_bytes(row['bytes']):>14}"
         )
     s = out["modes"]["sparseloco"]["sync"]
+    d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
     print(
         f"sparseloco: density {s['topk_density']:.4f}, chunk {s['chunk']}, EF decay {s['ef_decay']}, outer lr "
-        f"{s['outer_lr']}; diloco: outer lr {out['modes']['diloco']['sync']['outer_lr']}, momentum "
-        f"{out['modes']['diloco']['sync']['outer_momentum']}, codec raw"
+        f"{s['outer_lr']}; diloco: outer lr {d['outer_lr']}, momentum {d['outer_momentum']}; diloco-avg: "
+        f"outer lr {a['outer_lr']}, momentum {a['outer_momentum']}; codec raw"
     )
     return 0
 

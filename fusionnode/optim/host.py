@@ -32,13 +32,13 @@ import torch
 from fusionnode.errors import PeerError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
+from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.runtime.transport import Transport, message_bytes
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
 from fusionnode.sync import SyncConfig
-from fusionnode.train.rounds import RoundCombiner, RoundError, RoundUpdate
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from fusionnode.errors import PeerError
+from fusionnode.optim.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
 from fusionnode.sync import SyncConfig
-from fusionnode.train.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
 from fusionnode.wire.messages import TensorMessage
 
 

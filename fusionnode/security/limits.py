@@ -107,7 +107,7 @@ class PeerLimiter:
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self.inflight[peer] += nbytes
 

@@ -1697,7 +1697,7 @@ class Driver:
         """--sync diloco|sparseloco: per replica, its tied-weight gradient sums and its own clip factor
         (each replica steps alone, as the local reference does); at a round's end, what each stage
         sends. Returns (the replicas' mean gradient norm, the commit arguments per stage)."""
-        from fusionnode.train.rounds import contributing_names, round_of, round_tokens
+        from fusionnode.optim.rounds import contributing_names, round_of, round_tokens
 
         spec = job.spec
         if run.names_by_stage is None:

@@ -8,7 +8,7 @@ would exchange with the optimizer hosts (each replica's float32 gradients up, th
 (`make_optimizer`, AdamW by default). Step t gives replica r its contiguous share of step t's batch
 (`BatchSource.shard_batches`), split into at most `micro_batches` equal micro-batches; the replica
 clips its own gradients and steps at `lr_at(t)`. Every H steps (and after the last) the round
-closes through `train.rounds`: the encoded pseudo-gradients, weighted by the tokens each replica
+closes through `optim.rounds`: the encoded pseudo-gradients, weighted by the tokens each replica
 processed, give the outer step; every replica restarts from the new θ, keeping its inner state.
 
 Bytes are counted as the swarm sends them: each encoded tensor's msgpack form (descriptor and
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
 from fusionnode.sync import SyncConfig
 from fusionnode.train.data import BatchSource, loss_scale, step_seed
 from fusionnode.train.local import (
@@ -40,7 +41,6 @@ from fusionnode.train.local import (
     set_lr,
     train_step,
 )
-from fusionnode.train.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
 from fusionnode.train.spec import JobSpec, lr_at, resolve_seq_len
 from fusionnode.wire.tensors import encode_tensor, pack_encoded
 
