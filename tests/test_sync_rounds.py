@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from fusionnode import cli
-from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, RoundError, apply_update, encoded_bytes
+from fusionnode.optim.rounds import (
+    ReplicaSync,
+    RoundCombiner,
+    RoundError,
+    apply_update,
+    contributing_names,
+    encoded_bytes,
+    round_of,
+    round_tokens,
+)
 from fusionnode.sync import SyncConfig
 from fusionnode.train.local import train_local
 from fusionnode.train.replicas import step_bytes_per_replica, train_local_replicas
@@ -132,3 +141,18 @@ def test_cli_local_replicas_runs_and_reports_rounds(capsys) -> None:
     out = capsys.readouterr().out
     assert code == 0
     assert "local x2 --sync sparseloco (H=2): 4 steps, 2 rounds" in out
+
+
+def test_driver_side_round_helpers() -> None:
+    cfg = SyncConfig("diloco", inner_steps=4)
+    assert [round_of(cfg, s, 10) for s in range(10)] == [None, None, None, 0, None, None, None, 1, None, 2]
+    # a replica of 3 sequences of 16 tokens: 4 steps in round 0, the last round (steps 8, 9) has 2
+    assert round_tokens(cfg, 3, 3, 16) == 4 * 48 and round_tokens(cfg, 9, 3, 16) == 2 * 48
+    args = [
+        {"stage": 0, "replica": 0, "param_specs": {"wte": {}, "h0": {}}},
+        {"stage": 1, "replica": 0, "param_specs": {"wte": {}, "h1": {}}},
+        {"stage": 2, "replica": 1, "param_specs": {"wte": {}, "h0": {}}},
+        {"stage": 3, "replica": 1, "param_specs": {"wte": {}, "h1": {}, "lora": {}}, "frozen": ["lora"]},
+    ]
+    # the tied wte is sent once per replica, by its first stage; a frozen tensor never
+    assert contributing_names(args) == {0: ["h0", "wte"], 1: ["h1"], 2: ["h0", "wte"], 3: ["h1"]}

@@ -33,13 +33,14 @@ def swarm(tmp_path_factory):
         s.stop()
 
 
-def run_job(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig) -> tuple[dict, list[dict]]:
+def run_job(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares=None) -> tuple[dict, list[dict]]:
     async def go():
         events = []
         params = {
             "spec": spec.to_dict(),
             "stages": 2,
             "replicas": 2,
+            "shares": shares,
             "offload": "on",
             "optimizer_hosts": 2,
             "sync": sync.to_dict(),
@@ -98,6 +99,19 @@ def test_diloco_follows_the_local_reference(swarm):
     for i, (a, b) in enumerate(zip(dist, ref, strict=True)):
         assert abs(a - b) < 1e-4, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
     _check_records([e for e in events if e["type"] == "step"], sync)
+
+
+def test_replicas_of_different_shares_weigh_by_tokens(swarm):
+    # 2 and 6 sequences per step: the outer step weighs the replicas 1:3, as the reference does
+    s = spec(steps=10)
+    sync = SyncConfig("diloco", inner_steps=5, outer_lr=1.0, outer_momentum=0.0)
+    _res, events = run_job(swarm, s, sync, shares=[2, 6])
+    dist = [e["loss"] for e in events if e["type"] == "step"]
+    ref = train_local_replicas(s, sync, shares=[2, 6]).losses
+    even = train_local_replicas(s, sync, replicas=2).losses
+    for i, (a, b) in enumerate(zip(dist, ref, strict=True)):
+        assert abs(a - b) < 1e-4, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
+    assert abs(dist[-1] - even[-1]) > 1e-3  # the shares matter: not the even split's trajectory
 
 
 def test_sparseloco_follows_the_local_reference(swarm, tmp_path):
