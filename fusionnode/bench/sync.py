@@ -14,7 +14,8 @@ Method.
 - Validation loss (`EVAL_BATCHES` fixed batches) of the shared parameters every `--eval-every`
   steps (a multiple of every H, so always at a round's end). The target loss is the lowest
   validation loss every mode reaches (stated); each mode's bytes to the target are its
-  cumulative bytes at its first evaluation at or below it.
+  cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
+  step mode's validation loss at half and at three quarters of the run.
 - Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
   0.9, raw codec); diloco-avg (outer lr 1, momentum 0: plain parameter averaging); sparseloco
   (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
@@ -109,7 +110,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in rows.values():
         b = row["bytes_to_target"]
         row["fewer_bytes_than_step"] = (base / b) if (base and b) else None
+    # more targets: the step mode's validation loss at half and three quarters of the run
+    evals = rows["step"]["records"]
+    extra = (
+        [evals[len(evals) // 2 - 1]["val_loss"], evals[(3 * len(evals)) // 4 - 1]["val_loss"]]
+        if evals
+        else []
+    )
+    targets = {}
+    for t in [target, *extra]:
+        got = {name: bytes_to_target(row["records"], t) for name, row in rows.items()}
+        b0 = got["step"][0]
+        targets[f"{t:.4f}"] = {
+            name: {"bytes": b, "step": st, "fewer_than_step": (b0 / b) if (b0 and b) else None}
+            for name, (b, st) in got.items()
+        }
     return {
+        "targets": targets,
         "replicas": args.replicas,
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -192,6 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{(f'{fewer:,.0f}x' if fewer else '-'):>8} {row['final_val_loss']:>10.4f} "
             f"{row['final_vs_step'] * 100:>+7.2f}% {_fmt_bytes(row['bytes']):>14}"
         )
+    print("bytes to other targets (the step mode's validation loss at 1/2 and 3/4 of the run):")
+    for t, per in list(out["targets"].items())[1:]:
+        cells = [
+            f"{name} {_fmt_bytes(v['bytes'])}"
+            + (f" ({v['fewer_than_step']:,.0f}x)" if v["fewer_than_step"] else "")
+            for name, v in per.items()
+        ]
+        print(f"  {t}: " + "; ".join(cells))
     s = out["modes"]["sparseloco"]["sync"]
     d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
     print(
