@@ -117,14 +117,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if evals
         else []
     )
-    targets = {}
+    targets = []
     for t in [target, *extra]:
         got = {name: bytes_to_target(row["records"], t) for name, row in rows.items()}
         b0 = got["step"][0]
-        targets[f"{t:.4f}"] = {
+        per = {
             name: {"bytes": b, "step": st, "fewer_than_step": (b0 / b) if (b0 and b) else None}
             for name, (b, st) in got.items()
         }
+        targets.append({"target": t, "modes": per})
     return {
         "targets": targets,
         "replicas": args.replicas,
