@@ -503,14 +503,17 @@ class OptimizerHostService:
         if update is None:
             raise PeerError(f"round {round_id} was not closed in time (missing contributions)")
         stage = int(args.get("stage", -1))
-        kind = f"rupd{shard.host_index}"
+        first = int(args.get("first", 0))  # the caller's offset of this host's messages (mailbox keys)
+        if not 0 <= first < 1 << 40:
+            raise PeerError(f"first must be in [0, 2^40), got {first}")
+        kind = "round_update"
         count = 0
         if update.mode == "diloco":
             for idx, name in enumerate(names):
                 meta = {
                     "job": shard.job,
                     "step": round_id,
-                    "mb": idx,
+                    "mb": first + idx,
                     "stage": stage,
                     "host": shard.host_index,
                 }
@@ -523,7 +526,12 @@ class OptimizerHostService:
             weights = [w for w, _ in update.relayed]
             for r, (_w, encs) in enumerate(update.relayed):
                 for idx, name in enumerate(names):
-                    meta = {"job": shard.job, "step": round_id, "mb": r * len(names) + idx, "stage": stage}
+                    meta = {
+                        "job": shard.job,
+                        "step": round_id,
+                        "mb": first + r * len(names) + idx,
+                        "stage": stage,
+                    }
                     shard.sent_bytes += await self.t.send(
                         sender, TensorMessage(kind, meta, {name: encs[name]})
                     )

@@ -67,18 +67,25 @@ class StageRounds:
         timeout = worker.config.step_timeout_s
 
         async def pull(host: str, names: list[str]) -> None:
+            first = off["host_index"][names[0]] << 24  # distinct mailbox keys per host
             res = await worker.t.call(
                 host,
                 "opt.round_pull",
-                {"job": sj.job, "round": round_id, "names": names, "stage": sj.stage, "timeout": timeout},
+                {
+                    "job": sj.job,
+                    "round": round_id,
+                    "names": names,
+                    "stage": sj.stage,
+                    "timeout": timeout,
+                    "first": first,
+                },
                 timeout=timeout + 5,
                 idempotent=True,
             )
-            hidx = off["host_index"][names[0]]
             got: dict[int, Any] = {}
             for idx in range(int(res["count"])):
                 msg, _src = await worker.t.mailbox.get(
-                    (f"rupd{hidx}", sj.job, round_id, idx, sj.stage), timeout, sender=host
+                    ("round_update", sj.job, round_id, first + idx, sj.stage), timeout, sender=host
                 )
                 got[idx] = msg
             update = RoundUpdate(round_id, str(res["mode"]), float(res["outer_lr"]))
