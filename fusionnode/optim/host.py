@@ -143,7 +143,7 @@ class OptimizerHostService:
         }.items():
             transport.add_rpc(name, fn)
         transport.on_data("push", self._on_push)
-        transport.on_data("round", self._on_round)
+        transport.on_data("pseudograd", self._on_round)
 
     def status(self) -> list[dict[str, Any]]:
         return [

@@ -2,7 +2,7 @@
 
 The stage keeps θ at the start of the round. When the driver's `job.commit` closes a round, the
 stage sends Δ = θ_start − θ for the names it contributes (a tied parameter is sent by one stage of
-the replica only) to the optimizer hosts that own them, as "round" data messages (SparseLoCo: through
+the replica only) to the optimizer hosts that own them, as "pseudograd" data messages (SparseLoCo: through
 the error feedback kept here), then pulls each host's update of every name it holds
 (`opt.round_pull`), applies it to θ_start and installs the result: the next round's start.
 """
@@ -58,7 +58,7 @@ class StageRounds:
         }
         sent = sum(
             await asyncio.gather(
-                *(worker.t.send(h, TensorMessage("round", meta, e)) for h, e in by_host.items())
+                *(worker.t.send(h, TensorMessage("pseudograd", meta, e)) for h, e in by_host.items())
             )
         )
         held: dict[str, list[str]] = {}
