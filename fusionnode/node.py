@@ -23,6 +23,7 @@ import fusionnode
 from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
 from fusionnode.errors import ConfigError, DaemonError, JobCancelled
+from fusionnode.runtime.hooks import hook_from_env
 from fusionnode.runtime.transport import TokenBucket, Transport
 
 logger = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class Node:
             can_host="optimizer" in cfg.roles,
             state_dir=cfg.state_dir,
             on_jobs_changed=self.membership.set_jobs,
+            hook=hook_from_env(cfg.state_dir),  # `join --debug` only (tests, testbed); None otherwise
         )
         if "optimizer" in cfg.roles:
             self.host = OptimizerHostService(

@@ -3,14 +3,9 @@
 Importing this package registers the "topk", "q8", "q4" and "ctopk2" codecs with the wire codec registry.
 """
 
-from fusionnode.compress.boundary import (
-    BoundaryConfig,
-    CompressionBoundary,
-    LinkCounters,
-    adatopk_config,
-    transmit,
-)
+from fusionnode.compress.boundary import CompressionBoundary, LinkCounters, transmit
 from fusionnode.compress.feedback import ErrorFeedback
+from fusionnode.compress.link import LinkCompressor, LinkOptions, adatopk_config
 from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
 from fusionnode.compress.pseudograd import CTOPK2, ErrorFeedbackAccumulator, ctopk2_payload_bytes
 from fusionnode.compress.quant import Q4, Q8, QuantCodec, quant_payload_bytes
@@ -22,12 +17,13 @@ __all__ = [
     "Q8",
     "TOPK",
     "AdaTopKPolicy",
-    "BoundaryConfig",
     "CompressSpec",
     "CompressionBoundary",
     "ErrorFeedback",
     "ErrorFeedbackAccumulator",
+    "LinkCompressor",
     "LinkCounters",
+    "LinkOptions",
     "QuantCodec",
     "TopKCodec",
     "adatopk_config",

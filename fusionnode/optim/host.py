@@ -24,8 +24,9 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,13 +35,12 @@ from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
-from fusionnode.runtime.transport import Transport, message_bytes
 from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
 from fusionnode.sync import SyncConfig
 from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor
+from fusionnode.wire.tensors import decode_tensor, pack_encoded
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,11 @@ class _PendingShard:
     params: dict[str, torch.Tensor] | None = None
 
 
+def _data_bytes(msg: TensorMessage) -> int:
+    """Bytes of a data message's encoded tensors (descriptor and payload): what a host counts as received."""
+    return sum(len(pack_encoded(enc)) for enc in msg.tensors.values())
+
+
 def owner_tag(secret: str | None, driver: str) -> str:
     """The name of an owner's shard directory: a hash of the job secret, else of the driver's peer id."""
     what = f"secret:{secret}" if secret is not None else f"peer:{driver}"
@@ -113,10 +118,36 @@ def _spec_bytes(specs: Any) -> int:
     return total
 
 
+class HostMailbox(Protocol):
+    """The inbox part of `HostTransport`."""
+
+    def accept(self, job: str, holder: Any, peers: Any, max_bytes: int) -> None: ...
+
+    def release(self, job: str, holder: Any) -> None: ...
+
+    async def get(self, key: tuple, timeout: float, *, sender: str) -> tuple[TensorMessage, str]: ...
+
+
+class HostTransport(Protocol):
+    """What the optimizer host needs of a transport (`fusionnode.runtime.transport.Transport` is one;
+    optim/ does not import the runtime)."""
+
+    @property
+    def mailbox(self) -> HostMailbox: ...
+
+    def add_rpc(
+        self, method: str, handler: Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+    ) -> None: ...
+
+    async def send(
+        self, peer_id: str, msg: TensorMessage, observe: Callable[[int, float], None] | None = None
+    ) -> int: ...
+
+
 class OptimizerHostService:
     def __init__(
         self,
-        transport: Transport,
+        transport: HostTransport,
         *,
         state_dir: Path,
         step_deadline_s: float = 60.0,
@@ -334,7 +365,7 @@ class OptimizerHostService:
         if self.bans.is_banned(sender):
             self.bans.dropped_while_banned += 1
             return
-        shard.received_bytes += message_bytes(msg)
+        shard.received_bytes += _data_bytes(msg)
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
@@ -455,7 +486,7 @@ class OptimizerHostService:
         if shard.peers.get(key) != sender or self.bans.is_banned(sender):
             shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
             return
-        shard.received_bytes += message_bytes(msg)
+        shard.received_bytes += _data_bytes(msg)
         for name, enc in msg.tensors.items():
             spec = shard.specs.get(name)
             try:

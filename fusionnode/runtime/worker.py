@@ -17,24 +17,15 @@ Protocol (RPCs from the job's driver, data messages peer to peer; see protocol/S
 - ``job.ping``: liveness probe (any peer); answers whether this peer is draining.
 
 Faults. A worker that is leaving (``drain``) finishes the step in progress and refuses the
-next ones with ``LEAVING_MARK`` in the error, so the driver re-plans without it. With the
-environment variable ``FUSIONNODE_DEBUG=1`` a worker reads a slow-down factor from the
-file ``<state dir>/debug_slow`` before each step and sleeps ``(factor - 1) x`` its compute
-time after each forward and backward (a straggler for tests and benchmarks); the same
-factor can be set by the ``debug.slow`` RPC, which only the peer itself may call. It also reads
-an emulated device speed in TFLOP/s from ``<state dir>/debug_pace``: a forward of n samples
-then takes at least ``n x flops_per_sample / speed`` seconds and a backward twice that (it
-sleeps out the rest), so a testbed of peers sharing one CPU computes at the speeds of the
-devices it emulates whatever else the CPU is doing (`fusionnode bench testbed`).
+next ones with ``LEAVING_MARK`` in the error, so the driver re-plans without it. Tests and
+benchmarks inject a compute hook (runtime/hooks.py: a straggler slow-down, device pacing);
+without one the worker reads nothing and sleeps on nothing beyond its work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,10 +33,13 @@ from typing import Any
 
 import torch
 
+from fusionnode.compress.link import LinkCompressor, LinkOptions
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
-from fusionnode.runtime.links import LinkCompressor, LinkOptions
+from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
 from fusionnode.runtime.rounds import StageRounds
+from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_flight, schedule
+from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import (
     MAILBOX_SLACK_BYTES,
@@ -60,9 +54,6 @@ from fusionnode.wire.tensors import decode_tensor, encode_tensor
 logger = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
-DEBUG_ENV = "FUSIONNODE_DEBUG"  # "1" enables the slow-down hook (tests, benchmarks)
-DEBUG_SLOW_FILE = "debug_slow"  # in the state dir: a float factor >= 1 multiplying compute time
-DEBUG_PACE_FILE = "debug_pace"  # in the state dir: emulated TFLOP/s (forward + backward paced to it)
 MAX_CONCURRENT_PUSHES = 16  # gradient pushes in flight at once (hosts limit streams per peer)
 LEAVING_MARK = "this peer is leaving"  # in the refusal of a draining worker (the driver looks for it)
 
@@ -192,6 +183,7 @@ class WorkerService:
         can_host: bool = True,
         state_dir: Any = None,
         on_jobs_changed: Callable[[list[str]], None] | None = None,
+        hook: ComputeHook | None = None,
     ):
         self.t = transport
         self.capacity_bytes = capacity_bytes
@@ -202,9 +194,7 @@ class WorkerService:
         self.jobs: dict[tuple[str, int], StageJob] = {}
         self.on_jobs_changed = on_jobs_changed
         self.draining = False
-        self.debug = os.environ.get(DEBUG_ENV) == "1"
-        self.slow_factor = 1.0  # debug: compute time multiplier
-        self.pace_tflops = 0.0  # debug: emulated device speed (0: off)
+        self.hook = hook  # tests and benchmarks only (runtime/hooks.py); None in production
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -255,29 +245,9 @@ class WorkerService:
         return {"alive": True, "draining": self.draining, "jobs": len(self.jobs), "stages": held}
 
     async def rpc_debug_slow(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        if sender != self.t.peer_id or not self.debug:
+        if sender != self.t.peer_id or self.hook is None:
             raise PeerError(f"debug.slow is local only and needs {DEBUG_ENV}=1")
-        self.slow_factor = max(1.0, float(args.get("factor", 1.0)))
-        return {"factor": self.slow_factor}
-
-    def _read_slow_factor(self) -> None:
-        if not self.debug or self.state_dir is None:
-            return
-        try:
-            with open(os.path.join(self.state_dir, DEBUG_SLOW_FILE), encoding="utf-8") as f:
-                self.slow_factor = max(1.0, float(f.read().strip() or 1.0))
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot read the debug slow-down factor: %s", exc)
-        try:
-            with open(os.path.join(self.state_dir, DEBUG_PACE_FILE), encoding="utf-8") as f:
-                pace = float(f.read().strip() or 0.0)
-            self.pace_tflops = pace if pace > 0 and math.isfinite(pace) else 0.0
-        except FileNotFoundError:
-            self.pace_tflops = 0.0
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot read the debug device speed: %s", exc)
+        return {"factor": self.hook.set_slow_factor(float(args.get("factor", 1.0)))}
 
     def release_all(self) -> None:
         """Drops every stage this worker holds (the owner wants the device back); their drivers re-plan."""
@@ -367,8 +337,6 @@ class WorkerService:
         """Bytes the stage will take here: the larger of what the driver declares and what the
         description's own parameters and buffers take (x2 with offload: values and gradients; x4
         with a local optimizer), checked before anything is allocated."""
-        from fusionnode.runtime.stage import state_bytes
-
         declared = args.get("need_bytes", 0)
         if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
             raise PeerError(f"need_bytes must be a non-negative integer, got {declared!r:.40}")
@@ -379,8 +347,6 @@ class WorkerService:
         return max(declared, state * (2 if args.get("offload") else 4))
 
     async def rpc_start(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        from fusionnode.runtime.stage import StageModule
-
         sj = self._get(args, sender)
         timeout = self.config.step_timeout_s
         params: dict[str, torch.Tensor] = {}
@@ -512,7 +478,8 @@ class WorkerService:
             raise PeerError("stage not started")
         if self.draining:
             raise PeerError(f"{LEAVING_MARK}: no new steps")
-        self._read_slow_factor()
+        if self.hook is not None:
+            self.hook.before_step()
         async with sj.busy:
             if sj.pull_task is not None:  # parameters prefetched since the last commit
                 task, sj.pull_task = sj.pull_task, None
@@ -597,14 +564,9 @@ class WorkerService:
             sj.last_step = step
         return {"applied": step, "round_bytes": round_bytes}
 
-    async def _debug_delay(self, compute_s: float, flops: float = 0.0) -> None:
-        """Debug: stretch a compute of `compute_s` seconds by the slow-down factor, and to at least
-        `flops` at the emulated device speed."""
-        extra = (self.slow_factor - 1.0) * compute_s if self.slow_factor > 1.0 else 0.0
-        if self.pace_tflops > 0 and flops > 0:
-            extra = max(extra, flops / (self.pace_tflops * 1e12) - compute_s)
-        if extra > 0:
-            await asyncio.sleep(extra)
+    async def _hook_delay(self, compute_s: float, flops: float = 0.0) -> None:
+        if self.hook is not None:
+            await self.hook.after_compute(compute_s, flops)
 
     # ---- the pipeline schedule -----------------------------------------------------------------
     async def _run_step(
@@ -613,8 +575,6 @@ class WorkerService:
         loop = asyncio.get_running_loop()
         timeout = self.config.step_timeout_s
         module = sj.module
-        input_names = set(module.input_names)
-        saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         losses: list[float] = []
         compute_s = wait_s = 0.0
         sends: list[asyncio.Task] = []
@@ -653,6 +613,17 @@ class WorkerService:
             task.add_done_callback(check_sent)
             sends.append(task)
 
+        # the tested executor (runtime/stage.py) keeps each micro-batch's graph between its passes
+        ops = list(schedule(DEFAULT_SCHEDULE, sj.num_stages, sj.pos, m))
+        runner = StageRunner(
+            module,
+            max_in_flight=max(1, peak_in_flight(DEFAULT_SCHEDULE, sj.num_stages, sj.pos, m)),
+            passthrough=sj.send_names,
+            autocast=sj.autocast,
+            zero_unused_grads=False,  # an input without a gradient is not sent back
+        )
+        rows: dict[int, int] = {}  # samples of each micro-batch in flight (for the pace hook)
+
         async def forward(mb: int) -> None:
             nonlocal compute_s
             if sj.is_first:
@@ -666,38 +637,16 @@ class WorkerService:
                 tmsg, tsrc = await receive("target", mb)
                 target = decode_checked(tmsg, None, None, tsrc)["target"]
 
-            def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float | None]:
-                leaves = {}
-                for name, t in recv.items():
-                    t = t.to(sj.device)
-                    if t.is_floating_point():
-                        t.requires_grad_(True)
-                    leaves[name] = t
-                ctx = (
-                    torch.autocast("cuda", dtype=torch.bfloat16) if sj.autocast else contextlib.nullcontext()
-                )
-                with ctx:
-                    outs = module({n: leaves[n] for n in module.input_names})
-                loss_val = None
-                if sj.is_last:
-                    logits = next(iter(outs.values())) if len(outs) == 1 else outs[module.output_names[0]]
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).to(logits.device)
-                    )
-                    loss_val = float(loss.detach())
-                    outs = {"__loss__": loss / m}
-                else:
-                    # tensors that only pass through this stage go on unchanged (their grads come back too)
-                    for name in sj.send_names:
-                        if name not in outs and name in leaves:
-                            outs[name] = leaves[name]
-                return leaves, outs, loss_val
+            def run() -> tuple[dict[str, torch.Tensor], float | None]:
+                if target is not None:
+                    return {}, runner.forward_loss(mb, recv, target, loss_scale=1.0 / m)
+                return runner.forward(mb, recv), None
 
             t0 = time.perf_counter()
-            leaves, outs, loss_val = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0, sj.flops_per_sample * mb_rows(recv))
+            outs, loss_val = await loop.run_in_executor(self.executor, run)
+            await self._hook_delay(time.perf_counter() - t0, sj.flops_per_sample * mb_rows(recv))
             compute_s += time.perf_counter() - t0
-            saved[mb] = (leaves, outs)
+            rows[mb] = mb_rows(recv)
             if loss_val is not None:
                 losses.append(loss_val)
             if not sj.is_last:
@@ -705,7 +654,6 @@ class WorkerService:
 
         async def backward(mb: int) -> None:
             nonlocal compute_s
-            leaves, outs = saved.pop(mb)
             grads: dict[str, torch.Tensor] = {}
             if not sj.is_last:
                 msg, src = await receive("grad", mb)
@@ -715,45 +663,24 @@ class WorkerService:
                 grads = decode_checked(msg, specs, mb_size, src)
 
             def run() -> dict[str, torch.Tensor]:
-                if sj.is_last:
-                    outs["__loss__"].backward()
-                else:
-                    pairs = [
-                        (outs[n], g.to(device=outs[n].device, dtype=outs[n].dtype))
-                        for n, g in grads.items()
-                        if outs[n].requires_grad
-                    ]
-                    if pairs:
-                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-                return {
-                    n: t.grad
-                    for n, t in leaves.items()
-                    if n in input_names or n in sj.send_names
-                    if t.grad is not None
-                }
+                return runner.backward_loss(mb) if sj.is_last else runner.backward(mb, grads)
 
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * mb_rows(leaves))
+            await self._hook_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * rows.pop(mb, 0))
             compute_s += time.perf_counter() - t0
             if not sj.is_first:  # even with no gradient (only integer tensors came in): the previous
                 # stage waits for this message to finish its backward
                 send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)
 
-        # 1F1B: warm up with forwards, then alternate, then drain the backwards
-        warmup = min(sj.num_stages - sj.pos - 1, m)
-        f = b = 0
-        for _ in range(warmup):
-            await forward(f)
-            f += 1
-        while f < m:
-            await forward(f)
-            f += 1
-            await backward(b)
-            b += 1
-        while b < m:
-            await backward(b)
-            b += 1
+        f = b = 0  # passes done so far (the links' target time is per pass)
+        for op in ops:
+            if op.kind == FORWARD:
+                await forward(op.mb)
+                f += 1
+            else:
+                await backward(op.mb)
+                b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
         optimizer_bytes = 0  # gradient bytes pushed to the optimizer hosts
         if sj.offload and not sj.sync.rounds:

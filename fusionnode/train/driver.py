@@ -36,6 +36,7 @@ import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.runtime.transport import Transport
 from fusionnode.runtime.worker import LEAVING_MARK, decode_checked, tensor_message
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
@@ -474,7 +475,7 @@ class Driver:
                 }
                 pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
                 act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
-                in_flight = min(n - i, pipe.micro_batches)
+                in_flight = peak_in_flight(DEFAULT_SCHEDULE, n, i, pipe.micro_batches)
                 state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
                 a = {
                     "job": spec.job_id,
