@@ -156,3 +156,13 @@ def test_driver_side_round_helpers() -> None:
     ]
     # the tied wte is sent once per replica, by its first stage; a frozen tensor never
     assert contributing_names(args) == {0: ["h0", "wte"], 1: ["h1"], 2: ["h0", "wte"], 3: ["h1"]}
+
+
+def test_int8_diloco_sends_a_quarter_of_raw_and_stays_close() -> None:
+    raw = train_local_replicas(SPEC, SyncConfig("diloco", inner_steps=3), replicas=2)
+    q8 = train_local_replicas(SPEC, SyncConfig("diloco", inner_steps=3, codec="q8"), replicas=2)
+    # int8 values plus a float32 scale per row, against float32: a bit over a quarter
+    assert 0.25 < q8.bytes_up / raw.bytes_up < 0.30 and 0.25 < q8.bytes_down / raw.bytes_down < 0.30
+    assert q8.losses[:3] == raw.losses[:3]  # the first round is the same until it closes
+    assert max(abs(a - b) for a, b in zip(q8.losses, raw.losses, strict=True)) < 0.05
+    assert q8.losses[3:] != raw.losses[3:]  # and the quantised round really differs after
