@@ -76,6 +76,8 @@ class HostedShard:
         self.sent_bytes = 0  # cumulative bytes this host sent as an optimizer host (pulls, round updates)
         # --sync diloco|sparseloco (issue 19): the rounds of this shard's names, closed updates by round id
         self.rounds: RoundCombiner | None = None
+        self.replica_of: dict[str, int] = {}  # contributor key -> its replica, from the plan
+        self.replica_samples: dict[int, int] = {}  # samples per step of each replica, from the plan
         self.round_updates: dict[int, RoundUpdate] = {}
 
 
@@ -349,7 +351,12 @@ class OptimizerHostService:
         )
         sync = SyncConfig.from_dict(a.get("sync"))
         if sync.rounds:
-            self.shards[job].rounds = RoundCombiner(sync, int(a.get("replicas") or 1), set(pend.specs))
+            shard = self.shards[job]
+            shard.rounds = RoundCombiner(sync, int(a.get("replicas") or 1), set(pend.specs))
+            for contribs in pend.expected.by_name.values():
+                for key, c in contribs.items():
+                    shard.replica_of[key] = int(c.replica)
+                    shard.replica_samples[int(c.replica)] = c.samples
         return {"ready": True, "applied_step": store.applied_step, "resumed": resumed}
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -502,9 +509,14 @@ class OptimizerHostService:
                 self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
                 return
         try:
-            complete = shard.rounds.add(
-                int(m["step"]), int(m["replica"]), float(m["tokens"]), dict(msg.tensors)
-            )
+            # the replica is the one the plan gives the sender's contributor key, and its weight what the
+            # plan gives that replica (samples per step; every replica runs the same steps of the same
+            # length in a round closed by step count): never what a worker claims
+            replica = shard.replica_of.get(key)
+            if replica is None:
+                raise RoundError(f"contributor {key!r} is not in this job's plan")
+            weight = float(shard.replica_samples[replica])
+            complete = shard.rounds.add(int(m["step"]), replica, weight, dict(msg.tensors))
         except (RoundError, KeyError, TypeError, ValueError) as exc:
             shard.rejected["round"] = shard.rejected.get("round", 0) + 1
             logger.warning("round contribution from %s refused: %s", sender[:12], exc)
