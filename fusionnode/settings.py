@@ -61,6 +61,7 @@ def add_config_argument(p: argparse.ArgumentParser) -> None:
 
 def read_toml(path: Path) -> dict[str, Any]:
     import tomllib
+
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")

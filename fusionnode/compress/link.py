@@ -30,14 +30,15 @@ from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compre
 from fusionnode.compress.topk import MODES, VALUE_DTYPES
 from fusionnode.errors import ConfigError
 from fusionnode.wire.codec_api import EncodedTensor
+from fusionnode.wire.job import TensorKind
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
 MIN_SPARSE_NUMEL = 4096  # tensors smaller than this always go dense (indices would cost more than they save)
 DENSE_ABOVE = 0.98  # a keep ratio above this is sent dense: top-k would save next to nothing
 MIN_OBSERVED_BYTES = 256 << 10  # smaller sends fit in socket buffers and token-bucket bursts: not timed
 DEFAULT_LATENCY_S = 0.0  # seconds, when nothing better is known
-ACT_KEY = "act"  # message key of activations (the forward direction)
-GRAD_KEY = "grad"  # message key of activation gradients (the backward direction)
+ACT_KEY = TensorKind.ACT  # message key of activations (the forward direction)
+GRAD_KEY = TensorKind.GRAD  # message key of activation gradients (the backward direction)
 GRAD_CODECS = ("q8", "q4", "topk")  # what a compressing link does to gradients
 WARMUP_CODECS = ("q8", "q4", "raw")  # what warm-up steps of a compressing link send
 

@@ -195,20 +195,25 @@ class RoundCombiner:
 
 
 # ---- the driver's side: which stage sends which name, and what closes a round ---------------------
-def contributing_names(stage_args: list[dict[str, Any]]) -> dict[int, list[str]]:
+def contributing_names(stage_args: list[Any]) -> dict[int, list[str]]:
     """Per stage id, the names it sends at a round's end: each name of a replica once, by the first
-    of its stages (in stage order) that holds it (a tied parameter lives on two stages)."""
+    of its stages (in stage order) that holds it (a tied parameter lives on two stages). A stage is a
+    map or an object with stage, replica, param_specs and frozen."""
+
+    def get(a: Any, key: str) -> Any:
+        return a.get(key) if isinstance(a, dict) else getattr(a, key, None)
+
     out: dict[int, list[str]] = {}
     seen: set[tuple[int, str]] = set()
-    for a in sorted(stage_args, key=lambda a: a["stage"]):
-        frozen = set(a.get("frozen") or [])
+    for a in sorted(stage_args, key=lambda a: get(a, "stage")):
+        frozen = set(get(a, "frozen") or [])
         mine = []
-        for name in sorted(a["param_specs"]):
-            if name in frozen or (a["replica"], name) in seen:
+        for name in sorted(get(a, "param_specs")):
+            if name in frozen or (get(a, "replica"), name) in seen:
                 continue
-            seen.add((a["replica"], name))
+            seen.add((get(a, "replica"), name))
             mine.append(name)
-        out[a["stage"]] = mine
+        out[get(a, "stage")] = mine
     return out
 
 

@@ -17,7 +17,10 @@ import torch
 from fusionnode.errors import PeerError
 from fusionnode.optim.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
 from fusionnode.sync import SyncConfig
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
+from fusionnode.wire.tensors import pack_encoded
 
 
 class StageRounds:
@@ -29,12 +32,12 @@ class StageRounds:
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
 
-    async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> int:
-        """Send this stage's share of round `info["id"]` and install the round's result; returns the
-        bytes sent."""
+    async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> dict[str, list[int]]:
+        """Send this stage's share of round `info["id"]` (`CommitRequest.round`) and install the
+        round's result; returns, per host, [bytes sent to it, bytes of encoded tensors received from it]."""
         round_id = int(info["id"])
         if round_id <= self.closed:
-            return 0  # a retried commit: this round is installed already
+            return {}  # a retried commit: this round is installed already
         off = sj.offload
         mine = [n for n in info.get("names", []) if n in sj.params]
         loop = asyncio.get_running_loop()
@@ -46,59 +49,64 @@ class StageRounds:
         encs = await loop.run_in_executor(worker.executor, encode)
         by_host: dict[str, dict[str, Any]] = {}
         for name, enc in encs.items():
-            by_host.setdefault(off["hosts"][name], {})[name] = enc
+            by_host.setdefault(off.hosts[name], {})[name] = enc
         meta = {
             "job": sj.job,
             "step": round_id,
             "mb": -1,
             "stage": sj.stage,
             "replica": sj.replica,
-            "tokens": float(info["tokens"]),
-            "contributor": off["contributor"],
+            "tokens": float(info["tokens"]),  # informational: the host weighs by the plan
+            "contributor": off.contributor,
         }
-        sent = sum(
-            await asyncio.gather(
-                *(worker.t.send(h, TensorMessage("pseudograd", meta, e)) for h, e in by_host.items())
-            )
+        hosts = sorted({off.hosts[n] for n in sj.params})
+        counted = {h: [0, 0] for h in hosts}
+        sent = await asyncio.gather(
+            *(worker.t.send(h, TensorMessage(TensorKind.PSEUDOGRAD, meta, e)) for h, e in by_host.items())
         )
+        for h, n in zip(by_host, sent, strict=True):
+            counted[h][0] += n
         held: dict[str, list[str]] = {}
         for name in sorted(sj.params):
-            held.setdefault(off["hosts"][name], []).append(name)
+            held.setdefault(off.hosts[name], []).append(name)
         timeout = worker.config.step_timeout_s
+        mode, outer_lr = self.cfg.mode, self.cfg.outer_lr
 
         async def pull(host: str, names: list[str]) -> None:
-            first = off["host_index"][names[0]] << 24  # distinct mailbox keys per host
-            res = await worker.t.call(
-                host,
-                "opt.round_pull",
-                {
-                    "job": sj.job,
-                    "round": round_id,
-                    "names": names,
-                    "stage": sj.stage,
-                    "timeout": timeout,
-                    "first": first,
-                },
-                timeout=timeout + 5,
-                idempotent=True,
-            )
-            got: dict[int, Any] = {}
-            for idx in range(int(res["count"])):
+            first = off.host_index[names[0]] << 24  # distinct mailbox keys per host
+            req = jp.OptRoundPull(job=sj.job, round=round_id, names=names, stage=sj.stage, first=first)
+            res = await jp.call(worker.t, host, Rpc.OPT_ROUND_PULL, req, timeout=timeout + 5, idempotent=True)
+            got: list[Any] = []
+            for idx in range(res.count):
                 msg, _src = await worker.t.mailbox.get(
-                    ("round_update", sj.job, round_id, first + idx, sj.stage), timeout, sender=host
+                    (TensorKind.ROUND_UPDATE, sj.job, round_id, first + idx, sj.stage), timeout, sender=host
                 )
-                got[idx] = msg
-            update = RoundUpdate(round_id, str(res["mode"]), float(res["outer_lr"]))
-            if update.mode == "diloco":
-                for msg in got.values():
+                counted[host][1] += sum(len(pack_encoded(e)) for e in msg.tensors.values())
+                got.append(msg)
+            update = RoundUpdate(round_id, mode, outer_lr)
+            if mode == "diloco":
+                if res.count != len(names):
+                    raise PeerError(
+                        f"round {round_id}: host {host[:12]} sent {res.count} updates for {len(names)} names"
+                    )
+                for msg in got:
                     update.updates.update(msg.tensors)
             else:
-                weights = [float(w) for w in res["weights"]]
-                for r, w in enumerate(weights):
+                if res.count % len(names):
+                    raise PeerError(
+                        f"round {round_id}: host {host[:12]} sent {res.count} messages for {len(names)} names"
+                    )
+                for r in range(res.count // len(names)):
+                    part = got[r * len(names) : (r + 1) * len(names)]
+                    weight = part[0].meta.get("weight")
+                    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+                        raise PeerError(
+                            f"round {round_id}: host {host[:12]} sent a bad weight {weight!r:.40}"
+                        )
                     encs_r: dict[str, Any] = {}
-                    for idx in range(len(names)):
-                        encs_r.update(got[r * len(names) + idx].tensors)
-                    update.relayed.append((w, encs_r))
+                    for msg in part:
+                        encs_r.update(msg.tensors)
+                    update.relayed.append((float(weight), encs_r))
             if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
                 raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
             await loop.run_in_executor(
@@ -114,4 +122,4 @@ class StageRounds:
 
         await loop.run_in_executor(worker.executor, install)
         self.closed = round_id
-        return sent
+        return counted
