@@ -209,6 +209,11 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
     return cfg
 
 
-def sync_params(cfg: SyncConfig) -> dict[str, Any]:
-    """The sync settings as the job's parameters carry them to the driver."""
-    return cfg.to_dict()
+def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
+    """Copies of a stage's parameters a worker holds: values and gradients (x2) with the optimizer on
+    hosts; plus two optimizer states (x4) with a local one; a round mode (a local inner optimizer)
+    also keeps θ_start (x5) and, for sparseloco, the error feedback (x6)."""
+    mode = (sync or {}).get("mode", "step")
+    if mode == "step":
+        return 2 if offload else 4
+    return 6 if mode == "sparseloco" else 5

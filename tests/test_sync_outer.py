@@ -7,7 +7,7 @@ import torch
 
 from fusionnode.errors import ConfigError
 from fusionnode.optim.outer import AveragedOuter, NesterovOuter, make_outer, weighted_mean
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import SyncConfig, state_copies
 
 
 def test_nesterov_hand_computed() -> None:
@@ -82,3 +82,9 @@ def test_sync_config_defaults_and_rounds() -> None:
 def test_sync_config_refuses_bad_values(kwargs: dict, option: str) -> None:
     with pytest.raises(ConfigError, match=option):
         SyncConfig(**kwargs)
+
+
+def test_state_copies_a_worker_holds() -> None:
+    assert state_copies(None, True) == 2 and state_copies(None, False) == 4
+    assert state_copies(SyncConfig("diloco", inner_steps=2).to_dict(), True) == 5  # + theta_start
+    assert state_copies(SyncConfig("sparseloco", inner_steps=2).to_dict(), True) == 6  # + error feedback

@@ -43,7 +43,7 @@ from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_fligh
 from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import SyncConfig, state_copies
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -294,13 +294,13 @@ class WorkerService:
     @staticmethod
     def _need_bytes(a: jp.StageAssignment) -> int:
         """Bytes the stage will take here: the larger of what the driver declares and what the
-        description's own parameters and buffers take (x2 with offload: values and gradients; x4
-        with a local optimizer), checked before anything is allocated."""
+        description's own parameters and buffers take (`sync.state_copies`: x2 with offload, x4 with a
+        local optimizer, x5-x6 in a sync round mode), checked before anything is allocated."""
         try:
             state = state_bytes(a.description)
         except (GraphError, TypeError, ValueError) as exc:
             raise JobError(ErrorCode.BAD_REQUEST, f"invalid stage description: {exc}") from exc
-        return max(a.need_bytes, state * (2 if a.offload else 4))
+        return max(a.need_bytes, state * state_copies(a.sync, a.offload is not None))
 
     async def rpc_start(self, req: jp.StageRef, sender: str) -> jp.StartReply:
         sj = self._get(req, sender)

@@ -22,6 +22,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
+from fusionnode.sync import state_copies
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
@@ -390,7 +391,8 @@ class Placement:
                 pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
                 act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
                 in_flight = peak_in_flight(DEFAULT_SCHEDULE, n, i, pipe.micro_batches)
-                state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
+                # params + grads (+ 2 optimizer states when local; + θ_start, EF in a sync round mode)
+                state_factor = state_copies(job.sync.to_dict(), bool(host_of))
                 offload = None
                 if host_of:
                     offload = jp.Offload(
