@@ -166,3 +166,17 @@ def test_int8_diloco_sends_a_quarter_of_raw_and_stays_close() -> None:
     assert q8.losses[:3] == raw.losses[:3]  # the first round is the same until it closes
     assert max(abs(a - b) for a, b in zip(q8.losses, raw.losses, strict=True)) < 0.05
     assert q8.losses[3:] != raw.losses[3:]  # and the quantised round really differs after
+
+
+def test_replicated_reference_writes_its_metrics(tmp_path) -> None:
+    import json
+
+    path = tmp_path / "m.jsonl"
+    res = train_local_replicas(
+        SPEC.replace(metrics_out=str(path)), SyncConfig("sparseloco", inner_steps=3), replicas=2
+    )
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    steps = [r for r in rows if r["type"] == "step"]
+    assert [r["loss"] for r in steps] == list(res.losses)
+    assert steps[-1]["optimizer_hosts"][0]["received_bytes"] == res.bytes_up
+    assert [r["event"] for r in rows if r["type"] == "event"] == ["start", "eval", "end"]

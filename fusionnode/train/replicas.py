@@ -41,6 +41,7 @@ from fusionnode.train.local import (
     set_lr,
     train_step,
 )
+from fusionnode.train.metrics import MetricsWriter
 from fusionnode.train.spec import JobSpec, lr_at, resolve_seq_len
 from fusionnode.wire.tensors import encode_tensor, pack_encoded
 
@@ -138,15 +139,38 @@ def train_local_replicas(
     replicas = len(shares)
     seq_len = resolve_seq_len(spec)
     records: list[dict[str, Any]] = []
+    with MetricsWriter(spec.metrics_out) as metrics:
+        metrics.event(
+            "start", job_id=spec.job_id, step=0, spec=spec.to_dict(), sync=sync.to_dict(), shares=shares
+        )
 
-    def emit(rec: dict[str, Any]) -> None:
-        records.append(rec)
-        if progress is not None:
-            progress(rec)
+        def emit(rec: dict[str, Any]) -> None:
+            records.append(rec)
+            metrics.step({"plan_version": 0, **rec})
+            if progress is not None:
+                progress(rec)
 
-    if not sync.rounds:
-        return _step_mode(spec, sync, replicas, seq_len, emit, records, eval_every, eval_batches)
+        if sync.rounds:
+            res = _round_modes(spec, sync, shares, seq_len, emit, records, eval_every, eval_batches)
+        else:
+            res = _step_mode(spec, sync, replicas, seq_len, emit, records, eval_every, eval_batches)
+        metrics.event("eval", step=spec.steps, val_loss=res.val_loss)
+        metrics.event("end", step=spec.steps, **metrics.summary.as_dict())
+    return res
 
+
+def _round_modes(
+    spec: JobSpec,
+    sync: SyncConfig,
+    shares: list[int],
+    seq_len: int,
+    emit: Callable[[dict[str, Any]], None],
+    records: list[dict[str, Any]],
+    eval_every: int,
+    eval_batches: int,
+) -> ReplicasResult:
+    """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
+    replicas = len(shares)
     base = build_job_model(spec)
     source = BatchSource.from_spec(spec, seq_len)
     models = [copy.deepcopy(base) for _ in range(replicas)]
