@@ -24,3 +24,13 @@ def test_bench_sync_tiny(capsys) -> None:
     for row in modes.values():
         assert row["bytes_to_target"] is not None and min(r["val_loss"] for r in row["records"]) <= target
     assert len(out["targets"]) == 3
+
+
+def test_bench_sync_prints_its_table(capsys) -> None:
+    args = ["--steps", "4", "--inner-steps", "2", "--batch-size", "4", "--seq-len", "16"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sync benchmark: gpt2-tiny, 2 replicas, 4 steps")
+    for name in ("step", "diloco", "diloco-avg", "sparseloco"):
+        assert f"\n{name} " in out
+    assert "bytes to other targets" in out and "sparseloco: density 0.0625, chunk 256" in out

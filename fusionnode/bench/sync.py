@@ -211,13 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['final_vs_step'] * 100:>+7.2f}% {_fmt_bytes(row['bytes']):>14}"
         )
     print("bytes to other targets (the step mode's validation loss at 1/2 and 3/4 of the run):")
-    for t, per in list(out["targets"].items())[1:]:
+    for entry in out["targets"][1:]:
         cells = [
             f"{name} {_fmt_bytes(v['bytes'])}"
             + (f" ({v['fewer_than_step']:,.0f}x)" if v["fewer_than_step"] else "")
-            for name, v in per.items()
+            for name, v in entry["modes"].items()
         ]
-        print(f"  {t}: " + "; ".join(cells))
+        print(f"  {entry['target']:.4f}: " + "; ".join(cells))
     s = out["modes"]["sparseloco"]["sync"]
     d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
     print(
