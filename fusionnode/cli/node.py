@@ -279,6 +279,10 @@ def cmd_peers(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print_peers(res["peers"], res.get("self"))
+    if res.get("reachability"):
+        from fusionnode.term import reach_text
+
+        print(f"this peer: {reach_text(res['reachability'])}")
     return 0
 
 

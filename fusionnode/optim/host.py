@@ -246,7 +246,16 @@ class OptimizerHostService:
             raise JobError(ErrorCode.FORBIDDEN, "a shard must be assigned by the job's driver")
         held = self.shards.get(job) or self._pending.get(job)
         if held is not None and held.driver != sender:
-            raise JobError(ErrorCode.FORBIDDEN, f"job {job!r} here belongs to another driver")
+            if not (
+                a.resume and a.secret is not None and held.owner.get("tag") == owner_tag(a.secret, sender)
+            ):
+                raise JobError(ErrorCode.FORBIDDEN, f"job {job!r} here belongs to another driver")
+            # the job's owner resumes it from another peer (it holds the job secret, from the driver's
+            # checkpoint): the old driver's shard in memory goes; its checkpoints are what resume reads
+            logger.info(
+                "job %s resumed by its owner from peer %s: dropping the old driver's shard", job, sender
+            )
+            self._release(job)
         mine = {j for j, s in (*self.shards.items(), *self._pending.items()) if s.driver == sender} - {job}
         if len(mine) >= MAX_SHARDS_PER_DRIVER:
             raise JobError(

@@ -47,7 +47,7 @@ from fusionnode.train.placement import (
     crossing_names,
     layout,
 )
-from fusionnode.train.rebalance import DEFAULT_MIN_GAIN
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, StepFailed, Stepper, step_loss
@@ -75,9 +75,13 @@ class Driver:
         self.jobs: dict[str, Job] = {}
         timeout = config.step_timeout_s if config is not None else 60.0
         self.hosts = OptimizerClient(transport, timeout)
-        self.placement = Placement(transport, membership, timeout, self.hosts)
+        # what this driver learns about peers outlives each job: measured speeds (every job, every
+        # layout) replace advertised TFLOPS in the next plans, and a peer banned for a failed step
+        # stays banned, longer at each offence, whichever job it fails next (SECURITY.md, attack 8)
+        self.book = PeerBook()
+        self.placement = Placement(transport, membership, timeout, self.hosts, self.book)
         self.stepper = Stepper(transport, timeout, self.placement, self.hosts)
-        self.recovery = Recovery(transport, membership, self.placement, self.hosts)
+        self.recovery = Recovery(transport, membership, self.placement, self.hosts, stall_s=2 * timeout)
 
     def status(self) -> list[dict[str, Any]]:
         return [job.to_dict() for job in self.jobs.values()]
@@ -309,6 +313,7 @@ class Driver:
                 min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
                 source=source,
                 first_step=start_step,
+                book=self.book,
             )
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
