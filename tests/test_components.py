@@ -41,7 +41,7 @@ class Membership:
                 peer_id=p,
                 roles=r,
                 availability="available",
-                device=SimpleNamespace(tflops_fp32=1.0),
+                device=SimpleNamespace(tflops_fp32=1.0, kind="cpu"),
                 capacity_bytes=1 << 30,
                 links={},
             )

@@ -31,6 +31,7 @@ BENCHMARKS = {
     "memory": "fusionnode.bench.memory",
     "faults": "fusionnode.bench.faults",
     "verify": "fusionnode.bench.verify",
+    "sync": "fusionnode.bench.sync",  # issue 19
 }
 
 

@@ -24,6 +24,7 @@ from fusionnode.cli.args import (
 )
 from fusionnode.errors import FusionNodeError
 from fusionnode.messages import format_event, format_plan, next_steps
+from fusionnode.sync import add_sync_args, sync_from_args
 from fusionnode.term import Progress
 
 
@@ -135,6 +136,7 @@ def add_train_command(sub: Any) -> None:
         default=1,
         help="optimizer hosts to shard the state over, with --offload (default %(default)s)",
     )
+    add_sync_args(p)  # issue 19: --sync, --inner-steps, --outer-lr, ...
     p.add_argument("--dump-grads", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--json",
@@ -332,6 +334,12 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if args.offload == "off" and (args.replicas > 1 or args.shares):
         parser.error("several pipelines synchronise through optimizer hosts: use --offload on (or auto)")
+    try:
+        sync = sync_from_args(args)
+    except FusionNodeError as exc:
+        parser.error(str(exc))
+    if args.local and (sync.rounds or args.replicas > 1 or args.shares):
+        return _train_local_replicas(spec, sync, args, _parse_shares(args.shares, parser))
     if args.local:
         return _train_local(spec, args)
 
@@ -348,6 +356,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "rebalance_gain": args.rebalance_gain,
         "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
+        "sync": sync.to_dict(),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
         "verify_policy": args.verify_policy,
         "verify_rate": args.verify_rate,
@@ -436,6 +445,34 @@ def _train_local(spec: Any, args: argparse.Namespace) -> int:
     if res.checkpoint:
         print(f"checkpoint: {res.checkpoint}")
         print(next_steps(res.checkpoint))
+    return 0
+
+
+def _train_local_replicas(spec: Any, sync: Any, args: argparse.Namespace, shares: list[int] | None) -> int:
+    """`train --local` with several replicas or a round sync mode: the in-process reference."""
+    import torch
+
+    from fusionnode.train.replicas import train_local_replicas
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    progress = Progress(spec.steps)
+
+    def show(rec: dict[str, Any]) -> None:
+        if args.json:
+            print(json.dumps({"type": "step", **rec}), flush=True)
+            return
+        tokens_per_s = rec.get("tokens", 0) / max(rec.get("step_time_s", 0.0), 1e-9)
+        progress.update({"tokens_per_s": tokens_per_s, **rec})
+
+    try:
+        res = train_local_replicas(spec, sync, replicas=args.replicas, shares=shares, progress=show)
+    finally:
+        progress.close()
+    print(
+        f"local x{res.replicas} --sync {sync.mode} (H={sync.inner_steps}): {len(res.losses)} steps, "
+        f"{res.rounds} rounds, loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f} (validation "
+        f"{res.val_loss:.4f}), sync bytes {res.bytes_up:,} up, {res.bytes_down:,} down"
+    )
     return 0
 
 

@@ -1,16 +1,18 @@
 """AdaTopK: top-k compression of activations and gradients, its keep-ratio policy and error feedback.
 
-Importing this package registers the "topk", "q8" and "q4" codecs with the wire codec registry.
+Importing this package registers the "topk", "q8", "q4" and "ctopk2" codecs with the wire codec registry.
 """
 
 from fusionnode.compress.boundary import CompressionBoundary, LinkCounters, transmit
 from fusionnode.compress.feedback import ErrorFeedback
 from fusionnode.compress.link import LinkCompressor, LinkOptions, adatopk_config
 from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
+from fusionnode.compress.pseudograd import CTOPK2, ErrorFeedbackAccumulator, ctopk2_payload_bytes
 from fusionnode.compress.quant import Q4, Q8, QuantCodec, quant_payload_bytes
 from fusionnode.compress.topk import TOPK, TopKCodec, keep_count, payload_bytes, topk_mask
 
 __all__ = [
+    "CTOPK2",
     "Q4",
     "Q8",
     "TOPK",
@@ -18,12 +20,14 @@ __all__ = [
     "CompressSpec",
     "CompressionBoundary",
     "ErrorFeedback",
+    "ErrorFeedbackAccumulator",
     "LinkCompressor",
     "LinkCounters",
     "LinkOptions",
     "QuantCodec",
     "TopKCodec",
     "adatopk_config",
+    "ctopk2_payload_bytes",
     "keep_count",
     "parse_compress",
     "payload_bytes",

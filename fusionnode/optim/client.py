@@ -97,6 +97,8 @@ class OptimizerClient:
         *,
         resume: bool,
         start_step: int | None,
+        sync: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> tuple[list[int], bool]:
         """Gives each host its shard (opt.init, the parameters, opt.load); returns the hosts' applied
         steps and whether they started with new optimizer state. With `resume`, every host loads its
@@ -119,6 +121,8 @@ class OptimizerClient:
                 step_deadline_s=self.step_timeout_s,
                 save_every=save_every,
                 resume=resume,
+                sync=sync,  # --sync (issue 19): a round mode closes rounds on the host
+                replicas=replicas,
             )
             return (await jp.call(self.t, host, Rpc.OPT_INIT, req, timeout=timeout)).steps
 
@@ -200,7 +204,13 @@ class OptimizerClient:
             )
         )
         counters = [
-            {"host": h, **res.counters, "rejected": res.rejected}
+            {
+                "host": h,
+                **res.counters,
+                "rejected": res.rejected,
+                "received_bytes": res.received_bytes,  # cumulative (issue 19)
+                "sent_bytes": res.sent_bytes,
+            }
             for h, res in zip(hosts, applied, strict=True)
         ]
         return Applied(grad_norm, clip, counters)

@@ -32,15 +32,17 @@ import torch
 
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
+from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
+from fusionnode.sync import SyncConfig
 from fusionnode.verify.commitment import COMMIT_KEY, digest_encoded
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor
+from fusionnode.wire.tensors import decode_tensor, pack_encoded
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,13 @@ class HostedShard:
         # step -> contributor -> name -> digest of the gradient pushed (pushes that carry one: the
         # job's work is spot-checked, fusionnode/verify/); the driver reads them with opt.ready
         self.push_digests: dict[int, dict[str, dict[str, str]]] = {}
+        self.received_bytes = 0  # cumulative bytes of the job's data messages this host accepted
+        self.sent_bytes = 0  # cumulative bytes this host sent as an optimizer host (pulls, round updates)
+        # --sync diloco|sparseloco (issue 19): the rounds of this shard's names, closed updates by round id
+        self.rounds: RoundCombiner | None = None
+        self.replica_of: dict[str, int] = {}  # contributor key -> its replica, from the plan
+        self.replica_samples: dict[int, int] = {}  # samples per step of each replica, from the plan
+        self.round_updates: dict[int, RoundUpdate] = {}
 
 
 @dataclasses.dataclass
@@ -91,6 +100,11 @@ class _PendingShard:
     owner: dict[str, str]
     host_index: int
     params: dict[str, torch.Tensor] | None = None
+
+
+def _data_bytes(msg: TensorMessage) -> int:
+    """Bytes of a data message's encoded tensors (descriptor and payload): what a host counts as received."""
+    return sum(len(pack_encoded(enc)) for enc in msg.tensors.values())
 
 
 def owner_tag(secret: str | None, driver: str) -> str:
@@ -171,9 +185,11 @@ class OptimizerHostService:
             Rpc.OPT_PULL: self.rpc_pull,
             Rpc.OPT_RELEASE: self.rpc_release,
             Rpc.OPT_REPLAN: self.rpc_replan,
+            Rpc.OPT_ROUND_PULL: self.rpc_round_pull,
         }.items():
             jp.serve(transport, name, fn)
         transport.on_data(TensorKind.PUSH, self._on_push)
+        transport.on_data(TensorKind.PSEUDOGRAD, self._on_round)
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -355,6 +371,14 @@ class OptimizerHostService:
             pend.host_index,
             owner=pend.owner,
         )
+        sync = SyncConfig.from_dict(a.sync)
+        if sync.rounds:
+            shard = self.shards[req.job]
+            shard.rounds = RoundCombiner(sync, a.replicas, set(pend.specs))
+            for contribs in pend.expected.by_name.values():
+                for key, c in contribs.items():
+                    shard.replica_of[key] = int(c.replica)
+                    shard.replica_samples[int(c.replica)] = c.samples
         return jp.OptLoadReply(ready=True, applied_step=store.applied_step, resumed=resumed)
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -372,6 +396,7 @@ class OptimizerHostService:
             return
         if m.get(COMMIT_KEY) is True and not self._record_digest(shard, msg, key):
             return
+        shard.received_bytes += _data_bytes(msg)
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
@@ -450,6 +475,7 @@ class OptimizerHostService:
             missing=list(res.missing),
             counters=dict(shard.store.counters),
             rejected=dict(shard.rejected),
+            **self._bytes(shard),
         )
 
     async def rpc_pull(self, req: jp.OptPull, sender: str) -> jp.OptPullReply:
@@ -471,8 +497,94 @@ class OptimizerHostService:
                 "stage": req.stage,
                 "host": shard.host_index,
             }
-            await self.t.send(sender, tensor_message(TensorKind.PULLED, meta, {name: values[name]}))
+            shard.sent_bytes += await self.t.send(
+                sender, tensor_message(TensorKind.PULLED, meta, {name: values[name]})
+            )
         return jp.OptPullReply(count=len(names), step=step)
+
+    def _bytes(self, shard: HostedShard) -> dict[str, int]:
+        """Cumulative bytes of the job this host received (its data messages) and sent."""
+        return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}
+
+    def _on_round(self, msg: TensorMessage, sender: str) -> None:
+        """A stage's pseudo-gradients of a round (issue 19); the round closes, and the outer step is
+        applied to the masters, when every replica sent every name of the shard."""
+        m = msg.meta
+        shard = self.shards.get(str(m.get("job")))
+        if shard is None or shard.rounds is None:
+            return
+        key = str(m.get("contributor", ""))
+        if shard.peers.get(key) != sender or self.bans.is_banned(sender):
+            shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
+            return
+        shard.received_bytes += _data_bytes(msg)
+        for name, enc in msg.tensors.items():
+            spec = shard.specs.get(name)
+            try:
+                value = decode_tensor(enc)
+            except Exception as exc:
+                self._offence(shard, sender, "undecodable", str(exc)[:200])
+                return
+            if (
+                spec is None
+                or tuple(value.shape) != tuple(spec["shape"])
+                or not bool(torch.isfinite(value).all())
+            ):
+                self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
+                return
+        try:
+            # the replica is the one the plan gives the sender's contributor key, and its weight what the
+            # plan gives that replica (samples per step; every replica runs the same steps of the same
+            # length in a round closed by step count): never what a worker claims
+            replica = shard.replica_of.get(key)
+            if replica is None:
+                raise RoundError(f"contributor {key!r} is not in this job's plan")
+            weight = float(shard.replica_samples[replica])
+            complete = shard.rounds.add(int(m["step"]), replica, weight, dict(msg.tensors))
+        except (RoundError, KeyError, TypeError, ValueError) as exc:
+            shard.rejected["round"] = shard.rejected.get("round", 0) + 1
+            logger.warning("round contribution from %s refused: %s", sender[:12], exc)
+            return
+        if complete:
+            update = shard.store.update_masters(shard.rounds.close)
+            shard.round_updates[update.round] = update
+            for old in [r for r in shard.round_updates if r < update.round - 1]:
+                del shard.round_updates[old]
+
+    async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
+        """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
+        update of `names`: u per name (diloco), or every replica's message per name, its weight in
+        the meta (sparseloco)."""
+        shard = self._shard(req.job, sender, driver_only=False)
+        if sender not in set(shard.peers.values()):
+            raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull a round")
+        if not 0 <= req.first < 1 << 40:
+            raise JobError(ErrorCode.BAD_REQUEST, f"first must be in [0, 2^40), got {req.first}")
+        names = list(req.names)
+        if any(n not in shard.specs for n in names):
+            raise JobError(ErrorCode.NOT_HELD, "this host does not hold all of those names")
+        deadline = time.monotonic() + self.step_deadline_s
+        while req.round not in shard.round_updates and time.monotonic() < deadline:
+            if shard.rounds is None or shard.rounds.round > req.round + 1:
+                break
+            await asyncio.sleep(READY_POLL_S)
+        update = shard.round_updates.get(req.round)
+        if update is None:
+            raise JobError(
+                ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
+            )
+        if update.mode == "diloco":
+            series = [({name: update.updates[name]}, None) for name in names]
+        else:
+            series = [({name: encs[name]}, w) for w, encs in update.relayed for name in names]
+        for idx, (tensors, weight) in enumerate(series):
+            meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
+            if weight is not None:
+                meta["weight"] = weight
+            shard.sent_bytes += await self.t.send(
+                sender, TensorMessage(TensorKind.ROUND_UPDATE, meta, tensors)
+            )
+        return jp.CountReply(count=len(series))
 
     async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);

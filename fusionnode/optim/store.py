@@ -529,6 +529,12 @@ class ParameterStore:
             logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
         return dropped
 
+    def update_masters(self, fn: Callable[[dict[str, Tensor]], Any]) -> Any:
+        """Runs `fn` on the fp32 masters (updated in place) under the apply lock: the outer step of a
+        --sync round (issue 19). Returns what `fn` returns."""
+        with self._apply_lock:
+            return fn(self._opt.params)
+
     # ----------------------------------------------------------------- parameters
     def get_params(
         self,

@@ -38,10 +38,12 @@ from fusionnode.compress.link import LinkCompressor, LinkOptions
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
+from fusionnode.runtime.rounds import StageRounds
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_flight, schedule
 from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
+from fusionnode.sync import SyncConfig, state_copies
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -88,6 +90,9 @@ class StageJob:
         self.flops_per_sample: float = a.flops_per_sample  # forward, for --debug pacing
         # offload: where the parameters live and this stage's contributor key at their hosts
         self.offload: jp.Offload | None = a.offload_plan
+        # --sync diloco|sparseloco (issue 19): a local inner optimizer, pseudo-gradients every round
+        self.sync = SyncConfig.from_dict(a.sync)
+        self.rounds: StageRounds | None = None
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None
         self.step_task_step = -1  # the step step_task runs (or ran last)
@@ -291,13 +296,13 @@ class WorkerService:
     @staticmethod
     def _need_bytes(a: jp.StageAssignment) -> int:
         """Bytes the stage will take here: the larger of what the driver declares and what the
-        description's own parameters and buffers take (x2 with offload: values and gradients; x4
-        with a local optimizer), checked before anything is allocated."""
+        description's own parameters and buffers take (`sync.state_copies`: x2 with offload, x4 with a
+        local optimizer, x5-x6 in a sync round mode), checked before anything is allocated."""
         try:
             state = state_bytes(a.description)
         except (GraphError, TypeError, ValueError) as exc:
             raise JobError(ErrorCode.BAD_REQUEST, f"invalid stage description: {exc}") from exc
-        return max(a.need_bytes, state * (2 if a.offload else 4))
+        return max(a.need_bytes, state * state_copies(a.sync, a.offload is not None))
 
     async def rpc_start(self, req: jp.StageRef, sender: str) -> jp.StartReply:
         sj = self._get(req, sender)
@@ -324,10 +329,12 @@ class WorkerService:
                 if name in frozen:
                     p.requires_grad_(False)
             sj.params = {n: p for n, p in module.named_stage_parameters().items() if n not in frozen}
-            sj.opt = None if sj.offload else make_optimizer(sj.params, sj.spec)
+            sj.opt = None if sj.offload and not sj.sync.rounds else make_optimizer(sj.params, sj.spec)
+            if sj.sync.rounds:
+                sj.rounds = StageRounds(sj.sync, sj.params)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             self._install_push_hooks(sj, asyncio.get_running_loop())
         return jp.StartReply(ready=True, params=len(sj.params))
 
@@ -538,7 +545,7 @@ class WorkerService:
         step = req.step
         if sj.last_step >= step:  # a retried commit whose first reply was lost: applied (or pulling) already
             return jp.CommitReply(applied=step, again=True)
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             # the hosts applied the step: prefetch the new parameters while the driver prepares the next one
             sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
             sj.last_step = step
@@ -567,9 +574,14 @@ class WorkerService:
                 sj.opt.zero_grad()
 
         async with sj.busy:
+            if sj.last_step >= step:  # a retried commit that waited for the first one (a long round end)
+                return jp.CommitReply(applied=step, again=True)
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
+            round_bytes: dict[str, list[int]] = {}
+            if sj.rounds is not None and req.round:
+                round_bytes = await sj.rounds.close_round(self, sj, req.round)
             sj.last_step = step
-        return jp.CommitReply(applied=step)
+        return jp.CommitReply(applied=step, round_bytes=round_bytes)
 
     async def _hook_delay(self, compute_s: float, flops: float = 0.0) -> None:
         if self.hook is not None:
@@ -706,7 +718,7 @@ class WorkerService:
                 b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
         optimizer_bytes = 0  # gradient bytes pushed to the optimizer hosts
-        if sj.offload:
+        if sj.offload and not sj.sync.rounds:
             pushes, sj.push_tasks = sj.push_tasks, []
             optimizer_bytes += sum(await asyncio.gather(*pushes))
             missing = [n for n in sj.params if sj.grad_counts.get(n, 0) < m]
@@ -718,7 +730,7 @@ class WorkerService:
             sent_bytes += optimizer_bytes
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
-        shared = [] if sj.offload else sorted(sj.shared_names & set(sj.params))
+        shared = [] if sj.offload and not sj.sync.rounds else sorted(sj.shared_names & set(sj.params))
         if shared:
             g = {
                 n: (sj.params[n].grad if sj.params[n].grad is not None else torch.zeros_like(sj.params[n]))

@@ -38,6 +38,17 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    sync = (params.get("sync") or {}).get("mode", "step") if isinstance(params.get("sync"), dict) else "step"
+    if policy.on and sync != "step":
+        # the recompute takes the hosts' parameters, while a round mode's workers step their own
+        # (inner) optimizer between rounds: the two differ, so the checks cannot judge that work yet
+        if params.get("verify_policy") in ("sample", "all"):
+            raise ConfigError(
+                f"--verify-policy {params['verify_policy']} cannot check --sync {sync} yet (its workers "
+                "train on their own parameters between rounds): use --sync step with checks"
+            )
+        reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
+        return dataclasses.replace(policy, policy="off", rate=0.0), reason
     if not policy.on or spec.compress == "none":
         return policy, None
     if params.get("verify_policy") in ("sample", "all"):

@@ -35,6 +35,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
+from fusionnode.sync import SyncConfig
 from fusionnode.train import checks
 from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
 from fusionnode.train.placement import (
@@ -120,6 +121,9 @@ class Driver:
         self._forget_old_jobs()
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
+        job.sync = SyncConfig.from_dict(params.get("sync"))
+        if job.sync.rounds and (params.get("resume") or int(params.get("rebalance_every") or 0) > 0):
+            raise ConfigError(f"--sync {job.sync.mode} does not resume or rebalance yet")
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
@@ -381,6 +385,11 @@ class Driver:
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
+                if job.sync.rounds:
+                    raise PeerError(
+                        f"step {step} failed ({fail.summary()}); --sync {job.sync.mode} does not recover "
+                        "a failed worker yet"
+                    ) from None
                 if not job.offload:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
@@ -403,6 +412,7 @@ class Driver:
             tokens_total += tokens
             time_total += step_time
             wire = sum(r.sent_bytes for r in reports) + self.t.bytes_sent.get(jid, 0) - wire0
+            wire += job.round_bytes  # pseudo-gradients sent at a round's end (issue 19)
             record = {
                 "step": step,
                 "loss": loss,

@@ -23,6 +23,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
+from fusionnode.sync import state_copies
 from fusionnode.train.rebalance import PeerBook, planning_tflops
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.wire import job as jp
@@ -440,7 +441,8 @@ class Placement:
                 pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
                 act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
                 in_flight = peak_in_flight(DEFAULT_SCHEDULE, n, i, pipe.micro_batches)
-                state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
+                # params + grads (+ 2 optimizer states when local; + θ_start, EF in a sync round mode)
+                state_factor = state_copies(job.sync.to_dict(), bool(host_of))
                 offload = None
                 if host_of:
                     offload = jp.Offload(
@@ -477,6 +479,7 @@ class Placement:
                     bw_next=(links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
                     bw_prev=(links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
                     offload=offload,
+                    sync=job.sync.to_dict() if job.sync.rounds else None,  # issue 19
                 )
                 args.append(a)
         return args
@@ -601,5 +604,7 @@ class Placement:
             expected(job, stage_args),
             resume=resume,
             start_step=start_step,
+            sync=job.sync.to_dict(),
+            replicas=len(job.pipelines),
         )
         return applied

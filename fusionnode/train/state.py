@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fusionnode.sync import SyncConfig
 from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans, PeerBook, SpeedBook, stage_flops
 from fusionnode.wire.job import StageAssignment, StepReport
 
@@ -46,6 +47,10 @@ class Job:
         self.stages: list[dict[str, Any]] = []  # flat, by global stage id
         self.hosts: list[str] = []
         self.offload = False
+        self.sync = SyncConfig()  # --sync (issue 19): diloco/sparseloco close rounds on the hosts
+        self.round_bytes = 0  # bytes the stages sent at the last step's round end (issue 19)
+        self.rounds_closed = 0
+        self.round_host_bytes: dict[str, list[int]] = {}  # host -> cumulative [received, sent], rounds
         self.step = 0
         self.loss: float | None = None
         self.tokens_per_s = 0.0
@@ -67,6 +72,30 @@ class Job:
         self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
         self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
+
+    def count_round(self, step: int, per_stage: list[dict[str, list[int]]]) -> None:
+        """--sync rounds (issue 19): fold the stages' [sent to, received from] bytes per host of
+        step `step`'s commits into the hosts' cumulative [received, sent] (the step record's
+        optimizer_hosts; measured at the stages' ends of the same streams)."""
+        self.round_bytes = 0
+        closed = False
+        for stage in per_stage:
+            for host, (to_host, from_host) in stage.items():
+                acc = self.round_host_bytes.setdefault(host, [0, 0])
+                acc[0] += to_host
+                acc[1] += from_host
+                self.round_bytes += to_host
+                closed = True
+        self.rounds_closed += int(closed)
+        self.host_counters = [
+            {
+                "host": h,
+                "received_bytes": self.round_host_bytes.get(h, [0, 0])[0],
+                "sent_bytes": self.round_host_bytes.get(h, [0, 0])[1],
+                "rounds_closed": self.rounds_closed,
+            }
+            for h in self.hosts
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -131,6 +160,7 @@ class Run:
     steps_on_plan: int = 0
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
     # this run's last DEFAULT_WINDOW samples per peer (what rebalancing reads: recent behaviour)
+    names_by_stage: dict[int, list[str]] | None = None  # --sync rounds: what each stage sends (issue 19)
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
 

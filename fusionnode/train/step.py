@@ -21,6 +21,7 @@ import torch
 from fusionnode.errors import FusionNodeError, PeerError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.optim.rounds import contributing_names, round_of, round_tokens
 from fusionnode.train.checkpoint import save_at
 from fusionnode.train.placement import PING_TIMEOUT_S, Placement
 from fusionnode.train.state import Job, Run
@@ -161,7 +162,11 @@ class Stepper:
             t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
             await self.dump_grads(job, stage_args, run.params["dump_grads"])
-        if job.offload:
+        commit_by_stage: dict[int, dict[str, Any]] | None = None
+        if job.sync.rounds:  # issue 19: each replica steps its own inner optimizer; rounds on the hosts
+            grad_norm, commit_by_stage = await self.round_commit_args(job, run, stage_args, reports, step, lr)
+            commit_extra: dict[str, Any] = {}
+        elif job.offload:
             try:
                 applied = await self.hosts.apply(
                     jid, job.hosts, step + 1, lr, spec.grad_clip, save_at(spec, step + 1)
@@ -172,7 +177,7 @@ class Stepper:
                 if not dead:
                     raise
                 raise HostFailed(step, {h: [Failure.of(exc)] for h in dead}, dead) from None
-            commit_extra: dict[str, Any] = {}
+            commit_extra = {}
         else:
             shared_sum = await self.sum_shared(job, stage_args, step)
             sq = sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
@@ -191,7 +196,12 @@ class Stepper:
                 self.t,
                 a.peer,
                 Rpc.JOB_COMMIT,
-                jp.CommitRequest(job=jid, stage=a.stage, step=step, **commit_extra),
+                jp.CommitRequest(
+                    job=jid,
+                    stage=a.stage,
+                    step=step,
+                    **(commit_by_stage[a.stage] if commit_by_stage else commit_extra),
+                ),
                 timeout=timeout,
                 idempotent=True,  # a commit already applied answers so
             )
@@ -199,11 +209,13 @@ class Stepper:
         }
         late = None
         try:
-            await self.gather_or_fail(
+            committed = await self.gather_or_fail(
                 job, run, step, commits, {("commit", a.stage): a.peer for a in stage_args}
             )
+            if job.sync.rounds:
+                job.count_round(step, [r.round_bytes for r in committed.values()])
         except StepFailed as fail:
-            if not job.offload:
+            if not job.offload or job.sync.rounds:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
             late = fail
         phases["commit_s"] = time.perf_counter() - t_phase
@@ -255,6 +267,44 @@ class Stepper:
                 Failure(ErrorCode.LEAVING, "the peer answered a probe that it is leaving")
             )
         raise StepFailed(step, errors, unreachable)
+
+    async def round_commit_args(
+        self,
+        job: Job,
+        run: Run,
+        stage_args: list[StageAssignment],
+        reports: list[StepReport],
+        step: int,
+        lr: float,
+    ) -> tuple[float, dict[int, dict[str, Any]]]:
+        """--sync diloco|sparseloco: per replica, its tied-weight gradient sums and its own clip factor
+        (each replica steps alone, as the local reference does); at a round's end, what each stage
+        sends. Returns (the replicas' mean gradient norm, the commit arguments per stage)."""
+        spec = job.spec
+        if run.names_by_stage is None:
+            run.names_by_stage = contributing_names(stage_args)
+        round_id = round_of(job.sync, step, spec.steps)
+        out: dict[int, dict[str, Any]] = {}
+        norms = []
+        for pipe in job.pipelines:
+            mine = [(a, r) for a, r in zip(stage_args, reports, strict=True) if a.replica == pipe.replica]
+            shared_sum = await self.sum_shared(job, [a for a, _ in mine], step)
+            norm = math.sqrt(sum(r.grad_sq for _, r in mine) + FlatOptimizer.grad_sq_norm(shared_sum))
+            norms.append(norm)
+            clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
+            for a, _ in mine:
+                part = {k: shared_sum[k] for k in a.shared_names}
+                if part:
+                    meta = {"job": spec.job_id, "step": step, "mb": -1, "stage": a.stage}
+                    await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
+                out[a.stage] = {"lr": lr, "clip_coef": clip}
+                if round_id is not None:
+                    out[a.stage]["round"] = {
+                        "id": round_id,
+                        "tokens": round_tokens(job.sync, step, pipe.samples, run.seq_len),
+                        "names": run.names_by_stage[a.stage],
+                    }
+        return sum(norms) / len(norms), out
 
     async def sum_shared(
         self, job: Job, stage_args: list[StageAssignment], step: int

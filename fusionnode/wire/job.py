@@ -52,6 +52,7 @@ class Rpc:
     OPT_PULL: Final = "opt.pull"
     OPT_REPLAN: Final = "opt.replan"
     OPT_RELEASE: Final = "opt.release"
+    OPT_ROUND_PULL: Final = "opt.round_pull"  # --sync rounds: a closed round's update (ROUNDS.md)
     DATA_OPEN: Final = "data.open"  # opens a data stream (transport level: SPEC section 8)
     ALL: ClassVar[frozenset[str]]
 
@@ -76,6 +77,8 @@ class TensorKind:
     PUSH: Final = "push"  # worker -> optimizer host: a parameter's gradient of a step
     PULLED: Final = "pulled"  # optimizer host -> caller of `opt.pull`: parameters, mb = first + index
     AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
+    PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
+    ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
     ALL: ClassVar[frozenset[str]]
 
 
@@ -220,6 +223,7 @@ class StageAssignment(JobMessage):
     bw_next: float | None = None  # measured bandwidth to the next stage's peer, bit/s
     bw_prev: float | None = None
     offload: dict[str, Any] | None = None  # Offload.to_wire(), when hosts run the optimizer
+    sync: dict[str, Any] | None = None  # --sync diloco|sparseloco: SyncConfig.to_dict() (protocol/ROUNDS.md)
 
     def __post_init__(self) -> None:
         if self.need_bytes < 0:
@@ -324,6 +328,7 @@ class CommitRequest(JobMessage):
     step: int
     lr: float | None = None  # needed with a local optimizer
     clip_coef: float = 1.0
+    round: dict[str, Any] | None = None  # closes a sync round: {id, tokens, names} (protocol/ROUNDS.md)
 
 
 @message
@@ -331,6 +336,7 @@ class CommitReply(JobMessage):
     applied: int
     again: bool = False  # a retried commit already applied
     prefetching: bool = False  # offload: pulling the new parameters from the hosts
+    round_bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # host -> [sent, received]
 
 
 @message
@@ -406,6 +412,8 @@ class OptInit(JobMessage):
     resume: bool = False
     step_deadline_s: float | None = None
     save_every: int = 0
+    sync: dict[str, Any] | None = None  # --sync: SyncConfig.to_dict(); a round mode keeps rounds here
+    replicas: int = 1  # the job's data-parallel replicas (contributions per round; the host checks >= 1)
 
     def __post_init__(self) -> None:
         if self.secret is not None and not 16 <= len(self.secret) <= 256:
@@ -498,6 +506,8 @@ class OptApplyReply(JobMessage):
     missing: list[str]
     counters: dict[str, int]
     rejected: dict[str, int]
+    received_bytes: int = 0  # cumulative bytes of the job's data messages this host accepted
+    sent_bytes: int = 0  # cumulative bytes it sent as an optimizer host
 
 
 @message
@@ -545,6 +555,17 @@ class OptRelease(JobMessage):
     job: str
 
 
+@message
+class OptRoundPull(
+    JobMessage
+):  # wait for the round to close, send `round_update`s, mb = first + i (ROUNDS.md)
+    job: str
+    round: int
+    names: list[str]
+    stage: int = -1
+    first: int = 0  # the host checks it is in [0, 2^40)
+
+
 # ---------------------------------------------------------------- the RPC table
 
 
@@ -588,6 +609,7 @@ RPCS: dict[str, RpcSpec] = {
                 (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_REPLAN, OptReplan, OptReplanReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_RELEASE, OptRelease, ReleaseReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
+        RpcSpec(Rpc.OPT_ROUND_PULL, OptRoundPull, CountReply, "the plan's workers", (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
     )
 }  # fmt: skip
 MESSAGE_TYPES: tuple[type, ...] = tuple(

@@ -1,0 +1,232 @@
+"""Sync-mode benchmark: bytes to a target loss, and the final loss at equal tokens, for
+`--sync step`, `--sync diloco` and `--sync sparseloco` (issue 19).
+
+Method.
+- The in-process reference (`train.replicas.train_local_replicas`): `--replicas` replicas of
+  gpt2-tiny on the default corpus, the same seed, batch (split evenly between the replicas) and
+  tokens per step for every mode; `--steps` steps each.
+- Bytes: what the replicas and the optimizer hosts exchange for data-parallel sync, counted as
+  each encoded tensor's msgpack form (descriptor and payload; frame headers not counted):
+  step = every trainable tensor as raw float32, gradients up and parameters down, every step;
+  diloco = the pseudo-gradient up and the outer update down in the sync codec, once per round;
+  sparseloco = the ctopk2 message up, every replica's message relayed down, once per round.
+  Traffic between the stages of one pipeline is the same in every mode and is not counted.
+- Validation loss (`EVAL_BATCHES` fixed batches) of the shared parameters every `--eval-every`
+  steps (a multiple of every H, so always at a round's end). The target loss is the lowest
+  validation loss every mode reaches (stated); each mode's bytes to the target are its
+  cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
+  step mode's validation loss at half and at three quarters of the run.
+- Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
+  0.9, raw codec); diloco-avg (outer lr 1, momentum 0: plain parameter averaging); sparseloco
+  (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
+  picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
+
+Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.sync import SyncConfig
+from fusionnode.train.replicas import train_local_replicas
+from fusionnode.train.spec import JobSpec
+
+DEFAULT_STEPS = 300
+DEFAULT_REPLICAS = 2
+DEFAULT_BATCH = 16
+DEFAULT_SEQ_LEN = 64
+DEFAULT_H = 10  # inner steps per round for diloco and sparseloco
+DEFAULT_SPARSE_DENSITY = 1 / 16  # sparseloco: share of each chunk sent
+DEFAULT_SPARSE_CHUNK = 256  # sparseloco: u8 indices
+DEFAULT_WARMUP = 20
+
+
+def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
+    """The contenders, fixed before the run: step; DiLoCo with the paper's outer step (Nesterov, lr
+    0.7, momentum 0.9); DiLoCo with a plain averaged outer step (lr 1, momentum 0: local SGD); and
+    SparseLoCo."""
+    return {
+        "step": SyncConfig(),
+        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps),
+        "diloco-avg": SyncConfig("diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0),
+        "sparseloco": SyncConfig(
+            "sparseloco",
+            inner_steps=args.sparse_inner_steps or args.inner_steps,
+            topk_density=args.topk_density,
+            chunk=args.topk_chunk,
+        ),
+    }
+
+
+def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
+    """(bytes, step) at the first evaluation at or below `target`; (None, None) if never."""
+    for rec in records:
+        if rec.get("val_loss", math.inf) <= target:
+            h = rec["optimizer_hosts"][0]
+            return h["received_bytes"] + h["sent_bytes"], rec["step"]
+    return None, None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    spec = JobSpec(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        warmup_steps=min(DEFAULT_WARMUP, args.steps),
+        seed=args.seed,
+    )
+    cfgs = configs(args)
+    hs = [c.inner_steps for c in cfgs.values()]
+    eval_every = args.eval_every or math.lcm(*hs)
+    if any(eval_every % h for h in hs):
+        raise SystemExit(f"--eval-every {eval_every} must be a multiple of every H ({hs})")
+    rows: dict[str, dict[str, Any]] = {}
+    for name, cfg in cfgs.items():
+        t0 = time.perf_counter()
+        res = train_local_replicas(spec, cfg, replicas=args.replicas, eval_every=eval_every)
+        rows[name] = {
+            "sync": cfg.to_dict(),
+            "records": [r for r in res.records if "val_loss" in r],
+            "final_val_loss": res.val_loss,
+            "final_train_loss": sum(res.losses[-10:]) / len(res.losses[-10:]),
+            "bytes": res.bytes_up + res.bytes_down,
+            "rounds": res.rounds,
+            "wall_s": time.perf_counter() - t0,
+        }
+    target = args.target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
+    step_final = rows["step"]["final_val_loss"]
+    for row in rows.values():
+        row["bytes_to_target"], row["step_at_target"] = bytes_to_target(row["records"], target)
+        row["final_vs_step"] = row["final_val_loss"] / step_final - 1
+    base = rows["step"]["bytes_to_target"]
+    for row in rows.values():
+        b = row["bytes_to_target"]
+        row["fewer_bytes_than_step"] = (base / b) if (base and b) else None
+    # more targets: the step mode's validation loss at half and three quarters of the run
+    evals = rows["step"]["records"]
+    extra = (
+        [evals[len(evals) // 2 - 1]["val_loss"], evals[(3 * len(evals)) // 4 - 1]["val_loss"]]
+        if evals
+        else []
+    )
+    targets = []
+    for t in [target, *extra]:
+        got = {name: bytes_to_target(row["records"], t) for name, row in rows.items()}
+        b0 = got["step"][0]
+        per = {
+            name: {"bytes": b, "step": st, "fewer_than_step": (b0 / b) if (b0 and b) else None}
+            for name, (b, st) in got.items()
+        }
+        targets.append({"target": t, "modes": per})
+    return {
+        "targets": targets,
+        "replicas": args.replicas,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "tokens": args.steps * args.batch_size * args.seq_len,
+        "eval_every": eval_every,
+        "target_val_loss": target,
+        "modes": rows,
+    }
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "not reached" if n is None else f"{n / 1e6:,.2f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fusionnode bench sync", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="steps per mode (default %(default)s)")
+    p.add_argument("--replicas", type=int, default=DEFAULT_REPLICAS, help="replicas (default %(default)s)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help="sequences per step, all replicas (default %(default)s)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per sequence (default %(default)s)"
+    )
+    p.add_argument(
+        "--inner-steps", type=int, default=DEFAULT_H, help="H for diloco and sparseloco (default %(default)s)"
+    )
+    p.add_argument(
+        "--sparse-inner-steps", type=int, default=None, help="H for sparseloco (default: --inner-steps)"
+    )
+    p.add_argument(
+        "--topk-density",
+        type=float,
+        default=DEFAULT_SPARSE_DENSITY,
+        help="sparseloco share per chunk (default 1/16)",
+    )
+    p.add_argument(
+        "--topk-chunk",
+        type=int,
+        default=DEFAULT_SPARSE_CHUNK,
+        help="sparseloco chunk length (default %(default)s)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps between validations (default 0: the lcm of the H values)",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="target validation loss (default: the lowest every mode reaches)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="job seed (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
+    args = p.parse_args(argv)
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas, {out['steps']} steps x {args.batch_size} x "
+        f"{args.seq_len} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
+        f"target validation loss {out['target_val_loss']:.4f} (the lowest every mode reaches)"
+    )
+    print(
+        f"{'mode':<11} {'H':>3} {'bytes to target':>16} {'at step':>8} {'x fewer':>8} {'final val':>10} {'vs step':>8} {'total bytes':>14}"
+    )
+    for name, row in out["modes"].items():
+        fewer = row["fewer_bytes_than_step"]
+        print(
+            f"{name:<11} {row['sync']['inner_steps']:>3} {_fmt_bytes(row['bytes_to_target']):>16} "
+            f"{row['step_at_target'] if row['step_at_target'] is not None else '-':>8} "
+            f"{(f'{fewer:,.0f}x' if fewer else '-'):>8} {row['final_val_loss']:>10.4f} "
+            f"{row['final_vs_step'] * 100:>+7.2f}% {_fmt_bytes(row['bytes']):>14}"
+        )
+    print("bytes to other targets (the step mode's validation loss at 1/2 and 3/4 of the run):")
+    for entry in out["targets"][1:]:
+        cells = [
+            f"{name} {_fmt_bytes(v['bytes'])}"
+            + (f" ({v['fewer_than_step']:,.0f}x)" if v["fewer_than_step"] else "")
+            for name, v in entry["modes"].items()
+        ]
+        print(f"  {entry['target']:.4f}: " + "; ".join(cells))
+    s = out["modes"]["sparseloco"]["sync"]
+    d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
+    print(
+        f"sparseloco: density {s['topk_density']:.4f}, chunk {s['chunk']}, EF decay {s['ef_decay']}, outer lr "
+        f"{s['outer_lr']}; diloco: outer lr {d['outer_lr']}, momentum {d['outer_momentum']}; diloco-avg: "
+        f"outer lr {a['outer_lr']}, momentum {a['outer_momentum']}; codec raw"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

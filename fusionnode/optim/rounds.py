@@ -1,0 +1,227 @@
+"""The round protocol of the low-communication sync modes, as plain functions on named tensors.
+
+A round is H inner steps. At its end every replica sends, per parameter name, its pseudo-gradient
+Δr = θ_start − θ_end in the sync codec (`ReplicaSync.encode`), with the tokens it processed in the
+round. The owner of those names (an optimizer host, or the in-process reference) collects one
+contribution per replica (`RoundCombiner.add`, which refuses a round other than the open one, so
+no round is applied twice), then closes the round (`RoundCombiner.close`) into a `RoundUpdate`
+that it applies to its masters and sends to every replica, which applies it to θ_start
+(`apply_update`): both sides compute the same bits.
+
+- diloco: the update carries u, the Nesterov outer step on the token-weighted mean of the decoded
+  pseudo-gradients, encoded in the sync codec; θ <- θ − decode(u).
+- sparseloco: the update relays every replica's encoded message and its token weight (SparseLoCo's
+  all-gather); θ <- θ − outer_lr · Σ w_r ĉr / Σ w_r, computed the same way by every receiver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusionnode.compress.pseudograd import ErrorFeedbackAccumulator, encode_pseudograd
+from fusionnode.errors import FusionNodeError
+from fusionnode.optim.outer import AveragedOuter, NesterovOuter, make_outer, weighted_mean
+from fusionnode.sync import SyncConfig
+from fusionnode.wire.codec_api import EncodedTensor
+from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
+from fusionnode.wire.tensors import decode_tensor, pack_encoded
+
+
+class RoundError(FusionNodeError, ValueError):
+    """A contribution to a round that is not open, or a second one from the same replica."""
+
+
+def encoded_bytes(encs: Mapping[str, EncodedTensor]) -> int:
+    """Bytes the encoded tensors take on the wire (their msgpack form, descriptor included)."""
+    return sum(len(pack_encoded(e)) for e in encs.values())
+
+
+def pseudo_gradient(start: Mapping[str, Tensor], end: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Δ = θ_start − θ_end per name, in float32."""
+    return {n: start[n].detach().to(torch.float32) - end[n].detach().to(torch.float32) for n in start}
+
+
+class ReplicaSync:
+    """A replica's side of the round: encodes its pseudo-gradient (SparseLoCo: through its error
+    feedback, which stays on the replica)."""
+
+    def __init__(self, cfg: SyncConfig) -> None:
+        self.cfg = cfg
+        self.feedback = (
+            ErrorFeedbackAccumulator(cfg.ef_decay, cfg.chunk, cfg.k_per_chunk)
+            if cfg.mode == "sparseloco"
+            else None
+        )
+
+    def encode(self, delta: Mapping[str, Tensor]) -> dict[str, EncodedTensor]:
+        out: dict[str, EncodedTensor] = {}
+        for name in sorted(delta):
+            if self.feedback is not None:
+                out[name], _ = self.feedback.compress(name, delta[name])
+            else:
+                out[name] = encode_pseudograd(delta[name], self.cfg.codec)
+        return out
+
+
+@dataclass
+class RoundUpdate:
+    """What closes a round, sent to every replica: u per name (diloco), or every replica's message
+    with its token weight (sparseloco)."""
+
+    round: int
+    mode: str
+    outer_lr: float
+    updates: dict[str, EncodedTensor] = field(default_factory=dict)  # diloco
+    relayed: list[tuple[float, dict[str, EncodedTensor]]] = field(default_factory=list)  # sparseloco
+
+    def nbytes(self) -> int:
+        if self.mode == "diloco":
+            return encoded_bytes(self.updates)
+        return sum(encoded_bytes(encs) for _, encs in self.relayed)
+
+
+def update_tensors(
+    update: RoundUpdate, names: list[str], limits: Limits = DEFAULT_LIMITS
+) -> dict[str, Tensor]:
+    """The float32 amount to subtract from θ for each of `names`."""
+    if update.mode == "diloco":
+        return {n: decode_tensor(update.updates[n], limits).to(torch.float32) for n in names}
+    weights = [w for w, _ in update.relayed]
+    out = {}
+    for n in names:
+        mean = weighted_mean([decode_tensor(encs[n], limits) for _, encs in update.relayed], weights)
+        out[n] = mean.mul_(update.outer_lr)
+    return out
+
+
+@torch.no_grad()
+def apply_update(params: Mapping[str, Tensor], update: RoundUpdate, limits: Limits = DEFAULT_LIMITS) -> None:
+    """θ <- θ − u for every name of `params` (in place)."""
+    for name, u in update_tensors(update, sorted(params), limits).items():
+        p = params[name]
+        if u.shape != p.shape:
+            raise RoundError(
+                f"round {update.round}: update of {name!r} has shape {tuple(u.shape)}, not {tuple(p.shape)}"
+            )
+        p.sub_(u.to(p.dtype))
+
+
+class RoundCombiner:
+    """The owner's side of the rounds for a set of names: one contribution per replica per round,
+    rounds closed in order, each exactly once."""
+
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        replicas: int,
+        names: frozenset[str] | set[str] | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+    ) -> None:
+        """`names`: the names every replica must send before the round closes (an optimizer host's
+        shard, sent piecewise by the stages that hold them); None = whatever the first message holds."""
+        if replicas < 1:
+            raise ValueError("a round needs at least one replica")
+        self.cfg = cfg
+        self.replicas = replicas
+        self.names = frozenset(names) if names is not None else None
+        self.limits = limits
+        self.outer: NesterovOuter | AveragedOuter = make_outer(cfg)
+        self.round = 0  # the open round
+        self.pending: dict[int, tuple[float, dict[str, EncodedTensor]]] = {}
+        self.received_bytes = 0  # cumulative, every contribution accepted
+        self.sent_bytes = 0  # cumulative, the update once per replica
+
+    def complete(self) -> bool:
+        if len(self.pending) != self.replicas:
+            return False
+        if self.names is None:
+            return True
+        return all(set(encs) >= self.names for _, encs in self.pending.values())
+
+    def add(self, round_id: int, replica: int, tokens: float, encs: dict[str, EncodedTensor]) -> bool:
+        """Accept (part of) replica `replica`'s contribution to `round_id`; returns whether the round
+        is complete. Raises RoundError for a closed or future round, a name sent twice, a name not
+        expected, tokens that differ from the replica's earlier part, or a bad replica."""
+        if round_id != self.round:
+            why = "already applied" if round_id < self.round else "not open yet"
+            raise RoundError(f"round {round_id} is {why} (the open round is {self.round})")
+        if not 0 <= replica < self.replicas:
+            raise RoundError(f"replica {replica} is not one of the {self.replicas} replicas")
+        if not tokens > 0:
+            raise RoundError(f"replica {replica} reports {tokens} tokens for round {round_id}")
+        if self.names is not None and not set(encs) <= self.names:
+            raise RoundError(f"round {round_id}: names not held here: {sorted(set(encs) - self.names)[:3]}")
+        held = self.pending.get(replica)
+        if held is not None:
+            if self.names is None or set(encs) & set(held[1]):
+                raise RoundError(f"replica {replica} already contributed to round {round_id}")
+            if float(tokens) != held[0]:
+                raise RoundError(f"replica {replica} reports {tokens} tokens, earlier {held[0]}")
+            held[1].update(encs)
+        else:
+            self.pending[replica] = (float(tokens), dict(encs))
+        self.received_bytes += encoded_bytes(encs)
+        return self.complete()
+
+    def close(self, masters: Mapping[str, Tensor] | None = None) -> RoundUpdate:
+        """Close the open round: the update (also applied to `masters` when given)."""
+        if not self.complete():
+            raise RoundError(f"round {self.round} is missing contributions")
+        contributions = [self.pending[r] for r in range(self.replicas)]  # replica order: same bits everywhere
+        update = RoundUpdate(self.round, self.cfg.mode, self.cfg.outer_lr)
+        if self.cfg.mode == "diloco":
+            weights = [w for w, _ in contributions]
+            names = sorted(contributions[0][1])
+            mean = {
+                n: weighted_mean([decode_tensor(encs[n], self.limits) for _, encs in contributions], weights)
+                for n in names
+            }
+            u = self.outer.update(mean)
+            update.updates = {n: encode_pseudograd(u[n], self.cfg.codec) for n in names}
+        else:
+            self.outer.rounds += 1
+            update.relayed = contributions
+        if masters is not None:
+            apply_update(masters, update, self.limits)
+        self.sent_bytes += update.nbytes() * self.replicas
+        self.pending = {}
+        self.round += 1
+        return update
+
+
+# ---- the driver's side: which stage sends which name, and what closes a round ---------------------
+def contributing_names(stage_args: list[Any]) -> dict[int, list[str]]:
+    """Per stage id, the names it sends at a round's end: each name of a replica once, by the first
+    of its stages (in stage order) that holds it (a tied parameter lives on two stages). A stage is a
+    map or an object with stage, replica, param_specs and frozen."""
+
+    def get(a: Any, key: str) -> Any:
+        return a.get(key) if isinstance(a, dict) else getattr(a, key, None)
+
+    out: dict[int, list[str]] = {}
+    seen: set[tuple[int, str]] = set()
+    for a in sorted(stage_args, key=lambda a: get(a, "stage")):
+        frozen = set(get(a, "frozen") or [])
+        mine = []
+        for name in sorted(get(a, "param_specs")):
+            if name in frozen or (get(a, "replica"), name) in seen:
+                continue
+            seen.add((get(a, "replica"), name))
+            mine.append(name)
+        out[get(a, "stage")] = mine
+    return out
+
+
+def round_of(cfg: SyncConfig, step: int, total_steps: int) -> int | None:
+    """The id of the round that `step` closes (rounds closed by step count), or None."""
+    return step // cfg.inner_steps if cfg.round_closes(step, total_steps) else None
+
+
+def round_tokens(cfg: SyncConfig, step: int, samples: int, seq_len: int) -> int:
+    """Tokens a replica of `samples` sequences per step processed in the round `step` closes."""
+    return samples * seq_len * (step - (step // cfg.inner_steps) * cfg.inner_steps + 1)

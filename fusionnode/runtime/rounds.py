@@ -1,0 +1,125 @@
+"""A stage's side of the --sync diloco|sparseloco rounds (issue 19), on a worker.
+
+The stage keeps θ at the start of the round. When the driver's `job.commit` closes a round, the
+stage sends Δ = θ_start − θ for the names it contributes (a tied parameter is sent by one stage of
+the replica only) to the optimizer hosts that own them, as "pseudograd" data messages (SparseLoCo: through
+the error feedback kept here), then pulls each host's update of every name it holds
+(`opt.round_pull`), applies it to θ_start and installs the result: the next round's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from fusionnode.errors import PeerError
+from fusionnode.optim.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
+from fusionnode.sync import SyncConfig
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import Rpc, TensorKind
+from fusionnode.wire.messages import TensorMessage
+from fusionnode.wire.tensors import pack_encoded
+
+
+class StageRounds:
+    """θ_start of a stage's parameters and its replica's pseudo-gradient sender."""
+
+    def __init__(self, cfg: SyncConfig, params: dict[str, torch.nn.Parameter]) -> None:
+        self.cfg = cfg
+        self.sender = ReplicaSync(cfg)
+        self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
+        self.closed = -1  # the last round this stage closed
+
+    async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> dict[str, list[int]]:
+        """Send this stage's share of round `info["id"]` (`CommitRequest.round`) and install the
+        round's result; returns, per host, [bytes sent to it, bytes of encoded tensors received from it]."""
+        round_id = int(info["id"])
+        if round_id <= self.closed:
+            return {}  # a retried commit: this round is installed already
+        off = sj.offload
+        mine = [n for n in info.get("names", []) if n in sj.params]
+        loop = asyncio.get_running_loop()
+
+        def encode() -> dict[str, Any]:
+            delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
+            return self.sender.encode(delta)
+
+        encs = await loop.run_in_executor(worker.executor, encode)
+        by_host: dict[str, dict[str, Any]] = {}
+        for name, enc in encs.items():
+            by_host.setdefault(off.hosts[name], {})[name] = enc
+        meta = {
+            "job": sj.job,
+            "step": round_id,
+            "mb": -1,
+            "stage": sj.stage,
+            "replica": sj.replica,
+            "tokens": float(info["tokens"]),  # informational: the host weighs by the plan
+            "contributor": off.contributor,
+        }
+        hosts = sorted({off.hosts[n] for n in sj.params})
+        counted = {h: [0, 0] for h in hosts}
+        sent = await asyncio.gather(
+            *(worker.t.send(h, TensorMessage(TensorKind.PSEUDOGRAD, meta, e)) for h, e in by_host.items())
+        )
+        for h, n in zip(by_host, sent, strict=True):
+            counted[h][0] += n
+        held: dict[str, list[str]] = {}
+        for name in sorted(sj.params):
+            held.setdefault(off.hosts[name], []).append(name)
+        timeout = worker.config.step_timeout_s
+        mode, outer_lr = self.cfg.mode, self.cfg.outer_lr
+
+        async def pull(host: str, names: list[str]) -> None:
+            first = off.host_index[names[0]] << 24  # distinct mailbox keys per host
+            req = jp.OptRoundPull(job=sj.job, round=round_id, names=names, stage=sj.stage, first=first)
+            res = await jp.call(worker.t, host, Rpc.OPT_ROUND_PULL, req, timeout=timeout + 5, idempotent=True)
+            got: list[Any] = []
+            for idx in range(res.count):
+                msg, _src = await worker.t.mailbox.get(
+                    (TensorKind.ROUND_UPDATE, sj.job, round_id, first + idx, sj.stage), timeout, sender=host
+                )
+                counted[host][1] += sum(len(pack_encoded(e)) for e in msg.tensors.values())
+                got.append(msg)
+            update = RoundUpdate(round_id, mode, outer_lr)
+            if mode == "diloco":
+                if res.count != len(names):
+                    raise PeerError(
+                        f"round {round_id}: host {host[:12]} sent {res.count} updates for {len(names)} names"
+                    )
+                for msg in got:
+                    update.updates.update(msg.tensors)
+            else:
+                if res.count % len(names):
+                    raise PeerError(
+                        f"round {round_id}: host {host[:12]} sent {res.count} messages for {len(names)} names"
+                    )
+                for r in range(res.count // len(names)):
+                    part = got[r * len(names) : (r + 1) * len(names)]
+                    weight = part[0].meta.get("weight")
+                    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
+                        raise PeerError(
+                            f"round {round_id}: host {host[:12]} sent a bad weight {weight!r:.40}"
+                        )
+                    encs_r: dict[str, Any] = {}
+                    for msg in part:
+                        encs_r.update(msg.tensors)
+                    update.relayed.append((float(weight), encs_r))
+            if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
+                raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
+            await loop.run_in_executor(
+                worker.executor, apply_update, {n: self.start[n] for n in names}, update
+            )
+
+        await asyncio.gather(*(pull(h, names) for h, names in held.items()))
+
+        def install() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_(self.start[name].to(p.dtype))
+
+        await loop.run_in_executor(worker.executor, install)
+        self.closed = round_id
+        return counted

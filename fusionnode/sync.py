@@ -1,0 +1,219 @@
+"""How data-parallel replicas synchronise (`--sync`): the settings and `train`'s options for them.
+
+Torch-free, so the CLI imports it at start-up. The CLI needs two hooks: `add_sync_args(parser)`
+while building `train`'s parser, and `sync_from_args(args)` (ConfigError naming the option, which
+the CLI turns into a usage error, exit 2) before the job starts.
+
+`step` (the default) combines the replicas' gradients after every step; `diloco` and `sparseloco`
+let each replica run `inner_steps` (H) inner steps alone, then exchange pseudo-gradients in rounds
+(the outer optimizers are in `optim/outer.py`, the round protocol in `optim/rounds.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fusionnode.errors import ConfigError
+
+SYNC_MODES = ("step", "diloco", "sparseloco")
+DEFAULT_SYNC = "step"
+DEFAULT_INNER_STEPS = 15  # H for the low-communication modes when the user gives none (SparseLoCo's range)
+DEFAULT_OUTER_LR = {"diloco": 0.7, "sparseloco": 1.0}  # DiLoCo paper; SparseLoCo's plain averaged step
+DEFAULT_OUTER_MOMENTUM = 0.9  # DiLoCo paper
+DEFAULT_TOPK_DENSITY = 1 / 64  # SparseLoCo keeps 1-3% per chunk
+DEFAULT_CHUNK = 4096  # elements per top-k chunk (SparseLoCo: 64x64 blocks)
+DEFAULT_EF_DECAY = 0.95  # error-feedback decay β (SparseLoCo)
+# codecs a pseudo-gradient may travel in, per sync mode (the first is the default)
+SYNC_CODECS: dict[str, tuple[str, ...]] = {
+    "step": ("raw",),
+    "diloco": ("raw", "fp16", "q8"),
+    "sparseloco": ("ctopk2",),
+}
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """How the data-parallel replicas synchronise. Invalid values raise ConfigError naming the option."""
+
+    mode: str = DEFAULT_SYNC  # "step", "diloco" or "sparseloco"
+    inner_steps: int = 1  # H: inner steps per round (1 for "step")
+    outer_lr: float | None = None  # None = DEFAULT_OUTER_LR[mode]
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM  # diloco only
+    codec: str | None = None  # pseudo-gradient codec; None = SYNC_CODECS[mode][0]
+    topk_density: float = DEFAULT_TOPK_DENSITY  # sparseloco: kept share of each chunk
+    chunk: int = DEFAULT_CHUNK  # sparseloco: elements per chunk
+    ef_decay: float = DEFAULT_EF_DECAY  # sparseloco: error-feedback decay β
+
+    def __post_init__(self) -> None:
+        if self.mode not in SYNC_MODES:
+            raise ConfigError(
+                f"--sync {self.mode!r}: unknown sync mode; expected one of {', '.join(SYNC_MODES)}"
+            )
+        if (
+            isinstance(self.inner_steps, bool)
+            or not isinstance(self.inner_steps, int)
+            or self.inner_steps < 1
+        ):
+            raise ConfigError(f"--inner-steps {self.inner_steps!r}: must be an integer >= 1")
+        if self.mode == "step" and self.inner_steps != 1:
+            raise ConfigError(
+                f"--inner-steps {self.inner_steps}: --sync step synchronises every step; "
+                "use --sync diloco or sparseloco for rounds of several steps"
+            )
+        if self.outer_lr is None:
+            object.__setattr__(self, "outer_lr", DEFAULT_OUTER_LR.get(self.mode, 1.0))
+        if not (
+            isinstance(self.outer_lr, (int, float)) and math.isfinite(self.outer_lr) and self.outer_lr > 0
+        ):
+            raise ConfigError(f"--outer-lr {self.outer_lr!r}: must be a finite number > 0")
+        object.__setattr__(self, "outer_lr", float(self.outer_lr))
+        if not (isinstance(self.outer_momentum, (int, float)) and 0 <= self.outer_momentum < 1):
+            raise ConfigError(f"--outer-momentum {self.outer_momentum!r}: must lie in [0, 1)")
+        if self.codec is None:
+            object.__setattr__(self, "codec", SYNC_CODECS[self.mode][0])
+        if self.codec not in SYNC_CODECS[self.mode]:
+            raise ConfigError(
+                f"--sync-codec {self.codec!r}: unknown for --sync {self.mode}; "
+                f"expected one of {', '.join(SYNC_CODECS[self.mode])}"
+            )
+        if not (isinstance(self.topk_density, (int, float)) and 0 < self.topk_density <= 1):
+            raise ConfigError(f"--topk-density {self.topk_density!r}: must lie in (0, 1]")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or not 1 <= self.chunk <= 65536:
+            raise ConfigError(f"--chunk {self.chunk!r}: must be an integer in [1, 65536]")
+        if not (isinstance(self.ef_decay, (int, float)) and 0 <= self.ef_decay <= 1):
+            raise ConfigError(f"--ef-decay {self.ef_decay!r}: must lie in [0, 1]")
+
+    @property
+    def rounds(self) -> bool:
+        """Whether replicas train alone between syncs (diloco, sparseloco)."""
+        return self.mode != "step"
+
+    @property
+    def k_per_chunk(self) -> int:
+        """Elements kept per full chunk: ceil(density * chunk), at least 1."""
+        return max(1, min(self.chunk, math.ceil(self.topk_density * self.chunk - 1e-9)))
+
+    def round_closes(self, step: int, total_steps: int) -> bool:
+        """Whether the round containing `step` ends after it (every H steps, and at the last step)."""
+        return (step + 1) % self.inner_steps == 0 or step + 1 == total_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> SyncConfig:
+        if not raw:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"sync settings must be a map, got {type(raw).__name__}")
+        unknown = set(raw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown sync settings {sorted(unknown)}")
+        return cls(**raw)
+
+
+ROUND_PLANNERS = ("simple",)  # planners whose layout honours rounds: the replicas the user gives
+
+
+def add_sync_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data-parallel sync (several replicas)")
+    g.add_argument(
+        "--sync",
+        choices=SYNC_MODES,
+        default="step",
+        help="how replicas synchronise: every step through the optimizer hosts (step, the default), "
+        "or every --inner-steps steps by pseudo-gradients: DiLoCo (diloco) or SparseLoCo (sparseloco)",
+    )
+    g.add_argument(
+        "--inner-steps",
+        type=int,
+        default=None,
+        metavar="H",
+        help=f"inner steps per round with diloco/sparseloco (default {DEFAULT_INNER_STEPS}; 1 with step)",
+    )
+    g.add_argument(
+        "--outer-lr",
+        type=float,
+        default=None,
+        help="outer learning rate (default: 0.7 diloco, 1.0 sparseloco)",
+    )
+    g.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=DEFAULT_OUTER_MOMENTUM,
+        help="Nesterov momentum of the diloco outer step (default %(default)s)",
+    )
+    codecs = sorted({c for cs in SYNC_CODECS.values() for c in cs})
+    g.add_argument(
+        "--sync-codec",
+        default=None,
+        metavar="CODEC",
+        help=f"pseudo-gradient codec: {', '.join(codecs)} (default: raw for diloco, ctopk2 for sparseloco; "
+        "q8 is int8)",
+    )
+    g.add_argument(
+        "--topk-density",
+        type=float,
+        default=DEFAULT_TOPK_DENSITY,
+        help="sparseloco: share of each chunk sent (default 1/64)",
+    )
+    g.add_argument(
+        "--topk-chunk",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help="sparseloco: elements per top-k chunk (default %(default)s)",
+    )
+    g.add_argument(
+        "--ef-decay",
+        type=float,
+        default=DEFAULT_EF_DECAY,
+        help="sparseloco: error-feedback decay (default %(default)s)",
+    )
+
+
+def sync_from_args(args: argparse.Namespace) -> SyncConfig:
+    """The SyncConfig of `train`'s options, checked against the rest of the command.
+
+    Raises ConfigError naming the option: H < 1, an unknown codec, a --sync the chosen planner or
+    the run cannot honour (a share of zero is refused by `train`'s --shares parser).
+    """
+    mode = args.sync
+    inner = args.inner_steps
+    if inner is None:
+        inner = 1 if mode == "step" else DEFAULT_INNER_STEPS
+    cfg = SyncConfig(
+        mode=mode,
+        inner_steps=inner,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        codec=args.sync_codec,
+        topk_density=args.topk_density,
+        chunk=args.topk_chunk,
+        ef_decay=args.ef_decay,
+    )
+    if cfg.rounds:
+        planner = getattr(args, "planner", "simple")
+        if planner not in ROUND_PLANNERS:
+            raise ConfigError(
+                f"--planner {planner} prices data-parallel sync every step and cannot honour --sync {mode}; "
+                "use --planner simple with --replicas or --shares"
+            )
+        if getattr(args, "offload", "auto") == "off":
+            raise ConfigError(f"--sync {mode} closes rounds on the optimizer hosts: use --offload on or auto")
+        if getattr(args, "rebalance_every", 0):
+            raise ConfigError(f"--rebalance-every cannot move stages in the middle of a --sync {mode} round")
+    return cfg
+
+
+def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
+    """Copies of a stage's parameters a worker holds: values and gradients (x2) with the optimizer on
+    hosts; plus two optimizer states (x4) with a local one; a round mode (a local inner optimizer)
+    also keeps θ_start (x5) and, for sparseloco, the error feedback (x6)."""
+    mode = (sync or {}).get("mode", "step")
+    if mode == "step":
+        return 2 if offload else 4
+    return 6 if mode == "sparseloco" else 5

@@ -1,0 +1,36 @@
+"""`fusionnode bench sync` on a tiny setting: every mode runs, bytes and targets are consistent."""
+
+from __future__ import annotations
+
+import json
+
+from fusionnode.bench import sync as bench
+
+
+def test_bench_sync_tiny(capsys) -> None:
+    args = ["--steps", "8", "--inner-steps", "4", "--batch-size", "4", "--seq-len", "16", "--json"]
+    assert bench.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    modes = out["modes"]
+    assert set(modes) == {"step", "diloco", "diloco-avg", "sparseloco"}
+    assert out["eval_every"] == 4 and [r["step"] for r in modes["step"]["records"]] == [3, 7]
+    # the round modes sync twice, step mode 8 times: raw diloco sends a quarter of step's bytes
+    assert modes["diloco"]["rounds"] == 2 and modes["step"]["rounds"] == 8
+    assert modes["diloco"]["bytes"] * 4 == modes["step"]["bytes"]
+    # ctopk2 at 1/16 in chunks of 256: 0.11 bytes an element up, relayed to both replicas down,
+    # against raw float32 up and down: about 24x fewer per round
+    assert modes["sparseloco"]["bytes"] * 20 < modes["diloco"]["bytes"]
+    target = out["target_val_loss"]
+    for row in modes.values():
+        assert row["bytes_to_target"] is not None and min(r["val_loss"] for r in row["records"]) <= target
+    assert len(out["targets"]) == 3
+
+
+def test_bench_sync_prints_its_table(capsys) -> None:
+    args = ["--steps", "4", "--inner-steps", "2", "--batch-size", "4", "--seq-len", "16"]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sync benchmark: gpt2-tiny, 2 replicas, 4 steps")
+    for name in ("step", "diloco", "diloco-avg", "sparseloco"):
+        assert f"\n{name} " in out
+    assert "bytes to other targets" in out and "sparseloco: density 0.0625, chunk 256" in out

@@ -1,0 +1,54 @@
+"""`--sync diloco|sparseloco` through the driver, workers and optimizer hosts on the in-memory network
+(tests/memnet.py): the fast counterpart of tests/test_sync_swarm_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_components import Swarm, small_spec
+
+from fusionnode.sync import SyncConfig
+from fusionnode.train.replicas import train_local_replicas
+from fusionnode.wire.job import Rpc
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize(
+    ("sync", "tol"),
+    [
+        (SyncConfig("diloco", inner_steps=2), 1e-4),
+        (SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 16, chunk=256), 1e-3),
+    ],
+    ids=["diloco", "sparseloco"],
+)
+def test_two_replicas_of_two_stages_follow_the_local_reference(tmp_path, sync, tol):
+    spec = small_spec(steps=5, micro_batches=2)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+    }
+    asyncio.run(s.driver.run_job(params, s.emit))
+    got = [e["loss"] for e in s.steps()]
+    ref = train_local_replicas(spec, sync, replicas=2).losses
+    assert len(got) == len(ref) == spec.steps
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) < tol, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
+    # rounds close at steps 1, 3 and 4 (the last); every host counts its bytes, cumulative
+    hosts = [e["optimizer_hosts"] for e in s.steps()]
+    received = [sum(h["received_bytes"] for h in step) for step in hosts]
+    assert received[0] == 0 and received[1] > 0 and received[2] == received[1] < received[3] < received[4]
+    assert all(h["rounds_closed"] == 3 and h["sent_bytes"] > 0 for h in hosts[-1])
+    # no per-step gradient pushes or opt.apply in a round mode: rounds only
+    for pid in s.hosts:
+        calls = s.net.peers[pid].calls
+        assert Rpc.OPT_APPLY not in calls
+    for pid in s.workers:
+        assert s.net.peers[pid].calls.count(Rpc.JOB_COMMIT) == spec.steps
