@@ -239,3 +239,16 @@ def test_netns_comparison_end_to_end(tmp_path, capsys):
         assert len(r["curve"]) == 4 and r["tokens_per_s"] > 0 and math.isfinite(r["val_loss"])
         assert len(r["utilisation"]) == 4 and all(0 <= u <= 1 for u in r["utilisation"])
     assert Path(out / "curves.csv").exists()
+
+
+def test_round_counts_from_a_hivemind_log():
+    log = (
+        "Nov 24 01:29:16.273 [INFO] Averaged gradients with 4 peers\n"
+        "Nov 24 01:29:26.524 [INFO] Averaged parameters with 2 peers\n"
+        "Nov 24 01:29:11.104 [INFO] Skipping pre-scheduled averaging round: there are no other peers\n"
+        "Nov 24 01:29:11.104 [INFO] Proceeding with local gradients\n"
+        "Nov 24 01:30:23.057 [INFO] Averaging gradients failed with AllreduceException('could not find a group')\n"
+    )
+    r = hivemind_peer.count_rounds(log)
+    assert r == {"averaged": 2, "mean_group": 3.0, "alone": 1, "failed": 1}
+    assert hivemind_peer.count_rounds("")["mean_group"] == 0.0

@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -373,7 +374,9 @@ def launch_swarm(
     go = out / "go"
     procs: list[subprocess.Popen] = []
     logs = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # hivemind's INFO lines ("Averaged gradients with 4 peers", "Proceeding with local gradients")
+    # in every peer's log, whatever level the calling command set for itself
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HIVEMIND_LOGLEVEL": "INFO"}
     boot: dict[str, Any] = {}
     try:
         for i in range(n):
@@ -421,10 +424,31 @@ def launch_swarm(
     return res
 
 
+ROUND_LINES = {
+    "averaged": re.compile(r"Averaged (?:gradients|parameters) with (\d+) peers"),
+    "alone": re.compile(r"Proceeding with local gradients"),  # a gradient round without peers
+    "failed": re.compile(r"Averaging gradients failed|Averaging failed|Discarding failed matchmaking"),
+}
+
+
+def count_rounds(log_text: str) -> dict[str, Any]:
+    """What a peer's hivemind log says about its averaging rounds: how many it completed (and with
+    how many peers on average), how many it went without, how many failed."""
+    sizes = [int(m.group(1)) for m in ROUND_LINES["averaged"].finditer(log_text)]
+    return {
+        "averaged": len(sizes),
+        "mean_group": sum(sizes) / len(sizes) if sizes else 0.0,
+        "alone": len(ROUND_LINES["alone"].findall(log_text)),
+        "failed": len(ROUND_LINES["failed"].findall(log_text)),
+    }
+
+
 def collect_swarm(out: Path, n: int) -> dict[str, Any]:
-    """Every peer's step log and end state, read back from `out`."""
+    """Every peer's step log, end state and averaging-round counts, read back from `out`."""
     peers = []
     for i in range(n):
+        log_path = out / f"peer{i}.log"
+        rounds = count_rounds(log_path.read_text(errors="replace")) if log_path.exists() else None
         log = out / f"peer{i}.jsonl"
         steps = (
             [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -438,6 +462,7 @@ def collect_swarm(out: Path, n: int) -> dict[str, Any]:
                 "steps": steps,
                 "done": json.loads(done.read_text()) if done.exists() else None,
                 "params": str(out / f"peer{i}.params.pt") if (out / f"peer{i}.params.pt").exists() else None,
+                "rounds": rounds,
             }
         )
     return {"peers": peers}

@@ -693,12 +693,25 @@ def run_hivemind(
         for p in swarm["peers"]
         if not (p["done"] and p["done"]["complete"])
     ]
+    epochs = max(1, len(curve))
+    samples = sum(r["samples"] for p in swarm["peers"] for r in p["steps"])
+    rounds = [p["rounds"] for p in swarm["peers"] if p["rounds"]]
+    notes.append(
+        f"{samples / epochs:.1f} samples per target batch of {args.batch_size} (peers go on computing "
+        "while a round assembles)"
+    )
+    if rounds:
+        notes.append(
+            "averaging rounds per peer: "
+            + ", ".join(f"{r['averaged']} done (mean group {r['mean_group']:.1f})" for r in rounds)
+            + f"; went alone {sum(r['alone'] for r in rounds)}x, failed {sum(r['failed'] for r in rounds)}x in all"
+        )
     val = None
     if swarm["peers"][0]["params"]:
         val = compare.evaluate_params(
             swarm["peers"][0]["params"], batch_size=args.batch_size, seq_len=args.seq_len, seed=0
         )
-    tokens = sum(r["samples"] for p in swarm["peers"] for r in p["steps"]) * args.seq_len
+    tokens = samples * args.seq_len
     sent = sum(swarm["at_end"]) - sum(swarm["at_start"]) if swarm.get("at_start") else None
     return compare.row(
         system,
