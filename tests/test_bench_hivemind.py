@@ -72,6 +72,16 @@ def test_hivemind_curve_is_sample_weighted_per_epoch_and_runs_forward():
     assert compare.hivemind_utilisation(_swarm()) == pytest.approx([0.3, 0.4])
 
 
+def test_hivemind_curve_measures_the_shared_batch_where_there_is_one():
+    swarm = _swarm()
+    swarm["peers"][0]["steps"][0]["shared"] = True  # epoch 0: peer 0's share of FusionNode's batch
+    swarm["peers"][1]["steps"][0]["shared"] = True
+    swarm["peers"][0]["steps"].insert(1, {"epoch": 0, "loss": 1.0, "samples": 4, "compute_s": 1.0, "t": 1.5})
+    curve = compare.hivemind_curve(swarm, steps=2)
+    assert curve[0]["loss"] == pytest.approx((5.0 * 4 + 6.0 * 2) / 6)  # the extra step (1.0) left out
+    assert curve[1]["loss"] == pytest.approx((4.0 * 4 + 3.0 * 2) / 6)  # no shared step: all of them
+
+
 def test_fusionnode_curve_and_utilisation():
     steps = [
         {
@@ -203,6 +213,11 @@ def test_hivemind_peers_train_on_loopback(tmp_path, mode):
         assert "/ip4/127.0.0.1/" in args and "0.0.0.0" not in args
     for peer in res["peers"]:
         assert peer["done"]["complete"] and peer["done"]["epoch"] >= 2
+        # each epoch's first local step trained on the peer's half of FusionNode's batch of that step
+        firsts = {}
+        for r in peer["steps"]:
+            firsts.setdefault(r["epoch"], r)
+        assert all(r["shared"] and r["samples"] == 4 for r in firsts.values())
         assert {r["epoch"] for r in peer["steps"]} <= {0, 1} and peer["steps"]
         assert all(math.isfinite(r["loss"]) and r["compute_s"] >= 0.3 for r in peer["steps"])
     logs = "".join((tmp_path / f"peer{i}.log").read_text() for i in range(2))

@@ -85,10 +85,11 @@ def fusionnode_utilisation(steps: list[dict[str, Any]], peer_ids: list[str]) -> 
 
 
 def hivemind_curve(swarm: dict[str, Any], steps: int) -> list[dict[str, Any]]:
-    """(t, loss) per epoch of the swarm: the sample-weighted mean loss of every local step taken in
-    that epoch (at that epoch's parameters), at the time the last step of that epoch or an earlier
-    one finished (with local updates a slow peer may still be in an earlier epoch than the others:
-    the curve waits for it, so time only runs forward)."""
+    """(t, loss) per epoch of the swarm: the sample-weighted mean loss, at that epoch's parameters,
+    of the local steps that trained on FusionNode's batch of that step (`shared`; every local step of
+    the epoch where no peer's was), at the time the last step of that epoch or an earlier one
+    finished (with local updates a slow peer may still be in an earlier epoch than the others: the
+    curve waits for it, so time only runs forward)."""
     by_epoch: dict[int, list[dict[str, Any]]] = {}
     for peer in swarm["peers"]:
         for r in peer["steps"]:
@@ -96,9 +97,9 @@ def hivemind_curve(swarm: dict[str, Any], steps: int) -> list[dict[str, Any]]:
                 by_epoch.setdefault(r["epoch"], []).append(r)
     out, t = [], 0.0
     for e in sorted(by_epoch):
-        rs = by_epoch[e]
+        t = max(t, *(r["t"] for r in by_epoch[e]))
+        rs = [r for r in by_epoch[e] if r.get("shared")] or by_epoch[e]
         n = sum(r["samples"] for r in rs)
-        t = max(t, *(r["t"] for r in rs))
         out.append({"step": e, "t": t, "loss": sum(r["loss"] * r["samples"] for r in rs) / n})
     return out
 

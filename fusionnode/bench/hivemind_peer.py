@@ -15,9 +15,11 @@ modes:
 The same job as FusionNode's: gpt2-tiny built by `build_job_model` (same seed, so every peer starts
 from FusionNode's initial weights), the default corpus (`load_corpus`), AdamW with FusionNode's
 betas, weight decay groups and gradient clipping, the learning rate of `lr_at` per epoch (hivemind
-calls the scheduler once per target batch). Each peer draws its own windows of the corpus (seed
-derived from the job's seed and the peer's index), `ceil(batch_size / peers)` samples per local
-step, so one round of the swarm processes at least one FusionNode step's tokens.
+calls the scheduler once per target batch). In epoch e, each peer's first local step trains on its
+share of FusionNode's batch of step e (the shares make up that batch), so the swarm's loss per
+epoch is measured on the samples FusionNode's step e trains on; the further local steps a peer
+takes while a round assembles draw windows of their own (seed derived from the job's seed and the
+peer's index), `ceil(batch_size / peers)` samples each.
 
 Pacing (as FusionNode's testbed paces its workers, runtime/worker.py `_debug_delay`): a forward
 of n samples takes at least n x the model's forward FLOPs per sample / the emulated speed, and a
@@ -139,7 +141,7 @@ def run_peer(args: argparse.Namespace) -> int:
 
     from fusionnode.config import LOCAL_ONLY
     from fusionnode.swarm.libp2p import OptionsDHT
-    from fusionnode.train.data import BatchSource, load_corpus, step_seed
+    from fusionnode.train.data import BatchSource, load_corpus, shard_ranges, step_seed
     from fusionnode.train.local import build_job_model, lm_loss
     from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, JobSpec, lr_at, weight_decay_for
 
@@ -162,10 +164,20 @@ def run_peer(args: argparse.Namespace) -> int:
         {"params": no_decay, "weight_decay": 0.0, "lr": spec.lr},
     ]
     b = local_batch(args.batch_size, args.peers)
+    corpus = load_corpus()
+    # the first local step of each epoch e trains on this peer's share of FusionNode's batch of step e
+    # (the peers' shares make up that batch: the swarm's loss per epoch is measured on the very
+    # samples FusionNode's step e trains on); further local steps in the same epoch (peers go on
+    # computing while a round assembles) draw windows of their own
+    step_source = BatchSource(corpus, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    share = shard_ranges(
+        [args.batch_size // args.peers + (i < args.batch_size % args.peers) for i in range(args.peers)],
+        args.batch_size,
+    )[args.index]
     source = BatchSource(
-        load_corpus(), batch_size=b, seq_len=args.seq_len, seed=step_seed(args.seed, args.index, "hivemind")
+        corpus, batch_size=b, seq_len=args.seq_len, seed=step_seed(args.seed, args.index, "hivemind")
     )
-    fwd_flops = _forward_flops_per_sample(args.seq_len) * b
+    flops_per_sample = _forward_flops_per_sample(args.seq_len)
 
     dht = OptionsDHT(
         initial_peers=args.initial_peer or None,
@@ -244,6 +256,7 @@ def run_peer(args: argparse.Namespace) -> int:
     stop = go.with_name("stop")
     log = (out / f"peer{args.index}.jsonl").open("w", encoding="utf-8")
     k = 0
+    last_shared = -1
     done: dict[str, Any] | None = None
     try:
         while True:
@@ -261,7 +274,13 @@ def run_peer(args: argparse.Namespace) -> int:
             if done is not None and (stop.exists() or t > args.max_seconds):
                 break
             epoch = opt.local_epoch
-            x, y = source.batch(k)
+            shared = epoch != last_shared and len(share) > 0 and epoch < args.steps
+            if shared:
+                x, y = (t[share.start : share.stop] for t in step_source.batch(epoch))
+                last_shared = epoch
+            else:
+                x, y = source.batch(k)
+            fwd_flops = flops_per_sample * x.size(0)
             c0 = time.perf_counter()
             loss = lm_loss(model(x), y)
             loss.backward()
@@ -271,7 +290,7 @@ def run_peer(args: argparse.Namespace) -> int:
                 if extra > 0:
                     time.sleep(extra)
             compute = time.perf_counter() - c0
-            opt.step()
+            opt.step(batch_size=x.size(0))
             opt.zero_grad()
             if done is None:
                 record = {
@@ -279,7 +298,8 @@ def run_peer(args: argparse.Namespace) -> int:
                     "epoch": epoch,
                     "epoch_after": opt.local_epoch,
                     "loss": loss.item(),
-                    "samples": b,
+                    "samples": x.size(0),
+                    "shared": shared,
                     "compute_s": compute,
                     "t": time.time() - t0,
                 }
