@@ -7,6 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "install.sh: FusionNode needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1). Set PYTHON=python3.11 (or newer)." >&2
+  exit 2
+fi
 extra=""
 [ "${1:-}" = "--dev" ] && extra="[dev]"
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then

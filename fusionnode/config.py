@@ -248,7 +248,8 @@ class NodeConfig:
             raise ConfigError(
                 f"record TTL ({self.record_ttl_s} s) must be at least twice the heartbeat ({self.heartbeat_s} s)"
             )
-        from fusionnode.availability import AvailabilityPolicy, Schedule
+        from fusionnode.availability.policy import AvailabilityPolicy
+        from fusionnode.availability.schedule import Schedule
 
         AvailabilityPolicy(when=self.when, grace_s=self.idle_grace_s)  # raises ConfigError on bad values
         if self.schedule:

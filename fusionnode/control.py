@@ -129,7 +129,7 @@ async def call_stream(
         )
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path), limit=MAX_LINE), 5)
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError) as exc:
         raise DaemonError(f"the daemon at {path} does not answer ({exc}); is it running?") from exc
     try:
         writer.write(json.dumps({"method": method, "params": params or {}}).encode() + b"\n")
@@ -145,7 +145,7 @@ async def call_stream(
             yield obj
             if "result" in obj:
                 return
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise DaemonError(f"the daemon did not answer {method!r} within {timeout} s") from exc
     finally:
         writer.close()

@@ -23,6 +23,7 @@ import fusionnode
 from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
 from fusionnode.errors import ConfigError, DaemonError, JobCancelled
+from fusionnode.runtime.hooks import hook_from_env
 from fusionnode.runtime.transport import TokenBucket, Transport
 
 logger = logging.getLogger(__name__)
@@ -162,22 +163,18 @@ class Node:
             can_host="optimizer" in cfg.roles,
             state_dir=cfg.state_dir,
             on_jobs_changed=self.membership.set_jobs,
+            hook=hook_from_env(cfg.state_dir),  # `join --debug` only (tests, testbed); None otherwise
         )
         if "optimizer" in cfg.roles:
             self.host = OptimizerHostService(
                 self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
             )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
-        from fusionnode.availability import (
-            ActivityThresholds,
-            AvailabilityController,
-            AvailabilityPolicy,
-            Schedule,
-            apply_memory_cap,
-            apply_util_cap,
-            build_monitor,
-            describe,
-        )
+        from fusionnode.availability.activity import ActivityThresholds, build_monitor
+        from fusionnode.availability.caps import apply_memory_cap, apply_util_cap
+        from fusionnode.availability.controller import AvailabilityController
+        from fusionnode.availability.policy import AvailabilityPolicy, describe
+        from fusionnode.availability.schedule import Schedule
 
         if cfg.max_util_percent:
             apply_util_cap(cfg.max_util_percent, requested_threads=cfg.torch_threads)
@@ -314,7 +311,7 @@ class Node:
 
     async def _on_availability(self, availability: str, next_window: str | None) -> None:
         """The owner came back (or left), a schedule window closed (or opened), or a manual pause/resume."""
-        from fusionnode.availability import free_accelerator_memory
+        from fusionnode.availability.caps import free_accelerator_memory
 
         self.membership.set_availability(availability, next_window)  # planners skip a paused peer
         if availability == "paused":

@@ -60,15 +60,8 @@ def add_config_argument(p: argparse.ArgumentParser) -> None:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            raise ConfigError(
-                f"reading {path} needs a TOML parser: use Python >= 3.11 or `pip install tomli`"
-            ) from None
+    import tomllib
+
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes")

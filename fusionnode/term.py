@@ -220,7 +220,7 @@ def print_status(res: dict[str, Any], stream: TextIO | None = None) -> None:
     print_peers(res["peers"], res["peer_id"], stream=stream)
     serving = res.get("serving") or []
     if serving:
-        from fusionnode.train.driver import STAGE_ID_STRIDE  # stage ids count on across re-plans
+        from fusionnode.train.placement import STAGE_ID_STRIDE  # stage ids count on across re-plans
 
         table(
             ("JOB", "PLAN", "STAGE", "LAST STEP"),

@@ -16,8 +16,8 @@ from cdp import Browser
 from prometheus_client.parser import text_string_to_metric_families
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
 from fusionnode.errors import DaemonError
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.spec import JobSpec
 
 # the browser tests' screenshots: a temporary folder, so a test run leaves the tree as it was;

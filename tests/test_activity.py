@@ -15,26 +15,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusionnode.availability import (
-    DEFAULT_CHECK_INTERVAL,
-    DEFAULT_CONFIRM_SAMPLES,
-    ActivityMonitor,
-    ActivityThresholds,
-    AvailabilityController,
-    AvailabilityPolicy,
-    AvailabilityState,
-    Schedule,
-    advertisement,
+from fusionnode.availability.activity import ActivityMonitor, ActivityThresholds, build_monitor
+from fusionnode.availability.caps import (
     apply_util_cap,
-    build_monitor,
     free_accelerator_memory,
-    observe,
     parse_percent,
-    pause_manual,
-    resume_manual,
     throttle_delay,
     usable_cores,
 )
+from fusionnode.availability.controller import DEFAULT_CHECK_INTERVAL, AvailabilityController
+from fusionnode.availability.policy import (
+    DEFAULT_CONFIRM_SAMPLES,
+    AvailabilityPolicy,
+    AvailabilityState,
+    advertisement,
+    observe,
+    pause_manual,
+    resume_manual,
+)
+from fusionnode.availability.schedule import Schedule
 from fusionnode.errors import ConfigError
 
 torch.set_num_threads(1)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 
 import pytest
 
 from fusionnode.bench import testbed
 from fusionnode.plan.cluster import load_cluster_dict
-from fusionnode.runtime.worker import DEBUG_PACE_FILE, DEBUG_SLOW_FILE, WorkerService, mb_rows
+from fusionnode.runtime.hooks import DEBUG_PACE_FILE, DEBUG_SLOW_FILE, PacingHook, hook_from_env
+from fusionnode.runtime.worker import mb_rows
 
 
 def _step(step_time, stages, phases=None):
@@ -52,16 +52,19 @@ def test_measured_speed_is_positive_and_plausible():
 
 
 def test_pacing_stretches_compute_to_the_emulated_speed(tmp_path, monkeypatch):
+    monkeypatch.delenv("FUSIONNODE_DEBUG", raising=False)
+    assert hook_from_env(tmp_path) is None  # production: no hook, the files are never read
     monkeypatch.setenv("FUSIONNODE_DEBUG", "1")
-    w = types.SimpleNamespace(debug=True, state_dir=str(tmp_path), slow_factor=1.0, pace_tflops=0.0)
+    w = hook_from_env(tmp_path)
+    assert isinstance(w, PacingHook) and w.slow_factor == 1.0 and w.pace_tflops == 0.0
     (tmp_path / DEBUG_PACE_FILE).write_text("0.001\n")  # 1 GFLOP/s
     (tmp_path / DEBUG_SLOW_FILE).write_text("1.0\n")
-    WorkerService._read_slow_factor(w)
+    w.before_step()
     assert w.pace_tflops == pytest.approx(0.001)
 
     async def timed(compute_s, flops):
         t0 = time.perf_counter()
-        await WorkerService._debug_delay(w, compute_s, flops)
+        await w.after_compute(compute_s, flops)
         return time.perf_counter() - t0
 
     # 1e8 FLOPs at 1 GFLOP/s = 0.1 s, of which 0.02 s were already computed: sleeps the other 0.08
@@ -72,7 +75,7 @@ def test_pacing_stretches_compute_to_the_emulated_speed(tmp_path, monkeypatch):
     w.slow_factor = 3.0
     assert 0.1 <= asyncio.run(timed(0.05, 1e6)) < 0.5
     (tmp_path / DEBUG_PACE_FILE).unlink()
-    WorkerService._read_slow_factor(w)
+    w.before_step()
     assert w.pace_tflops == 0.0
 
 

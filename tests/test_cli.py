@@ -15,7 +15,8 @@ import psutil
 import pytest
 
 from fusionnode import __version__, cli, messages
-from fusionnode.demo import compression_line, fusionnode_command
+from fusionnode.cli.demo import compression_line
+from fusionnode.localswarm import fusionnode_command
 from fusionnode.train.generate import decode_whole
 
 
@@ -320,7 +321,7 @@ def test_one_daemon_as_a_new_user_meets_it(tmp_path):
     """A private daemon kept paused by its schedule: `status` says the swarm is private, `resume` says
     why it stays paused (exit 1), a second daemon on its port is refused, and `status` into a closed
     pipe ends quietly."""
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
 
     assert run_cli("keygen", "--out", str(tmp_path / "swarm.key")).returncode == 0
     now = time.localtime()
@@ -367,7 +368,7 @@ def test_a_killed_train_leaves_workers_quiet_and_free_to_leave(tmp_path):
     so the workers log no tracebacks and a `leave` right after is prompt."""
     import signal
 
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
 
     swarm = LocalSwarm(tmp_path, 2, log=None)
     swarm.extra_args = ["--no-probe"]

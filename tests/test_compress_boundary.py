@@ -1,17 +1,15 @@
-"""CompressionBoundary: a pipeline cut in one process, through the real codec and packing."""
+"""CompressionBoundary: a pipeline cut in one process, through the runtime's link compressor,
+the real codec and packing."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from fusionnode.compress.boundary import (
-    BoundaryConfig,
-    CompressionBoundary,
-    LinkCounters,
-    adatopk_config,
-    transmit,
-)
+from fusionnode.compress.boundary import CompressionBoundary, LinkCounters, transmit
+from fusionnode.compress.link import LinkOptions, adatopk_config
 from fusionnode.compress.topk import keep_count
 from fusionnode.wire.tensors import encode_tensor, pack_encoded
 
@@ -35,7 +33,9 @@ def test_transmit_topk_row() -> None:
 
 
 def test_forward_and_backward_through_boundary() -> None:
-    boundary = CompressionBoundary(BoundaryConfig(forward_ratio=0.25, backward_ratio=0.5, forward_mode="row"))
+    # fixed ratios, per-row top-k both ways, on tensors of any size
+    opts = LinkOptions(mode="row", center=False, grad_codec="topk", min_sparse_numel=0)
+    boundary = CompressionBoundary.of("topk:0.25", opts, backward_spec="topk:0.5")
     x = torch.randn(2, 8, 16, requires_grad=True)
     y = boundary(x)
     assert bool(((y != 0).sum(-1) == 4).all())  # 25% of 16 per row
@@ -51,7 +51,8 @@ def test_forward_and_backward_through_boundary() -> None:
 
 
 def test_warmup_is_dense_then_compresses() -> None:
-    boundary = CompressionBoundary(BoundaryConfig(forward_ratio=0.1, backward_ratio=None, warmup_steps=2))
+    opts = LinkOptions(mode="row", center=False, warmup_steps=2, warmup_codec="raw", min_sparse_numel=0)
+    boundary = CompressionBoundary.of("topk:0.1", opts, backward_spec="none")
     x = torch.randn(4, 64)
     for _ in range(2):
         assert torch.equal(boundary(x), x)
@@ -60,15 +61,10 @@ def test_warmup_is_dense_then_compresses() -> None:
 
 
 def test_backward_feedback_accumulates_dropped_gradient() -> None:
-    boundary = CompressionBoundary(
-        BoundaryConfig(
-            forward_ratio=None,
-            backward_ratio=0.1,
-            backward_mode="global",
-            backward_feedback=True,
-            value_dtype="float32",
-        )
+    opts = LinkOptions(
+        mode="global", grad_codec="topk", error_feedback=True, value_dtype="float32", min_sparse_numel=0
     )
+    boundary = CompressionBoundary.of("none", backward_spec="topk:0.1", backward_options=opts)
     g = torch.randn(100, generator=torch.Generator().manual_seed(1))
     total = torch.zeros(100)
     steps = 30
@@ -77,7 +73,7 @@ def test_backward_feedback_accumulates_dropped_gradient() -> None:
         boundary(x).backward(g)
         total += x.grad
         boundary.next_step()
-    residual = boundary._backward_ef.residual("gradient")
+    residual = boundary.backward.feedback.residual("grad/cut")
     # exact bookkeeping: what arrived = what was meant - what is still owed
     torch.testing.assert_close(total, steps * g - residual, rtol=0, atol=1e-4)
     # without feedback the same 10 coordinates would arrive every time; with it, many more do
@@ -93,15 +89,17 @@ def test_link_counters() -> None:
 
 def test_bad_config() -> None:
     with pytest.raises(ValueError):
-        BoundaryConfig(forward_ratio=0.0)
+        CompressionBoundary.of("topk:0.0")
     with pytest.raises(ValueError):
-        BoundaryConfig(forward_mode="column")
+        LinkOptions(mode="column")
     with pytest.raises(ValueError):
-        BoundaryConfig(dense_codec="zip")
+        CompressionBoundary.of("zip")
 
 
 def test_adatopk_config_quantizes_gradients_and_warmup() -> None:
-    boundary = CompressionBoundary(adatopk_config(warmup_steps=1))
+    # a link far too slow for the stage time: the policy compresses (below 5%)
+    opts = dataclasses.replace(adatopk_config(warmup_steps=1), min_sparse_numel=0)
+    boundary = CompressionBoundary.of("adatopk", opts, bandwidth_bps=1e4, target_time_s=0.1)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 16, 32, generator=g) + 2.0
     w = torch.randn(4, 16, 32, generator=g) * 1e-4
@@ -116,11 +114,12 @@ def test_adatopk_config_quantizes_gradients_and_warmup() -> None:
         boundary.forward_counters.wire_bytes < boundary.forward_counters.dense_bytes / 3
     )  # q8 + scales + framing
     boundary.next_step()
-    boundary.forward_ratio = boundary.backward_ratio = 0.05  # as a policy would set them
     x1 = x.clone().requires_grad_(True)
     y = boundary(x1)  # centered global top-k: dropped elements decode to the channel mean
+    assert boundary.forward_ratio <= 0.05  # as the policy set it
     mean = x.view(-1, 32).mean(0).half().float()  # what the sender sends as channel means
     assert int(torch.count_nonzero(y.detach() != mean)) <= keep_count(x.numel(), 0.05)
     (y * w).sum().backward()
+    assert boundary.backward_ratio <= 0.05
     assert int(torch.count_nonzero(x1.grad)) > 0.9 * x.numel()  # q8, not top-k
     assert float((x1.grad - w).norm() / w.norm()) < 0.02

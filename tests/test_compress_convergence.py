@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fusionnode.bench.adatopk import build_parser, main, train
-from fusionnode.compress.boundary import BoundaryConfig, adatopk_config
+from fusionnode.compress.link import LinkOptions, adatopk_config
 from fusionnode.train.data import BatchSource, load_corpus
 
 LINK_BPS = 8e6  # bit/s: the benchmark's default throttled link
@@ -21,7 +21,7 @@ def _source(batch: int) -> BatchSource:
     return BatchSource(load_corpus(), batch_size=batch, seq_len=128, seed=0)
 
 
-def _config() -> BoundaryConfig:
+def _config() -> LinkOptions:
     # the AdaTopK default; ratios start dense, the policy sets them from the simulated link every step
     return adatopk_config()
 

@@ -1,12 +1,12 @@
-"""The runtime's per-link compressor (fusionnode.runtime.links) with the AdaTopK default configuration."""
+"""The runtime's per-link compressor (fusionnode.compress.link) with the AdaTopK default configuration."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fusionnode.compress.link import LinkCompressor, LinkOptions
 from fusionnode.errors import ConfigError
-from fusionnode.runtime.links import LinkCompressor, LinkOptions
 from fusionnode.wire.tensors import decode_tensor
 
 torch.set_num_threads(1)

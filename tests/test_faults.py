@@ -15,7 +15,7 @@ import time
 import pytest
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.local import train_local
 from fusionnode.train.spec import JobSpec
 

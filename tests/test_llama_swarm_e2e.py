@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
 from fusionnode.graph.portable import describe_stage
 from fusionnode.graph.trace import trace_model
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.checkpoint import load_checkpoint
 from fusionnode.train.local import build_job_model, train_local
 from fusionnode.train.spec import JobSpec

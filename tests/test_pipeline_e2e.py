@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from fusionnode import control
 from fusionnode.config import LOCAL_JOIN_FLAGS
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.data import BatchSource, loss_scale
 from fusionnode.train.local import build_job_model, lm_loss, train_local
 from fusionnode.train.spec import JobSpec

@@ -11,7 +11,8 @@ from fusionnode.plan.cluster import load_cluster, load_cluster_dict
 from fusionnode.plan.dtfm import Scheduler, bottleneck_matching, open_loop_path
 from fusionnode.plan.dtfm_cost import dtfm_step_time
 from fusionnode.plan.dtfm_scenarios import SCENARIOS, scenario, with_activation_bytes
-from fusionnode.plan.planner import _context, build_plan, plan
+from fusionnode.plan.evaluate import build_plan, make_context
+from fusionnode.plan.planner import plan
 
 
 def test_even_split_and_counts():
@@ -65,7 +66,7 @@ def test_dtfm_keeps_data_parallel_groups_inside_sites():
 def test_dtfm_cost_of_a_grid_matches_the_formula():
     g = gpt2_like_graph(4, 64, 16)
     c = load_cluster_dict(_two_sites(4))
-    ctx = _context(g, c, 8, None, True, None, None, fence.MAX_BLOCKS, False)
+    ctx = make_context(g, c, 8, None, True, None, None, fence.MAX_BLOCKS, False)
     split = grid.even_split(ctx.chain.blocks, 2)
     ev = grid.price_grid(ctx, [(0, 2), (1, 3)], [split, split])
     p = build_plan(g, ctx, ev, None, "grid")
@@ -86,7 +87,7 @@ def test_planner_never_slower_than_an_even_grid():
     g = gpt2_like_graph(6, 128, 32)
     for c in (load_cluster("testbed-6-two-sites"), load_cluster_dict(_two_sites())):
         p = plan(g, c, 16, compress=False)
-        ctx = _context(g, c, 16, None, True, None, None, fence.MAX_BLOCKS, False)
+        ctx = make_context(g, c, 16, None, True, None, None, fence.MAX_BLOCKS, False)
         grids = grid.even_grids(ctx)
         assert grids
         assert p.prediction.step_time_s <= grids[0].step_s * (1 + 1e-9)
@@ -99,7 +100,7 @@ def test_planner_simulates_its_choice_against_the_grids_on_larger_clusters():
     g = gpt2_like_graph(12, 128, 32)
     c = load_cluster_dict(_two_sites(16))
     p = plan(g, c, 32, compress=False)
-    ctx = _context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
+    ctx = make_context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
     grids = grid.even_grids(ctx)[:SIMULATED]
     best_grid = min(simulate(g, c, build_plan(g, ctx, ev, None, "grid")).step_time_s for ev in grids)
     assert simulate(g, c, p).step_time_s <= best_grid * (1 + 1e-9)

@@ -24,7 +24,8 @@ from fusionnode.plan.estimator import (
     wire_bytes,
 )
 from fusionnode.plan.plan import Plan
-from fusionnode.plan.planner import _link_cost_vector, plan, split_dp
+from fusionnode.plan.planner import plan
+from fusionnode.plan.split import _link_cost_vector, split_dp
 
 SMALL = {
     "name": "small",

@@ -10,8 +10,9 @@ from fusionnode.bench.plan import gpt2_like_graph, random_cluster_dict, random_g
 from fusionnode.errors import PlanError
 from fusionnode.plan.baselines import even_plan, memory_plan
 from fusionnode.plan.cluster import load_cluster, load_cluster_dict
+from fusionnode.plan.evaluate import evaluate_plan
 from fusionnode.plan.exhaustive import exhaustive_plan
-from fusionnode.plan.planner import evaluate_plan, plan
+from fusionnode.plan.planner import plan
 from fusionnode.plan.simulator import simulate
 
 INSTANCES = 12  # random small instances (fixed seeds)

@@ -10,8 +10,7 @@ import pytest
 
 from fusionnode.bench import plan as bench
 from fusionnode.bench.plan import gpt2_like_graph, random_graph
-from fusionnode.plan.cluster import load_cluster, load_cluster_dict
-from fusionnode.plan.commands import (
+from fusionnode.cli.plan import (
     add_plan_arguments,
     add_simulate_arguments,
     compare_plans,
@@ -19,6 +18,7 @@ from fusionnode.plan.commands import (
     run_plan,
     run_simulate,
 )
+from fusionnode.plan.cluster import load_cluster, load_cluster_dict
 from fusionnode.plan.planner import plan
 from fusionnode.plan.simulator import one_f_one_b, simulate, simulate_pipeline
 

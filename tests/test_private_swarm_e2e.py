@@ -11,7 +11,7 @@ import pytest
 
 from fusionnode import control
 from fusionnode.config import LOCAL_JOIN_FLAGS
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.spec import JobSpec
 
 pytestmark = pytest.mark.e2e

@@ -21,6 +21,7 @@ from fusionnode.train.rebalance import (
     predict_step_s,
     weighted_bounds,
 )
+from fusionnode.wire.job import ErrorCode, Failure
 
 FLOPS = [1.0] * 40  # 40 equal operators
 
@@ -98,22 +99,29 @@ def test_bans_grow_with_each_failure():
 
 
 def test_blame():
+    """Blame by error code and peer id (wire/job.py Failure), never by error text."""
     peers = ["QmAAAAAAAAAAAAAA", "QmBBBBBBBBBBBBBB", "QmCCCCCCCCCCCCCC"]
-    assert blame({"QmAAAAAAAAAAAAAA": "dropped"}, peers, ["QmBBBBBBBBBBBBBB"]) == {
+    dropped = [Failure(ErrorCode.FAILED, "dropped")]
+    assert blame({"QmAAAAAAAAAAAAAA": dropped}, peers, ["QmBBBBBBBBBBBBBB"]) == {
         "QmBBBBBBBBBBBBBB": "failure"
     }
-    assert blame({"QmCCCCCCCCCCCCCC": "refused: this peer is leaving"}, peers) == {
-        "QmCCCCCCCCCCCCCC": "leave"
-    }
-    gone = blame({"QmCCCCCCCCCCCCCC": "refused: this peer is leaving"}, peers, ["QmCCCCCCCCCCCCCC"])
+    leaving = [Failure(ErrorCode.LEAVING, "refused: draining")]
+    assert blame({"QmCCCCCCCCCCCCCC": leaving}, peers) == {"QmCCCCCCCCCCCCCC": "leave"}
+    gone = blame({"QmCCCCCCCCCCCCCC": leaving}, peers, ["QmCCCCCCCCCCCCCC"])
     assert gone == {"QmCCCCCCCCCCCCCC": "leave"}  # it said so before it went: no ban
-    named = {"QmAAAAAAAAAAAAAA": "refused 'job.step': peer QmCCCCCCCCCC… sent non-finite values in 'h'"}
+    named = {"QmAAAAAAAAAAAAAA": [Failure(ErrorCode.BAD_TENSOR, "refused 'job.step'", "QmCCCCCCCCCCCCCC")]}
     assert blame(named, peers) == {"QmCCCCCCCCCCCCCC": "failure"}
-    assert blame({"QmAAAAAAAAAAAAAA": "deadline"}, peers) == {"QmAAAAAAAAAAAAAA": "failure"}
-    limited = {
-        "QmAAAAAAAAAAAAAA": "peer QmAAAAAAAAAA… closed the 'job.commit' call unanswered (a rate limit)"
+    stranger = {"QmAAAAAAAAAAAAAA": [Failure(ErrorCode.BAD_TENSOR, "bad", "QmZZZZZZZZZZZZZZ")]}
+    assert blame(stranger, peers) == {"QmAAAAAAAAAAAAAA": "failure"}  # blames only peers of the plan
+    assert blame({"QmAAAAAAAAAAAAAA": [Failure(ErrorCode.DEADLINE, "deadline")]}, peers) == {
+        "QmAAAAAAAAAAAAAA": "failure"
     }
+    limited = {"QmAAAAAAAAAAAAAA": [Failure(ErrorCode.UNANSWERED, "closed unanswered (a rate limit)")]}
     assert blame(limited, peers) == {}
+    # the text says nothing to recovery: a refusal that quotes "leaving" is no leave
+    assert blame({"QmAAAAAAAAAAAAAA": [Failure(ErrorCode.FAILED, "this peer is leaving")]}, peers) == {
+        "QmAAAAAAAAAAAAAA": "failure"
+    }
 
 
 def test_calibrated_cluster_feeds_the_planner_estimator():

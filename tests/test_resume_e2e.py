@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_faults import metrics_events, spec_for, train_on
 
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.e2e
 

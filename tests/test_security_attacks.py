@@ -22,13 +22,15 @@ from test_security_swarm import KEY, peers, wait_for
 from fusionnode.errors import PeerError, ProtocolError
 from fusionnode.optim.host import OptimizerHostService
 from fusionnode.runtime.transport import PROTO_DATA, PROTO_RPC, Transport
-from fusionnode.runtime.worker import WorkerService, tensor_message
+from fusionnode.runtime.worker import WorkerService
 from fusionnode.security import SwarmAuthorizer
 from fusionnode.security.auth import NonceCache
-from fusionnode.security.limits import MAX_LEASE_S, MAX_STAGES_PER_DRIVER
+from fusionnode.security.limits import MAX_STAGES_PER_DRIVER
 from fusionnode.swarm.probe import PROBE_PROTOCOL, LinkProber, ProbeConfig
 from fusionnode.train.spec import JobSpec
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.frames import pack_header
+from fusionnode.wire.job import MAX_LEASE_S, StageAssignment
 from fusionnode.wire.limits import DEFAULT_MAX_ENVELOPE_BYTES
 from fusionnode.wire.messages import Call, encode_message
 
@@ -43,6 +45,12 @@ async def _shard(driver: Transport, host: str, job: str, init: torch.Tensor, **k
     """opt.init, the parameters, opt.load: what a driver does (kw: secret, resume, resume_step, ...)."""
     spec = JobSpec(optimizer="sgd", lr=0.1, weight_decay=0.0, grad_clip=None, job_id=job)
     load_args = {"job": job, "resume_step": kw.pop("resume_step", None)}
+    if load_args["resume_step"] is None:
+        del load_args["resume_step"]
+    save_dir = kw.pop("save_dir", None)
+    if save_dir is not None:  # a driver cannot name where the host writes: the field does not exist
+        with pytest.raises(PeerError, match=r"unknown field.*save_dir"):
+            await driver.call(host, "opt.init", {"job": job, "driver": driver.peer_id, "save_dir": save_dir})
     res = await driver.call(
         host,
         "opt.init",
@@ -418,6 +426,7 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
 
     from fusionnode.optim import checkpoint as ck
     from fusionnode.optim.store import contributor_key
+    from fusionnode.train.checkpoint import job_secret
     from fusionnode.train.driver import Driver, Job, Pipeline
 
     real_write = ck._write_chunk
@@ -442,12 +451,29 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
             )
             job = Job(spec, d.peer_id)
             job.pipelines = [Pipeline(0, [d.peer_id], [0, 1], 1, 1)]
-            job.hosts, job.secret, job.model_bytes = [h1.peer_id, h2.peer_id], drv._job_secret("j6"), 24
-            stage_args = [{"param_specs": {"a": {}, "b": {}}, "replica": 0, "stage": 0, "peer": d.peer_id}]
+            job.hosts, job.secret, job.model_bytes = (
+                [h1.peer_id, h2.peer_id],
+                job_secret(drv.state_dir, "j6"),
+                24,
+            )
+            stage_args = [
+                StageAssignment(
+                    job="j6",
+                    stage=0,
+                    num_stages=1,
+                    driver=d.peer_id,
+                    description={},
+                    param_specs={"a": {}, "b": {}},
+                    spec={},
+                    peer=d.peer_id,
+                )
+            ]
             full = {"a": torch.zeros(3), "b": torch.zeros(3)}
             host_of = {"a": h1.peer_id, "b": h2.peer_id}
-            drv._accept(job, stage_args)
-            assert await drv._init_hosts(job, stage_args, full, host_of, resume=False, start_step=0) == [0, 0]
+            drv.placement.accept(job, stage_args)
+            assert await drv.placement.start_hosts(
+                job, stage_args, full, host_of, resume=False, start_step=0
+            ) == [0, 0]
             at: dict[int, torch.Tensor] = {}
             for step in range(1, 5):
                 for name, host, svc in (("a", h1, svcs[0]), ("b", h2, svcs[1])):
@@ -460,7 +486,9 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
                 at[step] = svcs[1].shards["j6"].store.get_params(["b"])[1]["b"].clone()
             for h in job.hosts:
                 await d.call(h, "opt.release", {"job": "j6"})
-            applied = await drv._init_hosts(job, stage_args, full, host_of, resume=True, start_step=4)
+            applied = await drv.placement.start_hosts(
+                job, stage_args, full, host_of, resume=True, start_step=4
+            )
             assert applied == [3, 3]  # the newest step both hosts have
             torch.testing.assert_close(svcs[1].shards["j6"].store.get_params(["b"])[1]["b"], at[3])
 

@@ -26,7 +26,6 @@ from fusionnode.optim.host import OptimizerHostService
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.runtime.transport import PROTO_DATA, PROTO_RPC, Transport
-from fusionnode.runtime.worker import tensor_message
 from fusionnode.security import (
     DHTSwarmAuthorizer,
     GuardConfig,
@@ -37,6 +36,7 @@ from fusionnode.security import (
 from fusionnode.swarm import load_or_create_identity, start_dht, stop_dht
 from fusionnode.swarm.libp2p import create_p2p
 from fusionnode.train.spec import JobSpec
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.messages import Call, TensorMessage, encode_message
 
 torch.set_num_threads(1)
@@ -94,7 +94,7 @@ async def _raw_exchange(p2p, peer: str, proto: str, data: bytes, timeout: float 
         writer.write(data)
         await writer.drain()
         return await asyncio.wait_for(reader.read(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return None
     finally:
         writer.close()
@@ -222,19 +222,16 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                     "r1/s0": {"replica": 1, "samples": 1, "peer": m.peer_id},
                 }
             }
-            res = await w.call(
-                h.peer_id,
-                "opt.init",
-                {
-                    "job": job,
-                    "driver": w.peer_id,
-                    "host_index": 0,
-                    "spec": spec.to_dict(),
-                    "param_specs": specs,
-                    "expected": expected,
-                    "step_deadline_s": 5.0,
-                },
-            )
+            init_args = {
+                "job": job,
+                "driver": w.peer_id,
+                "host_index": 0,
+                "spec": spec.to_dict(),
+                "param_specs": specs,
+                "expected": expected,
+                "step_deadline_s": 5.0,
+            }
+            await w.call(h.peer_id, "opt.init", init_args)
             await w.send(
                 h.peer_id,
                 tensor_message("opt_params", {"job": job, "stage": 0, "step": -1, "mb": 0}, {"w": init}),
@@ -309,12 +306,12 @@ def test_malicious_pusher_is_bounded_and_banned(tmp_path):
                     ("opt.ready", {"job": job, "step": 10}),
                     ("opt.release", {"job": job}),
                     ("opt.load", {"job": job}),
-                    ("opt.init", {**res, "job": job, "driver": w.peer_id}),
+                    ("opt.init", {**init_args, "job": job, "driver": w.peer_id}),
                 ):
                     with pytest.raises(PeerError, match="driver"):
                         await t.call(h.peer_id, method, args)
             with pytest.raises(PeerError, match="another driver"):
-                await m.call(h.peer_id, "opt.init", {"job": job, "driver": m.peer_id})
+                await m.call(h.peer_id, "opt.init", {**init_args, "driver": m.peer_id})
 
     asyncio.run(main())
 
@@ -418,9 +415,7 @@ def test_fuzzed_frames_no_crash_no_hang_memory_flat():
         async with peers(None, SwarmAuthorizer(KEY), None) as (pub, priv, attacker):
             _echo_counter(pub)
             _echo_counter(priv)
-            msg = tensor_message(
-                "activation", {"job": "f", "step": 1, "mb": 0, "stage": 0}, {"x": torch.ones(2, 3)}
-            )
+            msg = tensor_message("act", {"job": "f", "step": 1, "mb": 0, "stage": 0}, {"x": torch.ones(2, 3)})
             signed = priv.authorizer.sign(msg, attacker.peer_id, priv.peer_id)
             seeds = [
                 encode_message(Call("echo", {"x": 1})),

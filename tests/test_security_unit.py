@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from fusionnode.errors import ConfigError, ProtocolError
-from fusionnode.runtime.worker import tensor_message
 from fusionnode.security import (
     AUTH_FIELD,
     SWARM_KEY_ENV,
@@ -27,6 +26,7 @@ from fusionnode.security import (
     swarm_key_from_env_or_path,
     write_swarm_key,
 )
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.messages import Call, Reply, TensorMessage, decode_message, encode_message
 
@@ -67,7 +67,7 @@ def test_mac_binds_sender_receiver_content_and_reply_context():
     clock = Clock()
     a = SwarmAuthorizer(SwarmKey(b"k" * 32), clock=clock)
     b = SwarmAuthorizer(SwarmKey(b"k" * 32), clock=clock)
-    msg = tensor_message("activation", {"job": "j", "step": 1}, {"x": torch.arange(6.0).reshape(2, 3)})
+    msg = tensor_message("act", {"job": "j", "step": 1}, {"x": torch.arange(6.0).reshape(2, 3)})
     wire = decode_message(encode_message(a.sign(msg, "A", "B")))
     got, nonce = b.verify(wire, "A", "B")
     assert AUTH_FIELD not in got.meta and torch.equal(got.decode_tensors()["x"], msg.decode_tensors()["x"])

@@ -208,6 +208,34 @@ def test_unused_output_gradient_and_in_flight_limit(tiny):
     assert runner.in_flight == []
 
 
+def test_pass_through_inputs_and_gradients_the_worker_sends(tiny):
+    """What the worker relies on: an input that only crosses the stage is sent on and its
+    gradient comes straight back; an input without a gradient is left out (not zeros) when
+    zero_unused_grads is off; a float gradient of another precision is cast, not refused."""
+    model, traced = tiny
+    lo = node_id(traced, "transformer_h_1_ln_1")
+    hi = node_id(traced, "transformer_h_1_attn_c_proj")
+    desc = describe_stage(traced, lo, hi)
+    state = model.state_dict()
+    stage = StageModule.from_description(desc, {k: state[k].clone() for k in desc["params"]})
+    runner = StageRunner(stage, max_in_flight=2, passthrough=["relayed"], zero_unused_grads=False)
+    x, relayed = torch.randn(1, T, 128), torch.randn(1, T, 7)
+    outs = runner.forward(0, {stage.input_names[0]: x, "relayed": relayed})
+    assert set(outs) == {*stage.output_names, "relayed"}
+    assert torch.equal(outs["relayed"], relayed)
+    resid, attn = stage.output_names
+    grads = runner.backward(0, {"relayed": torch.full((1, T, 7), 2.0), attn: None})
+    assert set(grads) == {"relayed"}  # the stage's own input got no gradient: left out
+    assert torch.equal(grads["relayed"], torch.full((1, T, 7), 2.0))
+    runner.forward(1, {stage.input_names[0]: x})
+    grads = runner.backward(1, {resid: torch.ones(1, T, 128, dtype=torch.float64)})
+    assert grads[stage.input_names[0]].dtype == torch.float32
+    assert torch.equal(grads[stage.input_names[0]], torch.ones(1, T, 128))
+    with pytest.raises(ProtocolError, match="differ from the expected"):
+        runner.forward(2, {stage.input_names[0]: x, "stray": x})
+    assert runner.in_flight == []
+
+
 class Exotic(nn.Module):
     def __init__(self):
         super().__init__()

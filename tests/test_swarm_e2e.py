@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 
 pytestmark = pytest.mark.e2e
 

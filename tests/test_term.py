@@ -8,8 +8,8 @@ import math
 
 from fusionnode import term
 from fusionnode.bench.plan import gpt2_like_graph
+from fusionnode.cli.plan import compare_plans
 from fusionnode.plan.cluster import load_cluster
-from fusionnode.plan.commands import compare_plans
 from fusionnode.plan.planner import plan
 
 

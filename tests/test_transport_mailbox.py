@@ -10,7 +10,7 @@ import torch
 
 from fusionnode.errors import DeadlineError, ProtocolError
 from fusionnode.runtime import transport as T
-from fusionnode.runtime.worker import tensor_message
+from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.messages import TensorMessage
 
 MiB = 1 << 20

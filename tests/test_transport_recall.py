@@ -94,7 +94,7 @@ def test_an_unanswered_step_is_fetched_not_rerun():
 def _tmsg(i: int):
     import torch
 
-    from fusionnode.runtime.worker import tensor_message
+    from fusionnode.wire.checked import tensor_message
 
     return tensor_message(
         "act", {"job": "j", "step": i, "mb": 0, "stage": 1}, {"x": torch.full((64,), float(i))}
@@ -176,6 +176,7 @@ def test_a_repeated_offload_commit_starts_no_second_pull():
     """An offloaded stage's commit starts the prefetch of the new parameters; the same commit asked
     again (its reply lost) must not start another pull, which would race the first for its messages."""
     from fusionnode.runtime.worker import WorkerService
+    from fusionnode.wire.job import CommitReply, CommitRequest
 
     pulls: list[int] = []
 
@@ -186,13 +187,13 @@ def test_a_repeated_offload_commit_starts_no_second_pull():
     w = types.SimpleNamespace(_get=lambda args, sender: sj, _pull=pull)
 
     async def main():
-        args = {"job": "j", "stage": 1, "step": 7}
+        args = CommitRequest(job="j", stage=1, step=7)
         first = await WorkerService.rpc_commit(w, args, "driver")
         again = await WorkerService.rpc_commit(w, args, "driver")
         await sj.pull_task
-        assert first == {"applied": 7, "prefetching": True} and again["again"] is True
+        assert first == CommitReply(applied=7, prefetching=True) and again.again is True
         assert pulls == [7]
-        assert (await WorkerService.rpc_commit(w, {**args, "step": 8}, "driver"))["prefetching"]
+        assert (await WorkerService.rpc_commit(w, args.replace(step=8), "driver")).prefetching
         await sj.pull_task
         assert pulls == [7, 8]
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from fusionnode import control
-from fusionnode.demo import LocalSwarm
+from fusionnode.localswarm import LocalSwarm
 from fusionnode.train.spec import JobSpec
 
 pytestmark = pytest.mark.e2e

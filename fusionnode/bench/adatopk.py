@@ -1,13 +1,14 @@
 """AdaTopK convergence benchmark: dense vs compressed training of gpt2-tiny cut in two, in one process.
 
 Method: the model is split after block `--cut` (embeddings + blocks [0, cut) are stage 0,
-the rest stage 1); the cut is a `CompressionBoundary`, so the activation crossing it
-forward and its gradient backward go through the real wire path (topk codec, packed
+the rest stage 1); the cut is a `CompressionBoundary`: the runtime's own link compressors
+(compress/link.py, one per direction, as a worker has) encode the activation crossing it
+forward and its gradient backward, which then go through the real wire path (packed
 bytes). Both runs start from the same weights (same seed) and see the same batches
-(fusionnode.train.data, default corpus). The compressed run's keep ratio comes from an
-`AdaTopKPolicy` per direction on a simulated link of `--link-mbps` and `--latency-ms`
-whose compute-bound stage time is `--stage-ms`: the policy observes the simulated
-transfer time of every message. Reported: final validation loss of both runs (the
+(fusionnode.train.data, default corpus). The compressed run's keep ratio comes from the
+compressors' `AdaTopKPolicy` on a simulated link of `--link-mbps` and `--latency-ms`
+whose compute-bound stage time is `--stage-ms`: each compressor observes the simulated
+transfer time of its messages, as a worker observes its sends. Reported: final validation loss of both runs (the
 compressed run evaluated with the cut still compressing, as a deployed pipeline would),
 their relative difference, the keep ratios chosen and the byte reduction on the link.
 Defaults are the best variant measured (protocol/COMPRESSION.md, "Measurements"):
@@ -32,8 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fusionnode.compress.boundary import BoundaryConfig, CompressionBoundary, LinkCounters
-from fusionnode.compress.policy import AdaTopKPolicy
+from fusionnode.compress.boundary import CompressionBoundary, LinkCounters
+from fusionnode.compress.link import LinkOptions
 from fusionnode.models import build_model
 from fusionnode.train.data import BatchSource, load_corpus
 
@@ -87,35 +88,36 @@ def split_forward(
 
 
 def train(
-    args: argparse.Namespace, source: BatchSource, config: BoundaryConfig | None, link_bps: float | None
+    args: argparse.Namespace,
+    source: BatchSource,
+    config: LinkOptions | None,
+    link_bps: float | None,
+    backward_config: LinkOptions | None = None,
 ) -> RunResult:
-    """One run; `config` None is the dense baseline (no boundary at all)."""
+    """One run; `config` None is the dense baseline (no boundary at all). `config` (and
+    `backward_config` for the gradients, else the same) are the link options; with `link_bps`
+    the keep ratio is AdaTopK's on that link, else the fixed `args.ratio` (gradients dense with
+    `args.dense_backward`)."""
     torch.manual_seed(args.seed)
     model = build_model(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    boundary = CompressionBoundary(config, name="cut") if config is not None else None
-    policies = None
-    if link_bps is not None and config is not None:
-        c = model.config.n_embd
-        policies = tuple(
-            AdaTopKPolicy(row_len=c if mode == "row" else None, center_channels=c if center else 0)
-            for mode, center in (
-                (config.forward_mode, config.forward_center),
-                (config.backward_mode, config.backward_center),
-            )
+    boundary = None
+    if config is not None:
+        spec = "adatopk" if link_bps is not None else f"topk:{args.ratio}"
+        boundary = CompressionBoundary.of(
+            spec,
+            config,
+            backward_spec="none" if link_bps is None and args.dense_backward else spec,
+            backward_options=backward_config,
+            bandwidth_bps=link_bps,
+            latency_s=args.latency_ms / 1e3,
+            target_time_s=args.stage_ms / 1e3,
         )
-    latency = args.latency_ms / 1e3
-    target = args.stage_ms / 1e3
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(args.steps):
         ids, targets = source.batch(step)
-        if boundary is not None and policies is not None:
-            dense = ids.numel() * model.config.n_embd * 4  # bytes of the float32 activation
-            # the first call uses the configured bandwidth; later ones the EWMA of observed sends
-            bw = link_bps if step == 0 else None
-            boundary.forward_ratio = policies[0].choose(bw, latency, dense, target)
-            boundary.backward_ratio = policies[1].choose(bw, latency, dense, target)
+        if boundary is not None:
             before = (boundary.forward_counters.wire_bytes, boundary.backward_counters.wire_bytes)
         logits = split_forward(model, ids, args.cut, boundary)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -124,13 +126,13 @@ def train(
         opt.step()
         losses.append(float(loss.detach()))
         if boundary is not None:
-            if policies is not None:
+            if link_bps is not None:
                 sent = (
                     boundary.forward_counters.wire_bytes - before[0],
                     boundary.backward_counters.wire_bytes - before[1],
                 )
-                for policy, nbytes in zip(policies, sent, strict=True):
-                    policy.observe(nbytes, nbytes * 8.0 / link_bps)  # simulated transfer time
+                for link, nbytes in zip((boundary.forward, boundary.backward), sent, strict=True):
+                    link.observe(nbytes, nbytes * 8.0 / link_bps)  # simulated transfer time
             boundary.next_step()
         if args.log_every and step % args.log_every == 0:
             logger.info("step %d loss %.4f", step, losses[-1])
@@ -147,8 +149,8 @@ def train(
         final_loss=sum(evals) / len(evals),
         train_loss=sum(tail) / len(tail),
         link=link,
-        forward_ratio=(boundary.forward_ratio or 1.0) if boundary else 1.0,
-        backward_ratio=(boundary.backward_ratio or 1.0) if boundary else 1.0,
+        forward_ratio=boundary.forward_ratio if boundary else 1.0,
+        backward_ratio=boundary.backward_ratio if boundary else 1.0,
         seconds=seconds,
         forward_link=boundary.forward_counters if boundary else LinkCounters(),
         backward_link=boundary.backward_counters if boundary else LinkCounters(),
@@ -269,27 +271,28 @@ def main(argv: list[str] | None = None) -> int:
     if not (0 < args.cut < model_cfg.n_layer):
         parser.error(f"--cut must be in [1, {model_cfg.n_layer - 1}]")
     source = BatchSource(load_corpus(), batch_size=args.batch_size, seq_len=model_cfg.n_ctx, seed=args.seed)
-    config = BoundaryConfig(
-        forward_ratio=args.ratio,
-        backward_ratio=None if args.dense_backward else args.ratio,
-        forward_mode=args.forward_mode,
-        backward_mode=args.backward_mode,
+    config = LinkOptions(
+        mode=args.forward_mode,
         value_dtype=args.value_dtype,
-        forward_center=args.center,
-        backward_center=args.center_backward,
-        forward_feedback=args.forward_feedback,
-        backward_feedback=args.backward_feedback,
+        center=args.center,
+        error_feedback=args.forward_feedback,
         warmup_steps=args.warmup,
-        backward_quant=None if args.backward_codec == "topk" else args.backward_codec,
+        grad_codec=args.backward_codec,
         stochastic=args.stochastic,
-        forward_quant_warmup=None if args.warmup_codec == "raw" else args.warmup_codec,
-        backward_quant_warmup=None if args.warmup_codec == "raw" else args.warmup_codec,
+        warmup_codec=args.warmup_codec,
+    )
+    backward_config = dataclasses.replace(
+        config,
+        mode=args.backward_mode,
+        center=args.center_backward,
+        center_gradients=args.center_backward,
+        error_feedback=args.backward_feedback,
     )
     link_bps = None if args.ratio is not None else args.link_mbps * 1e6
     if link_bps is not None and args.dense_backward:
         parser.error("--dense-backward needs a fixed --ratio")
     dense = train(args, source, None, None)
-    comp = train(args, source, config, link_bps)
+    comp = train(args, source, config, link_bps, backward_config)
     rel = (comp.final_loss - dense.final_loss) / dense.final_loss
     print(
         f"model {args.model}, {args.steps} steps, batch {args.batch_size}x{model_cfg.n_ctx}, cut after block {args.cut}"

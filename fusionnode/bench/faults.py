@@ -110,7 +110,7 @@ async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tu
 
 
 def _swarm(workdir: Path, n: int) -> Any:
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
 
     os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug slow-down hook is on
     workdir.mkdir(parents=True, exist_ok=True)

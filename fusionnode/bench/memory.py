@@ -59,7 +59,7 @@ class PeakSampler(threading.Thread):
 def run_mode(spec: Any, mode: str) -> dict[str, Any]:
     """Peak RSS of the two worker daemons while `spec` trains with the optimizer `mode` (off/on)."""
     from fusionnode import control
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
 
     swarm = LocalSwarm(Path(tempfile.mkdtemp(prefix="fusionnode-mem-")), 3, log=None)
     try:

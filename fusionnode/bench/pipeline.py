@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from fusionnode import control
-    from fusionnode.demo import LocalSwarm
+    from fusionnode.localswarm import LocalSwarm
     from fusionnode.train.local import train_local
     from fusionnode.train.spec import JobSpec
 

@@ -242,7 +242,7 @@ class Testbed:
                 if not line and self._proc.poll() is not None:
                     break
             raise RuntimeError(f"the netns testbed did not come up; see {self.workdir / 'testbed.log'}")
-        from fusionnode.demo import LocalSwarm
+        from fusionnode.localswarm import LocalSwarm
 
         self._swarm = LocalSwarm(self.workdir, self.n, log=None)
         self._swarm.extra_args = join_flags

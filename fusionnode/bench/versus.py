@@ -28,7 +28,8 @@ from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, fence, grid
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.dtfm_cost import dtfm_step_time
-from fusionnode.plan.planner import _context, build_plan, plan
+from fusionnode.plan.evaluate import build_plan, make_context
+from fusionnode.plan.planner import plan
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def compare(
         "sim_s": simulate(graph, cluster, p).step_time_s,
         "dtfm_s": dtfm_step_time(graph, cluster, p).step_s,
     }
-    ctx = _context(graph, cluster, batch, None, offload, None, None, fence.MAX_BLOCKS, False)
+    ctx = make_context(graph, cluster, batch, None, offload, None, None, fence.MAX_BLOCKS, False)
     grids = grid.even_grids(ctx)
     if grids:
         scored = []

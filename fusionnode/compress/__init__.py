@@ -3,14 +3,9 @@
 Importing this package registers the "topk", "q8" and "q4" codecs with the wire codec registry.
 """
 
-from fusionnode.compress.boundary import (
-    BoundaryConfig,
-    CompressionBoundary,
-    LinkCounters,
-    adatopk_config,
-    transmit,
-)
+from fusionnode.compress.boundary import CompressionBoundary, LinkCounters, transmit
 from fusionnode.compress.feedback import ErrorFeedback
+from fusionnode.compress.link import LinkCompressor, LinkOptions, adatopk_config
 from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
 from fusionnode.compress.quant import Q4, Q8, QuantCodec, quant_payload_bytes
 from fusionnode.compress.topk import TOPK, TopKCodec, keep_count, payload_bytes, topk_mask
@@ -20,11 +15,12 @@ __all__ = [
     "Q8",
     "TOPK",
     "AdaTopKPolicy",
-    "BoundaryConfig",
     "CompressSpec",
     "CompressionBoundary",
     "ErrorFeedback",
+    "LinkCompressor",
     "LinkCounters",
+    "LinkOptions",
     "QuantCodec",
     "TopKCodec",
     "adatopk_config",

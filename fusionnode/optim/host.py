@@ -24,19 +24,20 @@ import logging
 import math
 import re
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from fusionnode.errors import PeerError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
-from fusionnode.runtime.transport import Transport
-from fusionnode.runtime.worker import decode_checked, tensor_message
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import decode_tensor
 
@@ -78,7 +79,7 @@ class _PendingShard:
 
     job: str
     driver: str
-    args: dict[str, Any]
+    args: jp.OptInit
     specs: dict[str, dict[str, Any]]
     expected: ExpectedContributions
     peers: dict[str, str]
@@ -94,22 +95,57 @@ def owner_tag(secret: str | None, driver: str) -> str:
     return hashlib.sha256(b"fusionnode-job-owner\0" + what.encode()).hexdigest()[:32]
 
 
+def _expected(expected: dict[str, dict[str, dict[str, Any]]]) -> ExpectedContributions:
+    return ExpectedContributions(
+        {
+            name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
+            for name, contribs in expected.items()
+        }
+    )
+
+
 def _spec_bytes(specs: Any) -> int:
     if not isinstance(specs, dict):
-        raise PeerError("param_specs must be a map")
+        raise JobError(ErrorCode.BAD_REQUEST, "param_specs must be a map")
     total = 0
     for name, spec in specs.items():
         shape = spec.get("shape") if isinstance(spec, dict) else None
         if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise PeerError(f"param_specs[{name!r}]: bad shape")
+            raise JobError(ErrorCode.BAD_REQUEST, f"param_specs[{name!r}]: bad shape")
         total += 4 * math.prod(shape)
     return total
+
+
+class HostMailbox(Protocol):
+    """The inbox part of `HostTransport`."""
+
+    def accept(self, job: str, holder: Any, peers: Any, max_bytes: int) -> None: ...
+
+    def release(self, job: str, holder: Any) -> None: ...
+
+    async def get(self, key: tuple, timeout: float, *, sender: str) -> tuple[TensorMessage, str]: ...
+
+
+class HostTransport(Protocol):
+    """What the optimizer host needs of a transport (`fusionnode.runtime.transport.Transport` is one;
+    optim/ does not import the runtime)."""
+
+    @property
+    def mailbox(self) -> HostMailbox: ...
+
+    def add_rpc(
+        self, method: str, handler: Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
+    ) -> None: ...
+
+    async def send(
+        self, peer_id: str, msg: TensorMessage, observe: Callable[[int, float], None] | None = None
+    ) -> int: ...
 
 
 class OptimizerHostService:
     def __init__(
         self,
-        transport: Transport,
+        transport: HostTransport,
         *,
         state_dir: Path,
         step_deadline_s: float = 60.0,
@@ -123,17 +159,17 @@ class OptimizerHostService:
         self.shards: dict[str, HostedShard] = {}
         self._pending: dict[str, _PendingShard] = {}
         for name, fn in {
-            "opt.init": self.rpc_init,
-            "opt.load": self.rpc_load,
-            "opt.held": self.rpc_held,
-            "opt.ready": self.rpc_ready,
-            "opt.apply": self.rpc_apply,
-            "opt.pull": self.rpc_pull,
-            "opt.release": self.rpc_release,
-            "opt.replan": self.rpc_replan,
+            Rpc.OPT_INIT: self.rpc_init,
+            Rpc.OPT_LOAD: self.rpc_load,
+            Rpc.OPT_HELD: self.rpc_held,
+            Rpc.OPT_READY: self.rpc_ready,
+            Rpc.OPT_APPLY: self.rpc_apply,
+            Rpc.OPT_PULL: self.rpc_pull,
+            Rpc.OPT_RELEASE: self.rpc_release,
+            Rpc.OPT_REPLAN: self.rpc_replan,
         }.items():
-            transport.add_rpc(name, fn)
-        transport.on_data("push", self._on_push)
+            jp.serve(transport, name, fn)
+        transport.on_data(TensorKind.PUSH, self._on_push)
 
     def status(self) -> list[dict[str, Any]]:
         return [
@@ -163,12 +199,12 @@ class OptimizerHostService:
             length,
         )
 
-    def _shard(self, args: dict[str, Any], sender: str, *, driver_only: bool = True) -> HostedShard:
-        shard = self.shards.get(str(args.get("job")))
+    def _shard(self, job: str, sender: str, *, driver_only: bool = True) -> HostedShard:
+        shard = self.shards.get(job)
         if shard is None:
-            raise PeerError(f"this host holds no shard of job {args.get('job')!r}")
+            raise JobError(ErrorCode.NOT_HELD, f"this host holds no shard of job {job!r}")
         if driver_only and sender != shard.driver:
-            raise PeerError("only the job's driver may do that")
+            raise JobError(ErrorCode.FORBIDDEN, "only the job's driver may do that")
         return shard
 
     # ---- a shard's life: opt.init (announce) -> opt_params messages -> opt.load ----------------------
@@ -182,53 +218,47 @@ class OptimizerHostService:
             return False
         return any(d.name != tag and (d / job).is_dir() for d in base.iterdir())
 
-    async def rpc_init(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_init(self, a: jp.OptInit, sender: str) -> jp.OptInitReply:
         """Announces a shard (its names, shapes, contributors): the driver's ``opt_params`` messages for
         it are accepted from now on, then ``opt.load`` builds it. With "resume", answers the steps of
         this owner's checkpoints of the shard; none if another driver's are all this host has is an
         error. Ownership: the owner tag is a hash of the job secret the driver keeps in its own
         checkpoint (or, without one, of the driver's peer id), so no other peer can read, continue or
         overwrite the shard's checkpoints."""
-        job = str(args["job"])
-        if args.get("driver") != sender:
-            raise PeerError("a shard must be assigned by the job's driver")
+        job = a.job
+        if a.driver != sender:
+            raise JobError(ErrorCode.FORBIDDEN, "a shard must be assigned by the job's driver")
         held = self.shards.get(job) or self._pending.get(job)
         if held is not None and held.driver != sender:
-            raise PeerError(f"job {job!r} here belongs to another driver")
+            raise JobError(ErrorCode.FORBIDDEN, f"job {job!r} here belongs to another driver")
         mine = {j for j, s in (*self.shards.items(), *self._pending.items()) if s.driver == sender} - {job}
         if len(mine) >= MAX_SHARDS_PER_DRIVER:
-            raise PeerError(
-                f"this host holds {len(mine)} shards of that driver (limit {MAX_SHARDS_PER_DRIVER})"
+            raise JobError(
+                ErrorCode.NO_ROOM,
+                f"this host holds {len(mine)} shards of that driver (limit {MAX_SHARDS_PER_DRIVER})",
             )
-        secret = args.get("secret")
-        if secret is not None and (not isinstance(secret, str) or not 16 <= len(secret) <= 256):
-            raise PeerError("the job secret must be a string of 16 to 256 characters")
-        tag = owner_tag(secret, sender)
-        specs: dict[str, dict[str, Any]] = args["param_specs"]
+        tag = owner_tag(a.secret, sender)
+        specs: dict[str, dict[str, Any]] = a.param_specs
         nbytes = _spec_bytes(specs)
-        host_index = int(args["host_index"])
-        expected = ExpectedContributions(
-            {
-                name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
-                for name, contribs in args["expected"].items()
-            }
-        )
-        peers = {key: c["peer"] for contribs in args["expected"].values() for key, c in contribs.items()}
+        host_index = a.host_index
+        expected = _expected(a.expected)
+        peers = {key: c["peer"] for contribs in a.expected.values() for key, c in contribs.items()}
         root = self.owner_root(tag)
         steps: list[int] = []
-        if args.get("resume"):
+        if a.resume:
             steps = await asyncio.to_thread(shard_steps, root, job, f"h{host_index}")
             if not steps and await asyncio.to_thread(self._other_owners, job, tag):
-                raise PeerError(
+                raise JobError(
+                    ErrorCode.FORBIDDEN,
                     f"the checkpoints of job {job!r} on this host belong to another driver (resuming "
-                    "needs the job secret in the owner's checkpoint, or the owner's identity)"
+                    "needs the job secret in the owner's checkpoint, or the owner's identity)",
                 )
         if held is not None and job in self.shards:  # the same driver again (a host restore): rebuild
             self._release(job)
         self._pending[job] = _PendingShard(
             job=job,
             driver=sender,
-            args=dict(args),
+            args=a,
             specs=specs,
             expected=expected,
             peers=peers,
@@ -237,63 +267,69 @@ class OptimizerHostService:
             host_index=host_index,
         )
         self.t.mailbox.accept(job, ("host",), {sender}, nbytes + MAILBOX_SLACK_BYTES)
-        return {"announced": True, "steps": steps}
+        return jp.OptInitReply(announced=True, steps=steps)
 
-    async def rpc_held(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_held(self, req: jp.OptHeld, sender: str) -> jp.OptHeldReply:
         """The caller's own checkpoints of a job here: {host index: [steps]} (by its job secret)."""
-        job, secret = str(args.get("job")), args.get("secret")
-        if not isinstance(secret, str) or not 16 <= len(secret) <= 256 or not _SAFE_JOB.match(job):
-            raise PeerError("opt.held needs a job id and the job secret")
+        job, secret = req.job, req.secret
+        if not 16 <= len(secret) <= 256 or not _SAFE_JOB.match(job):
+            raise JobError(ErrorCode.BAD_REQUEST, f"{Rpc.OPT_HELD} needs a job id and the job secret")
         base = self.owner_root(owner_tag(secret, sender)) / job
         if job in (".", "..") or not base.is_dir():
-            return {"held": {}}
+            return jp.OptHeldReply(held={})
         held = {}
         for d in base.iterdir():
             if d.name[:1] == "h" and d.name[1:].isdigit():
                 steps = await asyncio.to_thread(shard_steps, base.parent, job, d.name)
                 if steps:
                     held[d.name[1:]] = steps
-        return {"held": held}
+        return jp.OptHeldReply(held=held)
 
-    async def rpc_load(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_load(self, req: jp.OptLoad, sender: str) -> jp.OptLoadReply:
         """Builds the announced shard from the driver's ``opt_params`` (taken once), then, with a
         "resume_step", loads this owner's checkpoint of that step."""
-        job = str(args.get("job"))
+        job = req.job
         pend = self._pending.get(job)
         if pend is None:
-            self._shard(args, sender)  # no shard here, or not the driver's: says so
-            raise PeerError(f"the shard of job {job!r} is loaded already (opt.init first)")
+            self._shard(job, sender)  # no shard here, or not the driver's: says so
+            raise JobError(ErrorCode.NOT_HELD, f"the shard of job {job!r} is loaded already (init first)")
         if sender != pend.driver:
-            raise PeerError("only the job's driver may do that")
+            raise JobError(ErrorCode.FORBIDDEN, "only the job's driver may do that")
         a = pend.args
         if pend.params is None:
             params: dict[str, torch.Tensor] = {}
             for idx in range(len(pend.specs)):
                 msg, src = await self.t.mailbox.get(
-                    ("opt_params", job, -1, idx, pend.host_index), self.step_deadline_s, sender=pend.driver
+                    (TensorKind.OPT_PARAMS, job, -1, idx, pend.host_index),
+                    self.step_deadline_s,
+                    sender=pend.driver,
                 )
                 params.update(decode_checked(msg, pend.specs, None, src))
             if set(params) != set(pend.specs):
-                raise PeerError(f"parameters missing: {sorted(set(pend.specs) - set(params))[:5]}")
+                raise JobError(
+                    ErrorCode.BAD_TENSOR,
+                    f"parameters missing: {sorted(set(pend.specs) - set(params))[:5]}",
+                    pend.driver,
+                )
             pend.params = params
-        cfg = job_optimizer_config(a["spec"], pend.specs)
+        cfg = job_optimizer_config(a.spec, pend.specs)
         store = ParameterStore(
             job,
             dict(pend.params),
             cfg,
             pend.expected,
-            step_deadline_s=float(a.get("step_deadline_s", self.step_deadline_s)),
+            step_deadline_s=self.step_deadline_s if a.step_deadline_s is None else a.step_deadline_s,
         )
         resumed = 0
-        step = args.get("resume_step")
+        step = req.resume_step
         if step is not None:
             state = await asyncio.to_thread(
                 load_shard, pend.root, job, f"h{pend.host_index}", int(step), pend.owner["tag"]
             )
             store.load_state_dict(state)
             resumed = int(step)
-        elif args.get("start_step"):  # no common checkpoint: the driver's parameters, new optimizer state
-            store.start_at(int(args["start_step"]))
+        elif req.start_step:  # no common checkpoint: the driver's parameters, new optimizer state
+            store.start_at(req.start_step)
         del self._pending[job]
         self.shards[job] = HostedShard(
             job,
@@ -302,11 +338,11 @@ class OptimizerHostService:
             pend.specs,
             pend.peers,
             pend.root,
-            int(a.get("save_every", 0)),
+            a.save_every,
             pend.host_index,
             owner=pend.owner,
         )
-        return {"ready": True, "applied_step": store.applied_step, "resumed": resumed}
+        return jp.OptLoadReply(ready=True, applied_step=store.applied_step, resumed=resumed)
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
         m = msg.meta
@@ -345,32 +381,27 @@ class OptimizerHostService:
                     return
                 logger.warning("push of %s from %s rejected: %s", name, sender[:12], res.reason)
 
-    async def rpc_ready(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_ready(self, req: jp.OptReady, sender: str) -> jp.OptReadyReply:
         """Waits until every expected contribution of the step arrived, or its deadline passed."""
-        shard = self._shard(args, sender)
-        step = int(args["step"])
-        deadline = time.monotonic() + float(args.get("timeout", self.step_deadline_s))
+        shard = self._shard(req.job, sender)
+        step = req.step
+        deadline = time.monotonic() + (self.step_deadline_s if req.timeout is None else req.timeout)
         while not shard.store.ready(step) and time.monotonic() < deadline:
             await asyncio.sleep(READY_POLL_S)
         complete = shard.store.ready(step)
-        return {
-            "complete": complete,
-            "grad_sq": shard.store.pending_grad_sq_norm(step),
-            "missing": {k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {},
-        }
-
-    async def rpc_apply(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        shard = self._shard(args, sender)
-        step = int(args["step"])
-        force = bool(args.get("force", False))
-        res = await asyncio.to_thread(
-            shard.store.apply,
-            step,
-            float(args["lr"]),
-            force=force,
-            clip_coef=float(args.get("clip_coef", 1.0)),
+        return jp.OptReadyReply(
+            complete=complete,
+            grad_sq=float(shard.store.pending_grad_sq_norm(step)),
+            missing={k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {},
         )
-        if (args.get("save") or (shard.save_every and step % shard.save_every == 0)) and res.applied:
+
+    async def rpc_apply(self, req: jp.OptApply, sender: str) -> jp.OptApplyReply:
+        shard = self._shard(req.job, sender)
+        step = req.step
+        res = await asyncio.to_thread(
+            shard.store.apply, step, req.lr, force=req.force, clip_coef=req.clip_coef
+        )
+        if (req.save or (shard.save_every and step % shard.save_every == 0)) and res.applied:
             try:
                 await asyncio.to_thread(
                     functools.partial(save_shard, owner=shard.owner),
@@ -382,62 +413,54 @@ class OptimizerHostService:
                 )
             except OSError as exc:  # the previous checkpoint stays intact; training goes on
                 logger.error("could not write the optimizer shard checkpoint of step %d: %s", step, exc)
-        return {
-            "applied": res.applied,
-            "step": res.step,
-            "forced": res.forced,
-            "updated": len(res.updated),
-            "missing": list(res.missing),
-            "counters": dict(shard.store.counters),
-            "rejected": shard.rejected,
-        }
+        return jp.OptApplyReply(
+            applied=res.applied,
+            step=res.step,
+            forced=res.forced,
+            updated=len(res.updated),
+            missing=list(res.missing),
+            counters=dict(shard.store.counters),
+            rejected=dict(shard.rejected),
+        )
 
-    async def rpc_pull(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        """Sends the requested parameters, one message each, to the caller (any worker of the plan)."""
-        shard = self._shard(args, sender, driver_only=False)
+    async def rpc_pull(self, req: jp.OptPull, sender: str) -> jp.OptPullReply:
+        """Sends the requested parameters, one `pulled` message each numbered from `first`, to the
+        caller (any worker of the plan)."""
+        shard = self._shard(req.job, sender, driver_only=False)
         if sender not in set(shard.peers.values()) and sender != shard.driver:
-            raise PeerError("only the job's workers may pull its parameters")
-        names = [str(n) for n in args["names"]]
+            raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull its parameters")
+        names = req.names
         unknown = [n for n in names if n not in shard.specs]
         if unknown:
-            raise PeerError(f"this host does not hold {unknown[:3]}")
+            raise JobError(ErrorCode.NOT_HELD, f"this host does not hold {unknown[:3]}")
         step, values = await asyncio.to_thread(shard.store.get_params, names)
-        tag = int(args.get("tag", 0))
         for idx, name in enumerate(names):
             meta = {
                 "job": shard.job,
-                "step": tag,
-                "mb": idx,
-                "stage": int(args.get("stage", -1)),
+                "step": req.tag,
+                "mb": req.first + idx,
+                "stage": req.stage,
                 "host": shard.host_index,
             }
-            await self.t.send(sender, tensor_message(f"pulled{shard.host_index}", meta, {name: values[name]}))
-        return {"count": len(names), "step": step}
+            await self.t.send(sender, tensor_message(TensorKind.PULLED, meta, {name: values[name]}))
+        return jp.OptPullReply(count=len(names), step=step)
 
-    async def rpc_replan(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);
         pending contributions are dropped so a replayed step is applied once, under the new plan."""
-        shard = self._shard(args, sender)
-        expected = ExpectedContributions(
-            {
-                name: {key: Contributor(str(c["replica"]), int(c["samples"])) for key, c in contribs.items()}
-                for name, contribs in args["expected"].items()
-            }
-        )
-        dropped = shard.store.replan(expected)
-        shard.peers = {
-            key: c["peer"] for contribs in args["expected"].values() for key, c in contribs.items()
-        }
-        return {"applied_step": shard.store.applied_step, "dropped": dropped}
+        shard = self._shard(req.job, sender)
+        dropped = shard.store.replan(_expected(req.expected))
+        shard.peers = {key: c["peer"] for contribs in req.expected.values() for key, c in contribs.items()}
+        return jp.OptReplanReply(applied_step=shard.store.applied_step, dropped=list(dropped))
 
-    async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        pend = self._pending.get(str(args.get("job")))
-        if pend is not None and pend.driver == sender and str(args.get("job")) not in self.shards:
+    async def rpc_release(self, req: jp.OptRelease, sender: str) -> jp.ReleaseReply:
+        pend = self._pending.get(req.job)
+        if pend is not None and pend.driver == sender and req.job not in self.shards:
             self._release(pend.job)
-            return {"released": True}
-        shard = self._shard(args, sender)
+            return jp.ReleaseReply(released=True)
+        shard = self._shard(req.job, sender)
         self._release(shard.job)
-        return {"released": True}
+        return jp.ReleaseReply(released=True)
 
     def _release(self, job: str) -> None:
         self.shards.pop(job, None)

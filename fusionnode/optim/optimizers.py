@@ -44,6 +44,15 @@ DEFAULT_EPS = 1e-8
 DEFAULT_DECAY_MIN_NDIM = 2  # tensors with at least this many dimensions get weight decay
 CLIP_EPS = 1e-6  # added to the global norm before dividing, as torch.nn.utils.clip_grad_norm_
 OPTIMIZER_NAMES = ("adamw", "sgd")
+ADAMW_BETAS = DEFAULT_BETAS  # the training jobs' AdamW (local reference trainer, workers, hosts)
+ADAMW_EPS = DEFAULT_EPS
+SGD_MOMENTUM = 0.9  # the training jobs' SGD momentum
+
+
+def decays_by_shape(ndim: int) -> bool:
+    """The training jobs' weight-decay rule: matrices (embeddings, linear weights) decay; biases and
+    norm gains do not."""
+    return ndim >= DEFAULT_DECAY_MIN_NDIM
 
 
 @dataclass(frozen=True)
@@ -105,36 +114,52 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Linear warmup to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
+    """Linear warmup to `lr` over `warmup_steps`, `hold_steps` steps at `lr`, then cosine decay to
+    `lr * min_lr_ratio` at `total_steps` (see `warmup_cosine_lr`)."""
 
     lr: float
     warmup_steps: int = 0
     total_steps: int = 1
     min_lr_ratio: float = 0.1
+    hold_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.lr < 0 or self.warmup_steps < 0 or self.total_steps < 1:
-            raise ConfigError("LRSchedule needs lr >= 0, warmup_steps >= 0, total_steps >= 1")
+        if self.lr < 0 or self.warmup_steps < 0 or self.total_steps < 1 or self.hold_steps < 0:
+            raise ConfigError(
+                "LRSchedule needs lr >= 0, warmup_steps >= 0, total_steps >= 1, hold_steps >= 0"
+            )
         if self.warmup_steps > self.total_steps:
             raise ConfigError("warmup_steps must not exceed total_steps")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("min_lr_ratio must lie in [0, 1]")
 
 
-def lr_at(step: int, cfg: LRSchedule) -> float:
-    """Learning rate of `step` (steps are numbered from 1; step <= 0 gives 0).
+def warmup_cosine_lr(
+    step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float, hold_steps: int = 0
+) -> float:
+    """THE learning-rate schedule (every trainer and `lr_at` call it): the rate of optimizer step
+    `step`, numbered from 1 (step <= 0: nothing applied yet, 0.0).
 
-    Warmup: lr * step / warmup_steps for step <= warmup_steps. Then cosine from lr down to
-    lr * min_lr_ratio at total_steps, and lr * min_lr_ratio after it.
+    Warmup: lr * step / warmup_steps for step <= warmup_steps. Then lr for `hold_steps` steps
+    (never past total_steps). Then a half cosine from lr down to lr * min_lr_ratio, reached at
+    step == total_steps, and lr * min_lr_ratio after it.
     """
     if step <= 0:
         return 0.0
-    if step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    min_lr = cfg.lr * cfg.min_lr_ratio
-    span = cfg.total_steps - cfg.warmup_steps
-    progress = 1.0 if span <= 0 else min(1.0, (step - cfg.warmup_steps) / span)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - min_lr)
+    if step <= warmup_steps:
+        return lr * step / warmup_steps
+    if step <= min(warmup_steps + hold_steps, total_steps):
+        return lr
+    min_lr = lr * min_lr_ratio
+    start = warmup_steps + hold_steps
+    span = total_steps - start
+    progress = 1.0 if span <= 0 else min(1.0, (step - start) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_at(step: int, cfg: LRSchedule) -> float:
+    """Learning rate of `step` under `cfg` (steps are numbered from 1; step <= 0 gives 0)."""
+    return warmup_cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio, cfg.hold_steps)
 
 
 def clip_coefficient(sq_norm: float, max_norm: float) -> float:
@@ -311,18 +336,28 @@ def make_local_optimizer(params: Mapping[str, nn.Parameter], cfg: OptimizerConfi
     return LocalOptimizer(params, cfg)
 
 
-def job_optimizer_config(spec_dict: dict[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
-    """A training job's optimizer: the reference trainer's math (betas, eps, decay rule) for the named parameters."""
-    from fusionnode.train.spec import ADAMW_BETAS, ADAMW_EPS, SGD_MOMENTUM, JobSpec, weight_decay_for
-
-    spec = JobSpec.from_dict(spec_dict)
-    decay = frozenset(n for n, s in names.items() if weight_decay_for(n, len(s["shape"]), spec) > 0)
+def job_optimizer_config(spec: Mapping[str, Any], names: dict[str, dict[str, Any]]) -> OptimizerConfig:
+    """A training job's optimizer: the reference trainer's math (betas ADAMW_BETAS, eps ADAMW_EPS,
+    momentum SGD_MOMENTUM, decay by `decays_by_shape`) for the named parameters, from the job
+    spec's optimizer fields ("optimizer", "lr", "weight_decay", as JobSpec.to_dict writes them)."""
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"job spec must be a mapping, got {type(spec).__name__}")
+    missing = [k for k in ("optimizer", "lr", "weight_decay") if k not in spec]
+    if missing:
+        raise ConfigError(f"job spec: missing field(s) {', '.join(missing)}")
+    name, lr, wd = spec["optimizer"], spec["lr"], spec["weight_decay"]
+    for field_name, v in (("lr", lr), ("weight_decay", wd)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ConfigError(f"job spec: {field_name} must be a finite number, got {v!r:.40}")
+    if not isinstance(name, str):
+        raise ConfigError(f"job spec: optimizer must be a name, got {name!r:.40}")
+    decay = frozenset(n for n, s in names.items() if wd > 0 and decays_by_shape(len(s["shape"])))
     return OptimizerConfig(
-        name=spec.optimizer,
-        lr=spec.lr,
+        name=name,
+        lr=float(lr),
         betas=ADAMW_BETAS,
         eps=ADAMW_EPS,
-        weight_decay=spec.weight_decay,
-        momentum=SGD_MOMENTUM if spec.optimizer == "sgd" else 0.0,
+        weight_decay=float(wd),
+        momentum=SGD_MOMENTUM if name == "sgd" else 0.0,
         decay_names=decay,
     )

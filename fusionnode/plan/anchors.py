@@ -22,7 +22,7 @@ import math
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, grid
 from fusionnode.plan.dtfm_cost import dtfm_step_time
-from fusionnode.plan.planner import Context, Evaluated, build_plan, evaluate_config
+from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)

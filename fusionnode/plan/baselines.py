@@ -26,8 +26,8 @@ from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import Chain
+from fusionnode.plan.evaluate import Evaluated, Option, build_plan, make_context, pipe_time
 from fusionnode.plan.plan import PipelinePlan, Plan, StagePlan
-from fusionnode.plan.planner import Evaluated, Option, _context, _pipe_time, build_plan
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _baseline(
     efficiency: float | None,
     compress: bool = False,
 ) -> Plan:
-    ctx = _context(
+    ctx = make_context(
         graph, cluster, batch_size, micro_batches, offload, efficiency, None, fence.MAX_BLOCKS, compress
     )
     est, chain = ctx.est, ctx.chain
@@ -79,7 +79,7 @@ def _baseline(
             cost = est.evaluate(chain, devs, split, u)
             if cost.fits:
                 opts.append(Option(cost, ctx.sync(cost, multi)))
-        t, opt = _pipe_time(opts, share, micro_batches)
+        t, opt = pipe_time(opts, share, micro_batches)
         if opt is None:
             worst = max(
                 (

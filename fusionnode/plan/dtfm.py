@@ -41,8 +41,8 @@ from scipy.optimize import linear_sum_assignment
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.dtfm_cost import dp_edge_costs, pp_edge_costs
 from fusionnode.plan.estimator import Chain
+from fusionnode.plan.evaluate import Context, Evaluated
 from fusionnode.plan.grid import even_split, price_grid
-from fusionnode.plan.planner import Context, Evaluated
 
 log = logging.getLogger(__name__)
 

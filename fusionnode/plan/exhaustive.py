@@ -11,15 +11,9 @@ import numpy as np
 from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.evaluate import Context, Evaluated, Option, build_plan, make_context
+from fusionnode.plan.hosts import host_sets
 from fusionnode.plan.plan import Plan
-from fusionnode.plan.planner import (
-    Context,
-    Evaluated,
-    Option,
-    _context,
-    build_plan,
-    host_sets,
-)
 
 # ------------------------------------------------------------------------------------------------
 # exhaustive reference (tiny instances only)
@@ -42,7 +36,7 @@ def exhaustive_plan(
 ) -> Plan:
     """The optimum under the cost model by brute force: every subset of workers, partition into
     pipelines, order, contiguous split, micro-batch size and batch share. Tiny instances only."""
-    ctx = _context(graph, cluster, batch_size, None, offload, efficiency, None, max(graph.num_nodes, 1))
+    ctx = make_context(graph, cluster, batch_size, None, offload, efficiency, None, max(graph.num_nodes, 1))
     est, chain = ctx.est, ctx.chain
     if len(ctx.workers) > EXHAUSTIVE_MAX_DEVICES or chain.blocks > EXHAUSTIVE_MAX_BLOCKS:
         raise ConfigError(

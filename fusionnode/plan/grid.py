@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusionnode.plan.planner import Context, Evaluated, Option, _pipe_time
+from fusionnode.plan.evaluate import Context, Evaluated, Option, pipe_time
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def price_grid(
                 opts.append(Option(cost, ctx.sync(cost, multi)))
             elif u > 1:
                 break  # larger micro-batches only need more memory
-        t, opt = _pipe_time(opts, share, ctx.micro_batches)
+        t, opt = pipe_time(opts, share, ctx.micro_batches)
         if opt is None:
             return None
         choices.append(opt)

@@ -14,6 +14,7 @@ returned to be sent upstream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Any
@@ -250,16 +251,32 @@ class StageModule(nn.Module):
 
 
 class StageRunner:
-    """Micro-batch bookkeeping of remote autodiff for one stage.
+    """Micro-batch bookkeeping of remote autodiff for one stage: the executor the worker runs.
 
     forward(mb) keeps mb's autograd graph until backward(mb) (or drop(mb)) frees it;
-    at most `max_in_flight` micro-batches are kept at once."""
+    at most `max_in_flight` micro-batches are kept at once. Inputs move to the module's
+    device; with `autocast` (a CUDA device with bf16) the forward runs under bf16 autocast
+    while gradients from the wire may stay float32. `passthrough` names inputs that only
+    cross this stage: when the module does not produce them they are sent on unchanged
+    and their gradients come straight back. With `zero_unused_grads=False` an input that
+    receives no gradient is left out of backward's result instead of given zeros."""
 
-    def __init__(self, module: StageModule, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> None:
+    def __init__(
+        self,
+        module: StageModule,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        *,
+        passthrough: tuple[str, ...] | list[str] = (),
+        autocast: bool = False,
+        zero_unused_grads: bool = True,
+    ) -> None:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.module = module
         self.max_in_flight = max_in_flight
+        self.passthrough = [n for n in passthrough if n not in module.output_names]
+        self.autocast = autocast
+        self.zero_unused_grads = zero_unused_grads
         self._inputs: dict[int, dict[str, torch.Tensor]] = {}
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._losses: dict[int, torch.Tensor] = {}
@@ -278,20 +295,35 @@ class StageRunner:
                 f"{len(self._inputs)} micro-batches in flight (limit {self.max_in_flight}); "
                 f"run backward before forwarding micro-batch {mb}"
             )
+        extra = set(inputs) - set(self.module.input_names) - set(self.passthrough)
+        if extra:
+            raise ProtocolError(
+                f"stage inputs {sorted(inputs)} differ from the expected {self.module.input_names}"
+            )
         leaves = {}
         for name, t in inputs.items():
-            leaf = t.detach()
+            leaf = t.detach().to(self.module.device)
             if requires_grad and leaf.is_floating_point():
                 leaf.requires_grad_(True)
             leaves[name] = leaf
         return leaves
 
+    def _run_module(self, leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            outputs = self.module({n: leaves[n] for n in self.module.input_names if n in leaves})
+        for name in self.passthrough:  # crosses this stage unchanged; its gradient comes back the same way
+            if name in leaves:
+                outputs[name] = leaves[name]
+        return outputs
+
     def forward(
         self, mb: int, inputs: dict[str, torch.Tensor], requires_grad_inputs: bool = True
     ) -> dict[str, torch.Tensor]:
-        """Run the stage on micro-batch `mb`, keep its graph, return detached outputs to send on."""
+        """Run the stage on micro-batch `mb`, keep its graph, return detached outputs to send on
+        (the module's outputs and the pass-through inputs)."""
         leaves = self._admit(mb, inputs, requires_grad_inputs)
-        outputs = self.module(leaves)
+        outputs = self._run_module(leaves)
         self._inputs[mb], self._outputs[mb] = leaves, outputs
         return {k: v.detach() for k, v in outputs.items()}
 
@@ -304,9 +336,11 @@ class StageRunner:
         if name is None:
             raise GraphError("forward_loss on a stage that does not produce the model output")
         leaves = self._admit(mb, inputs, True)
-        outputs = self.module(leaves)
+        outputs = self._run_module(leaves)
         logits = outputs[name]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1).to(logits.device)
+        )
         self._inputs[mb], self._outputs[mb] = leaves, outputs
         self._losses[mb] = loss * loss_scale
         return float(loss.detach())
@@ -314,7 +348,10 @@ class StageRunner:
     def backward(self, mb: int, output_grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """Back-propagate `output_grads` (by output name; missing or None = no gradient) through
         mb's graph; accumulate parameter .grad; return gradients of the floating inputs (zeros
-        for an input the stage does not differentiate through); free mb's graph."""
+        for an input the stage does not differentiate through, or left out when
+        zero_unused_grads is off); free mb's graph. A gradient has exactly its output's shape;
+        a floating gradient of another precision (float32 from the wire for a bf16 output) is
+        cast to the output's dtype."""
         if mb not in self._inputs:
             raise ValueError(f"micro-batch {mb} is not in flight")
         outputs = self._outputs[mb]
@@ -326,6 +363,8 @@ class StageRunner:
             out = outputs[name]
             if grad is None or not out.is_floating_point() or not out.requires_grad:
                 continue
+            if isinstance(grad, torch.Tensor) and grad.is_floating_point() and grad.dtype != out.dtype:
+                grad = grad.to(out.dtype)
             _check_tensor(f"gradient of {name}", grad, tuple(out.shape), out.dtype)
             tensors.append(out)
             grads.append(grad.to(out.device))
@@ -348,7 +387,9 @@ class StageRunner:
             return {
                 name: (t.grad if t.grad is not None else torch.zeros_like(t))
                 for name, t in inputs.items()
-                if t.is_floating_point() and t.requires_grad
+                if t.is_floating_point()
+                and t.requires_grad
+                and (t.grad is not None or self.zero_unused_grads)
             }
         finally:
             self.drop(mb)

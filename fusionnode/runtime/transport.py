@@ -38,6 +38,7 @@ from typing import Any
 from fusionnode.errors import DeadlineError, PeerError, ProtocolError
 from fusionnode.security.auth import AUTH_FIELD, AuthenticationError, SwarmAuthorizer
 from fusionnode.security.limits import DEFAULT_PEER_LIMITS, PeerLimiter, PeerLimits
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, error_result, remote_error
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
 from fusionnode.wire.messages import Call, Reply, TensorMessage
 from fusionnode.wire.stream import read_message, write_message
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 PROTO_RPC = "/fusionnode/rpc/1"
 PROTO_DATA = "/fusionnode/data/2"
-DATA_OPEN_METHOD = "data.open"  # the Call that opens a data stream: {"session": hex, "first": seq}
+DATA_OPEN_METHOD = Rpc.DATA_OPEN  # the Call that opens a data stream: {"session": hex, "first": seq}
 ACK = struct.Struct(">Q")  # a data stream's acknowledgement: the sequence number delivered
 MAX_RESENDS = 3  # times a message is written again on a new stream before it is given up
 MAX_SESSIONS = 4096  # senders' sessions whose last delivered sequence number a receiver remembers
@@ -384,9 +385,10 @@ class Transport:
             raise PeerError(f"peer {peer_id[:12]}… dropped the {method!r} call: {exc}") from exc
         except ProtocolError as exc:
             if "truncated" in str(exc):  # a private swarm closes unanswered on peers without its key
-                raise PeerError(
+                raise JobError(
+                    ErrorCode.UNANSWERED,
                     f"peer {peer_id[:12]}… closed the {method!r} {UNANSWERED} "
-                    "(a stream reset, a private swarm whose key this peer lacks, or a rate limit)"
+                    "(a stream reset, a private swarm whose key this peer lacks, or a rate limit)",
                 ) from exc
             raise
         finally:
@@ -398,7 +400,7 @@ class Transport:
                 reply, peer_id, self.peer_id, context=call.args[AUTH_FIELD]["nonce"]
             )
         if not reply.ok:
-            raise PeerError(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}")
+            raise remote_error(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}", reply.result)
         return dict(reply.result)
 
     async def _on_rpc_stream(
@@ -431,7 +433,7 @@ class Transport:
                 except Exception as exc:
                     if not isinstance(exc, (PeerError, ProtocolError, ValueError)):
                         logger.exception("RPC %s from %s failed", msg.method, sender[:12])
-                    reply = Reply(ok=False, result={}, error=f"{type(exc).__name__}: {exc}")
+                    reply = Reply(ok=False, result=error_result(exc), error=f"{type(exc).__name__}: {exc}")
             await write_message(writer, self._sign_reply(reply, sender, nonce))
         except AuthenticationError as exc:
             self._refuse_auth(sender, exc)

@@ -17,24 +17,16 @@ Protocol (RPCs from the job's driver, data messages peer to peer; see protocol/S
 - ``job.ping``: liveness probe (any peer); answers whether this peer is draining.
 
 Faults. A worker that is leaving (``drain``) finishes the step in progress and refuses the
-next ones with ``LEAVING_MARK`` in the error, so the driver re-plans without it. With the
-environment variable ``FUSIONNODE_DEBUG=1`` a worker reads a slow-down factor from the
-file ``<state dir>/debug_slow`` before each step and sleeps ``(factor - 1) x`` its compute
-time after each forward and backward (a straggler for tests and benchmarks); the same
-factor can be set by the ``debug.slow`` RPC, which only the peer itself may call. It also reads
-an emulated device speed in TFLOP/s from ``<state dir>/debug_pace``: a forward of n samples
-then takes at least ``n x flops_per_sample / speed`` seconds and a backward twice that (it
-sleeps out the rest), so a testbed of peers sharing one CPU computes at the speeds of the
-devices it emulates whatever else the CPU is doing (`fusionnode bench testbed`).
+next ones with the error code ``leaving``, so the driver re-plans without it. The messages and
+their checks are in ``wire/job.py``. Tests and benchmarks inject a compute hook (runtime/hooks.py:
+a straggler slow-down, device pacing); without one the worker reads nothing and sleeps on nothing
+beyond its work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import math
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,67 +34,23 @@ from typing import Any
 
 import torch
 
+from fusionnode.compress.link import LinkCompressor, LinkOptions
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
-from fusionnode.runtime.links import LinkCompressor, LinkOptions
+from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
+from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_flight, schedule
+from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
 from fusionnode.runtime.transport import Transport
-from fusionnode.security.limits import (
-    MAILBOX_SLACK_BYTES,
-    MAX_LEASE_S,
-    MAX_STAGES_PER_DRIVER,
-    MIN_LEASE_S,
-)
+from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
 logger = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
-DEBUG_ENV = "FUSIONNODE_DEBUG"  # "1" enables the slow-down hook (tests, benchmarks)
-DEBUG_SLOW_FILE = "debug_slow"  # in the state dir: a float factor >= 1 multiplying compute time
-DEBUG_PACE_FILE = "debug_pace"  # in the state dir: emulated TFLOP/s (forward + backward paced to it)
 MAX_CONCURRENT_PUSHES = 16  # gradient pushes in flight at once (hosts limit streams per peer)
-LEAVING_MARK = "this peer is leaving"  # in the refusal of a draining worker (the driver looks for it)
-
-
-def tensor_message(
-    kind: str,
-    meta: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
-    codec: str = "raw",
-    **codec_options: Any,
-) -> TensorMessage:
-    enc = {}
-    for name, t in tensors.items():
-        t = t.detach()
-        if codec != "raw" and t.is_floating_point():
-            enc[name] = encode_tensor(t.cpu(), codec, **codec_options)
-        else:
-            enc[name] = encode_tensor(t.cpu(), "raw")
-    return TensorMessage(kind=kind, meta=meta, tensors=enc)
-
-
-def decode_checked(
-    msg: TensorMessage, expected: dict[str, dict[str, Any]] | None, batch: int | None, sender: str
-) -> dict[str, torch.Tensor]:
-    """Decodes every tensor, checking exact dtype and shape (where known) and finiteness."""
-    out = {}
-    for name, enc in msg.tensors.items():
-        if expected is not None:
-            spec = expected.get(name)
-            if spec is None:
-                raise PeerError(f"peer {sender[:12]}… sent an unexpected tensor {name!r} in {msg.kind!r}")
-            want_shape = tuple(spec["shape"]) if batch is None else (batch, *tuple(spec["shape"])[1:])
-            if tuple(enc.shape) != want_shape or enc.dtype != spec["dtype"]:
-                raise PeerError(
-                    f"peer {sender[:12]}… sent {name!r} as {enc.dtype}{list(enc.shape)}, "
-                    f"expected {spec['dtype']}{list(want_shape)}"
-                )
-        t = decode_tensor(enc)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise PeerError(f"peer {sender[:12]}… sent non-finite values in {name!r} ({msg.kind!r})")
-        out[name] = t
-    return out
 
 
 def mb_rows(tensors: dict[str, torch.Tensor]) -> int:
@@ -113,37 +61,33 @@ def mb_rows(tensors: dict[str, torch.Tensor]) -> int:
 class StageJob:
     """One accepted stage of one job on this worker."""
 
-    def __init__(self, args: dict[str, Any], lease_s: float):
-        self.job: str = args["job"]
-        self.stage: int = int(args["stage"])  # global id of this stage among all pipelines of the job
-        self.pos: int = int(args.get("pos", args["stage"]))  # position in its pipeline
-        self.num_stages: int = int(args["num_stages"])  # stages in its pipeline
-        self.prev_stage: int = int(args.get("prev_stage", self.stage - 1))
-        self.next_stage: int = int(args.get("next_stage", self.stage + 1))
-        self.replica: int = int(args.get("replica", 0))
-        self.driver: str = args["driver"]
-        self.prev: str = args.get("prev") or ""
-        self.next: str = args.get("next") or ""
-        self.description: dict[str, Any] = args["description"]
-        self.param_specs: dict[str, dict[str, Any]] = args["param_specs"]
-        self.recv_specs: dict[str, dict[str, Any]] = args.get("recv_specs") or {}
-        self.send_specs: dict[str, dict[str, Any]] = args.get("send_specs") or {}
+    def __init__(self, a: jp.StageAssignment, need_bytes: int, lease_s: float):
+        self.job: str = a.job
+        self.stage: int = a.stage  # global id of this stage among all pipelines of the job
+        self.pos: int = a.position  # position in its pipeline
+        self.num_stages: int = a.num_stages  # stages in its pipeline
+        self.prev_stage: int = a.stage - 1 if a.prev_stage is None else a.prev_stage
+        self.next_stage: int = a.stage + 1 if a.next_stage is None else a.next_stage
+        self.replica: int = a.replica
+        self.driver: str = a.driver
+        self.prev: str = a.prev
+        self.next: str = a.next
+        self.description: dict[str, Any] = a.description
+        self.param_specs: dict[str, dict[str, Any]] = a.param_specs
+        self.recv_specs: dict[str, dict[str, Any]] = a.recv_specs
+        self.send_specs: dict[str, dict[str, Any]] = a.send_specs
         self.send_names: list[str] = list(self.send_specs)
-        self.shared_names: set[str] = set(args.get("shared_names") or [])
-        self.args_frozen: list[str] = list(args.get("frozen") or [])  # parameters a LoRA job does not train
-        self.spec: dict[str, Any] = args["spec"]
-        opts = LinkOptions.from_dict(args.get("link_options"))
+        self.shared_names: set[str] = set(a.shared_names)
+        self.args_frozen: list[str] = list(a.frozen)  # parameters a LoRA job does not train
+        self.spec: dict[str, Any] = a.spec
+        opts = LinkOptions.from_dict(a.link_options)
         compress = str(self.spec.get("compress") or "none")
-        self.fwd = LinkCompressor(
-            compress, opts, bandwidth_bps=args.get("bw_next")
-        )  # activations to the next stage
-        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=args.get("bw_prev"))  # their gradients back
-        self.need_bytes: int = int(args.get("need_bytes", 0))
-        self.flops_per_sample: float = float(
-            args.get("flops_per_sample") or 0.0
-        )  # forward, for --debug pacing
-        # offload: {"hosts": {param name: host peer id}, "host_index": {name: i}, "contributor": key, "samples": n}
-        self.offload: dict[str, Any] | None = args.get("offload")
+        self.fwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_next)  # activations to the next stage
+        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_prev)  # their gradients back
+        self.need_bytes: int = need_bytes
+        self.flops_per_sample: float = a.flops_per_sample  # forward, for --debug pacing
+        # offload: where the parameters live and this stage's contributor key at their hosts
+        self.offload: jp.Offload | None = a.offload_plan
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None
         self.step_task_step = -1  # the step step_task runs (or ran last)
@@ -187,6 +131,7 @@ class WorkerService:
         can_host: bool = True,
         state_dir: Any = None,
         on_jobs_changed: Callable[[list[str]], None] | None = None,
+        hook: ComputeHook | None = None,
     ):
         self.t = transport
         self.capacity_bytes = capacity_bytes
@@ -197,24 +142,22 @@ class WorkerService:
         self.jobs: dict[tuple[str, int], StageJob] = {}
         self.on_jobs_changed = on_jobs_changed
         self.draining = False
-        self.debug = os.environ.get(DEBUG_ENV) == "1"
-        self.slow_factor = 1.0  # debug: compute time multiplier
-        self.pace_tflops = 0.0  # debug: emulated device speed (0: off)
+        self.hook = hook  # tests and benchmarks only (runtime/hooks.py); None in production
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         for name, fn in {
-            "job.assign": self.rpc_assign,
-            "job.start": self.rpc_start,
-            "job.step": self.rpc_step,
-            "job.step_result": self.rpc_step_result,
-            "job.commit": self.rpc_commit,
-            "job.fetch": self.rpc_fetch,
-            "job.release": self.rpc_release,
-            "job.ping": self.rpc_ping,
-            "debug.slow": self.rpc_debug_slow,
+            Rpc.JOB_ASSIGN: self.rpc_assign,
+            Rpc.JOB_START: self.rpc_start,
+            Rpc.JOB_STEP: self.rpc_step,
+            Rpc.JOB_STEP_RESULT: self.rpc_step_result,
+            Rpc.JOB_COMMIT: self.rpc_commit,
+            Rpc.JOB_FETCH: self.rpc_fetch,
+            Rpc.JOB_RELEASE: self.rpc_release,
+            Rpc.JOB_PING: self.rpc_ping,
+            Rpc.DEBUG_SLOW: self.rpc_debug_slow,
         }.items():
-            transport.add_rpc(name, fn)
+            jp.serve(transport, name, fn)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -237,42 +180,22 @@ class WorkerService:
             if sj.pull_task is not None:
                 await asyncio.gather(sj.pull_task, return_exceptions=True)
 
-    async def rpc_ping(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_ping(self, req: jp.PingRequest, sender: str) -> jp.PingReply:
         """Liveness; with "job", also renews the leases of that job's stages its driver holds here
         (the driver's keep-alive while it waits on optimizer hosts or re-plans)."""
-        job = args.get("job")
+        job = req.job
         held = 0
         if job is not None:
             for sj in self.jobs.values():
                 if sj.job == job and sj.driver == sender:
                     sj.renew()
                     held += 1
-        return {"alive": True, "draining": self.draining, "jobs": len(self.jobs), "stages": held}
+        return jp.PingReply(alive=True, draining=self.draining, jobs=len(self.jobs), stages=held)
 
-    async def rpc_debug_slow(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        if sender != self.t.peer_id or not self.debug:
-            raise PeerError(f"debug.slow is local only and needs {DEBUG_ENV}=1")
-        self.slow_factor = max(1.0, float(args.get("factor", 1.0)))
-        return {"factor": self.slow_factor}
-
-    def _read_slow_factor(self) -> None:
-        if not self.debug or self.state_dir is None:
-            return
-        try:
-            with open(os.path.join(self.state_dir, DEBUG_SLOW_FILE), encoding="utf-8") as f:
-                self.slow_factor = max(1.0, float(f.read().strip() or 1.0))
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot read the debug slow-down factor: %s", exc)
-        try:
-            with open(os.path.join(self.state_dir, DEBUG_PACE_FILE), encoding="utf-8") as f:
-                pace = float(f.read().strip() or 0.0)
-            self.pace_tflops = pace if pace > 0 and math.isfinite(pace) else 0.0
-        except FileNotFoundError:
-            self.pace_tflops = 0.0
-        except (OSError, ValueError) as exc:
-            logger.warning("cannot read the debug device speed: %s", exc)
+    async def rpc_debug_slow(self, req: jp.DebugSlow, sender: str) -> jp.DebugSlow:
+        if sender != self.t.peer_id or self.hook is None:
+            raise JobError(ErrorCode.FORBIDDEN, f"{Rpc.DEBUG_SLOW} is local only and needs {DEBUG_ENV}=1")
+        return jp.DebugSlow(factor=self.hook.set_slow_factor(req.factor))
 
     def release_all(self) -> None:
         """Drops every stage this worker holds (the owner wants the device back); their drivers re-plan."""
@@ -307,13 +230,18 @@ class WorkerService:
             if self.on_jobs_changed:
                 self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
 
-    def _get(self, args: dict[str, Any], sender: str) -> StageJob:
-        key = (str(args.get("job")), int(args.get("stage", -1)))
+    def _get(self, req: Any, sender: str) -> StageJob:
+        key = (req.job, req.stage)
         sj = self.jobs.get(key)
         if sj is None:
-            raise PeerError(f"no stage {key[1]} of job {key[0]} here (lease expired or never assigned)")
+            raise JobError(
+                ErrorCode.NOT_HELD,
+                f"no stage {key[1]} of job {key[0]} here (lease expired or never assigned)",
+            )
         if sender != sj.driver:
-            raise PeerError(f"only the job's driver may control it (got a call from {sender[:12]}…)")
+            raise JobError(
+                ErrorCode.FORBIDDEN, f"only the job's driver may control it (got a call from {sender[:12]}…)"
+            )
         sj.renew()
         return sj
 
@@ -321,72 +249,70 @@ class WorkerService:
         return sum(sj.need_bytes for sj in self.jobs.values())
 
     # ---- RPCs ----------------------------------------------------------------------------------
-    async def rpc_assign(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_assign(self, a: jp.StageAssignment, sender: str) -> jp.AssignReply:
+        """Accepts a stage that fits (lease_s and need_bytes bounds: StageAssignment checks them)."""
         if not self.can_work:
-            raise PeerError("this peer does not offer the worker role")
+            raise JobError(ErrorCode.FORBIDDEN, "this peer does not offer the worker role")
         if self.draining:
-            raise PeerError("this peer is leaving")
-        if args.get("driver") != sender:
-            raise PeerError("an assignment must come from the job's driver")
-        key = (str(args["job"]), int(args["stage"]))
+            raise JobError(ErrorCode.LEAVING, "this peer is leaving")
+        if a.driver != sender:
+            raise JobError(ErrorCode.FORBIDDEN, "an assignment must come from the job's driver")
+        key = (a.job, a.stage)
         held = self.jobs.get(key)
         if held is not None and held.driver != sender:
-            raise PeerError(f"stage {key[1]} of job {key[0]} belongs to another driver")
-        need = self._need_bytes(args)
-        lease_s = float(args.get("lease_s", self.config.lease_s))
-        if not MIN_LEASE_S <= lease_s <= MAX_LEASE_S:  # NaN fails too
-            raise PeerError(f"lease_s must be in [{MIN_LEASE_S:g}, {MAX_LEASE_S:g}] seconds, got {lease_s!r}")
+            raise JobError(ErrorCode.FORBIDDEN, f"stage {key[1]} of job {key[0]} belongs to another driver")
+        need = self._need_bytes(a)
+        lease_s = self.config.lease_s if a.lease_s is None else a.lease_s
         mine = sum(1 for k, sj in self.jobs.items() if sj.driver == sender and k != key)
         if mine >= MAX_STAGES_PER_DRIVER:
-            raise PeerError(
-                f"this peer holds {mine} stages of that driver already (limit {MAX_STAGES_PER_DRIVER})"
+            raise JobError(
+                ErrorCode.NO_ROOM,
+                f"this peer holds {mine} stages of that driver already (limit {MAX_STAGES_PER_DRIVER})",
             )
         free = self.capacity_bytes - self.used_bytes() + (held.need_bytes if held is not None else 0)
         if need * MEMORY_OVERHEAD > free:
-            raise PeerError(
+            raise JobError(
+                ErrorCode.NO_ROOM,
                 f"stage needs about {need * MEMORY_OVERHEAD / 2**20:.0f} MiB but this peer offers "
-                f"{free / 2**20:.0f} MiB (capacity {self.capacity_bytes / 2**20:.0f} MiB)"
+                f"{free / 2**20:.0f} MiB (capacity {self.capacity_bytes / 2**20:.0f} MiB)",
             )
         if held is not None:
             self._drop(key)
-        sj = StageJob({**args, "need_bytes": need}, lease_s=lease_s)
+        sj = StageJob(a, need, lease_s=lease_s)
         self.jobs[key] = sj
-        peers = {sj.driver, sj.prev, sj.next, *((sj.offload or {}).get("hosts") or {}).values()}
+        peers = {sj.driver, sj.prev, sj.next, *(sj.offload.hosts.values() if sj.offload else ())}
         self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
         if self.on_jobs_changed:
             self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
-        return {"accepted": True, "free_bytes": free - need}
+        return jp.AssignReply(accepted=True, free_bytes=free - need)
 
     @staticmethod
-    def _need_bytes(args: dict[str, Any]) -> int:
+    def _need_bytes(a: jp.StageAssignment) -> int:
         """Bytes the stage will take here: the larger of what the driver declares and what the
         description's own parameters and buffers take (x2 with offload: values and gradients; x4
         with a local optimizer), checked before anything is allocated."""
-        from fusionnode.runtime.stage import state_bytes
-
-        declared = args.get("need_bytes", 0)
-        if not isinstance(declared, int) or isinstance(declared, bool) or declared < 0:
-            raise PeerError(f"need_bytes must be a non-negative integer, got {declared!r:.40}")
         try:
-            state = state_bytes(args["description"])
+            state = state_bytes(a.description)
         except (GraphError, TypeError, ValueError) as exc:
-            raise PeerError(f"invalid stage description: {exc}") from exc
-        return max(declared, state * (2 if args.get("offload") else 4))
+            raise JobError(ErrorCode.BAD_REQUEST, f"invalid stage description: {exc}") from exc
+        return max(a.need_bytes, state * (2 if a.offload else 4))
 
-    async def rpc_start(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        from fusionnode.runtime.stage import StageModule
-
-        sj = self._get(args, sender)
+    async def rpc_start(self, req: jp.StageRef, sender: str) -> jp.StartReply:
+        sj = self._get(req, sender)
         timeout = self.config.step_timeout_s
         params: dict[str, torch.Tensor] = {}
         for idx in range(len(sj.param_specs)):
             msg, src = await self.t.mailbox.get(
-                ("params", sj.job, -1, idx, sj.stage), timeout, sender=sj.driver
+                (TensorKind.PARAMS, sj.job, -1, idx, sj.stage), timeout, sender=sj.driver
             )
             sj.renew()
             params.update(decode_checked(msg, sj.param_specs, None, src))
         if set(params) != set(sj.param_specs):
-            raise PeerError(f"parameters missing: {sorted(set(sj.param_specs) - set(params))[:5]}")
+            raise JobError(
+                ErrorCode.BAD_TENSOR,
+                f"parameters missing: {sorted(set(sj.param_specs) - set(params))[:5]}",
+                sj.driver,
+            )
 
         def build() -> None:
             module = StageModule.from_description(sj.description, params, device=sj.device)
@@ -401,7 +327,7 @@ class WorkerService:
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
         if sj.offload:
             self._install_push_hooks(sj, asyncio.get_running_loop())
-        return {"ready": True, "params": len(sj.params)}
+        return jp.StartReply(ready=True, params=len(sj.params))
 
     def _install_push_hooks(self, sj: StageJob, loop: asyncio.AbstractEventLoop) -> None:
         """Pushes each parameter's gradient to its optimizer host the moment the last micro-batch's
@@ -428,11 +354,11 @@ class WorkerService:
             "step": sj.step_now + 1,
             "mb": -1,
             "stage": sj.stage,
-            "contributor": off["contributor"],
-            "samples": int(off["samples"]),
+            "contributor": off.contributor,
+            "samples": off.samples,
         }
-        msg = tensor_message("push", meta, {name: grad})
-        sj.push_tasks.append(asyncio.ensure_future(self._send_push(off["hosts"][name], msg)))
+        msg = tensor_message(TensorKind.PUSH, meta, {name: grad})
+        sj.push_tasks.append(asyncio.ensure_future(self._send_push(off.hosts[name], msg)))
 
     async def _send_push(self, host: str, msg: TensorMessage) -> int:
         """At most MAX_CONCURRENT_PUSHES pushes in flight (a host's per-peer stream limit)."""
@@ -446,27 +372,28 @@ class WorkerService:
         off = sj.offload
         by_host: dict[str, list[str]] = {}
         for name in sorted(sj.params):
-            by_host.setdefault(off["hosts"][name], []).append(name)
+            by_host.setdefault(off.hosts[name], []).append(name)
         timeout = self.config.step_timeout_s
 
-        async def one(host: str, names: list[str]) -> dict[str, torch.Tensor]:
-            res = await self.t.call(
-                host,
-                "opt.pull",
-                {"job": sj.job, "names": names, "tag": step, "stage": sj.stage},
-                timeout=timeout,
-                idempotent=True,  # a read: at worst its parameters arrive twice
-            )
-            hidx = off["host_index"][names[0]]
+        async def one(host: str, names: list[str], first: int) -> dict[str, torch.Tensor]:
+            req = jp.OptPull(job=sj.job, names=names, tag=step, stage=sj.stage, first=first)
+            # a read: at worst its parameters arrive twice
+            res = await jp.call(self.t, host, Rpc.OPT_PULL, req, timeout=timeout, idempotent=True)
             got: dict[str, torch.Tensor] = {}
-            for idx in range(int(res["count"])):
+            for idx in range(first, first + res.count):
                 msg, src = await self.t.mailbox.get(
-                    (f"pulled{hidx}", sj.job, step, idx, sj.stage), timeout, sender=host
+                    (TensorKind.PULLED, sj.job, step, idx, sj.stage), timeout, sender=host
                 )
                 got.update(decode_checked(msg, {n: sj.param_specs[n] for n in names}, None, src))
             return got
 
-        parts = await asyncio.gather(*(one(h, names) for h, names in by_host.items()))
+        firsts, first = [], 0
+        for names in by_host.values():  # each host numbers its messages from its own first index
+            firsts.append(first)
+            first += len(names)
+        parts = await asyncio.gather(
+            *(one(h, names, f) for (h, names), f in zip(by_host.items(), firsts, strict=True))
+        )
         values = {k: v for part in parts for k, v in part.items()}
 
         def install() -> None:
@@ -477,52 +404,47 @@ class WorkerService:
 
         await asyncio.get_running_loop().run_in_executor(self.executor, install)
 
-    async def rpc_release(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        sj = self._get(args, sender)
-        if args.get("abort"):
+    async def rpc_release(self, req: jp.ReleaseRequest, sender: str) -> jp.ReleaseReply:
+        sj = self._get(req, sender)
+        if req.abort:
             for task in (sj.step_task, sj.pull_task):
                 if task is not None and not task.done():
                     task.cancel()
         async with sj.busy:
             self._drop((sj.job, sj.stage))
-        return {"released": True}
+        return jp.ReleaseReply(released=True)
 
-    async def rpc_fetch(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_fetch(self, req: jp.FetchRequest, sender: str) -> jp.CountReply:
         """Sends this stage's parameters (what="params") or gradients (what="grads") to the driver."""
-        sj = self._get(args, sender)
-        what = args.get("what", "params")
+        sj = self._get(req, sender)
+        what = req.what
         names = sorted(sj.params)
         for idx, name in enumerate(names):
             p = sj.params[name]
             t = p.detach() if what == "params" else (p.grad if p.grad is not None else torch.zeros_like(p))
             meta = {"job": sj.job, "stage": sj.stage, "step": -1, "mb": idx}
-            await self.t.send(sj.driver, tensor_message(f"fetch_{what}", meta, {name: t}))
-        return {"count": len(names)}
+            await self.t.send(sj.driver, tensor_message(jp.FETCH_KIND[what], meta, {name: t}))
+        return jp.CountReply(count=len(names))
 
-    async def rpc_step(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        sj = self._get(args, sender)
+    async def rpc_step(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
+        sj = self._get(req, sender)
         if sj.module is None:
-            raise PeerError("stage not started")
+            raise JobError(ErrorCode.NOT_HELD, "stage not started")
         if self.draining:
-            raise PeerError(f"{LEAVING_MARK}: no new steps")
-        self._read_slow_factor()
+            raise JobError(ErrorCode.LEAVING, "this peer is leaving: no new steps")
+        if self.hook is not None:
+            self.hook.before_step()
         async with sj.busy:
             if sj.pull_task is not None:  # parameters prefetched since the last commit
                 task, sj.pull_task = sj.pull_task, None
                 await task
-            sj.step_now = int(args["step"])
-            sj.micro_batches_now = int(args["micro_batches"])
+            sj.step_now = req.step
+            sj.micro_batches_now = req.micro_batches
             sj.grad_counts = {}
             task = asyncio.ensure_future(
-                self._run_step(
-                    sj,
-                    int(args["step"]),
-                    int(args["micro_batches"]),
-                    int(args["mb_size"]),
-                    args.get("target_time_s"),
-                )
+                self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
             )
-            sj.step_task, sj.step_task_step = task, int(args["step"])
+            sj.step_task, sj.step_task_step = task, req.step
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
@@ -531,44 +453,50 @@ class WorkerService:
             finally:
                 sj.step_task = None
             if task.cancelled():
-                raise PeerError(f"step {args['step']} of stage {sj.stage} aborted by the driver")
-            sj.last_report = (int(args["step"]), task.result())
+                raise JobError(
+                    ErrorCode.ABORTED, f"step {req.step} of stage {sj.stage} aborted by the driver"
+                )
+            sj.last_report = (req.step, task.result())
             return sj.last_report[1]
 
-    async def rpc_step_result(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+    async def rpc_step_result(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
-        the step ran on): waits for the step if it is still running."""
-        sj = self._get(args, sender)
-        step = int(args["step"])
+        the step ran on): the transport re-sends the `job.step` request under this name; waits for
+        the step if it is still running."""
+        sj = self._get(req, sender)
+        step = req.step
         task = sj.step_task
         if task is not None and sj.step_task_step == step:
             await asyncio.wait({task})
             if task.cancelled():
-                raise PeerError(f"step {step} of stage {sj.stage} was aborted")
+                raise JobError(ErrorCode.ABORTED, f"step {step} of stage {sj.stage} was aborted")
             return task.result()
         if sj.last_report is not None and sj.last_report[0] == step:
             return sj.last_report[1]
-        raise PeerError(f"stage {sj.stage} has no report of step {step}")
+        raise JobError(ErrorCode.NO_REPORT, f"stage {sj.stage} has no report of step {step}")
 
-    async def rpc_commit(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
-        sj = self._get(args, sender)
-        step = int(args["step"])
+    async def rpc_commit(self, req: jp.CommitRequest, sender: str) -> jp.CommitReply:
+        sj = self._get(req, sender)
+        step = req.step
         if sj.last_step >= step:  # a retried commit whose first reply was lost: applied (or pulling) already
-            return {"applied": step, "again": True}
+            return jp.CommitReply(applied=step, again=True)
         if sj.offload:
             # the hosts applied the step: prefetch the new parameters while the driver prepares the next one
             sj.pull_task = asyncio.ensure_future(self._pull(sj, step))
             sj.last_step = step
-            return {"applied": step, "prefetching": True}
+            return jp.CommitReply(applied=step, prefetching=True)
         shared = sorted(sj.shared_names & set(sj.params))
         summed: dict[str, torch.Tensor] = {}
         if shared:
             msg, src = await self.t.mailbox.get(
-                ("shared_sum", sj.job, step, -1, sj.stage), self.config.step_timeout_s, sender=sj.driver
+                (TensorKind.SHARED_SUM, sj.job, step, -1, sj.stage),
+                self.config.step_timeout_s,
+                sender=sj.driver,
             )
             summed = decode_checked(msg, {n: sj.param_specs[n] for n in shared}, None, src)
-        lr = float(args["lr"])
-        clip = float(args.get("clip_coef", 1.0))
+        if req.lr is None:
+            raise JobError(ErrorCode.BAD_REQUEST, "a commit with a local optimizer needs lr")
+        lr, clip = req.lr, req.clip_coef
 
         def apply() -> None:
             with torch.no_grad():
@@ -583,26 +511,19 @@ class WorkerService:
         async with sj.busy:
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
             sj.last_step = step
-        return {"applied": step}
+        return jp.CommitReply(applied=step)
 
-    async def _debug_delay(self, compute_s: float, flops: float = 0.0) -> None:
-        """Debug: stretch a compute of `compute_s` seconds by the slow-down factor, and to at least
-        `flops` at the emulated device speed."""
-        extra = (self.slow_factor - 1.0) * compute_s if self.slow_factor > 1.0 else 0.0
-        if self.pace_tflops > 0 and flops > 0:
-            extra = max(extra, flops / (self.pace_tflops * 1e12) - compute_s)
-        if extra > 0:
-            await asyncio.sleep(extra)
+    async def _hook_delay(self, compute_s: float, flops: float = 0.0) -> None:
+        if self.hook is not None:
+            await self.hook.after_compute(compute_s, flops)
 
     # ---- the pipeline schedule -----------------------------------------------------------------
     async def _run_step(
         self, sj: StageJob, step: int, m: int, mb_size: int, target_time_s: float | None
-    ) -> dict[str, Any]:
+    ) -> jp.StepReport:
         loop = asyncio.get_running_loop()
         timeout = self.config.step_timeout_s
         module = sj.module
-        input_names = set(module.input_names)
-        saved: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         losses: list[float] = []
         compute_s = wait_s = 0.0
         sends: list[asyncio.Task] = []
@@ -622,7 +543,9 @@ class WorkerService:
             if send_failed:
                 raise PeerError(f"step {step} of stage {sj.stage}: {send_failed[0]}")
             t0 = time.perf_counter()
-            planned = {"act": sj.prev, "grad": sj.next}.get(kind, sj.driver)  # input, target: the driver
+            planned = {TensorKind.ACT: sj.prev, TensorKind.GRAD: sj.next}.get(
+                kind, sj.driver
+            )  # input, target
             out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout, sender=planned)
             wait_s += time.perf_counter() - t0
             return out
@@ -641,107 +564,78 @@ class WorkerService:
             task.add_done_callback(check_sent)
             sends.append(task)
 
+        # the tested executor (runtime/stage.py) keeps each micro-batch's graph between its passes
+        ops = list(schedule(DEFAULT_SCHEDULE, sj.num_stages, sj.pos, m))
+        runner = StageRunner(
+            module,
+            max_in_flight=max(1, peak_in_flight(DEFAULT_SCHEDULE, sj.num_stages, sj.pos, m)),
+            passthrough=sj.send_names,
+            autocast=sj.autocast,
+            zero_unused_grads=False,  # an input without a gradient is not sent back
+        )
+        rows: dict[int, int] = {}  # samples of each micro-batch in flight (for the pace hook)
+
         async def forward(mb: int) -> None:
             nonlocal compute_s
             if sj.is_first:
-                msg, src = await receive("input", mb)
+                msg, src = await receive(TensorKind.INPUT, mb)
                 recv = decode_checked(msg, sj.recv_specs, mb_size, src)
             else:
-                msg, src = await receive("act", mb)
+                msg, src = await receive(TensorKind.ACT, mb)
                 recv = decode_checked(msg, sj.recv_specs, mb_size, src)
             target = None
             if sj.is_last:
-                tmsg, tsrc = await receive("target", mb)
+                tmsg, tsrc = await receive(TensorKind.TARGET, mb)
                 target = decode_checked(tmsg, None, None, tsrc)["target"]
 
-            def run() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], float | None]:
-                leaves = {}
-                for name, t in recv.items():
-                    t = t.to(sj.device)
-                    if t.is_floating_point():
-                        t.requires_grad_(True)
-                    leaves[name] = t
-                ctx = (
-                    torch.autocast("cuda", dtype=torch.bfloat16) if sj.autocast else contextlib.nullcontext()
-                )
-                with ctx:
-                    outs = module({n: leaves[n] for n in module.input_names})
-                loss_val = None
-                if sj.is_last:
-                    logits = next(iter(outs.values())) if len(outs) == 1 else outs[module.output_names[0]]
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1).to(logits.device)
-                    )
-                    loss_val = float(loss.detach())
-                    outs = {"__loss__": loss / m}
-                else:
-                    # tensors that only pass through this stage go on unchanged (their grads come back too)
-                    for name in sj.send_names:
-                        if name not in outs and name in leaves:
-                            outs[name] = leaves[name]
-                return leaves, outs, loss_val
+            def run() -> tuple[dict[str, torch.Tensor], float | None]:
+                if target is not None:
+                    return {}, runner.forward_loss(mb, recv, target, loss_scale=1.0 / m)
+                return runner.forward(mb, recv), None
 
             t0 = time.perf_counter()
-            leaves, outs, loss_val = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0, sj.flops_per_sample * mb_rows(recv))
+            outs, loss_val = await loop.run_in_executor(self.executor, run)
+            await self._hook_delay(time.perf_counter() - t0, sj.flops_per_sample * mb_rows(recv))
             compute_s += time.perf_counter() - t0
-            saved[mb] = (leaves, outs)
+            rows[mb] = mb_rows(recv)
             if loss_val is not None:
                 losses.append(loss_val)
             if not sj.is_last:
-                send(sj.next, "act", mb, sj.next_stage, {n: outs[n] for n in sj.send_names}, sj.fwd)
+                send(sj.next, TensorKind.ACT, mb, sj.next_stage, {n: outs[n] for n in sj.send_names}, sj.fwd)
 
         async def backward(mb: int) -> None:
             nonlocal compute_s
-            leaves, outs = saved.pop(mb)
             grads: dict[str, torch.Tensor] = {}
             if not sj.is_last:
-                msg, src = await receive("grad", mb)
+                msg, src = await receive(TensorKind.GRAD, mb)
                 specs = {n: sj.send_specs[n] for n in msg.tensors if n in sj.send_specs}
                 if len(specs) != len(msg.tensors):
-                    raise PeerError(f"peer {src[:12]}… sent gradients for tensors this stage did not send")
+                    raise JobError(
+                        ErrorCode.BAD_TENSOR,
+                        f"peer {src[:12]}… sent gradients for tensors this stage did not send",
+                        src,
+                    )
                 grads = decode_checked(msg, specs, mb_size, src)
 
             def run() -> dict[str, torch.Tensor]:
-                if sj.is_last:
-                    outs["__loss__"].backward()
-                else:
-                    pairs = [
-                        (outs[n], g.to(device=outs[n].device, dtype=outs[n].dtype))
-                        for n, g in grads.items()
-                        if outs[n].requires_grad
-                    ]
-                    if pairs:
-                        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-                return {
-                    n: t.grad
-                    for n, t in leaves.items()
-                    if n in input_names or n in sj.send_names
-                    if t.grad is not None
-                }
+                return runner.backward_loss(mb) if sj.is_last else runner.backward(mb, grads)
 
             t0 = time.perf_counter()
             in_grads = await loop.run_in_executor(self.executor, run)
-            await self._debug_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * mb_rows(leaves))
+            await self._hook_delay(time.perf_counter() - t0, 2.0 * sj.flops_per_sample * rows.pop(mb, 0))
             compute_s += time.perf_counter() - t0
             if not sj.is_first:  # even with no gradient (only integer tensors came in): the previous
                 # stage waits for this message to finish its backward
-                send(sj.prev, "grad", mb, sj.prev_stage, in_grads, sj.bwd)
+                send(sj.prev, TensorKind.GRAD, mb, sj.prev_stage, in_grads, sj.bwd)
 
-        # 1F1B: warm up with forwards, then alternate, then drain the backwards
-        warmup = min(sj.num_stages - sj.pos - 1, m)
-        f = b = 0
-        for _ in range(warmup):
-            await forward(f)
-            f += 1
-        while f < m:
-            await forward(f)
-            f += 1
-            await backward(b)
-            b += 1
-        while b < m:
-            await backward(b)
-            b += 1
+        f = b = 0  # passes done so far (the links' target time is per pass)
+        for op in ops:
+            if op.kind == FORWARD:
+                await forward(op.mb)
+                f += 1
+            else:
+                await backward(op.mb)
+                b += 1
         sent_bytes = sum(await asyncio.gather(*sends))
         optimizer_bytes = 0  # gradient bytes pushed to the optimizer hosts
         if sj.offload:
@@ -764,7 +658,9 @@ class WorkerService:
             }
             sent_bytes += await self.t.send(
                 sj.driver,
-                tensor_message("shared_grad", {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g),
+                tensor_message(
+                    TensorKind.SHARED_GRAD, {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g
+                ),
             )
         sq = FlatOptimizer.grad_sq_norm(
             {
@@ -773,18 +669,18 @@ class WorkerService:
                 if n not in sj.shared_names and p.grad is not None
             }
         )
-        return {
-            "step": step,
-            "stage": sj.stage,
-            "losses": losses,
-            "compute_s": compute_s,
-            "wait_s": wait_s,
-            "total_s": time.perf_counter() - t_start,
-            "sent_bytes": sent_bytes,
-            "optimizer_bytes": optimizer_bytes,
-            "grad_sq": sq,
-            "links": {"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
-        }
+        return jp.StepReport(
+            step=step,
+            stage=sj.stage,
+            losses=losses,
+            compute_s=compute_s,
+            wait_s=wait_s,
+            total_s=time.perf_counter() - t_start,
+            sent_bytes=sent_bytes,
+            optimizer_bytes=optimizer_bytes,
+            grad_sq=float(sq),
+            links={"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
+        )
 
 
 def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> Any:

@@ -23,8 +23,6 @@ DEFAULT_RPC_BURST_PER_PEER = 1000  # RPC calls allowed in a burst
 DEFAULT_INFLIGHT_WAIT_S = 30.0  # seconds a frame waits for its peer's byte budget before refusal
 
 # Job-level caps (any peer may act as a driver: these bound what one driver can make a node hold)
-MAX_LEASE_S = 600.0  # seconds: longest lease a driver may ask a worker to hold a stage without renewal
-MIN_LEASE_S = 1.0  # seconds: shortest lease
 MAX_STAGES_PER_DRIVER = 64  # stages one driver may hold on one worker at once
 MAX_SHARDS_PER_DRIVER = 16  # optimizer shards (jobs) one driver may hold on one host at once
 MAILBOX_SLACK_BYTES = 256 << 20  # bytes a job's peer may have waiting in our mailbox beyond the state
@@ -107,7 +105,7 @@ class PeerLimiter:
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self.inflight[peer] += nbytes
 

@@ -64,7 +64,7 @@ class MembershipConfig:
 async def _await_mp(future, timeout: float, what: str):
     try:
         return await asyncio.wait_for(future, timeout)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         future.cancel()
         raise DeadlineError(f"DHT {what} took over {timeout} s") from exc
 

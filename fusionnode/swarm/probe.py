@@ -129,7 +129,7 @@ class LinkProber:
                     await asyncio.wait_for(self._serve_one(head, reader, writer), SERVE_TIMEOUT)
                 finally:
                     self._serving_peers.discard(peer)
-        except (ProtocolError, asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ProtocolError, asyncio.IncompleteReadError, ConnectionError) as exc:
             logger.debug("probe from %s ended: %r", peer, exc)
         finally:
             writer.close()
@@ -160,7 +160,7 @@ class LinkProber:
         pid = peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(peer_id)
         try:
             m = await asyncio.wait_for(self._probe(pid), self.config.timeout_s)
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise DeadlineError(f"link probe to {pid} took over {self.config.timeout_s} s") from exc
         self._results[pid.to_base58()] = m
         return m

@@ -27,6 +27,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from fusionnode.errors import ProtocolError
 from fusionnode.swarm.identity import peer_id_from_public_key
 from fusionnode.swarm.profile import DeviceProfile
+from fusionnode.wire.frames import PROTOCOL_MAJOR
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ PEERS_FIELD = "peers"
 PEERS_KEY = f"{RECORD_KEY_PREFIX}_{PEERS_FIELD}"  # the DHT key of the membership dictionary
 PEERS_KEY_ID = DHTID.generate(source=PEERS_KEY).to_bytes()
 
-WIRE_PROTOCOL_MAJOR = 1  # default protocol_version advertised; the daemon passes the real one
+WIRE_PROTOCOL_MAJOR = PROTOCOL_MAJOR  # the protocol_version a peer advertises: the wire major it speaks
 
 MAX_RECORD_TTL = 300.0  # seconds: a peer record may not expire further ahead than this
 MAX_ANY_TTL = 7 * 86400.0  # seconds: cap for every other key in the DHT

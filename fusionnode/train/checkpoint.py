@@ -12,15 +12,21 @@ A checkpoint is written into a temporary directory, every file and the directory
 and only then is it renamed to `step-XXXXXXXX`; so a `step-*` directory is complete unless
 the disk corrupts it, which the manifest's hashes catch. `load_checkpoint` returns the newest
 checkpoint that verifies and skips the rest with a warning.
+
+The driver's side (at the end): when a job is checkpointed (`save_at`), what it writes
+(`save_job`: every state-dict name, the job secret), how a resume reads it back (`read_resume`,
+`load_resume`), and the job secret that proves the driver owns its optimizer shards (`job_secret`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import time
 import uuid
@@ -290,3 +296,64 @@ def load_checkpoint(directory: str | Path) -> Checkpoint | None:
         except CheckpointError as exc:
             logger.warning("skipping checkpoint: %s", exc)
     return None
+
+
+# ---- the driver's side -------------------------------------------------------------------------
+JOB_SECRET_FILE = "job_secret.key"  # in the driver's state dir: 32 random bytes, job secrets derive from it
+
+
+def save_at(spec: Any, step: int) -> bool:
+    """Whether the job is checkpointed after `step` steps (every save_every, and the last)."""
+    return bool(spec.save_dir) and (
+        step == spec.steps or bool(spec.save_every and step % spec.save_every == 0)
+    )
+
+
+def save_job(job: Any, step: int, source: Any, params: Mapping[str, torch.Tensor]) -> str:
+    """Saves every state-dict name of a job's model (tied weights under each of their names, stored
+    once), so the checkpoint loads strictly into the model (`fusionnode generate`, `export`), with
+    the job secret and the data source's state."""
+    full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
+    path = save_checkpoint(
+        job.spec.save_dir, step, full, {"job_secret": job.secret}, source.state(step), job.spec
+    )
+    return str(path)
+
+
+def read_resume(spec: Any) -> Checkpoint:
+    """The driver's checkpoint in the job's --save directory (ConfigError without one)."""
+    if not spec.save_dir:
+        raise ConfigError("--resume needs the checkpoint directory (--save)")
+    ckpt = load_checkpoint(spec.save_dir)
+    if ckpt is None:
+        raise ConfigError(f"--resume: no complete checkpoint in {spec.save_dir}")
+    return ckpt
+
+
+def load_resume(
+    ckpt: Checkpoint, source: Any, full: Mapping[str, torch.Tensor]
+) -> tuple[int, dict[str, torch.Tensor], str | None]:
+    """(step, parameters, job secret) of the driver's checkpoint."""
+    step = source.check_state(ckpt.data_state)
+    secret = (ckpt.optimizer_state or {}).get("job_secret")
+    return (
+        step,
+        {name: ckpt.params[name].float() for name in full},
+        secret if isinstance(secret, str) else None,
+    )
+
+
+def job_secret(state_dir: str | Path, job_id: str) -> str:
+    """The secret that proves a driver owns a job's optimizer shards: derived from a random key in the
+    driver's state directory (so a rerun of the same job uses the same shard directory), written
+    into every checkpoint of the job (so a resume elsewhere proves it too)."""
+    path = Path(state_dir) / JOB_SECRET_FILE
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        key = secrets.token_bytes(32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+    return hmac.new(key, job_id.encode(), hashlib.sha256).hexdigest()[:32]

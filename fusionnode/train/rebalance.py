@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fusionnode.runtime.transport import UNANSWERED
+from fusionnode.wire.job import ErrorCode, Failure
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +32,6 @@ DEFAULT_MIN_GAIN = 0.25  # relative step-time improvement below which a re-plan 
 DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
 DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
 MAX_BAN_S = 600.0  # seconds: the longest ban
-LEAVING_MARK = "this peer is leaving"  # text of a worker's refusal while it drains
-TRANSIENT_MARK = UNANSWERED  # a live peer closed a call (a stream reset, its per-peer limits): not a failure
 
 
 @dataclass(frozen=True)
@@ -270,33 +267,35 @@ class Bans:
         return [p for p in peers if not self.banned(p, now)]
 
 
-_PEER_IN_ERROR = re.compile(r"peer (\w{6,12})… sent")  # a receiver naming who sent it bad tensors
+def blame(
+    errors: Mapping[str, Sequence[Failure]], peers: Sequence[str], unreachable: Iterable[str] = ()
+) -> dict[str, str]:
+    """Which peers to treat as failed after a step went wrong, and why: by error code and peer id.
 
-
-def blame(errors: Mapping[str, str], peers: Sequence[str], unreachable: Iterable[str] = ()) -> dict[str, str]:
-    """Which peers to treat as failed after a step went wrong, and why.
-
-    `errors`: peer -> error text of the calls to it that failed; `unreachable`: peers that did not
-    answer a liveness probe. A peer that said it is leaving is marked "leave" (also once it is
-    gone); other unreachable peers are failed; otherwise a peer that another peer's error names (it sent wrong shapes or non-finite
-    values, or its messages never came) is failed; if nobody is named, the peers whose calls failed,
-    except calls a live peer closed unanswered (its rate or stream limits: transient, nobody is
-    blamed and the step is simply replayed).
+    `errors`: peer -> the failures of the calls to it (wire/job.py `Failure`: code, peer to blame);
+    `unreachable`: peers that did not answer a liveness probe. A peer whose refusal has the code
+    `leaving` is marked "leave" (also once it is gone); other unreachable peers are failed;
+    otherwise a peer of the plan that a failure blames (it sent wrong shapes or non-finite values:
+    `bad_tensor`) is failed; if nobody is blamed, the peers whose calls failed, except calls a live
+    peer closed unanswered (`unanswered`: its rate or stream limits, transient; nobody is blamed and
+    the step is simply replayed).
     Returns {peer: "failure" | "leave"}.
     """
-    out: dict[str, str] = {p: "leave" for p, text in errors.items() if LEAVING_MARK in text}
+    out: dict[str, str] = {
+        p: "leave" for p, fs in errors.items() if any(f.code == ErrorCode.LEAVING for f in fs)
+    }
     for p in unreachable:
         out.setdefault(p, "failure")  # a peer that said it is leaving may be gone already: still a leave
     if out:
         return out
-    errors = {p: t for p, t in errors.items() if TRANSIENT_MARK not in t}
+    errors = {p: fs for p, fs in errors.items() if any(f.code != ErrorCode.UNANSWERED for f in fs)}
     if not errors:  # every failed call was refused by a live peer's limits: retry, blame nobody
         return {}
-    for text in errors.values():
-        for prefix in _PEER_IN_ERROR.findall(text):
-            for p in peers:
-                if p.startswith(prefix):
-                    out[p] = "failure"
+    known = set(peers)
+    for fs in errors.values():
+        for f in fs:
+            if f.blame in known:
+                out[f.blame] = "failure"
     if not out:
         out = {p: "failure" for p in errors}
     return out

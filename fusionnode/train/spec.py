@@ -16,6 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.optimizers import (  # noqa: F401  (the trainers' optimizer constants live with the math)
+    ADAMW_BETAS,
+    ADAMW_EPS,
+    SGD_MOMENTUM,
+    decays_by_shape,
+    warmup_cosine_lr,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +38,6 @@ DEFAULT_WEIGHT_DECAY = 0.1  # decoupled (AdamW) / L2 (SGD); applied to tensors w
 DEFAULT_GRAD_CLIP = 1.0  # global L2 norm
 DEFAULT_SAVE_EVERY = 100  # steps between checkpoints (0 = only at the end)
 
-ADAMW_BETAS = (0.9, 0.95)
-ADAMW_EPS = 1e-8
-SGD_MOMENTUM = 0.9
 
 DEFAULT_TEXT_FIELD = "text"
 # fields added after job ids were first derived: left out of the id while at their default, so the
@@ -212,27 +216,22 @@ def trajectory_mismatch(a: JobSpec, b: JobSpec) -> list[str]:
 
 
 def lr_at(step: int, spec: JobSpec) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to min_lr.
+    """Learning rate for optimizer step `step` (0-based: the rate of the (step+1)-th update).
 
-    Warmup: lr * (step + 1) / warmup_steps for step < warmup_steps. Then a half cosine from lr
-    at step == warmup_steps to lr * min_lr_ratio at step == steps - 1; min_lr beyond that.
+    The one schedule (`fusionnode.optim.optimizers.warmup_cosine_lr`, whose steps count from 1)
+    with the trainers' shape: lr * (step + 1) / warmup_steps for step < warmup_steps, lr at
+    step == warmup_steps (one step held at the peak), then a half cosine down to
+    lr * min_lr_ratio at step == steps - 1; min_lr beyond that.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    min_lr = spec.lr * spec.min_lr_ratio
-    decay_steps = spec.steps - 1 - spec.warmup_steps
-    if decay_steps <= 0:
-        return spec.lr if step < spec.steps else min_lr
-    progress = min(1.0, (step - spec.warmup_steps) / decay_steps)
-    return min_lr + 0.5 * (spec.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine_lr(step + 1, spec.lr, spec.warmup_steps, spec.steps, spec.min_lr_ratio, hold_steps=1)
 
 
 def weight_decay_for(name: str, ndim: int, spec: JobSpec) -> float:
     """Weight decay for one parameter: matrices (embeddings, linear weights) decay; biases and norms do not."""
     del name  # the rule is by shape; the name is accepted so that callers can log it
-    return spec.weight_decay if ndim >= 2 else 0.0
+    return spec.weight_decay if decays_by_shape(ndim) else 0.0
 
 
 def resolve_seq_len(spec: JobSpec) -> int:

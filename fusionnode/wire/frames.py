@@ -22,7 +22,7 @@ import struct
 from fusionnode.errors import ProtocolError, VersionMismatchError
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
 
-PROTOCOL_MAJOR = 1  # frames of another major version are refused
+PROTOCOL_MAJOR = 2  # frames of another major version are refused (2: the typed job protocol, wire/job.py)
 PROTOCOL_MINOR = 0  # minor versions only add optional fields, types and flags a peer must opt into
 
 MAGIC = b"FNWP"

@@ -87,8 +87,8 @@ class Reply:
 class TensorMessage:
     """Named tensors with metadata: activations, gradients, parameters.
 
-    `kind` says what they are ("activation", "gradient", "params", ...); `meta` carries job id, step,
-    micro-batch, stage, plan version, ...; `tensors` maps a name to its encoded form.
+    `kind` says what they are (a training job's kinds: `wire.job.TensorKind`); `meta` carries job id,
+    step, micro-batch, stage, ...; `tensors` maps a name to its encoded form.
     """
 
     TYPE: ClassVar[int] = 4

@@ -64,7 +64,7 @@ async def read_message(
         return await _read_frame(reader, limits, admit)
     try:
         return await asyncio.wait_for(_read_frame(reader, limits, admit), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise DeadlineError(f"no complete frame within {timeout} s") from None
 
 

@@ -111,7 +111,12 @@ def build_vectors() -> dict[str, dict[str, Any]]:
             "Reply (type 3) with a result", Reply(ok=True, result={"pong": 1, "t": 1.5})
         ),
         "message_reply_error": _message(
-            "Reply (type 3) with an error", Reply(ok=False, result={}, error="no such method")
+            "Reply (type 3) with an error: the job protocol's code and the peer to blame in result (13.3)",
+            Reply(
+                ok=False,
+                result={"code": "bad_tensor", "blame": "12D3KooWExamplePeer"},
+                error="JobError: peer 12D3KooWExam… sent non-finite values in 'h' ('act')",
+            ),
         ),
         "message_tensors": _message(
             "TensorMessage (type 4): an activation with two tensors (raw, fp16); payloads 8-byte aligned",

@@ -1,6 +1,8 @@
-"""Compression on a pipeline link: what codec each tensor crossing it gets.
+"""The link compressor: what codec each tensor crossing a pipeline link gets (the only one).
 
-One `LinkCompressor` per (stage, direction): activations to the next stage,
+The runtime's workers and the in-process AdaTopK benchmark (`CompressionBoundary` in
+compress/boundary.py, `fusionnode bench adatopk`) both encode with it. One `LinkCompressor`
+per (stage, direction): activations to the next stage,
 activation gradients to the previous one. The job's ``--compress`` setting picks
 the behaviour: ``none`` (raw), ``fp16``, ``topk:R`` (a fixed keep ratio), or
 ``adatopk`` (the ratio follows the link: dense while the link keeps up with the
@@ -25,15 +27,18 @@ import torch
 import fusionnode.compress.quant  # noqa: F401  (registers "q8" and "q4")
 from fusionnode.compress.feedback import ErrorFeedback
 from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
+from fusionnode.compress.topk import MODES, VALUE_DTYPES
 from fusionnode.errors import ConfigError
 from fusionnode.wire.codec_api import EncodedTensor
+from fusionnode.wire.job import TensorKind
 from fusionnode.wire.tensors import decode_tensor, encode_tensor
 
 MIN_SPARSE_NUMEL = 4096  # tensors smaller than this always go dense (indices would cost more than they save)
 DENSE_ABOVE = 0.98  # a keep ratio above this is sent dense: top-k would save next to nothing
 MIN_OBSERVED_BYTES = 256 << 10  # smaller sends fit in socket buffers and token-bucket bursts: not timed
 DEFAULT_LATENCY_S = 0.0  # seconds, when nothing better is known
-GRAD_KEY = "grad"  # message key of activation gradients (the backward direction)
+ACT_KEY = TensorKind.ACT  # message key of activations (the forward direction)
+GRAD_KEY = TensorKind.GRAD  # message key of activation gradients (the backward direction)
 GRAD_CODECS = ("q8", "q4", "topk")  # what a compressing link does to gradients
 WARMUP_CODECS = ("q8", "q4", "raw")  # what warm-up steps of a compressing link send
 
@@ -49,6 +54,22 @@ class LinkOptions:
     grad_codec: str = "q8"  # gradients ("grad" messages) on a compressing link: "q8", "q4" or "topk"
     stochastic: bool = True  # q8/q4: seeded stochastic (unbiased) rounding instead of nearest
     warmup_codec: str = "q8"  # warm-up steps on a compressing link send this both ways: "q8", "q4" or "raw"
+    center_gradients: bool = False  # with `center`: gradients centered too (an experiment's knob)
+    min_sparse_numel: int = MIN_SPARSE_NUMEL  # smaller tensors go dense (fp16 on a compressing link)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ConfigError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}")
+        if self.grad_codec not in GRAD_CODECS:
+            raise ConfigError(f"grad_codec must be one of {GRAD_CODECS}, got {self.grad_codec!r}")
+        if self.warmup_codec not in WARMUP_CODECS:
+            raise ConfigError(f"warmup_codec must be one of {WARMUP_CODECS}, got {self.warmup_codec!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if not isinstance(self.min_sparse_numel, int) or self.min_sparse_numel < 0:
+            raise ConfigError(f"min_sparse_numel must be an integer >= 0, got {self.min_sparse_numel!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> LinkOptions:
@@ -58,6 +79,8 @@ class LinkOptions:
 
 
 class LinkCompressor:
+    """One direction of one link: picks each step's keep ratio and encodes each message."""
+
     def __init__(
         self,
         spec: str | CompressSpec,
@@ -71,12 +94,6 @@ class LinkCompressor:
         self.policy = AdaTopKPolicy(k_min=self.options.k_min, value_dtype=self.options.value_dtype)
         self.probed_bps = bandwidth_bps
         self.latency_s = latency_s
-        if self.options.grad_codec not in GRAD_CODECS:
-            raise ConfigError(f"grad_codec must be one of {GRAD_CODECS}, got {self.options.grad_codec!r}")
-        if self.options.warmup_codec not in WARMUP_CODECS:
-            raise ConfigError(
-                f"warmup_codec must be one of {WARMUP_CODECS}, got {self.options.warmup_codec!r}"
-            )
         self.feedback = ErrorFeedback() if self.options.error_feedback else None
         self._sends = 0  # stochastic-rounding seed counter
         self.dense_bytes = 0
@@ -120,6 +137,7 @@ class LinkCompressor:
         """Encodes one message's tensors; `key` names the message slot ("act" or "grad")."""
         floating = [t for t in tensors.values() if t.is_floating_point()]
         dense = sum(t.numel() * t.element_size() for t in floating)
+        self._shape_policy(floating, key)
         warm = step < self.options.warmup_steps
         link_ratio = self._link_ratio(dense, target_time_s)
         ratio = 1.0 if warm else link_ratio
@@ -135,9 +153,13 @@ class LinkCompressor:
                 enc = self._quantize(t, self.options.warmup_codec)
             elif ratio < 1.0 and key == GRAD_KEY and self.options.grad_codec != "topk":
                 enc = self._quantize(t, self.options.grad_codec)
-            elif ratio < 1.0 and t.numel() >= MIN_SPARSE_NUMEL:
+            elif ratio < 1.0 and t.numel() >= self.options.min_sparse_numel:
                 mode = self.options.mode if t.dim() >= 2 else "global"
-                center = self.options.center and key != GRAD_KEY and t.dim() >= 1
+                center = (
+                    self.options.center
+                    and (key != GRAD_KEY or self.options.center_gradients)
+                    and t.dim() >= 1
+                )
                 send = t
                 if self.feedback is not None:
                     send = self.feedback.compensate(f"{key}/{name}", t)
@@ -154,6 +176,17 @@ class LinkCompressor:
             self.wire_bytes += len(enc.data)
             out[name] = enc
         return out
+
+    def _shape_policy(self, floating: list[torch.Tensor], key: str) -> None:
+        """Tell the policy's byte model what top-k would send for this message's largest tensor:
+        its row length in row mode, its channel means when centered."""
+        big = max(floating, key=lambda t: t.numel(), default=None)
+        if big is None or big.dim() == 0:
+            return
+        last = int(big.shape[-1])
+        self.policy.row_len = last if self.options.mode == "row" and big.dim() >= 2 else None
+        centered = self.options.center and (key != GRAD_KEY or self.options.center_gradients)
+        self.policy.center_channels = last if centered else 0
 
     def _quantize(self, t: torch.Tensor, codec: str) -> EncodedTensor:
         """q8/q4 per row (seeded stochastic rounding by default); fp16 when `t` holds non-finite values."""
@@ -173,3 +206,10 @@ class LinkCompressor:
             "ratio": self.last_ratio,
             "bandwidth_bps": self.bandwidth_bps(),
         }
+
+
+def adatopk_config(warmup_steps: int = 0) -> LinkOptions:
+    """The AdaTopK default (protocol/COMPRESSION.md): activations centered global top-k at the
+    policy's ratio, gradients q8 with stochastic rounding while compressing, warm-up steps q8 in
+    both directions on a link that would compress. (LinkOptions' defaults.)"""
+    return LinkOptions(warmup_steps=warmup_steps)

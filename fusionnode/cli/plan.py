@@ -1,4 +1,8 @@
-"""`fusionnode plan` and `fusionnode simulate`: argument definitions and entry functions for cli.py."""
+"""The `plan` and `simulate` commands, and the live swarm as a cluster for `plan --swarm`.
+
+Their options, the swarm as the local daemon sees it (through its control socket) turned into a
+cluster, and a plan compared with the baselines under the closed form and the simulator. The
+planning itself is fusionnode.plan's, which knows nothing of the daemon, the swarm or training."""
 
 from __future__ import annotations
 
@@ -7,11 +11,12 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.baselines import even_plan, memory_plan
-from fusionnode.plan.cluster import Cluster, load_cluster
+from fusionnode.plan.cluster import Cluster, bundled_clusters, load_cluster
 from fusionnode.plan.estimator import PLAN_KEEP_FLOOR
 from fusionnode.plan.plan import Plan
 from fusionnode.plan.planner import plan as make_plan
@@ -24,12 +29,35 @@ DEFAULT_MODEL = "gpt2-xl"
 DEFAULT_STEPS = 100
 
 
+def add_commands(sub: Any) -> None:
+    """plan, simulate (in `fusionnode --help`'s order)."""
+    from fusionnode.cli.args import command
+
+    p = command(
+        sub,
+        "plan",
+        "plan a job over a cluster file (offline) and print it",
+        "Plan a job over a cluster file (or the live swarm with --swarm) and print the pipelines, "
+        "their stages and the predicted step time; nothing is trained. Its defaults describe "
+        "capacity planning (gpt2-xl, batch 512), not `train`'s (gpt2-tiny, batch 16).",
+    )
+    add_plan_arguments(p)
+    p = command(
+        sub,
+        "simulate",
+        "simulate a plan's throughput against the baselines",
+        "Plan a job over a cluster file, then simulate its throughput against the even-split and "
+        "memory-split baselines; nothing is trained.",
+    )
+    add_simulate_arguments(p)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cluster",
         default=None,
         help="cluster JSON file, or a bundled cluster's name: "
-        + ", ".join(sorted(f.stem for f in (Path(__file__).parent / "clusters").glob("*.json")))
+        + ", ".join(sorted(bundled_clusters()))
         + " (required unless --swarm)",
     )
     parser.add_argument(
@@ -234,7 +262,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     DT-FM's cost model."""
     from fusionnode.plan import dtfm, fence, grid
     from fusionnode.plan.dtfm_cost import dtfm_step_time
-    from fusionnode.plan.planner import _context, build_plan, evaluate_plan
+    from fusionnode.plan.evaluate import build_plan, evaluate_plan, make_context
 
     compress = args.compress == "adatopk"
     kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload == "on"}
@@ -249,7 +277,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
 
     def anchor_context():
         """The planner's context for the anchors (even grid, DT-FM): no latency, fixed keep floor."""
-        return _context(
+        return make_context(
             graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
             fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
         )  # fmt: skip

@@ -1,0 +1,555 @@
+"""Placement: a job's layout over the swarm's workers, turned into stage assignments that are proposed,
+shipped and released.
+
+`layout` lays pipelines over workers (balanced by FLOPs, or at given bounds; `Placement.planned_layout`
+asks the planner instead); `Placement.assignments` turns the pipelines into the typed `job.assign`
+messages (wire/job.py); `Placement.place` is the one proposal loop: lay out, propose, and on refusals
+lay out again without the peers that refused. `ship` sends an accepted stage its parameters,
+`fetch` reads them back, `release_calls` drops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from fusionnode.errors import ConfigError, FusionNodeError, PlanError
+from fusionnode.optim.client import OptimizerClient
+from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
+from fusionnode.security.limits import MAILBOX_SLACK_BYTES
+from fusionnode.train.state import Job, Pipeline
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import Rpc, StageAssignment, TensorKind
+
+logger = logging.getLogger(__name__)
+
+ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many times the stage's outputs
+MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
+STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
+PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
+DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link nobody probed yet
+PLANNERS = ("simple", "fusion", "even", "memory")
+
+
+def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
+    """Contiguous split of nodes into n_stages ranges of about equal flops; every range non-empty."""
+    n = len(flops)
+    if n_stages < 1 or n_stages > n:
+        raise PlanError(f"cannot split {n} operators into {n_stages} stages")
+    weights = flops if sum(flops) else [1.0] * n
+    total = sum(weights)
+    bounds, acc, k = [0], 0.0, 1
+    for i, w in enumerate(weights):
+        acc += w
+        # cut after node i once the prefix reaches k/n_stages of the total, leaving a node for each later stage
+        if k < n_stages and acc >= total * k / n_stages and n - (i + 1) >= n_stages - k:
+            bounds.append(i + 1)
+            k += 1
+    while len(bounds) < n_stages:  # degenerate weights: single nodes at the end
+        bounds.append(n - (n_stages - len(bounds)))
+    bounds.append(n)
+    return bounds
+
+
+def crossing_names(graph: Any, cut: int) -> list[str]:
+    """Names of tensors produced before node `cut` and consumed at or after it."""
+    last: dict[int, int] = {}
+    for e in graph.edges:
+        last[e.src] = max(last.get(e.src, -1), e.dst)
+    return [graph.nodes[src].name for src in sorted(last) if src < cut <= last[src]]
+
+
+def tensor_spec(graph: Any, name: str) -> dict[str, Any]:
+    for node in graph.nodes:
+        if node.name == name:
+            return {"shape": list(node.out_shape), "dtype": node.out_dtype}
+    raise PlanError(f"tensor {name!r} is not in the OP-DAG")
+
+
+def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link: where both ends report it, the
+    smaller bandwidth and the larger RTT, so one peer cannot advertise a link faster than the probe of
+    the peer at its other end measured it (SECURITY.md, attack 8)."""
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for rec in records:
+        for other, m in (rec.links or {}).items():
+            if m.bandwidth_bps <= 0 or other == rec.peer_id:
+                continue
+            key = (rec.peer_id, other) if rec.peer_id < other else (other, rec.peer_id)
+            bps, rtt = float(m.bandwidth_bps), float(m.rtt_s)
+            if key in out:
+                bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
+            out[key] = out[key[::-1]] = (bps, rtt)
+    return out
+
+
+def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str]) -> dict[str, Any]:
+    """A cluster document (protocol/CLUSTER.md) of live peers: measured TFLOPS, offered memory, probed links."""
+    devices, pairs, seen = [], [], set()
+    by_id = {r.peer_id: r for r in records}
+    for pid in dict.fromkeys([*workers, *hosts]):
+        rec = by_id[pid]
+        roles = [
+            r
+            for r in ("worker", "optimizer")
+            if (r == "worker" and pid in workers) or (r == "optimizer" and pid in hosts)
+        ]
+        devices.append(
+            {
+                "id": pid,
+                "tflops": max(float(rec.device.tflops_fp32), 1e-4),
+                "memory_gb": rec.capacity_bytes / 1e9,
+                "roles": roles,
+            }
+        )
+    measured = symmetric_links(records)
+    for (a, b), (bps, rtt_s) in sorted(measured.items()):
+        if a < b and a in by_id and b in by_id and (a, b) not in seen:
+            seen.add((a, b))
+            pairs.append({"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0})
+    return {
+        "version": 1,
+        "name": "swarm",
+        "devices": devices,
+        "links": {
+            "inter_site": {"bandwidth_gbps": DEFAULT_UNMEASURED_GBPS, "latency_ms": 1.0},
+            "pairs": pairs,
+        },
+    }
+
+
+def cluster_links(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """(from, to) -> bits/s of every device pair of a cluster document (what a testbed emulates)."""
+    from fusionnode.plan.cluster import load_cluster_dict
+
+    c = load_cluster_dict(doc, "cluster")
+    ids = [d.id for d in c.devices]
+    return {
+        (a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j
+    }
+
+
+def _divisor_at_most(n: int, m: int) -> int:
+    return next(k for k in range(min(m, n), 0, -1) if n % k == 0)
+
+
+def layout(
+    spec: Any,
+    flops: list[float],
+    workers: list[str],
+    n_stages: int,
+    replicas: int,
+    shares: list[int] | None = None,
+    bounds: list[int] | None = None,
+) -> list[Pipeline]:
+    """`replicas` pipelines of `n_stages` stages each over the first workers; the batch is shared
+    evenly, or by `shares` (samples per replica, summing to the batch size); the operators are
+    split to balance FLOPs, or at `bounds` (n_stages + 1 operator indices from 0 to the count)."""
+    if replicas < 1 or n_stages < 1:
+        raise PlanError("need at least one pipeline of at least one stage")
+    if replicas * n_stages > len(workers):
+        raise PlanError(
+            f"{replicas} pipeline(s) x {n_stages} stage(s) need {replicas * n_stages} workers; "
+            f"the swarm has {len(workers)} available"
+        )
+    if shares is None:
+        if spec.batch_size % replicas:
+            raise ConfigError(f"batch size {spec.batch_size} does not split evenly into {replicas} replicas")
+        shares = [spec.batch_size // replicas] * replicas
+    if len(shares) != replicas or sum(shares) != spec.batch_size or min(shares) < 1:
+        raise ConfigError(
+            f"batch shares {shares} must be {replicas} positive numbers summing to the batch "
+            f"size {spec.batch_size}"
+        )
+    bad = [n for n in shares if n % spec.micro_batches]
+    if bad:
+        raise ConfigError(f"batch shares {bad} do not split into {spec.micro_batches} equal micro-batches")
+    if bounds is None:
+        bounds = balanced_bounds(flops, n_stages)
+    elif (
+        len(bounds) != n_stages + 1
+        or bounds[0] != 0
+        or bounds[-1] != len(flops)
+        or any(b <= a for a, b in itertools.pairwise(bounds))
+    ):
+        raise ConfigError(
+            f"bounds {bounds} must be {n_stages + 1} increasing operator indices from 0 to {len(flops)}"
+        )
+    out, first = [], 0
+    for r in range(replicas):
+        out.append(
+            Pipeline(
+                r,
+                workers[r * n_stages : (r + 1) * n_stages],
+                bounds,
+                int(shares[r]),
+                spec.micro_batches,
+                first,
+            )
+        )
+        first += n_stages
+    return out
+
+
+def expected(job: Job, stage_args: list[StageAssignment]) -> dict[str, dict[str, dict[str, Any]]]:
+    from fusionnode.optim.store import contributor_key
+
+    expected: dict[str, dict[str, dict[str, Any]]] = {}
+    for a in stage_args:
+        for name in a.param_specs:
+            if name in job.frozen:
+                continue
+            expected.setdefault(name, {})[contributor_key(a.replica, a.stage)] = {
+                "replica": a.replica,
+                "samples": job.pipelines[a.replica].samples,
+                "peer": a.peer,
+            }
+    return expected
+
+
+class Placement:
+    """The driver's placement of its jobs' stages on the swarm's workers."""
+
+    def __init__(self, transport: Any, membership: Any, step_timeout_s: float, hosts: OptimizerClient):
+        self.t = transport
+        self.membership = membership
+        self.step_timeout_s = step_timeout_s
+        self.hosts = hosts
+
+    async def place(
+        self,
+        workers: list[str],
+        lay: Callable[[list[str]], Awaitable[None]],
+        assign: Callable[[], Awaitable[list[StageAssignment]]],
+        metrics: Any,
+        emit: Any,
+    ) -> tuple[list[StageAssignment], list[str]]:
+        """The stage-proposal loop: `lay` the job out over `workers` (it sets the job's pipelines),
+        `assign` its stages, propose them; the peers that refuse are left out of the next round
+        (`lay` raises PlanError when too few are left).
+        Returns the accepted assignments and the workers still in the running."""
+        for _attempt in range(MAX_PROPOSALS):
+            await lay(workers)
+            stage_args = await assign()
+            refused = await self.propose(stage_args, metrics, emit)
+            if not refused:
+                return stage_args, workers
+            workers = [w for w in workers if w not in refused]
+        raise PlanError("could not place the job's stages after several proposals")
+
+    async def candidates(self, wanted: list[str] | None, role: str) -> list[str]:
+        peers = await self.membership.peers()
+        ids = [
+            p.peer_id
+            for p in peers
+            if role in p.roles and getattr(p, "availability", "available") == "available"
+        ]
+        if wanted:
+            missing = [w for w in wanted if w not in ids]
+            if missing:
+                raise ConfigError(f"requested peers are not available {role}s in the swarm: {missing}")
+            return list(wanted)
+        # a record outlives its peer by up to its TTL: keep those that answer a ping
+        dead, _leaving = await self.probe(ids)
+        ids = [p for p in ids if p not in dead]
+        # the driver's own peer first (it feeds the first stage without a hop), then by id
+        return sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid))
+
+    async def probe(self, peers: list[str]) -> tuple[list[str], list[str]]:
+        """(peers that did not answer a ping in PING_TIMEOUT_S, peers that answered they are leaving)."""
+        res = await asyncio.gather(
+            *(jp.call(self.t, p, Rpc.JOB_PING, jp.PingRequest(), timeout=PING_TIMEOUT_S) for p in peers),
+            return_exceptions=True,
+        )
+        dead = [p for p, r in zip(peers, res, strict=True) if isinstance(r, BaseException)]
+        leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, jp.PingReply) and r.draining]
+        return dead, leaving
+
+    async def pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
+        """The job's optimizer hosts: --optimizer-hosts of the optimizer peers, those apart from the workers first."""
+        hosts = await self.candidates(params.get("optimizer_peers"), "optimizer")
+        if not hosts:
+            raise PlanError(
+                "--offload on needs at least one peer with the optimizer role (fusionnode join "
+                "--role optimizer)"
+            )
+        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs)
+        hosts.sort(key=lambda h: (h in workers, h != self.t.peer_id, h))
+        k = int(params.get("optimizer_hosts") or 1)
+        return hosts[: max(1, k)]
+
+    async def planned_layout(
+        self,
+        strategy: str,
+        spec: Any,
+        graph: Any,
+        workers: list[str],
+        params: dict[str, Any],
+        offload: bool,
+        seq_len: int,
+    ) -> tuple[list[Pipeline], list[str], dict[str, Any]]:
+        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines."""
+        from fusionnode.plan.baselines import even_plan, memory_plan
+        from fusionnode.plan.cluster import load_cluster_dict
+        from fusionnode.plan.planner import plan as make_plan
+
+        hosts = await self.candidates(params.get("optimizer_peers"), "optimizer") if offload else []
+        doc = params.get("cluster") or cluster_from_records(await self.membership.peers(), workers, hosts)
+        known = {d["id"] for d in doc.get("devices", [])}
+        missing = [w for w in workers if w not in known]
+        if missing:
+            raise ConfigError(f"the cluster given for planning does not describe workers {missing[:3]}")
+        cluster = load_cluster_dict(doc, "swarm")
+        kwargs = {
+            "micro_batches": spec.micro_batches,
+            "seq_len": seq_len,
+            "offload": offload,
+            "compress": spec.compress == "adatopk",  # the plan may count on AdaTopK only when it runs
+        }
+        fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
+        p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
+        pipelines, first = [], 0
+        for r, pp in enumerate(p.pipelines):
+            peers = [st.devices[0] for st in pp.stages]
+            bounds = [pp.stages[0].lo, *(st.hi for st in pp.stages)]
+            m = _divisor_at_most(pp.batch_share, pp.micro_batches)
+            pipelines.append(Pipeline(r, peers, bounds, pp.batch_share, m, first))
+            first += len(peers)
+        plan_hosts = [h.device for h in p.optimizer_hosts] if offload else []
+        if offload and not plan_hosts:
+            plan_hosts = await self.pick_hosts(params, workers)
+        pred = p.prediction
+        simulated = pred.simulated_step_time_s if pred else None
+        if pred and simulated is None:  # the event simulation of the same plan, for the record
+            from fusionnode.plan.simulator import simulate
+
+            try:
+                simulated = (await asyncio.to_thread(simulate, graph, cluster, p)).step_time_s
+            except Exception as exc:  # a second opinion only: never fail the job over it
+                logger.warning("simulating the plan failed: %s", exc)
+        prediction = {
+            "strategy": p.strategy,
+            "step_time_s": pred.step_time_s if pred else None,
+            "tokens_per_s": pred.tokens_per_s if pred else None,
+            "simulated_step_time_s": simulated,
+        }
+        return pipelines, plan_hosts, prediction
+
+    async def measured_links(self) -> dict[tuple[str, str], float]:
+        """(from peer, to peer) -> bandwidth in bits/s, as the peers' link probes measured it."""
+        return {k: bps for k, (bps, _rtt) in symmetric_links(await self.membership.peers()).items()}
+
+    def assignments(
+        self,
+        job: Job,
+        traced: Any,
+        canonical: dict[str, str],
+        params: dict[str, torch.Tensor],
+        sample: torch.Tensor,
+        host_of: dict[str, str] | None,
+        host_index: dict[str, int],
+        links: dict[tuple[str, str], float] | None = None,
+        link_options: dict[str, Any] | None = None,
+    ) -> list[StageAssignment]:
+        from fusionnode.graph.portable import describe_stage
+        from fusionnode.optim.store import contributor_key
+
+        graph = traced.graph
+        spec = job.spec
+        args: list[StageAssignment] = []
+        for pipe in job.pipelines:
+            n = len(pipe.peers)
+            descs = [describe_stage(traced, pipe.bounds[i], pipe.bounds[i + 1]) for i in range(n)]
+            stage_params = [sorted({canonical.get(k, k) for k in d["params"]}) for d in descs]
+            counts: dict[str, int] = {}
+            for names in stage_params:
+                for name in names:
+                    counts[name] = counts.get(name, 0) + 1
+            shared = {k for k, v in counts.items() if v > 1}
+            for i, d in enumerate(descs):
+                lo, hi = pipe.bounds[i], pipe.bounds[i + 1]
+                gid = pipe.first_stage + i
+                if i == 0:
+                    recv = {name: {"shape": [1, *sample.shape[1:]], "dtype": "int64"} for name in d["inputs"]}
+                else:
+                    recv = {name: tensor_spec(graph, name) for name in crossing_names(graph, lo)}
+                send = (
+                    {}
+                    if i == n - 1
+                    else {name: tensor_spec(graph, name) for name in crossing_names(graph, hi)}
+                )
+                pspecs = {
+                    name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]
+                }
+                pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
+                act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
+                in_flight = peak_in_flight(DEFAULT_SCHEDULE, n, i, pipe.micro_batches)
+                state_factor = 2 if host_of else 4  # params + grads (+ 2 optimizer states when local)
+                offload = None
+                if host_of:
+                    offload = jp.Offload(
+                        hosts={name: host_of[name] for name in pspecs if name in host_of},
+                        host_index={name: host_index[name] for name in pspecs if name in host_index},
+                        contributor=contributor_key(pipe.replica, gid),
+                        samples=pipe.samples,
+                    ).to_wire()
+                a = StageAssignment(
+                    job=spec.job_id,
+                    stage=gid,
+                    pos=i,
+                    num_stages=n,
+                    replica=pipe.replica,
+                    prev_stage=gid - 1,
+                    next_stage=gid + 1,
+                    driver=self.t.peer_id,
+                    prev=pipe.peers[i - 1] if i > 0 else "",
+                    next=pipe.peers[i + 1] if i < n - 1 else "",
+                    description=d,
+                    param_specs=pspecs,
+                    recv_specs=recv,
+                    send_specs=send,
+                    shared_names=sorted(shared & set(pspecs) - set(job.frozen)),
+                    frozen=sorted(set(pspecs) & set(job.frozen)),
+                    spec=spec.to_dict(),
+                    need_bytes=int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
+                    lease_s=job.lease_s,
+                    lo=lo,
+                    hi=hi,
+                    flops_per_sample=float(sum(node.flops for node in graph.nodes[lo:hi])),
+                    peer=pipe.peers[i],
+                    link_options=link_options or {},
+                    bw_next=(links or {}).get((pipe.peers[i], pipe.peers[i + 1])) if i < n - 1 else None,
+                    bw_prev=(links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
+                    offload=offload,
+                )
+                args.append(a)
+        return args
+
+    def accept(self, job: Job, stage_args: list[StageAssignment]) -> None:
+        """This driver takes data messages of the job (fetched parameters, shared gradients) only from
+        the job's stages and hosts, at most the model's bytes (and slack) from each."""
+        peers = {a.peer for a in stage_args} | set(job.hosts)
+        self.t.mailbox.accept(job.spec.job_id, "driver", peers, job.model_bytes + MAILBOX_SLACK_BYTES)
+
+    async def propose(self, stage_args: list[StageAssignment], metrics: Any, emit: Any) -> list[str]:
+        results = await asyncio.gather(
+            *(jp.call(self.t, a.peer, Rpc.JOB_ASSIGN, a) for a in stage_args), return_exceptions=True
+        )
+        refused = []
+        for a, res in zip(stage_args, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError):
+                    raise res
+                refused.append(a.peer)
+                metrics.event("refused", peer=a.peer, reason=str(res))
+                await emit({"type": "event", "kind": "refused", "peer": a.peer, "reason": str(res)})
+        if refused:  # release what the others accepted; the next proposal reassigns
+            await asyncio.gather(
+                *(
+                    jp.call(self.t, a.peer, Rpc.JOB_RELEASE, jp.ReleaseRequest(job=a.job, stage=a.stage))
+                    for a in stage_args
+                    if a.peer not in refused
+                ),
+                return_exceptions=True,
+            )
+        return refused
+
+    async def ship(self, job: Job, stage_args: list[StageAssignment], full: dict[str, torch.Tensor]) -> None:
+        async def ship(a: StageAssignment) -> None:
+            for idx, name in enumerate(sorted(a.param_specs)):
+                meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
+                await self.t.send(a.peer, tensor_message(TensorKind.PARAMS, meta, {name: full[name]}))
+            req = jp.StageRef(job=job.spec.job_id, stage=a.stage)
+            await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s)
+
+        await asyncio.gather(*(ship(a) for a in stage_args))
+
+    async def fetch(self, job: Job, stage_args: list[StageAssignment], what: str) -> dict[str, torch.Tensor]:
+        """Parameters (or gradients) of replica 0, by name; a name held by several stages is summed for
+        gradients (tied weights) and taken once for parameters (the copies are equal)."""
+        out: dict[str, torch.Tensor] = {}
+
+        async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
+            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what=what)
+            res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.step_timeout_s)
+            got: dict[str, torch.Tensor] = {}
+            for idx in range(res.count):
+                msg, src = await self.t.mailbox.get(
+                    (jp.FETCH_KIND[what], job.spec.job_id, -1, idx, a.stage),
+                    self.step_timeout_s,
+                    sender=a.peer,
+                )
+                got.update(decode_checked(msg, a.param_specs, None, src))
+            return got
+
+        parts = await asyncio.gather(*(one(a) for a in stage_args if a.replica == 0))
+        for part in parts:
+            for name, t in part.items():
+                if name in out and what == "grads":
+                    out[name] = out[name] + t
+                else:
+                    out.setdefault(name, t)
+        return out
+
+    def release_calls(self, job: Job, abort: bool, timeout: float = 5.0) -> list[Any]:
+        """The calls that drop the job's stages (`abort`: cancel a step in progress first)."""
+        return [
+            jp.call(
+                self.t,
+                s["peer"],
+                Rpc.JOB_RELEASE,
+                jp.ReleaseRequest(job=job.spec.job_id, stage=s["stage"], abort=abort),
+                timeout=timeout,
+            )
+            for s in job.stages
+        ]
+
+    async def current_params(
+        self,
+        job: Job,
+        stage_args: list[StageAssignment],
+        host_of: dict[str, str] | None,
+        all_names: dict[str, Any] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The current parameters: from the optimizer hosts with offload (every name of `all_names`,
+        or those the stages hold), else from replica 0's stages; frozen ones are the driver's copy."""
+        if not job.offload:
+            return {**job.frozen, **await self.fetch(job, stage_args, "params")}
+        specs = {n: s for a in stage_args for n, s in a.param_specs.items()}
+        if all_names is not None:
+            specs = {n: {"shape": list(t.shape), "dtype": "float32"} for n, t in all_names.items()}
+        for name in job.frozen:  # frozen (LoRA base) tensors never go to the hosts: the driver's copy
+            specs.pop(name, None)
+        return {**job.frozen, **await self.hosts.pull(job.spec.job_id, job.hosts, host_of, specs)}
+
+    async def start_hosts(
+        self,
+        job: Job,
+        stage_args: list[StageAssignment],
+        full: dict[str, torch.Tensor],
+        host_of: dict[str, str],
+        *,
+        resume: bool,
+        start_step: int | None,
+    ) -> list[int]:
+        """Gives each of the job's optimizer hosts its shard, the contributors the stages make
+        (optim/client.py `init`); returns the hosts' applied steps."""
+        applied, job.fresh_optimizer = await self.hosts.init(
+            job.spec.job_id,
+            job.secret,
+            job.spec.to_dict(),
+            job.spec.save_every or 0,
+            job.hosts,
+            full,
+            host_of,
+            expected(job, stage_args),
+            resume=resume,
+            start_step=start_step,
+        )
+        return applied

@@ -1,0 +1,328 @@
+"""Recovery and plan changes: blame by error code and peer id, bans, leaves, dead optimizer hosts, and
+adopting a new plan (after a failure, a leave, or when rebalancing pays off).
+
+`Recovery.recover` asks `train/rebalance.blame` whom a failed step's typed failures (wire/job.py
+`Failure`) point at, bans them or records their leave, and adopts a plan without them;
+`recover_hosts` replaces dead optimizer hosts from the shard checkpoints; `adopt` releases the old
+stages and places new ones (`Placement.place`, the one proposal loop); `maybe_rebalance` adopts a
+faster layout when the measured speeds say it is worth the move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from fusionnode.errors import ConfigError, FusionNodeError, PlanError
+from fusionnode.optim.client import OptimizerClient
+from fusionnode.train.checkpoint import load_resume, read_resume, save_job
+from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected, layout
+from fusionnode.train.state import Job, Pipeline, Run, stage_rows
+from fusionnode.train.step import StepFailed
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import Rpc
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """The driver's plan changes of its running jobs."""
+
+    def __init__(self, transport: Any, membership: Any, placement: Placement, hosts: OptimizerClient):
+        self.t = transport
+        self.membership = membership
+        self.placement = placement
+        self.hosts = hosts
+
+    async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> None:
+        """Bans (or forgets) the peers to blame, adopts a plan without them; the step is then replayed."""
+        from fusionnode.train.rebalance import blame
+
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        peers = sorted({a.peer for a in run.stage_args})
+        verdict = blame(fail.errors, peers, fail.unreachable)
+        verdict.pop(self.t.peer_id, None)  # the driver's own peer answered (it is running this)
+        if not verdict:  # a transient error (a stream reset, say): recorded, and the step replayed
+            await run.event(
+                job,
+                "failure",
+                peer=None,
+                step=step,
+                reason=f"transient, every peer still answers ({fail.summary()}); re-planning the same peers",
+            )
+        for peer, kind in sorted(verdict.items()):
+            if kind == "leave":
+                run.gone.add(peer)
+                await run.event(job, "leave", peer=peer, step=step, reason="the peer drained and left")
+            else:
+                ban_s = run.bans.fail(peer, now)
+                await run.event(
+                    job,
+                    "failure",
+                    peer=peer,
+                    step=step,
+                    reason=fail.reason(peer) or "did not answer a liveness probe",
+                    unreachable=peer in fail.unreachable,
+                    ban_s=ban_s,
+                )
+        workers = await self.live_workers(job, run)
+        try:
+            await self.adopt(
+                job,
+                run,
+                workers,
+                reason=f"replacing {', '.join(sorted('…' + p[-8:] for p in verdict))} at step {step}",
+            )
+        except (PlanError, ConfigError) as exc:
+            ckpt = None
+            if job.offload and job.spec.save_dir:
+                with contextlib.suppress(FusionNodeError, OSError):
+                    now_params = await self.placement.current_params(job, [], run.host_of, all_names=run.full)
+                    ckpt = await asyncio.to_thread(save_job, job, job.step, source, now_params)
+            raise PlanError(
+                f"the job cannot go on at step {step} without {sorted(p[:12] for p in verdict)}: {exc}"
+                + (f"; checkpoint of step {job.step} in {ckpt}" if ckpt else "")
+            ) from None
+        await run.event(
+            job,
+            "recovered",
+            step=step,
+            time_to_recover_s=round(time.perf_counter() - t0, 3),
+            since_failure_s=round(time.perf_counter() - fail.t0, 3),
+            plan_version=job.plan_version,
+            reason="the step is replayed under the new plan",
+        )
+
+    async def recover_hosts(self, job: Job, run: Run, step: int, fail: StepFailed) -> int:
+        """Replaces dead optimizer hosts: each takes a dead host's shard (same index, same names),
+        every host reloads its latest shard checkpoint (the survivors roll back with it, so all
+        hosts agree), the workers are re-planned to the new hosts, and the steps since that
+        checkpoint are replayed. Returns the step to continue from."""
+        t0 = time.perf_counter()
+        spec = job.spec
+        if not (spec.save_dir and spec.save_every):
+            raise PlanError(
+                f"optimizer host(s) {[h[:12] for h in fail.unreachable]} died at step {step} and the job "
+                "keeps no optimizer checkpoints to restore them from (--save DIR --save-every N)"
+            )
+        now = time.monotonic()
+        for h in fail.unreachable:
+            ban_s = run.bans.fail(h, now)
+            await run.event(
+                job, "failure", peer=h, step=step, role="optimizer", reason=fail.reason(h), ban_s=ban_s
+            )
+        peers = await self.membership.peers()
+        spares = [
+            p.peer_id
+            for p in sorted(peers, key=lambda r: r.peer_id)
+            if "optimizer" in p.roles
+            and p.peer_id not in job.hosts
+            and not run.bans.banned(p.peer_id, now)
+            and p.peer_id not in run.gone
+        ]
+        workers = {a.peer for a in run.stage_args}
+        spares.sort(key=lambda h: (h in workers, h))  # prefer peers that are not the job's workers
+        hosts = list(job.hosts)
+        for i, h in enumerate(hosts):
+            if h in fail.unreachable:
+                if not spares:
+                    raise PlanError(f"no optimizer peer is left to replace host {h[:12]}… at step {step}")
+                hosts[i] = spares.pop(0)
+        replaced = dict(zip(job.hosts, hosts, strict=True))
+        job.hosts = hosts
+        run.host_of = {n: replaced[h] for n, h in (run.host_of or {}).items()}
+        self.placement.accept(job, run.stage_args)
+        # a new host cannot read the dead one's disk: without a shard checkpoint every host has, all
+        # start from the driver's own latest checkpoint, with new optimizer state
+        fallback, full = None, run.full
+        with contextlib.suppress(ConfigError, OSError):
+            ckpt = await asyncio.to_thread(read_resume, spec)
+            fallback, full, _secret = load_resume(ckpt, run.source, run.full)
+        applied = await self.placement.start_hosts(
+            job, run.stage_args, full, run.host_of, resume=True, start_step=fallback
+        )
+        if len(set(applied)) != 1:
+            raise PlanError(
+                f"the optimizer hosts restored different steps {applied}: cannot replay consistently"
+            )
+        resume_at = applied[0]
+        workers_now = await self.live_workers(job, run)
+        await self.adopt(job, run, workers_now, reason=f"new optimizer host(s) at step {step}")
+        job.step = resume_at
+        await run.event(
+            job,
+            "recovered",
+            step=step,
+            role="optimizer",
+            replay_from=resume_at,
+            time_to_recover_s=round(time.perf_counter() - t0, 3),
+            plan_version=job.plan_version,
+            reason=(
+                f"hosts restored from the step-{resume_at} "
+                + (
+                    "driver checkpoint, with new optimizer state"
+                    if job.fresh_optimizer
+                    else "shard checkpoint"
+                )
+                + f"; steps {resume_at}..{step} replayed"
+            ),
+            fresh_optimizer=job.fresh_optimizer,
+        )
+        return resume_at
+
+    async def live_workers(self, job: Job, run: Run) -> list[str]:
+        """Worker peers now in the swarm, less the banned and the departed; joins are recorded."""
+        now = time.monotonic()
+        wanted = run.params.get("peers")
+        peers = await self.membership.peers()
+        ids = [
+            p.peer_id
+            for p in peers
+            if "worker" in p.roles and getattr(p, "availability", "available") == "available"
+        ]
+        if wanted:
+            ids = [w for w in ids if w in wanted] + [w for w in ids if w not in wanted]
+        ids = sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid)) if not wanted else ids
+        for pid in ids:
+            if pid not in run.known:
+                run.known.add(pid)
+                await run.event(job, "join", peer=pid, step=job.step, reason="a new worker is in the swarm")
+        return [p for p in run.bans.allowed(ids, now) if p not in run.gone]
+
+    async def adopt(
+        self, job: Job, run: Run, workers: list[str], *, reason: str, layout_: Any = None
+    ) -> None:
+        """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
+        step in progress), lays out new ones (with new stage ids, so no message or contribution of
+        the old plan can be taken for the new one), points the optimizer hosts at the new
+        contributors (dropping the pending step's partial gradients) and ships each new stage the
+        current parameters from the hosts."""
+        spec = job.spec
+        t0 = time.perf_counter()
+        old_args = run.stage_args
+        await asyncio.gather(
+            *(
+                jp.call(
+                    self.t,
+                    a.peer,
+                    Rpc.JOB_RELEASE,
+                    jp.ReleaseRequest(job=spec.job_id, stage=a.stage, abort=True),
+                    timeout=PING_TIMEOUT_S,
+                )
+                for a in old_args
+            ),
+            return_exceptions=True,
+        )
+        current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
+        base = job.plan_version * STAGE_ID_STRIDE
+        given = [layout_]  # a rebalance's layout, for the first proposal only
+
+        async def lay(candidates: list[str]) -> None:
+            if not candidates:
+                raise PlanError("no worker is left that accepts the job's stages")
+            if given[0] is not None:
+                pipe = job.pipelines[0]
+                job.pipelines = [
+                    Pipeline(
+                        0, list(given[0].peers), list(given[0].bounds), pipe.samples, pipe.micro_batches, 0
+                    )
+                ]
+                given[0] = None
+            elif run.strategy == "simple":
+                replicas = len(run.shares)
+                n_stages = max(1, min(run.n_stages, len(candidates) // replicas))
+                job.pipelines = layout(spec, run.flops, candidates, n_stages, replicas, run.shares)
+            else:
+                params = dict(run.params)
+                if params.get("cluster"):
+                    from fusionnode.plan.cluster import subset_doc
+
+                    params["cluster"] = subset_doc(params["cluster"], set(candidates) | set(job.hosts))
+                job.pipelines, _hosts, _pred = await self.placement.planned_layout(
+                    run.strategy, spec, run.traced.graph, candidates, params, job.offload, run.seq_len
+                )
+            for p in job.pipelines:
+                p.first_stage += base
+
+        async def assign() -> list[jp.StageAssignment]:
+            return self.placement.assignments(
+                job,
+                run.traced,
+                run.canonical,
+                run.full,
+                run.sample,
+                run.host_of,
+                run.host_index,
+                await self.placement.measured_links(),
+                run.params.get("link_options"),
+            )
+
+        stage_args, _workers = await self.placement.place(list(workers), lay, assign, run.metrics, run.emit)
+        self.placement.accept(job, stage_args)
+        if job.offload:
+            await self.hosts.replan(spec.job_id, job.hosts, run.host_of, expected(job, stage_args))
+        await self.placement.ship(job, stage_args, current)
+        run.stage_args = stage_args
+        run.steps_on_plan = 0
+        run.target_time_s = None
+        run.move_s = time.perf_counter() - t0
+        job.plan_version += 1
+        job.stages = stage_rows(stage_args)
+        await run.emit(
+            {
+                "type": "plan",
+                "planner": run.strategy,
+                "prediction": {},
+                "plan_version": job.plan_version,
+                "stages": job.stages,
+                "num_nodes": run.traced.graph.num_nodes,
+                "offload": job.offload,
+                "optimizer_hosts": job.hosts,
+            }
+        )
+        await run.event(
+            job,
+            "replan",
+            reason=reason,
+            plan_version=job.plan_version,
+            step=job.step,
+            peers=[a.peer for a in stage_args],
+            bounds=[[a.lo, a.hi] for a in stage_args],
+            move_s=round(run.move_s, 3),
+        )
+
+    async def maybe_rebalance(self, job: Job, run: Run, step: int) -> None:
+        """Straggler rebalancing and use of joined peers (one pipeline): adopt a better layout when
+        the measured speeds predict a gain above the threshold that outweighs the cost of moving."""
+        from fusionnode.train.rebalance import Layout, decide, fill_speeds
+
+        run.steps_on_plan = 0  # next check after another window
+        if len(job.pipelines) != 1:
+            return
+        workers = await self.live_workers(job, run)
+        pipe = job.pipelines[0]
+        spares = [w for w in workers if w not in pipe.peers]
+        advertised = {
+            r.peer_id: float(r.device.tflops_fp32)
+            for r in await self.membership.peers()
+            if r.peer_id in set(workers)
+        }
+        speeds = fill_speeds(run.speeds(), advertised, [*pipe.peers, *spares])
+        current = Layout(tuple(pipe.peers), tuple(pipe.bounds))
+        d = decide(
+            current,
+            run.flops,
+            speeds,
+            pipe.micro_batches,
+            spares=spares,
+            steps_left=job.spec.steps - step,
+            move_cost_s=run.move_s,
+            min_gain=run.min_gain,
+        )
+        logger.info("rebalance check at step %d: %s", step, d.reason)
+        if d.adopt and d.layout is not None:
+            await self.adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layout)

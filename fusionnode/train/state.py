@@ -1,0 +1,170 @@
+"""The driver's state of a job: its book-keeping (`Job`), its pipelines, and the mutable state of one run.
+
+Plain data shared by the driver's modules (placement, step, recovery); no network here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans
+from fusionnode.wire.job import StageAssignment, StepReport
+
+logger = logging.getLogger(__name__)
+
+HISTORY_KEPT = 500  # step records of a running job the status lists (the metrics file has them all)
+FINISHED_HISTORY_POINTS = 100  # step records of a finished job the status lists (about 2 KB each)
+
+
+@dataclasses.dataclass
+class Pipeline:
+    replica: int
+    peers: list[str]
+    bounds: list[int]
+    samples: int  # sequences of each step's batch this pipeline trains on
+    micro_batches: int
+    first_stage: int = 0  # global id of its first stage
+
+    @property
+    def mb_size(self) -> int:
+        return self.samples // self.micro_batches
+
+
+class Job:
+    """Book-keeping of one running job on its driver."""
+
+    def __init__(self, spec: Any, driver: str):
+        self.spec = spec
+        self.driver = driver
+        self.pipelines: list[Pipeline] = []
+        self.stages: list[dict[str, Any]] = []  # flat, by global stage id
+        self.hosts: list[str] = []
+        self.offload = False
+        self.step = 0
+        self.loss: float | None = None
+        self.tokens_per_s = 0.0
+        self.plan_version = 0
+        self.started = time.time()
+        self.state = "planning"
+        self.history: list[dict[str, Any]] = []
+        self.aliases: dict[str, str] = {}  # tied parameter names -> the name named_parameters() reports
+        # frozen parameters (the base of a LoRA job): shipped to the stages once, never trained, never
+        # on an optimizer host; the driver's copy is the value every checkpoint records
+        self.frozen: dict[str, torch.Tensor] = {}
+        self.host_counters: list[dict[str, Any]] = []  # the optimizer hosts' push counters, last step
+        self.phases: dict[
+            str, float
+        ] = {}  # seconds of the last step's phases (feed, stages, optimizer, commit)
+        self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
+        self.secret = ""  # proves to optimizer hosts that we own the job's shards (kept in our checkpoints)
+        self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
+        self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
+        self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
+        self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.spec.job_id,
+            "model": self.spec.model,
+            "state": self.state,
+            "step": self.step,
+            "steps": self.spec.steps,
+            "loss": self.loss,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "plan_version": self.plan_version,
+            "offload": self.offload,
+            "optimizer_hosts": self.hosts,
+            "stages": [
+                {k: s[k] for k in ("stage", "replica", "pos", "peer", "lo", "hi", "n_params")}
+                for s in self.stages
+            ],
+            "history": self.history[-HISTORY_KEPT:] if self.state == "running" else self._thin_history(),
+            "events": self.events[-200:],
+            "validation": self.validation,
+        }
+
+    def _thin_history(self) -> list[dict[str, Any]]:
+        """A finished job's curve in at most FINISHED_HISTORY_POINTS records: evenly spaced, with
+        the last ones whole (what the dashboard reads the stages' utilisation from)."""
+        hist = self.history[-HISTORY_KEPT:]
+        if len(hist) <= FINISHED_HISTORY_POINTS:
+            return hist
+        tail = FINISHED_HISTORY_POINTS // 10
+        stride = math.ceil((len(hist) - tail) / (FINISHED_HISTORY_POINTS - tail))
+        return hist[: len(hist) - tail : stride] + hist[-tail:]
+
+
+@dataclasses.dataclass
+class Run:
+    """What a running job's plan changes need (the driver's mutable state of one run)."""
+
+    traced: Any
+    canonical: dict[str, str]
+    full: dict[str, torch.Tensor]  # initial parameters (their names and shapes)
+    sample: torch.Tensor
+    host_of: dict[str, str] | None
+    host_index: dict[str, int]
+    params: dict[str, Any]
+    metrics: Any
+    emit: Any
+    flops: list[float]
+    strategy: str
+    n_stages: int
+    shares: list[int]
+    stage_args: list[StageAssignment]
+    seq_len: int
+    known: set[str]  # workers seen so far (a new one is a "join")
+    move_s: float  # seconds the last plan change took (the cost of moving)
+    rebalance_every: int
+    min_gain: float
+    source: Any = None
+    first_step: int = 0
+    gone: set[str] = dataclasses.field(default_factory=set)  # peers that left gracefully
+    bans: Bans = dataclasses.field(default_factory=Bans)
+    steps_on_plan: int = 0
+    target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
+    samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
+
+    def observe(self, job: Job, reports: list[StepReport]) -> None:
+        """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
+        self.steps_on_plan += 1
+        if self.steps_on_plan == 1:
+            return
+        for a, r in zip(self.stage_args, reports, strict=True):
+            q = self.samples.setdefault(a.peer, collections.deque(maxlen=DEFAULT_WINDOW))
+            q.append((a.peer, a.lo, a.hi, float(r.compute_s)))
+
+    def speeds(self) -> dict[str, float]:
+        from fusionnode.train.rebalance import measured_speeds
+
+        return measured_speeds(self.flops, [s for q in self.samples.values() for s in q])
+
+    async def event(self, job: Job, kind: str, **fields: Any) -> None:
+        """Records an event of the job (metrics file, status, the client's stream, the log)."""
+        rec = self.metrics.event(kind, **fields)
+        job.events.append(rec)
+        logger.warning("job %s: %s %s", job.spec.job_id, kind, {k: v for k, v in fields.items()})
+        await self.emit({"type": "event", "kind": kind, **fields})
+
+
+def stage_rows(stage_args: list[StageAssignment]) -> list[dict[str, Any]]:
+    return [
+        {
+            "stage": a.stage,
+            "replica": a.replica,
+            "pos": a.pos,
+            "peer": a.peer,
+            "lo": a.lo,
+            "hi": a.hi,
+            "n_params": len(a.param_specs),
+            "shared": a.shared_names,
+        }
+        for a in stage_args
+    ]

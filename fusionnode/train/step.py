@@ -1,0 +1,284 @@
+"""One training step on the plan in force: feed the micro-batches, run `job.step` on every stage, apply
+the optimizer (on the hosts, or sum shared gradients and commit locally), commit.
+
+`Stepper.run` returns the stages' typed reports (wire/job.py `StepReport`) or raises a typed
+failure: `StepFailed` (which peers' calls failed, each as a `Failure` with its error code and the
+peer to blame, and which peers did not answer a probe) or `HostFailed` (an optimizer host died).
+The order of forward and backward passes inside a step (1F1B) is the workers' (runtime/); the
+driver only sends inputs and targets and waits for the reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError, PeerError
+from fusionnode.optim.client import OptimizerClient
+from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.train.checkpoint import save_at
+from fusionnode.train.placement import PING_TIMEOUT_S, Placement
+from fusionnode.train.state import Job, Run
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked, tensor_message
+from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment, StepReport, TensorKind
+
+logger = logging.getLogger(__name__)
+
+FAILURE_GRACE_S = 0.5  # seconds to let other calls of a failing step report before cancelling them
+
+
+class StepFailed(FusionNodeError):
+    """A step did not complete: which peers' calls failed (and why), which did not answer a probe."""
+
+    def __init__(self, step: int, errors: dict[str, list[Failure]], unreachable: list[str]):
+        self.step = step
+        self.errors = errors  # peer -> the failures of the calls to it (code, peer to blame, text)
+        self.unreachable = unreachable
+        self.t0 = time.perf_counter()
+        super().__init__(self.summary())
+
+    def reason(self, peer: str) -> str:
+        """Why `peer` is to blame: its own calls' failures, else the failures that blame it."""
+        own = [f.text for f in self.errors.get(peer, ())]
+        named = [f.text for fs in self.errors.values() for f in fs if f.blame == peer]
+        return " | ".join(own or named)
+
+    def summary(self) -> str:
+        parts = [f"{p[:12]}…: {self.reason(p)[:300]}" for p in sorted(self.errors)]
+        if self.unreachable:
+            parts.append(f"unreachable: {[p[:12] for p in self.unreachable]}")
+        return "; ".join(parts)
+
+
+class HostFailed(StepFailed):
+    """An optimizer host died: restore every host from the last shard checkpoint and replay."""
+
+
+def step_loss(job: Job, stage_args: list[StageAssignment], reports: list[StepReport]) -> float:
+    """The batch's mean loss: each replica's mean micro-batch loss weighted by its samples."""
+    total, weight = 0.0, 0
+    for a, r in zip(stage_args, reports, strict=True):
+        if a.pos == a.num_stages - 1:
+            n = job.pipelines[a.replica].samples
+            total += n * sum(r.losses) / len(r.losses)
+            weight += n
+    return total / weight
+
+
+class Stepper:
+    """Runs the steps of the driver's jobs."""
+
+    def __init__(self, transport: Any, step_timeout_s: float, placement: Placement, hosts: OptimizerClient):
+        self.t = transport
+        self.step_timeout_s = step_timeout_s
+        self.placement = placement
+        self.hosts = hosts
+
+    async def run(
+        self, job: Job, run: Run, step: int, lr: float
+    ) -> tuple[list[StepReport], float, StepFailed | None]:
+        """One step on the plan in force: inputs, `job.step` everywhere, the optimizer, commits.
+
+        Raises StepFailed when the step did not reach the optimizer (it is to be replayed); returns
+        a StepFailed as its third value when only a commit failed after the step was applied."""
+        spec = job.spec
+        jid = spec.job_id
+        stage_args = run.stage_args
+        input_name = next(iter(stage_args[0].recv_specs))
+        timeout = self.step_timeout_s
+        sends: dict[str, list[Any]] = {}
+        shards = run.source.shard_batches(step, [p.samples for p in job.pipelines])
+        for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
+            first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
+            for mb, (x, y) in enumerate(
+                zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
+            ):
+                meta = {"job": jid, "step": step, "mb": mb}
+                sends.setdefault(pipe.peers[0], []).append(
+                    tensor_message(TensorKind.INPUT, {**meta, "stage": first}, {input_name: x})
+                )
+                sends.setdefault(pipe.peers[-1], []).append(
+                    tensor_message(TensorKind.TARGET, {**meta, "stage": last}, {"target": y})
+                )
+
+        async def feed(peer: str, msgs: list[Any]) -> None:
+            for msg in msgs:
+                await self.t.send(peer, msg)
+
+        # inputs first (as a step always did: the stages find them waiting), then the steps
+        phases: dict[str, float] = {}
+        t_phase = time.perf_counter()
+        await self.gather_or_fail(
+            job,
+            run,
+            step,
+            {("send", p): feed(p, msgs) for p, msgs in sends.items()},
+            {("send", p): p for p in sends},
+        )
+        calls = {
+            **{
+                ("step", a.stage): jp.call(
+                    self.t,
+                    a.peer,
+                    Rpc.JOB_STEP,
+                    jp.StepRequest(
+                        job=jid,
+                        stage=a.stage,
+                        step=step,
+                        micro_batches=job.pipelines[a.replica].micro_batches,
+                        mb_size=job.pipelines[a.replica].mb_size,
+                        target_time_s=run.target_time_s,
+                    ),
+                    timeout=timeout * 2,
+                    recall=Rpc.JOB_STEP_RESULT,  # a reply lost to a stream reset: fetch it, the step ran
+                )
+                for a in stage_args
+            },
+        }
+        peer_of = {("step", a.stage): a.peer for a in stage_args}
+        phases["feed_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+        results = await self.gather_or_fail(job, run, step, calls, peer_of)
+        reports = [results[("step", a.stage)] for a in stage_args]
+        phases["stages_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+        if run.params.get("dump_grads") and step == run.first_step:
+            await self.dump_grads(job, stage_args, run.params["dump_grads"])
+        if job.offload:
+            try:
+                applied = await self.hosts.apply(
+                    jid, job.hosts, step + 1, lr, spec.grad_clip, save_at(spec, step + 1)
+                )  # the stores count steps from 1
+                grad_norm, job.host_counters = applied.grad_norm, applied.counters
+            except (TimeoutError, FusionNodeError, OSError) as exc:
+                dead, _leaving = await self.placement.probe(list(job.hosts))
+                if not dead:
+                    raise
+                raise HostFailed(step, {h: [Failure.of(exc)] for h in dead}, dead) from None
+            commit_extra: dict[str, Any] = {}
+        else:
+            shared_sum = await self.sum_shared(job, stage_args, step)
+            sq = sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
+            grad_norm = math.sqrt(sq)
+            clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
+            for a in stage_args:
+                mine = {k: shared_sum[k] for k in a.shared_names}
+                if mine:
+                    meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
+                    await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, mine))
+            commit_extra = {"lr": lr, "clip_coef": clip}
+        phases["optimizer_s"] = time.perf_counter() - t_phase
+        t_phase = time.perf_counter()
+        commits = {
+            ("commit", a.stage): jp.call(
+                self.t,
+                a.peer,
+                Rpc.JOB_COMMIT,
+                jp.CommitRequest(job=jid, stage=a.stage, step=step, **commit_extra),
+                timeout=timeout,
+                idempotent=True,  # a commit already applied answers so
+            )
+            for a in stage_args
+        }
+        late = None
+        try:
+            await self.gather_or_fail(
+                job, run, step, commits, {("commit", a.stage): a.peer for a in stage_args}
+            )
+        except StepFailed as fail:
+            if not job.offload:
+                raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
+            late = fail
+        phases["commit_s"] = time.perf_counter() - t_phase
+        job.phases = {k: round(v, 4) for k, v in phases.items()}
+        return reports, grad_norm, late
+
+    async def gather_or_fail(
+        self, job: Job, run: Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]
+    ) -> dict[Any, Any]:
+        """Awaits every call; at the first failure waits a moment for others, cancels the rest, probes
+        the plan's peers and raises StepFailed (so a dead peer is detected as soon as a stream to it
+        breaks, not after the step deadline)."""
+        tasks = {key: asyncio.ensure_future(coro) for key, coro in calls.items()}
+        pending = set(tasks.values())
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                if any(t.exception() is not None for t in done if not t.cancelled()):
+                    break
+            if pending:
+                _done, pending = await asyncio.wait(pending, timeout=FAILURE_GRACE_S)
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        errors: dict[str, list[Failure]] = {}
+        for key, t in tasks.items():
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is None:
+                continue
+            if not isinstance(exc, FusionNodeError | OSError | asyncio.TimeoutError):
+                raise exc
+            peer = peer_of[key]
+            errors.setdefault(peer, []).append(Failure.of(exc))
+        if not errors:
+            return {key: t.result() for key, t in tasks.items()}
+        unreachable, draining = await self.placement.probe(
+            sorted({a.peer for a in run.stage_args} | set(job.hosts))
+        )
+        dead_hosts = [h for h in job.hosts if h in unreachable]
+        if dead_hosts:
+            unanswered = [Failure(ErrorCode.DEADLINE, "did not answer a liveness probe")]
+            raise HostFailed(step, {h: errors.get(h, unanswered) for h in dead_hosts}, dead_hosts)
+        for p in draining:  # its calls failed because it is leaving (a pause released its stages, say)
+            errors.setdefault(p, []).append(
+                Failure(ErrorCode.LEAVING, "the peer answered a probe that it is leaving")
+            )
+        raise StepFailed(step, errors, unreachable)
+
+    async def sum_shared(
+        self, job: Job, stage_args: list[StageAssignment], step: int
+    ) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for a in stage_args:
+            if not a.shared_names:
+                continue
+            msg, src = await self.t.mailbox.get(
+                (TensorKind.SHARED_GRAD, job.spec.job_id, step, -1, a.stage),
+                self.step_timeout_s,
+                sender=a.peer,
+            )
+            got = decode_checked(msg, {k: a.param_specs[k] for k in a.shared_names}, None, src)
+            for name, g in got.items():
+                total[name] = total[name] + g if name in total else g.clone()
+        return total
+
+    async def keep_alive(self, job: Job, run: Run) -> None:
+        """Renews the stages' leases while steps or plan changes take long (a ping a third of a lease)."""
+        while True:
+            await asyncio.sleep(job.lease_s / 3)
+            peers = sorted({a.peer for a in run.stage_args})
+            await asyncio.gather(
+                *(
+                    jp.call(
+                        self.t, p, Rpc.JOB_PING, jp.PingRequest(job=job.spec.job_id), timeout=PING_TIMEOUT_S
+                    )
+                    for p in peers
+                ),
+                return_exceptions=True,
+            )
+
+    async def dump_grads(self, job: Job, stage_args: list[StageAssignment], path: str) -> None:
+        from safetensors.torch import save_file
+
+        grads = await self.placement.fetch(job, stage_args, "grads")
+        await asyncio.to_thread(save_file, {k: v.contiguous() for k, v in grads.items()}, path)
