@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fusionnode.bench import compare, hivemind_peer, testbed
+from fusionnode.bench import compare, hivemind_peer, systems, testbed
 
 NETDEV = """Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
@@ -168,11 +168,11 @@ def test_hivemind_systems_are_refused_on_userspace_links(capsys):
 
 
 def test_sync_configurations_wait_for_their_job_spec_fields():
-    names = [c[0] for c in testbed.SYNC_CONFIGS]
+    names = [c[0] for c in systems.SYNC_CONFIGS]
     assert names == ["fusionnode-diloco", "fusionnode-sparseloco"]
-    assert testbed.sync_available({}) and testbed.sync_available({"seed": 1})
-    assert not testbed.sync_available({"no_such_field": 1})
-    assert set(testbed.system_names()) >= {"baseline", "fusionnode", *names, *testbed.HIVEMIND_SYSTEMS}
+    assert systems.sync_available({}) and systems.sync_available({"seed": 1})
+    assert not systems.sync_available({"no_such_field": 1})
+    assert set(systems.system_names()) >= {"baseline", "fusionnode", *names, *systems.HIVEMIND_SYSTEMS}
 
 
 def _p2pd_cmdlines() -> list[list[str]]:

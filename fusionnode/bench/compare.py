@@ -273,3 +273,66 @@ def evaluate_params(params_path: str | Path, *, batch_size: int, seq_len: int, s
     model.load_state_dict(torch.load(params_path, weights_only=True))
     with torch.no_grad():
         return evaluate(model, BatchSource(load_corpus(), batch_size=batch_size, seq_len=seq_len, seed=seed))
+
+
+def print_table(res: dict[str, Any]) -> None:
+    from fusionnode.term import table
+
+    label = "tc/netns links" if res["network"] == "netns" else "user-space token buckets on loopback"
+    speeds = ", ".join(f"{v * 1e3:.1f}" for v in res["emulated_tflops"])
+
+    def num(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    print()
+    table(
+        [
+            *("config", "tokens/s", "speedup", "step s", "sim s", "err", "closed s", "err", "wire MiB"),
+            *("loss", "Δloss", "pipes", "stages"),
+        ],
+        [
+            (
+                r["config"],
+                f"{r['tokens_per_s']:.0f}",
+                num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+                f"{r['step_time_s']:.3f}",
+                num(r["simulated_step_time_s"], ".3f"),
+                num(r["simulation_error"], "+.0%"),
+                num(r["predicted_step_time_s"], ".3f"),
+                num(r["prediction_error"], "+.0%"),
+                f"{r['wire_bytes'] / 2**20:.1f}",
+                f"{r['final_loss']:.4f}",
+                num(r["loss_vs_baseline"], "+.1%"),
+                r["pipelines"],
+                r["stages"],
+            )
+            for r in res["rows"]
+        ],
+        title=f"{res['cluster']}: {res['devices']} peers, {label}, devices paced at {speeds} GFLOP/s",
+        right=tuple(range(1, 13)),
+    )
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'fusionnode[bench]')", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 7), squeeze=False)
+    for k, res in enumerate(results):
+        for r in res["rows"]:
+            t = [p["t"] for p in r["curve"]]
+            axes[0][k].plot(t, [p["tokens_per_s"] for p in r["curve"]], label=r["config"])
+            axes[1][k].plot(t, [p["loss"] for p in r["curve"]], label=r["config"])
+        axes[0][k].set_title(f"{res['cluster']} ({res['network']})")
+        axes[0][k].set_ylabel("tokens/s")
+        axes[1][k].set_ylabel("loss")
+        axes[1][k].set_xlabel("training time (s)")
+        axes[0][k].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True

@@ -21,9 +21,10 @@ epoch is measured on the samples FusionNode's step e trains on; the further loca
 takes while a round assembles draw windows of their own (seed derived from the job's seed and the
 peer's index), `ceil(batch_size / peers)` samples each.
 
-Pacing (as FusionNode's testbed paces its workers, runtime/worker.py `_debug_delay`): a forward
-of n samples takes at least n x the model's forward FLOPs per sample / the emulated speed, and a
-backward twice that; the real computation runs, then the peer sleeps out the rest.
+Pacing: the workers' own hook (runtime/hooks.py `PacingHook`, which FusionNode's testbed drives
+through `debug_pace`): a forward of n samples takes at least n x the model's forward FLOPs per
+sample / the emulated speed, and a backward twice that; the real computation runs, then the peer
+sleeps out the rest.
 
 Network: the DHT (and the averagers, which share its p2pd) start with FusionNode's `OptionsDHT` and
 ``LOCAL_ONLY``: no NAT port mapping, no AutoNAT, no relay service; they listen and announce only the
@@ -39,6 +40,7 @@ for ``--go-file`` (which holds the common start time, Unix seconds), trains unti
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -58,6 +60,7 @@ MODES = ("avg", "local")
 SMALL_SWARM_MATCHMAKING_S = 5.0  # the upper end of "3-5s for small local runs": few peers, one machine
 DEFAULT_AVERAGING_TIMEOUT_S = 60.0  # hivemind's default, the floor below
 READY_TIMEOUT_S = 240.0  # seconds a peer waits for the swarm and the go file
+OPTIMIZER_SHUTDOWN_S = 20.0  # seconds hivemind's Optimizer.shutdown gets before its averagers are killed
 SHUTDOWN_GRACE_S = 90.0  # seconds the peers get to leave after the stop file (then they are killed)
 
 
@@ -140,6 +143,7 @@ def run_peer(args: argparse.Namespace) -> int:
     from hivemind.optim.optimizer import Optimizer
 
     from fusionnode.config import LOCAL_ONLY
+    from fusionnode.runtime.hooks import PacingHook
     from fusionnode.swarm.libp2p import OptionsDHT
     from fusionnode.train.data import BatchSource, load_corpus, shard_ranges, step_seed
     from fusionnode.train.local import build_job_model, lm_loss
@@ -255,6 +259,9 @@ def run_peer(args: argparse.Namespace) -> int:
     # the averaging timeout and proceed alone, which is not how a swarm in the middle of a run runs)
     stop = go.with_name("stop")
     log = (out / f"peer{args.index}.jsonl").open("w", encoding="utf-8")
+    pace = PacingHook(None)
+    pace.pace_tflops = args.pace_tflops
+    pace_loop = asyncio.new_event_loop()
     k = 0
     last_shared = -1
     done: dict[str, Any] | None = None
@@ -281,14 +288,14 @@ def run_peer(args: argparse.Namespace) -> int:
             else:
                 x, y = source.batch(k)
             fwd_flops = flops_per_sample * x.size(0)
+            # the workers' pacing hook: a forward at least fwd_flops at the emulated speed, a
+            # backward twice that; the real computation runs, the hook sleeps out the rest
             c0 = time.perf_counter()
             loss = lm_loss(model(x), y)
+            pace_loop.run_until_complete(pace.after_compute(time.perf_counter() - c0, fwd_flops))
+            c1 = time.perf_counter()
             loss.backward()
-            real = time.perf_counter() - c0
-            if args.pace_tflops > 0:  # forward 1x, backward 2x the forward FLOPs at the emulated speed
-                extra = 3.0 * fwd_flops / (args.pace_tflops * 1e12) - real
-                if extra > 0:
-                    time.sleep(extra)
+            pace_loop.run_until_complete(pace.after_compute(time.perf_counter() - c1, 2.0 * fwd_flops))
             compute = time.perf_counter() - c0
             opt.step(batch_size=x.size(0))
             opt.zero_grad()
@@ -307,10 +314,28 @@ def run_peer(args: argparse.Namespace) -> int:
                 log.flush()
             k += 1
     finally:
+        pace_loop.close()
         log.close()
-        opt.shutdown()
-        dht.shutdown()
+        shutdown(opt, dht)
     return 0
+
+
+def shutdown(opt: Any, dht: Any, timeout_s: float = OPTIMIZER_SHUTDOWN_S) -> None:
+    """hivemind's own shutdown, bounded: `Optimizer.shutdown` waits for a scheduled averaging round,
+    which never assembles once the other peers have left; after `timeout_s` its averager processes
+    are killed (its DHT, and the p2pd under it, are still shut down properly)."""
+    import multiprocessing as mp
+    import threading
+
+    t = threading.Thread(target=opt.shutdown, name="optimizer-shutdown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        for proc in (getattr(opt, "state_averager", None), getattr(opt, "grad_averager", None)):
+            if isinstance(proc, mp.Process) and proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    dht.shutdown()
 
 
 def peer_command(
