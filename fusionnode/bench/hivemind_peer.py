@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -398,6 +400,14 @@ def _wait_for_file(path: Path, procs: list[subprocess.Popen], timeout: float) ->
         time.sleep(0.1)
 
 
+def _kill_group(p: subprocess.Popen) -> None:
+    """Kills a peer and everything it forked (its DHT and averager processes, p2pd): each peer
+    runs in a session of its own. Also reaps what is left of a peer that exited by itself."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
 def launch_swarm(
     commands: list[Any],
     out: Path,
@@ -428,7 +438,11 @@ def launch_swarm(
             initial = [] if i == 0 else commands[i].initial_from(boot)
             argv = [*(prefix[i] if prefix else []), *commands[i](initial)]
             logs.append((out / f"peer{i}.log").open("wb"))
-            procs.append(subprocess.Popen(argv, stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
+            procs.append(
+                subprocess.Popen(
+                    argv, stdout=logs[-1], stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+            )
             if i == 0:
                 boot = _wait_for(out / "peer0.addr.json", procs, READY_TIMEOUT_S)
         for i in range(n):
@@ -452,14 +466,11 @@ def launch_swarm(
             try:
                 p.wait(left)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                _kill_group(p)
         rcs = [p.returncode for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            _kill_group(p)
         for f in logs:
             f.close()
     res = collect_swarm(out, n)
