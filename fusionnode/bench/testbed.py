@@ -256,7 +256,7 @@ class Testbed:
         if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(60)
+                self._proc.wait(180)  # testbed.sh stops every daemon, then deletes the namespaces
 
 
 def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
