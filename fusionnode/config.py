@@ -33,6 +33,9 @@ DEFAULT_AUTONAT = "auto"  # AutoNAT (swarm peers dial back to say whether we are
 DEFAULT_RELAY_CLIENT = True  # dial peers through circuit relays (sends nothing by itself)
 DEFAULT_RELAY_SERVICE = False  # relay other peers' traffic over this uplink (p2pd's own default is on)
 DEFAULT_DHT_MODE = "server"  # libp2p Kademlia: answer other peers' routing queries (hivemind's default)
+REACHABILITY_CHOICES = ("auto", "public", "private")
+DEFAULT_REACHABILITY = "auto"  # ask peers to dial back at start (swarm/reachability.py)
+MAX_TRUSTED_RELAYS = 8
 ENV_STATE_DIR = "FUSIONNODE_STATE_DIR"
 
 
@@ -125,8 +128,29 @@ class NetworkOptions:
     relay_client: bool = DEFAULT_RELAY_CLIENT
     relay_service: bool = DEFAULT_RELAY_SERVICE
     dht_mode: str = DEFAULT_DHT_MODE  # "server" | "client"
+    # "auto": find out at start by asking peers to dial back; "public"/"private": take the user's word
+    reachability: str = DEFAULT_REACHABILITY
+    relays: tuple[str, ...] = ()  # trusted relays (multiaddrs ending /p2p/<id>); none: relays among peers
+    direct: bool = (
+        True  # data streams over TCP + TLS to peers that can be dialed directly (runtime/direct.py)
+    )
 
     def __post_init__(self) -> None:
+        if self.reachability not in REACHABILITY_CHOICES:
+            raise ConfigError(
+                f"reachability must be one of {', '.join(REACHABILITY_CHOICES)}, got {self.reachability!r}"
+            )
+        if len(self.relays) > MAX_TRUSTED_RELAYS:
+            raise ConfigError(f"at most {MAX_TRUSTED_RELAYS} trusted relays, got {len(self.relays)}")
+        for relay in self.relays:
+            if not isinstance(relay, str) or "/p2p/" not in relay or "/p2p-circuit" in relay:
+                raise ConfigError(
+                    f"a trusted relay must be a multiaddr ending in /p2p/<peer id> (not a circuit), got {relay!r}"
+                )
+        if self.relay_service and self.reachability == "private":
+            raise ConfigError(
+                "a relay (--relay) must be publicly reachable: it cannot run with --reachability private"
+            )
         for name in ("nat_port_map", "autonat"):
             if getattr(self, name) not in AUTO_CHOICES:
                 raise ConfigError(
@@ -152,6 +176,9 @@ class NetworkOptions:
             "relay_client": self.relay_client,
             "relay_service": self.relay_service,
             "dht_mode": self.dht_mode,
+            "reachability": "local" if local and self.reachability == "auto" else self.reachability,
+            "relays": list(self.relays),
+            "direct": self.direct,
         }
 
 
@@ -183,7 +210,7 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         default=onoff[DEFAULT_RELAY_CLIENT],
         help="dial peers through libp2p circuit relays when they cannot be dialed directly (sends "
-        "nothing by itself; AutoRelay, reserving a relay slot for this peer, stays off) "
+        "nothing by itself; a slot on a relay is reserved only when this peer finds itself behind NAT) "
         "(default %(default)s)",
     )
     p.add_argument(
@@ -192,6 +219,36 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
         default=onoff[DEFAULT_RELAY_SERVICE],
         help="relay other peers' connections over this peer's uplink once it is publicly reachable "
         "(p2pd's own default is on; FusionNode's is %(default)s); needs --relay-client on",
+    )
+    p.add_argument(
+        "--relay",
+        action="store_true",
+        help="offer this peer as a circuit relay for peers behind NAT (the same as --relay-service on "
+        "--reachability public: a relay must be dialable from the internet; it asks p2pd for 30 min and "
+        "4 GiB per relayed connection, but the shipped p2pd may grant go-libp2p's 2 min and 128 KiB; "
+        "16 circuits per peer, 128 slots)",
+    )
+    p.add_argument(
+        "--reachability",
+        choices=REACHABILITY_CHOICES,
+        default=DEFAULT_REACHABILITY,
+        help="auto: at start ask a peer to dial this one back, and behind NAT reserve a slot on a relay; "
+        "public/private: take that as the answer (default %(default)s)",
+    )
+    p.add_argument(
+        "--relay-via",
+        action="append",
+        default=[],
+        metavar="MADDR",
+        help="a trusted relay (multiaddr ending in /p2p/<peer id>) for this peer when it is behind NAT; "
+        "repeatable; without one, the initial peers that offer relaying are used",
+    )
+    p.add_argument(
+        "--direct",
+        choices=["on", "off"],
+        default="on",
+        help="move tensor streams to a TCP + TLS 1.3 connection (keyed to the peers' libp2p identities) "
+        "when the other peer can be dialed directly; libp2p otherwise (default %(default)s)",
     )
     p.add_argument(
         "--dht-mode",
@@ -204,12 +261,19 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
 
 def network_options(args: argparse.Namespace) -> NetworkOptions:
     """The `NetworkOptions` of parsed `add_network_arguments` flags; ConfigError on a bad combination."""
+    relay = bool(getattr(args, "relay", False))
+    reachability = getattr(args, "reachability", DEFAULT_REACHABILITY)
+    if relay and reachability == "auto":
+        reachability = "public"
     return NetworkOptions(
         nat_port_map=args.nat_port_map,
         autonat=args.autonat,
-        relay_client=args.relay_client == "on",
-        relay_service=args.relay_service == "on",
+        relay_client=args.relay_client == "on" or relay,
+        relay_service=args.relay_service == "on" or relay,
         dht_mode=args.dht_mode,
+        reachability=reachability,
+        relays=tuple(getattr(args, "relay_via", None) or ()),
+        direct=getattr(args, "direct", "on") == "on",
     )
 
 

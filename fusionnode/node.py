@@ -24,7 +24,8 @@ from fusionnode.config import NodeConfig
 from fusionnode.control import ControlServer
 from fusionnode.errors import ConfigError, DaemonError, JobCancelled
 from fusionnode.runtime.hooks import hook_from_env
-from fusionnode.runtime.transport import TokenBucket, Transport
+from fusionnode.runtime.shaping import TokenBucket
+from fusionnode.runtime.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class Node:
         self.maddrs: list[str] = []
         self.swarm_fingerprint: str | None = None
         self.availability: Any = None
+        self.reach: Any = None  # swarm/reachability.py Reachability
+        self.direct_addrs: list[str] = []  # where the direct fast path listens (runtime/direct.py)
         self.dashboard: Any = None
         self.dashboard_url: str | None = None
         self._job_tasks: dict[str, asyncio.Task[Any]] = {}  # job id -> the control call that drives it
@@ -105,6 +108,7 @@ class Node:
         from fusionnode.swarm.membership import Membership, MembershipConfig
         from fusionnode.swarm.probe import ProbeConfig
         from fusionnode.swarm.profile import load_or_measure_profile
+        from fusionnode.swarm.reachability import DIALBACK_METHOD
         from fusionnode.train.driver import Driver
 
         cfg = self.config
@@ -118,6 +122,7 @@ class Node:
         if key is not None:
             logger.info("private swarm %s", key.fingerprint)
         self.swarm_fingerprint = key.fingerprint if key is not None else None
+        network = await self._find_reachability(SwarmAuthorizer(key) if key is not None else None)
         self.dht = await start_dht(
             self.identity,
             list(cfg.listen),
@@ -125,12 +130,17 @@ class Node:
             startup_timeout=cfg.startup_timeout_s,
             announce=list(cfg.announce) or None,
             authorizer=DHTSwarmAuthorizer(key) if key is not None else None,
-            options=cfg.network,
+            options=network,
         )
         t0 = time.monotonic()
         self.p2p = await self.dht.replicate_p2p()
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
         logger.info("P2P replicated in %.2f s", time.monotonic() - t0)
+        self.reach.peer_id = self.peer_id
+        await self.reach.keep_reservations(self.p2p)
+        self.maddrs = [*self.reach.circuit_addrs, *self.maddrs][:12]  # advertised in our record
+        logger.info("%s", self.reach.line())
+        print(self.reach.line(), file=sys.stderr, flush=True)
         capacity = cfg.max_memory_bytes or self.profile.memory_free_bytes
         self.membership = Membership(
             self.dht,
@@ -153,8 +163,14 @@ class Node:
         )
         if cfg.egress_limit_bps:
             self.transport.egress_limit = TokenBucket(cfg.egress_limit_bps)
+        if cfg.network.direct:
+            await self._start_direct()
+        self.transport.reach = self.reach
+        self.reach.records = self.membership.known_peers
+        self.transport.add_rpc(DIALBACK_METHOD, self._rpc_dialback)
         await self.transport.start()
         self.membership.prober.auth = self.transport.preamble_hooks()
+        self.membership.prober.reach = self.reach
         self.worker = WorkerService(
             self.transport,
             capacity_bytes=int(capacity),
@@ -228,6 +244,90 @@ class Node:
                 print(f"dashboard with actions: {self.dashboard.actions_url}", file=sys.stderr, flush=True)
         logger.info("node components started in %.2f s", time.monotonic() - t0)
 
+    async def _find_reachability(self, authorizer: Any) -> Any:
+        """Whether this peer is reachable (swarm/reachability.py); the network options p2pd starts with."""
+        import dataclasses
+
+        from fusionnode.swarm.reachability import Reachability, Verdict, probe_before_start
+
+        cfg = self.config
+        net = cfg.network
+        eff = net.resolve(list(cfg.listen))
+        if eff["reachability"] == "local":
+            verdict = Verdict("local", "loopback")
+        elif net.reachability == "public":
+            verdict = Verdict("public", "option")
+        elif net.reachability == "private":
+            verdict = Verdict("nat", "option")
+        else:
+            from fusionnode.swarm.reachability import ASK_TIMEOUT_S
+
+            verdict = await probe_before_start(
+                list(cfg.listen),
+                list(cfg.initial_peers),
+                make_transport=lambda p2p: Transport(p2p, rpc_timeout=ASK_TIMEOUT_S, authorizer=authorizer),
+                startup_timeout=cfg.startup_timeout_s,
+            )
+        relays = list(net.relays) or (verdict.relays if verdict.state == "nat" else [])
+        force = {"public": "public", "nat": "private"}.get(verdict.state, "auto")
+        self.reach = Reachability(verdict, relays=relays, relay_service=bool(eff["relay_service"]))
+        return dataclasses.replace(net, reachability=force, relays=tuple(relays))
+
+    async def _start_direct(self) -> None:
+        """The direct fast path (runtime/direct.py): a TLS listener on the listen address's host,
+        advertised as `<ip>:<port>/tls/fusionnode-direct` in our record."""
+        from fusionnode.runtime.direct import DIRECT_TAG, DirectPath
+        from fusionnode.swarm.reachability import ip_of
+
+        hosts = [ip_of(m) for m in self.config.listen if str(m).startswith("/ip4/")]
+        host = next((h for h in hosts if h), "0.0.0.0")
+        direct = DirectPath(self.identity.private_key, self.peer_id, host=host)
+        await direct.start(self.transport._on_data_stream)
+        ips = [ip for ip in dict.fromkeys(ip_of(m) for m in self.maddrs) if ip and ":" not in ip]
+        if any(ip != "127.0.0.1" for ip in ips):
+            ips = [ip for ip in ips if ip != "127.0.0.1"]
+        if host != "0.0.0.0":
+            ips = [host]
+        self.transport.direct = direct
+        self.direct_addrs = direct.addrs(ips[:4])  # in our record only (they are not libp2p addresses)
+        self.membership.set_maddrs([*self.maddrs, *self.direct_addrs])
+
+        def book(peer_id: str) -> list[str]:
+            for rec in self.membership.known_peers():
+                if rec.peer_id == peer_id:
+                    return [m for m in rec.maddrs if m.endswith(DIRECT_TAG)]
+            return []
+
+        self.transport.direct_book = book
+
+        def link_bps(peer_id: str) -> float | None:
+            m = self.membership.prober.results().get(peer_id)
+            return float(m.bandwidth_bps) if m is not None else None
+
+        self.transport.link_bps = link_bps
+
+    async def _rpc_dialback(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
+        from fusionnode.swarm.reachability import answer_dialback, ip_of
+
+        relays: list[str] = []
+        if self.reach.relay_service and self.reach.state == "public":
+            relays = [
+                m
+                for m in self.maddrs
+                if "/p2p-circuit" not in m and ip_of(m) not in (None, "127.0.0.1", "::1") and "/p2p/" in m
+            ]
+        return await answer_dialback(self.p2p, sender, args, relays=relays)
+
+    async def _watch_reachability(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.reach.refresh(self.p2p)
+                await self.reach.keep_reservations(self.p2p)
+                own = [m for m in self.maddrs if "/p2p-circuit" not in m]
+                self.maddrs = [*self.reach.circuit_addrs, *own][:12]
+                self.membership.set_maddrs([*self.maddrs, *self.direct_addrs])
+            await asyncio.sleep(5.0)
+
     @property
     def peer_id(self) -> str:
         return str(self.identity.peer_id)
@@ -240,6 +340,7 @@ class Node:
                 "control": str(self.config.control_path),
                 "dashboard": self.dashboard_url,
                 "libp2p": self.config.network.resolve(list(self.config.listen)),  # beyond the listen addrs
+                "reachability": self.reach.status() if self.reach is not None else None,
                 "dashboard_actions": self.dashboard.actions_url if self.dashboard is not None else None,
                 "pid": os.getpid(),
                 "version": fusionnode.__version__,
@@ -251,18 +352,29 @@ class Node:
             membership_task = tg.create_task(self.membership.run(), name="membership")
             worker_task = tg.create_task(self.worker.run(), name="worker")
             availability_task = tg.create_task(self.availability.run(), name="availability")
+            reach_task = tg.create_task(self._watch_reachability(), name="reachability")
             await self._stop.wait()
             availability_task.cancel()  # before leaving, so a resume cannot re-advertise after the withdrawal
             await self.graceful_leave()
             membership_task.cancel()
             worker_task.cancel()
+            reach_task.cancel()
 
     def stop(self) -> None:
         self._stop.set()
 
     async def graceful_leave(self) -> None:
+        """Drains (steps in flight finish; new ones are refused with the code `leaving`), then waits,
+        bounded, until the drivers have released this peer's stages: they learn of the leave from that
+        refusal and re-plan, and the commit of a step already run still finds this peer here."""
+
+        async def drain_and_wait_released() -> None:
+            await self.worker.drain()
+            while self.worker.jobs:
+                await asyncio.sleep(0.1)
+
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.worker.drain(), self.config.rpc_timeout_s)
+            await asyncio.wait_for(drain_and_wait_released(), self.config.rpc_timeout_s)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.membership.withdraw(), 5)
 
@@ -284,7 +396,11 @@ class Node:
     # ---- control API ---------------------------------------------------------------------------
     async def _rpc_peers(self, params: dict, emit) -> dict:
         peers = await self.membership.peers()
-        return {"self": self.peer_id, "peers": [p.to_wire() for p in peers]}
+        return {
+            "self": self.peer_id,
+            "peers": [p.to_wire() for p in peers],
+            "reachability": self.reach.status(),
+        }
 
     async def _rpc_status(self, params: dict, emit) -> dict:
         peers = await self.membership.peers()
@@ -303,6 +419,7 @@ class Node:
             "availability": self.availability.status(),
             "security": self.transport.security_status(),
             "jobs": self.driver.status(),
+            "reachability": self.reach.status(),
         }
 
     async def _rpc_leave(self, params: dict, emit) -> dict:

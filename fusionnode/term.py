@@ -200,6 +200,17 @@ def print_peers(peers: list[dict[str, Any]], me: str | None = None, stream: Text
     table(PEER_COLUMNS, peer_rows(peers, me), right=(2, 3), stream=stream)
 
 
+def reach_text(reach: dict[str, Any] | None) -> str:
+    """One line on this peer's reachability (swarm/reachability.py): its state and the links relayed."""
+    if not reach:
+        return "unknown"
+    text = str(reach.get("line", reach.get("state", "unknown"))).removeprefix("reachability: ")
+    relayed = reach.get("relayed_peers") or []
+    if relayed:
+        text += f"; relayed links to {', '.join(p[-6:] for p in relayed)}"
+    return text
+
+
 def print_status(res: dict[str, Any], stream: TextIO | None = None) -> None:
     """What `fusionnode status` shows: this peer, the swarm's peers, the stages served, the jobs driven."""
     dev = res.get("device") or {}
@@ -214,6 +225,7 @@ def print_status(res: dict[str, Any], stream: TextIO | None = None) -> None:
             ("device", f"{dev.get('kind')} {dev.get('name')}  {dev.get('tflops_fp32', 0):.2f} TFLOPS fp32"),
             ("state", str(av.get("availability", "?")) + (f" ({av['reason']})" if av.get("reason") else "")),
             ("swarm", f"{len(res['peers'])} peer(s), {swarm_kind}"),
+            ("reach", reach_text(res.get("reachability"))),
         ],
         stream=stream,
     )

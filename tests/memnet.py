@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from fusionnode.errors import DeadlineError, PeerError
-from fusionnode.runtime.transport import Mailbox, message_key
+from fusionnode.runtime.mailbox import Mailbox, message_key
 from fusionnode.wire import Call, Reply, TensorMessage, decode_message, encode_message
 from fusionnode.wire.job import error_result, remote_error
 

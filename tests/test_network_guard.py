@@ -249,6 +249,9 @@ def test_auto_is_off_exactly_when_every_listen_address_is_loopback():
         "relay_client": True,
         "relay_service": False,
         "dht_mode": "server",
+        "reachability": "auto",  # found out at start by a dial-back (issue 22)
+        "relays": [],
+        "direct": True,
     }
     off = LOCAL_ONLY.resolve(["/ip4/0.0.0.0/tcp/31337"])  # explicit off wins over a public address
     assert (off["nat_port_map"], off["autonat"], off["relay_service"]) == (False, False, False)

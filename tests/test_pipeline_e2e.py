@@ -141,6 +141,12 @@ def test_training_follows_the_single_process_loss_curve(swarm, tmp_path):
         assert key in steps_rec[0]
     assert all(r["wire_bytes"] > 0 for r in steps_rec)
     assert len(steps_rec[0]["stages"]) == N_PEERS
+    # loopback peers dial each other: the tensor streams took the direct TCP + TLS path (issue 22)
+    status = asyncio.run(control.call(swarm.control(0), "status"))
+    assert status["security"]["paths"] and set(status["security"]["paths"].values()) == {"direct"}, status[
+        "security"
+    ]["paths"]
+    assert status["reachability"]["state"] == "local"
 
 
 def test_a_second_daemon_on_the_same_state_dir_is_refused(swarm):

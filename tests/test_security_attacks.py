@@ -499,8 +499,9 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
 
 
 def test_a_peer_cannot_advertise_a_link_faster_than_the_other_end_measured():
-    """Attack 8 (links only): a liar advertises 10 Tbit/s to an honest peer that measured 8 Mbit/s
-    the other way; the cluster the planner gets has 8 Mbit/s. A link one end alone reports stays."""
+    """Attack 8 (links): a liar advertises 10 Tbit/s to an honest peer that measured 8 Mbit/s the
+    other way; the cluster the planner gets has 8 Mbit/s. A link only the liar reports is at most the
+    fastest link measured from both ends (8 Mbit/s here; 1 Gbit/s when none is)."""
     from types import SimpleNamespace
 
     from fusionnode.train.driver import cluster_from_records
@@ -522,4 +523,45 @@ def test_a_peer_cannot_advertise_a_link_faster_than_the_other_end_measured():
     pairs = {(p["a"], p["b"]): p for p in doc["links"]["pairs"]}
     assert pairs[("honest", "liar")]["bandwidth_gbps"] == pytest.approx(8e-3)
     assert pairs[("honest", "liar")]["latency_ms"] == pytest.approx(10.0)
-    assert pairs[("liar", "other")]["bandwidth_gbps"] == pytest.approx(1.0)
+    assert pairs[("liar", "other")]["bandwidth_gbps"] == pytest.approx(8e-3)  # it claimed 1 Gbit/s
+    # nothing measured from both ends: a one-sided 10 Tbit/s claim is planned at the 1 Gbit/s default
+    alone = cluster_from_records(
+        [rec("liar", {"other": (1e13, 1e-6)}), rec("other", {})], ["liar", "other"], []
+    )
+    assert alone["links"]["pairs"][0]["bandwidth_gbps"] == pytest.approx(1.0)
+
+
+def test_advertised_tflops_are_capped_and_replaced_by_measured_stage_speeds():
+    """Attack 8 (compute): a liar advertises 1e5 TFLOPS among peers of 2. Before any job it is planned
+    at most ADVERTISED_CAP x the median advertisement; once the driver measured its stage times
+    (as slow as the others here), the measurement replaces the advertisement."""
+    from types import SimpleNamespace
+
+    from fusionnode.train.placement import cluster_from_records
+    from fusionnode.train.rebalance import ADVERTISED_CAP
+
+    def rec(pid: str, tflops: float) -> SimpleNamespace:
+        return SimpleNamespace(
+            peer_id=pid, links={}, device=SimpleNamespace(tflops_fp32=tflops), capacity_bytes=1 << 30
+        )
+
+    records = [rec("liar", 1e5), rec("a", 2.0), rec("b", 2.0)]
+    ids = ["liar", "a", "b"]
+    tf = {d["id"]: d["tflops"] for d in cluster_from_records(records, ids, [])["devices"]}
+    assert tf == {"liar": ADVERTISED_CAP * 2.0, "a": 2.0, "b": 2.0}
+    # measured (work per second, any unit): the liar as fast as the others, then 10x slower
+    tf = {
+        d["id"]: d["tflops"]
+        for d in cluster_from_records(records, ids, [], {"liar": 5.0, "a": 5.0, "b": 5.0})["devices"]
+    }
+    assert tf["liar"] == pytest.approx(2.0)
+    tf = {
+        d["id"]: d["tflops"]
+        for d in cluster_from_records(records, ids, [], {"liar": 0.5, "a": 5.0, "b": 5.0})["devices"]
+    }
+    assert tf["liar"] == pytest.approx(0.2) and tf["a"] == pytest.approx(2.0)
+    # measured honest peers, an unmeasured liar: at most ADVERTISED_CAP x the fastest measured figure
+    tf = {
+        d["id"]: d["tflops"] for d in cluster_from_records(records, ids, [], {"a": 5.0, "b": 2.5})["devices"]
+    }
+    assert tf["liar"] == pytest.approx(ADVERTISED_CAP * 2.0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusionnode.errors import DeadlineError, ProtocolError
-from fusionnode.runtime import transport as T
+from fusionnode.runtime import mailbox as T
 from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.messages import TensorMessage
 

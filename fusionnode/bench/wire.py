@@ -15,7 +15,9 @@ Method
    Ratios are memcpy time / codec time: 1.0 means as fast as one plain copy.
 2. Streams. Send --stream-mib MiB in --chunk-kib writes (drain after each) and wait for a one-byte
    acknowledgement, over (a) a plain asyncio TCP socket on 127.0.0.1 and (b) a hivemind libp2p
-   binary stream between two local P2P daemons; both as raw bytes and as one framed TensorMessage
+   binary stream between two local P2P daemons, (c) the direct path (runtime/direct.py: TCP + TLS
+   1.3, both peer identities checked, two I/O threads per connection); each as raw bytes and as one
+   framed TensorMessage
    (write_message / read_message). Each transfer runs on a fresh stream; median of STREAM_REPEATS
    after one warm-up transfer.
 """
@@ -168,9 +170,18 @@ async def _measure(
     open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None
 ) -> float:
     times = []
-    for _ in range(repeats + 1):  # first run warms up
+    cpu0 = 0.0
+    for i in range(repeats + 1):  # first run warms up
+        if i == 1:
+            cpu0 = time.process_time()
         times.append(await asyncio.wait_for(_send(open_stream, total, chunk, msg), TRANSFER_TIMEOUT))
+    # CPU seconds this process spent (every thread, both ends of the stream) per MiB: unlike the
+    # throughput, not skewed by other processes competing for the cores (p2pd's own CPU is not in it)
+    LAST_CPU_MS_PER_MIB[0] = (time.process_time() - cpu0) * 1e3 / (total / MIB * repeats)
     return total / MIB / statistics.median(times[1:])
+
+
+LAST_CPU_MS_PER_MIB = [0.0]  # of the latest `_measure`
 
 
 async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
@@ -194,12 +205,62 @@ async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: 
         finally:
             server.close()
             await server.wait_closed()
-        rows.append({"transport": "tcp", "payload": "framed" if framed else "raw", "mib_s": rate})
+        rows.append(
+            {
+                "transport": "tcp",
+                "payload": "framed" if framed else "raw",
+                "mib_s": rate,
+                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
+            }
+        )
+    rows += await _bench_direct(total, chunk, repeats, msg, frame_bytes, limits)
     if with_p2p:
         rows += await _bench_p2p(total, chunk, repeats, msg, frame_bytes, limits)
-        tcp = {r["payload"]: r["mib_s"] for r in rows if r["transport"] == "tcp"}
-        for row in rows:
-            row["ratio_to_tcp"] = row["mib_s"] / tcp[row["payload"]]
+    tcp = {r["payload"]: r["mib_s"] for r in rows if r["transport"] == "tcp"}
+    for row in rows:
+        row["ratio_to_tcp"] = row["mib_s"] / tcp[row["payload"]]
+    return rows
+
+
+async def _bench_direct(
+    total: int, chunk: int, repeats: int, msg: TensorMessage, frame_bytes: int, limits: Limits
+) -> list[dict[str, Any]]:
+    """The direct path (runtime/direct.py): TCP + TLS 1.3 with both identities checked, on loopback."""
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from fusionnode.runtime.direct import DirectPath, direct_addr
+    from fusionnode.swarm.identity import peer_id_from_public_key
+
+    keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
+    ids = [peer_id_from_public_key(k.public_key()).to_base58() for k in keys]
+    rows = []
+    for framed in (False, True):
+        receive = _receiver(frame_bytes if framed else total, framed, limits)
+
+        async def handler(_info: Any, reader: Any, writer: Any, receive=receive) -> None:
+            await receive(reader, writer)
+
+        listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
+        dialer = DirectPath(keys[1], ids[1], host="127.0.0.1")
+        port = await listener.start(handler)
+        try:
+            rate = await _measure(
+                lambda port=port, dialer=dialer: dialer.dial(ids[0], [direct_addr("127.0.0.1", port)]),
+                total,
+                chunk,
+                repeats,
+                msg if framed else None,
+            )
+        finally:
+            listener.close()
+        rows.append(
+            {
+                "transport": "direct",
+                "payload": "framed" if framed else "raw",
+                "mib_s": rate,
+                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
+            }
+        )
     return rows
 
 
@@ -259,10 +320,12 @@ def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, 
     print("  read_message yields (zero-copy); the pair ratios use the sum of both times")
     if stream_rows:
         print("streams on loopback, MiB/s (median)")
-        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7}")
+        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7} {'cpu ms/MiB':>10}")
         for r in stream_rows:
             ratio = f"{r['ratio_to_tcp']:.2f}" if "ratio_to_tcp" in r else "-"
-            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7}")
+            cpu = f"{r['cpu_ms_per_mib']:.2f}" if "cpu_ms_per_mib" in r else "-"
+            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7} {cpu:>10}")
+        print("  cpu ms/MiB: this process's CPU (both ends, all threads) per MiB; p2pd's is not counted")
 
 
 def main(argv: list[str] | None = None) -> int:

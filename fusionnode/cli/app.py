@@ -30,6 +30,7 @@ BENCHMARKS = {
     "testbed": "fusionnode.bench.testbed",
     "memory": "fusionnode.bench.memory",
     "faults": "fusionnode.bench.faults",
+    "verify": "fusionnode.bench.verify",
 }
 
 

@@ -68,6 +68,17 @@ def _float_bound(lo: float, strict: bool) -> Any:
     return parse
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def float_above(lo: float) -> Any:
     """An argparse type: a finite number > lo."""
     return _float_bound(lo, strict=True)

@@ -17,6 +17,7 @@ from fusionnode.cli.args import (
     control_path,
     float_above,
     float_at_least,
+    fraction,
     int_at_least,
     run,
     state_dir_arg,
@@ -90,6 +91,21 @@ def add_train_command(sub: Any) -> None:
         help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
         "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
         "(even layers, memory-proportional)",
+    )
+    p.add_argument(
+        "--verify-policy",
+        choices=("auto", "off", "sample", "all"),
+        default="auto",
+        help="spot-check the workers' work by recomputing a random share of micro-batches: auto = "
+        "sample in a public swarm, off in a private one (default %(default)s)",
+    )
+    p.add_argument(
+        "--verify-rate",
+        type=fraction,
+        default=None,
+        metavar="P",
+        help="with --verify-policy sample: probability that a micro-batch of a stage is checked "
+        "(default 0.25 in a public swarm, 0.05 in a private one)",
     )
     p.add_argument(
         "--rebalance-every",
@@ -332,6 +348,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
+        "verify_policy": args.verify_policy,
+        "verify_rate": args.verify_rate,
     }
     progress = Progress(spec.steps)
 

@@ -135,7 +135,8 @@ def add_daemon_commands(sub: Any) -> None:
     p.add_argument(
         "--debug",
         action="store_true",
-        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, for tests; "
+        help="enable debug hooks (a compute slow-down read from <state-dir>/debug_slow, a lie told "
+        "as a worker from <state-dir>/debug_lie, for tests and benchmarks; "
         "default: off)",
     )
     p.add_argument(
@@ -279,6 +280,10 @@ def cmd_peers(args: argparse.Namespace) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print_peers(res["peers"], res.get("self"))
+    if res.get("reachability"):
+        from fusionnode.term import reach_text
+
+        print(f"this peer: {reach_text(res['reachability'])}")
     return 0
 
 

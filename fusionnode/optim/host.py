@@ -35,6 +35,7 @@ from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
+from fusionnode.verify.commitment import COMMIT_KEY, digest_encoded
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -71,6 +72,9 @@ class HostedShard:
         self.save_every = save_every
         self.host_index = host_index
         self.rejected: dict[str, int] = {}
+        # step -> contributor -> name -> digest of the gradient pushed (pushes that carry one: the
+        # job's work is spot-checked, fusionnode/verify/); the driver reads them with opt.ready
+        self.push_digests: dict[int, dict[str, dict[str, str]]] = {}
 
 
 @dataclasses.dataclass
@@ -230,7 +234,16 @@ class OptimizerHostService:
             raise JobError(ErrorCode.FORBIDDEN, "a shard must be assigned by the job's driver")
         held = self.shards.get(job) or self._pending.get(job)
         if held is not None and held.driver != sender:
-            raise JobError(ErrorCode.FORBIDDEN, f"job {job!r} here belongs to another driver")
+            if not (
+                a.resume and a.secret is not None and held.owner.get("tag") == owner_tag(a.secret, sender)
+            ):
+                raise JobError(ErrorCode.FORBIDDEN, f"job {job!r} here belongs to another driver")
+            # the job's owner resumes it from another peer (it holds the job secret, from the driver's
+            # checkpoint): the old driver's shard in memory goes; its checkpoints are what resume reads
+            logger.info(
+                "job %s resumed by its owner from peer %s: dropping the old driver's shard", job, sender
+            )
+            self._release(job)
         mine = {j for j, s in (*self.shards.items(), *self._pending.items()) if s.driver == sender} - {job}
         if len(mine) >= MAX_SHARDS_PER_DRIVER:
             raise JobError(
@@ -357,6 +370,8 @@ class OptimizerHostService:
         if self.bans.is_banned(sender):
             self.bans.dropped_while_banned += 1
             return
+        if m.get(COMMIT_KEY) is True and not self._record_digest(shard, msg, key):
+            return
         for name, enc in msg.tensors.items():
             try:
                 grad = decode_tensor(enc)
@@ -381,6 +396,19 @@ class OptimizerHostService:
                     return
                 logger.warning("push of %s from %s rejected: %s", name, sender[:12], res.reason)
 
+    def _record_digest(self, shard: HostedShard, msg: TensorMessage, key: str) -> bool:
+        """A push marked as committed (its job is spot-checked): the digest of what arrived is kept
+        for the driver, which compares it with the gradient the worker shows when checked."""
+        if len(msg.tensors) != 1:
+            shard.rejected["commit_malformed"] = shard.rejected.get("commit_malformed", 0) + 1
+            return False
+        digest = digest_encoded(msg.tensors)
+        step = int(msg.meta.get("step", -1))
+        for old in [s for s in shard.push_digests if s <= shard.store.applied_step]:
+            del shard.push_digests[old]
+        shard.push_digests.setdefault(step, {}).setdefault(key, {})[next(iter(msg.tensors))] = digest
+        return True
+
     async def rpc_ready(self, req: jp.OptReady, sender: str) -> jp.OptReadyReply:
         """Waits until every expected contribution of the step arrived, or its deadline passed."""
         shard = self._shard(req.job, sender)
@@ -393,6 +421,7 @@ class OptimizerHostService:
             complete=complete,
             grad_sq=float(shard.store.pending_grad_sq_norm(step)),
             missing={k: list(v) for k, v in shard.store.missing(step).items()} if not complete else {},
+            digests=shard.push_digests.get(step, {}) if req.digests else None,
         )
 
     async def rpc_apply(self, req: jp.OptApply, sender: str) -> jp.OptApplyReply:

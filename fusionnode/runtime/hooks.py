@@ -1,4 +1,4 @@
-"""The worker's compute hook for tests and benchmarks: a straggler slow-down and device pacing.
+"""The worker's compute hook for tests and benchmarks: a straggler slow-down, device pacing, a liar.
 
 A `WorkerService` runs without a hook in production: nothing here is read or slept on. A
 daemon started with ``fusionnode join --debug`` (or ``FUSIONNODE_DEBUG=1`` in its environment,
@@ -12,16 +12,20 @@ how `bench faults` and `bench testbed` start theirs) gets a `PacingHook` on its 
   least ``n x flops_per_sample / speed`` seconds and a backward twice that (the worker sleeps
   out the rest), so a testbed of peers sharing one CPU computes at the speeds of the devices
   it emulates whatever else the CPU is doing.
+- ``debug_lie``: a JSON object; the worker then lies the way it says (fusionnode/verify/liar.py:
+  scaled, noisy, stale or another micro-batch's tensors, a random parameter gradient), for the
+  spot-checks' tests and `fusionnode bench verify`. The hook's ``liar`` attribute holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +54,13 @@ class PacingHook:
         self.state_dir = None if state_dir is None else Path(state_dir)
         self.slow_factor = 1.0  # compute time multiplier
         self.pace_tflops = 0.0  # emulated device speed (0: off)
+        self.liar: Any = None  # a verify.liar.Liar read from debug_lie (None: honest)
+        self._lie_text = ""
 
     def before_step(self) -> None:
         if self.state_dir is None:  # the factor only comes from the debug.slow RPC
             return
+        self._read_liar()
         try:
             text = (self.state_dir / DEBUG_SLOW_FILE).read_text(encoding="utf-8")
             self.slow_factor = max(1.0, float(text.strip() or 1.0))
@@ -68,6 +75,28 @@ class PacingHook:
             self.pace_tflops = 0.0
         except (OSError, ValueError) as exc:
             logger.warning("cannot read the debug device speed: %s", exc)
+
+    def _read_liar(self) -> None:
+        """The lie in debug_lie (kept across steps while the file says the same: a stale or other
+        lie replays what the liar kept from earlier micro-batches)."""
+        from fusionnode.verify.liar import DEBUG_LIE_FILE, Liar
+
+        try:
+            text = (self.state_dir / DEBUG_LIE_FILE).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            self.liar, self._lie_text = None, ""
+            return
+        except OSError as exc:
+            logger.warning("cannot read the debug lie: %s", exc)
+            return
+        if text == self._lie_text:
+            return
+        self._lie_text = text
+        try:
+            self.liar = Liar.from_dict(json.loads(text)) if text else None
+        except (ValueError, TypeError) as exc:
+            logger.warning("cannot read the debug lie: %s", exc)
+            self.liar = None
 
     def set_slow_factor(self, factor: float) -> float:
         self.slow_factor = max(1.0, float(factor))

@@ -36,6 +36,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fusionnode.errors import DeadlineError, PeerError, ProtocolError
+from fusionnode.runtime.mailbox import Mailbox, message_key
+from fusionnode.runtime.shaping import TokenBucket
 from fusionnode.security.auth import AUTH_FIELD, AuthenticationError, SwarmAuthorizer
 from fusionnode.security.limits import DEFAULT_PEER_LIMITS, PeerLimiter, PeerLimits
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, error_result, remote_error
@@ -53,8 +55,6 @@ MAX_RESENDS = 3  # times a message is written again on a new stream before it is
 MAX_SESSIONS = 4096  # senders' sessions whose last delivered sequence number a receiver remembers
 MAX_UNACKED = 1024  # messages per receiver kept for a resend; beyond, the oldest are let go (a peer
 # that never acknowledges cannot make us hold everything we ever sent it)
-MAX_JOB_ID_CHARS = 128  # characters of a data message's job id
-MESSAGE_OVERHEAD_BYTES = 1024  # bytes a held message counts beyond its payloads (so empty ones count)
 PREAUTH_MAX_FRAME_BYTES = 4096  # bytes: largest first frame (the auth preamble) of a private-swarm stream
 PREAUTH_TIMEOUT_S = 10.0  # seconds for the opener of a stream to deliver its preamble
 AUTH_OPEN_METHOD = "auth.open"  # the preamble's Call.method
@@ -63,6 +63,7 @@ RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
 
+DIRECT_MIN_BPS = 200e6  # bits/s: links probed slower than this keep libp2p for their data streams
 UNANSWERED = "call unanswered"  # in the error of a call whose stream closed before its reply
 
 
@@ -75,191 +76,6 @@ def unanswered(exc: BaseException, method: str) -> bool:
         and " refused " not in head
         and head.endswith(f"closed the {method!r} {UNANSWERED}")
     )
-
-
-def _key_int(meta: dict[str, Any], name: str) -> int:
-    value = meta.get(name, -1)
-    if not isinstance(value, int) or isinstance(value, bool) or not -(1 << 62) <= value < 1 << 62:
-        raise ProtocolError(f"message meta {name!r} must be an integer, got {value!r:.40}")
-    return value
-
-
-def message_key(msg: TensorMessage) -> tuple:
-    """(kind, job, step, mb, stage) of a data message; ProtocolError when its meta is not of that shape."""
-    m = msg.meta
-    job = m.get("job", "")
-    if not isinstance(job, str) or len(job) > MAX_JOB_ID_CHARS:
-        raise ProtocolError(f"message meta 'job' must be a string of at most {MAX_JOB_ID_CHARS} characters")
-    return (msg.kind, job, _key_int(m, "step"), _key_int(m, "mb"), _key_int(m, "stage"))
-
-
-def message_bytes(msg: TensorMessage) -> int:
-    """What a held message counts against its sender's mailbox budget: payloads plus a fixed overhead."""
-    return MESSAGE_OVERHEAD_BYTES + sum(len(enc.data) for enc in msg.tensors.values())
-
-
-class Mailbox:
-    """Data messages of the jobs this node serves, each bound to the peer that sent it.
-
-    A job is served while some holder (a stage, a shard, the driver's own job) has `accept`ed it,
-    naming the peers that may send for it and a byte budget. A message for a job not served, or from
-    a peer its holders did not name, is dropped and counted (`dropped`, per sender). Held messages
-    are keyed (kind, job, step, mb, stage) *and* sender: `get` names the peer it expects, so another
-    peer can neither take an honest message's place nor be taken for it; when it is answered, the
-    other senders' messages under that key are dropped and counted. A sender re-sending a key
-    replaces its earlier message and is counted once. Each sender's held bytes per job are bounded
-    by the job's budget (the sum of its holders'); past it the stream is closed (ProtocolError).
-    """
-
-    def __init__(self) -> None:
-        self._items: dict[tuple, dict[str, TensorMessage]] = {}
-        self._waiters: dict[tuple, tuple[str, asyncio.Future]] = {}
-        self._holders: dict[
-            str, dict[Any, tuple[frozenset[str], int]]
-        ] = {}  # job -> holder -> (peers, bytes)
-        self._held: dict[tuple[str, str], int] = defaultdict(int)  # (job, sender) -> bytes held
-        self.dropped: dict[str, int] = defaultdict(int)  # per sender: messages not taken
-
-    # ---- which jobs this node serves --------------------------------------------------------------
-    def accept(self, job: str, holder: Any, peers: Any, max_bytes: int) -> None:
-        """`holder` (say ("stage", 3)) serves `job`: messages from `peers`, at most `max_bytes` held per sender."""
-        self._holders.setdefault(job, {})[holder] = (frozenset(p for p in peers if p), max(0, int(max_bytes)))
-
-    def release(self, job: str, holder: Any) -> None:
-        """`holder` no longer serves `job`; with no holder left its held messages are dropped."""
-        holders = self._holders.get(job)
-        if holders is None:
-            return
-        holders.pop(holder, None)
-        if not holders:
-            del self._holders[job]
-            self.drop_job(job)
-
-    def serves(self, job: str, sender: str) -> bool:
-        return any(sender in peers for peers, _ in self._holders.get(job, {}).values())
-
-    def _budget(self, job: str, sender: str) -> int:
-        return sum(b for peers, b in self._holders.get(job, {}).values() if sender in peers)
-
-    # ---- messages ---------------------------------------------------------------------------------
-    def _drop(self, sender: str, n: int = 1) -> None:
-        self.dropped[sender] += n
-        if len(self.dropped) > 4096:
-            self.dropped.pop(next(iter(self.dropped)))
-
-    def put(self, msg: TensorMessage, sender: str) -> None:
-        key = message_key(msg)
-        job = key[1]
-        if not self.serves(job, sender):
-            self._drop(sender)
-            return
-        waiter = self._waiters.get(key)
-        if waiter is not None and not waiter[1].done():
-            if waiter[0] != sender:
-                self._drop(sender)
-                return
-            del self._waiters[key]
-            waiter[1].set_result((msg, sender))
-            return
-        slot = self._items.setdefault(key, {})
-        old = slot.get(sender)
-        nbytes = message_bytes(msg)
-        held = self._held[(job, sender)] - (message_bytes(old) if old is not None else 0)
-        if held + nbytes > self._budget(job, sender):
-            if not slot:
-                del self._items[key]
-            raise ProtocolError(
-                f"peer holds {held} bytes of messages for job {job!r} here; its budget is "
-                f"{self._budget(job, sender)} bytes"
-            )
-        slot[sender] = msg
-        self._held[(job, sender)] = held + nbytes
-
-    def _take(self, key: tuple, sender: str) -> TensorMessage | None:
-        """The message `sender` left under `key`; the other senders' messages under it are dropped."""
-        slot = self._items.pop(key, None)
-        if slot is None:
-            return None
-        msg = None
-        for src, m in slot.items():
-            self._unhold(key[1], src, message_bytes(m))
-            if src == sender:
-                msg = m
-            else:
-                self._drop(src)
-        return msg
-
-    def _unhold(self, job: str, sender: str, nbytes: int) -> None:
-        left = self._held.get((job, sender), 0) - nbytes
-        if left > 0:
-            self._held[(job, sender)] = left
-        else:
-            self._held.pop((job, sender), None)
-
-    async def get(self, key: tuple, timeout: float, *, sender: str) -> tuple[TensorMessage, str]:
-        """The message under `key` from `sender` (the one peer the plan names for it), waiting up to
-        `timeout` seconds."""
-        msg = self._take(key, sender)
-        if msg is not None:
-            return msg, sender
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[key] = (sender, fut)
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            raise DeadlineError(
-                f"no {key[0]!r} message for job {key[1]} step {key[2]} mb {key[3]} "
-                f"stage {key[4]} from {sender[:12]}… within {timeout:.0f} s"
-            ) from None
-        finally:
-            if self._waiters.get(key, (None, None))[1] is fut:
-                del self._waiters[key]
-
-    def fail_job(self, job: str, exc: BaseException) -> None:
-        for key, (_sender, fut) in list(self._waiters.items()):
-            if key[1] == job and not fut.done():
-                fut.set_exception(exc)
-
-    def drop_job(self, job: str) -> None:
-        """Forgets the messages held for `job` (whoever serves it)."""
-        for key in [k for k in self._items if k[1] == job]:
-            for src, m in self._items.pop(key).items():
-                self._unhold(job, src, message_bytes(m))
-
-    def held_bytes(self) -> int:
-        return sum(self._held.values())
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "jobs": len(self._holders),
-            "held_messages": sum(len(slot) for slot in self._items.values()),
-            "held_bytes": self.held_bytes(),
-            "dropped": dict(self.dropped),
-        }
-
-
-class TokenBucket:
-    """User-space bandwidth limit for one link (used where tc/netns is unavailable)."""
-
-    def __init__(self, rate_bps: float, burst_bytes: int = 256 << 10):
-        self.rate = rate_bps / 8.0  # bytes per second
-        self.burst = burst_bytes
-        self.tokens = float(burst_bytes)
-        self.last = time.monotonic()
-
-    async def take(self, nbytes: int) -> None:
-        while True:
-            now = time.monotonic()
-            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
-            self.last = now
-            want = min(nbytes, self.burst)
-            if self.tokens >= want:
-                self.tokens -= want
-                nbytes -= want
-                if nbytes <= 0:
-                    return
-                continue
-            await asyncio.sleep((want - self.tokens) / self.rate)
 
 
 class Transport:
@@ -295,12 +111,20 @@ class Transport:
         self.peer_limiter = PeerLimiter(peer_limits)
         self.auth_refused: dict[str, int] = defaultdict(int)  # per peer id: streams closed for bad auth
         self._bad_streams: dict[str, int] = {}  # per peer id: malformed or refused streams (log throttle)
+        self.reach: Any = None  # swarm/reachability.py Reachability: dials peers behind NAT via relays
+        self.direct: Any = None  # runtime/direct.py DirectPath: data streams over TCP + TLS when it can
+        self.direct_book: Callable[[str], list[str]] | None = None  # peer id -> its direct addresses
+        self.paths: dict[str, str] = {}  # per peer id: "direct" or "libp2p", the last data stream's path
+        self.link_bps: Callable[[str], float | None] | None = None  # peer id -> probed bits/s, if known
+        self.direct_min_bps = DIRECT_MIN_BPS  # slower probed links keep libp2p (nothing to gain)
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(PROTO_RPC, self._on_rpc_stream)
         await self.p2p.add_binary_stream_handler(PROTO_DATA, self._on_data_stream)
 
     async def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
         for _reader, writer in list(self._out.values()):
             writer.close()
         self._out.clear()
@@ -354,7 +178,7 @@ class Transport:
         for attempt in (0, 1):
             try:
                 return await asyncio.wait_for(self._call_remote(peer_id, name, args or {}), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise DeadlineError(
                     f"peer {peer_id[:12]}… did not answer {name!r} within {timeout:.0f} s"
                 ) from None
@@ -365,13 +189,21 @@ class Transport:
                 name = again
         raise AssertionError("unreachable")
 
-    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+    async def _open_stream(self, peer_id: str, proto: str) -> tuple[Any, Any, Any]:
+        """A libp2p stream to `peer_id`; when p2pd cannot dial it, once more after connecting through
+        the relays the peer advertises (a peer behind NAT, swarm/reachability.py)."""
         from hivemind.p2p import PeerID
 
         try:
-            _info, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(peer_id), PROTO_RPC
-            )
+            return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+        except Exception:
+            if self.reach is None or not await self.reach.dial(self.p2p, peer_id):
+                raise
+        return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), proto)
+
+    async def _call_remote(self, peer_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            _info, reader, writer = await self._open_stream(peer_id, PROTO_RPC)
         except Exception as exc:
             raise PeerError(f"cannot reach peer {peer_id[:12]}… for {method!r}: {exc}") from exc
         try:
@@ -531,14 +363,18 @@ class Transport:
 
     async def _open_data(self, peer_id: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new data stream to peer_id; the messages still unacknowledged are written on it first."""
-        from hivemind.p2p import PeerID
-
-        try:
-            _info, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), PROTO_DATA), self.rpc_timeout
-            )
-        except Exception as exc:
-            raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+        opened = await self._open_direct(peer_id)
+        if opened is not None:
+            reader, writer = opened
+            self.paths[peer_id] = "direct"
+        else:
+            try:
+                _info, reader, writer = await asyncio.wait_for(
+                    self._open_stream(peer_id, PROTO_DATA), self.rpc_timeout
+                )
+            except Exception as exc:
+                raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
+            self.paths[peer_id] = "libp2p"
         await self._write_preamble(writer, peer_id, PROTO_DATA)
         pending = self._unacked[peer_id]
         while pending and pending[0][2] >= MAX_RESENDS:  # the oldest were written the most often
@@ -565,6 +401,35 @@ class Transport:
             entry[3] = await self._write_data(peer_id, writer, entry[1])
             entry[2] += 1
         return reader, writer
+
+    async def _open_direct(self, peer_id: str) -> tuple[Any, Any] | None:
+        """A data stream to `peer_id` over the direct path when both ends have one and it is not a
+        relayed peer; None (libp2p then) when it cannot be had. A failed dial is logged once with its
+        reason and the peer stays on libp2p for `RETRY_AFTER_S`."""
+        from fusionnode.runtime.direct import RETRY_AFTER_S
+
+        if self.direct is None or self.direct_book is None:
+            return None
+        if self.reach is not None and self.reach.is_relayed(peer_id):
+            return None
+        bps = self.link_bps(peer_id) if self.link_bps is not None else None
+        if bps is not None and bps < self.direct_min_bps:
+            return None
+        failed = self.direct.failed.get(peer_id)
+        if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
+            return None
+        addrs = self.direct_book(peer_id)
+        if not addrs:
+            return None
+        try:
+            return await self.direct.dial(peer_id, addrs)
+        except PeerError as exc:
+            if failed is None or failed[1] != str(exc):
+                logger.warning("direct path to %s failed, using libp2p: %s", peer_id[:12], exc)
+            self.direct.failed[peer_id] = (time.monotonic(), str(exc))
+            if len(self.direct.failed) > 4096:
+                self.direct.failed.pop(next(iter(self.direct.failed)))
+            return None
 
     async def _read_acks(
         self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -725,4 +590,6 @@ class Transport:
             "auth_refused_streams": dict(self.auth_refused),
             "peer_limits": self.peer_limiter.status(),
             "mailbox": self.mailbox.status(),
+            "direct": self.direct.status() if self.direct is not None else None,
+            "paths": dict(list(self.paths.items())[:256]),
         }

@@ -100,6 +100,7 @@ class StageJob:
         self.opt: torch.optim.Optimizer | None = None
         self.params: dict[str, torch.nn.Parameter] = {}
         self.busy = asyncio.Lock()
+        self.ledger: Any = None  # verify.Ledger of the last step run with verification on
         self.last_step = -1
         self.step_now = -1
         self.micro_batches_now = 0
@@ -155,6 +156,7 @@ class WorkerService:
             Rpc.JOB_FETCH: self.rpc_fetch,
             Rpc.JOB_RELEASE: self.rpc_release,
             Rpc.JOB_PING: self.rpc_ping,
+            Rpc.JOB_AUDIT: self.rpc_audit,
             Rpc.DEBUG_SLOW: self.rpc_debug_slow,
         }.items():
             jp.serve(transport, name, fn)
@@ -340,6 +342,9 @@ class WorkerService:
                 sj.grad_counts[name] = sj.grad_counts.get(name, 0) + 1
                 if sj.grad_counts[name] == sj.micro_batches_now:
                     grad = p.grad.detach().clone()
+                    liar = self._liar()
+                    if liar is not None and liar.kind == "random_pseudo_gradient":
+                        grad = liar.pseudo_gradient(grad)
                     loop.call_soon_threadsafe(self._push, sj, name, grad)
 
             return hook
@@ -358,6 +363,10 @@ class WorkerService:
             "samples": off.samples,
         }
         msg = tensor_message(TensorKind.PUSH, meta, {name: grad})
+        if sj.ledger is not None:  # the host keeps the digest of what arrives, for the driver's checks
+            from fusionnode.verify.commitment import COMMIT_KEY
+
+            msg.meta[COMMIT_KEY] = True
         sj.push_tasks.append(asyncio.ensure_future(self._send_push(off.hosts[name], msg)))
 
     async def _send_push(self, host: str, msg: TensorMessage) -> int:
@@ -441,6 +450,9 @@ class WorkerService:
             sj.step_now = req.step
             sj.micro_batches_now = req.micro_batches
             sj.grad_counts = {}
+            sj.ledger = None
+            if req.verify:  # commitments in the report, messages kept for the driver's checks
+                sj.ledger = await self._open_ledger(sj, req.step, req.micro_batches)
             task = asyncio.ensure_future(
                 self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
             )
@@ -458,6 +470,52 @@ class WorkerService:
                 )
             sj.last_report = (req.step, task.result())
             return sj.last_report[1]
+
+    def _liar(self) -> Any:
+        """The debug hook's liar (tests, `bench verify`; runtime/hooks.py), None in production."""
+        return getattr(self.hook, "liar", None)
+
+    async def _open_ledger(self, sj: StageJob, step: int, m: int) -> Any:
+        from fusionnode.verify.commitment import digest_tensors
+        from fusionnode.verify.ledger import Ledger
+
+        digest = None  # with offload the driver checks against the optimizer hosts' values
+        if not sj.offload:  # else only this worker holds them: it commits to them
+            named = sj.module.named_stage_parameters()
+            digest = await asyncio.get_running_loop().run_in_executor(
+                self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
+            )
+        return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
+
+    async def rpc_audit(self, req: jp.AuditRequest, sender: str) -> jp.AuditReply:
+        """Sends the driver the kept messages of the checked micro-batches of the last verified step,
+        and with ``grads`` the parameter gradients it pushed, packed into as few ``audit`` messages as
+        the wire limits allow (see fusionnode/verify/ledger.py)."""
+        from fusionnode.verify.ledger import AUDIT_KIND, pack_audit
+
+        sj = self._get(req, sender)
+        step, mbs = req.step, req.mbs
+        led = sj.ledger
+        if led is None or led.step != step:
+            raise JobError(ErrorCode.NOT_HELD, f"stage {sj.stage} kept no messages of step {step!r}")
+        if not all(0 <= mb < led.micro_batches for mb in mbs):
+            raise JobError(
+                ErrorCode.BAD_REQUEST, f"mbs must be micro-batch indices below {led.micro_batches}"
+            )
+        grads = None
+        if req.grads:
+            grads = {
+                n: tensor_message(
+                    TensorKind.AUDIT, {}, {n: p.grad if p.grad is not None else torch.zeros_like(p)}
+                ).tensors[n]
+                for n, p in sj.params.items()
+            }
+        parts = {str(mb): led.parts(mb) for mb in sorted(set(mbs))}
+        chunks = pack_audit(led, sorted(set(mbs)), grads)
+        for idx, tensors in enumerate(chunks):
+            meta = {"job": sj.job, "step": step, "mb": idx, "stage": sj.stage}
+            await self.t.send(sj.driver, TensorMessage(AUDIT_KIND, meta, tensors))
+        return jp.AuditReply(parts=parts, chunks=len(chunks))
 
     async def rpc_step_result(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
@@ -528,6 +586,7 @@ class WorkerService:
         compute_s = wait_s = 0.0
         sends: list[asyncio.Task] = []
         t_start = time.perf_counter()
+        ledger = sj.ledger
 
         send_failed: list[BaseException] = []
 
@@ -548,6 +607,8 @@ class WorkerService:
             )  # input, target
             out = await self.t.mailbox.get((kind, sj.job, step, mb, sj.stage), timeout, sender=planned)
             wait_s += time.perf_counter() - t0
+            if ledger is not None:
+                self._record_received(ledger, kind, mb, *out)
             return out
 
         def send(
@@ -558,8 +619,15 @@ class WorkerService:
             target = target_time_s or (compute_s / max(1, f + b) if f + b else None)
             # the wire carries float32 activations and gradients whatever precision this device computes in
             tensors = {n: t.float() if t.is_floating_point() else t for n, t in tensors.items()}
+            liar = self._liar()
+            if liar is not None:
+                tensors = liar.tamper(kind, sj.stage, step, mb, sj.is_last, tensors)
             enc = link.encode(tensors, step, kind, target)
             msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
+            if ledger is not None:  # the commitment travels with the tensors
+                from fusionnode.verify.commitment import DIGEST_KEY
+
+                meta[DIGEST_KEY] = ledger.record(mb, "out" if kind == "act" else "gout", msg)
             task = asyncio.ensure_future(self.t.send(peer, msg, observe=link.observe))
             task.add_done_callback(check_sent)
             sends.append(task)
@@ -680,7 +748,25 @@ class WorkerService:
             optimizer_bytes=optimizer_bytes,
             grad_sq=float(sq),
             links={"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
+            verify=ledger.commitments() if ledger is not None else None,
         )
+
+    @staticmethod
+    def _record_received(ledger: Any, kind: str, mb: int, msg: TensorMessage, src: str) -> None:
+        """Keeps a received message for the driver's checks; refuses one whose attached digest (the
+        sender's commitment) is not that of the tensors that arrived."""
+        from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+        from fusionnode.verify.ledger import RECEIVED_PART
+
+        digest = digest_encoded(msg.tensors)
+        claimed = msg.meta.get(DIGEST_KEY)
+        if kind in (TensorKind.ACT, TensorKind.GRAD) and claimed != digest:
+            raise JobError(
+                ErrorCode.BAD_TENSOR,
+                f"peer {src[:12]}… sent {kind!r} tensors that do not match its commitment",
+                blame=src,
+            )
+        ledger.record(mb, RECEIVED_PART[kind], msg, digest)
 
 
 def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> Any:

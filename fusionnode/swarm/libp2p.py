@@ -19,6 +19,27 @@ from hivemind.p2p import P2P
 from fusionnode.config import LOCAL_ONLY, NetworkOptions
 from fusionnode.errors import ConfigError
 
+# What a relay carries. Measured with the shipped p2pd (tests/test_nat_e2e.py, test_reachability.py):
+# every p2pd answers circuit-relay v2 reservations with go-libp2p's default limits (120 s and 128 KiB
+# per relayed connection each way), even one started with -relayService=0; one started with
+# -relayService=1 and the limits below also runs a relay with those (30 min, 4 GiB), and which of the
+# two answered a reservation varied from run to run. Each reservation reports the terms actually
+# granted (`fusionnode status`, reachability.reservations). A relayed connection cut at its limit
+# breaks the data stream, which reopens on a new circuit and writes its unacknowledged messages again
+# (runtime/transport.py): jobs go on, paying a new circuit per 128 KiB with the small terms.
+RELAY_TIME_LIMIT = "30m0s"  # what a FusionNode relay (--relay) asks its p2pd for
+RELAY_DATA_LIMIT_BYTES = 4 << 30
+RELAY_GRANTED_TIME_S = 120.0  # go-libp2p's defaults, which any p2pd may grant instead
+RELAY_GRANTED_DATA_BYTES = 128 << 10
+RELAY_MAX_CIRCUITS = 16  # open relayed connections per peer
+RELAY_MAX_RESERVATIONS = 128  # peers holding a slot on one relay
+RELAY_LIMITS = {
+    "time_limit_s": [RELAY_GRANTED_TIME_S, 1800.0],  # the two terms a shipped p2pd relay grants
+    "data_limit_bytes": [RELAY_GRANTED_DATA_BYTES, RELAY_DATA_LIMIT_BYTES],
+    "max_circuits_per_peer": RELAY_MAX_CIRCUITS,
+    "max_reservations": RELAY_MAX_RESERVATIONS,
+}
+
 
 def p2p_kwargs(options: NetworkOptions, listen: Sequence[str]) -> dict[str, Any]:
     """Keyword arguments for hivemind's ``P2P.create`` (the relay service goes by `daemon_flags`)."""
@@ -36,11 +57,27 @@ def daemon_flags(options: NetworkOptions, listen: Sequence[str]) -> dict[str, An
     """p2pd flags forced on every p2pd a `_FlaggedP2P` starts: the relay service, which
     ``P2P.create`` does not expose, and the two discovery options again (see `_FlaggedP2P`)."""
     eff = options.resolve(list(listen))
-    return {
+    flags: dict[str, Any] = {
         "natPortMap": eff["nat_port_map"],
         "autonat": eff["autonat"],
         "relayService": eff["relay_service"],
     }
+    if eff["relay_service"]:
+        flags.update(
+            relayTimeLimit=RELAY_TIME_LIMIT,
+            relayDataLimit=RELAY_DATA_LIMIT_BYTES,
+            relayMaxCircuits=RELAY_MAX_CIRCUITS,
+            relayMaxReservations=RELAY_MAX_RESERVATIONS,
+        )
+    if eff["reachability"] == "public":
+        flags["forceReachabilityPublic"] = True
+    elif eff["reachability"] == "private":
+        # behind NAT: p2pd's AutoRelay reserves a slot on the trusted relays and serves circuits
+        flags["forceReachabilityPrivate"] = True
+        if eff["relay_client"] and eff["relays"]:
+            flags["autoRelay"] = True
+            flags["trustedRelays"] = ",".join(eff["relays"])
+    return flags
 
 
 _PROBE_FLAGS = daemon_flags(LOCAL_ONLY, ["/ip4/127.0.0.1/tcp/0"])

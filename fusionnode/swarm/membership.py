@@ -121,6 +121,10 @@ class Membership:
         self._availability, self._next_window = availability, next_window
         self._wake.set()  # publish now, not at the next heartbeat
 
+    def set_maddrs(self, maddrs: Iterable[str]) -> None:
+        """The addresses our record advertises from the next heartbeat on (a relay slot gained or lost)."""
+        self._maddrs = tuple(str(m) for m in maddrs)[:MAX_MADDRS]
+
     def set_jobs(self, job_ids: Iterable[str]) -> None:
         jobs = tuple(dict.fromkeys(job_ids))
         if len(jobs) > MAX_JOBS or any(not j or len(j) > MAX_JOB_ID_LEN for j in jobs):

@@ -35,6 +35,7 @@ PING_BYTES = 8
 
 DEFAULT_PROBE_INTERVAL = 30.0  # seconds between probe rounds
 DEFAULT_PROBE_BYTES = 1 << 20  # bytes sent per bandwidth probe (1 MiB)
+RELAYED_PROBE_BYTES = 64 << 10  # bytes per probe of a relayed link (inside the relay's 128 KiB)
 DEFAULT_PEERS_PER_ROUND = 3  # peers probed per round
 DEFAULT_PINGS = 4  # RTT samples per probe (the minimum is kept)
 DEFAULT_PROBE_TIMEOUT = 20.0  # seconds for one whole probe
@@ -82,6 +83,7 @@ class LinkProber:
         # private swarms: (write_preamble(writer, peer, proto), read_preamble(reader, peer, proto)) of the
         # Transport's authorizer, so an outsider cannot use our probe either
         self.auth: tuple[Any, Any] | None = None
+        self.reach: Any = None  # swarm/reachability.py Reachability: relayed links are dialed and flagged
 
     async def start(self) -> None:
         """Register the probe handler (no-op when probing is disabled)."""
@@ -168,15 +170,23 @@ class LinkProber:
     async def _probe(self, pid: PeerID) -> LinkMeasurement:
         cfg = self.config
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
+            try:
+                _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
+            except Exception:
+                if self.reach is None or not await self.reach.dial(self.p2p, pid.to_base58()):
+                    raise
+                _, reader, writer = await self.p2p.call_binary_stream_handler(pid, PROBE_PROTOCOL)
         except (
             Exception
         ) as exc:  # the daemon reports an unreachable peer or missing handler as various errors
             raise PeerError(f"cannot open probe stream to {pid}: {exc}") from exc
+        relayed = self.reach is not None and self.reach.is_relayed(pid.to_base58())
+        # a relayed connection may be reset after 128 KiB (go-libp2p's relay terms): a smaller probe
+        nbytes = min(cfg.probe_bytes, RELAYED_PROBE_BYTES) if relayed else cfg.probe_bytes
         try:
             if self.auth is not None:
                 await self.auth[0](writer, pid.to_base58(), PROBE_PROTOCOL)
-            writer.write(_HEADER.pack(PROBE_MAGIC, PROBE_VERSION, cfg.pings, 0, cfg.probe_bytes))
+            writer.write(_HEADER.pack(PROBE_MAGIC, PROBE_VERSION, cfg.pings, 0, nbytes))
             rtts = []
             for _ in range(cfg.pings):
                 nonce = os.urandom(PING_BYTES)
@@ -188,9 +198,9 @@ class LinkProber:
                 if echo != nonce:
                     raise PeerError(f"{pid} echoed a wrong probe nonce")
             rtt = min(rtts)
-            payload = bytes(min(cfg.probe_bytes, CHUNK_BYTES))
+            payload = bytes(min(nbytes, CHUNK_BYTES))
             t0 = time.perf_counter()
-            left = cfg.probe_bytes
+            left = nbytes
             while left > 0:
                 n = min(left, len(payload))
                 writer.write(payload[:n] if n < len(payload) else payload)
@@ -204,12 +214,14 @@ class LinkProber:
             ) from exc
         finally:
             writer.close()
-        if count != cfg.probe_bytes:
-            raise PeerError(f"{pid} acknowledged {count} of {cfg.probe_bytes} probe bytes")
+        if count != nbytes:
+            raise PeerError(f"{pid} acknowledged {count} of {nbytes} probe bytes")
         # elapsed ~= transfer + one RTT (first byte out, acknowledgement back); never credit more than 2x.
         transfer = max(elapsed - rtt, elapsed / 2)
-        bandwidth = min(8.0 * cfg.probe_bytes / transfer, MAX_BANDWIDTH_BPS)
-        return LinkMeasurement(bandwidth_bps=bandwidth, rtt_s=max(rtt, 1e-9), measured_at=time.time())
+        bandwidth = min(8.0 * nbytes / transfer, MAX_BANDWIDTH_BPS)
+        return LinkMeasurement(
+            bandwidth_bps=bandwidth, rtt_s=max(rtt, 1e-9), measured_at=time.time(), relayed=relayed
+        )
 
     def due(self) -> bool:
         """Whether a round is due (interval elapsed since the last round that probed someone)."""

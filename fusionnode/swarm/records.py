@@ -73,6 +73,7 @@ class LinkMeasurement:
     bandwidth_bps: float  # bits per second
     rtt_s: float  # seconds
     measured_at: float  # unix time, seconds
+    relayed: bool = False  # the link ran through a circuit relay (a peer behind NAT; relay limits apply)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class PeerRecord:
                     "bandwidth_bps": float(m.bandwidth_bps),
                     "rtt_s": float(m.rtt_s),
                     "measured_at": float(m.measured_at),
+                    "relayed": bool(m.relayed),
                 }
                 for pid, m in self.links.items()
             },
@@ -137,6 +139,9 @@ class PeerRecord:
             model = PeerModel.parse_obj(value)
         except pydantic.ValidationError as exc:
             raise ProtocolError(f"peer record violates the schema: {exc}") from exc
+        for link in value.get("links", {}).values() if isinstance(value.get("links"), dict) else ():
+            if isinstance(link, dict):
+                link.setdefault("relayed", False)  # records of peers from before issue 22
         if model.dict() != value:
             raise ProtocolError("peer record needed type conversions to match the schema")
         dev = value["device"]
@@ -201,6 +206,7 @@ class LinkModel(_Strict):
     bandwidth_bps: _float(0.0, MAX_BANDWIDTH_BPS)
     rtt_s: _float(0.0, MAX_RTT)
     measured_at: _float(0.0)
+    relayed: pydantic.StrictBool = False
 
 
 class PeerModel(_Strict):

@@ -35,6 +35,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
+from fusionnode.train import checks
 from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
 from fusionnode.train.placement import (
     PLANNERS,
@@ -46,7 +47,7 @@ from fusionnode.train.placement import (
     crossing_names,
     layout,
 )
-from fusionnode.train.rebalance import DEFAULT_MIN_GAIN
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, StepFailed, Stepper, step_loss
@@ -74,9 +75,13 @@ class Driver:
         self.jobs: dict[str, Job] = {}
         timeout = config.step_timeout_s if config is not None else 60.0
         self.hosts = OptimizerClient(transport, timeout)
-        self.placement = Placement(transport, membership, timeout, self.hosts)
+        # what this driver learns about peers outlives each job: measured speeds (every job, every
+        # layout) replace advertised TFLOPS in the next plans, and a peer banned for a failed step
+        # stays banned, longer at each offence, whichever job it fails next (SECURITY.md, attack 8)
+        self.book = PeerBook()
+        self.placement = Placement(transport, membership, timeout, self.hosts, self.book)
         self.stepper = Stepper(transport, timeout, self.placement, self.hosts)
-        self.recovery = Recovery(transport, membership, self.placement, self.hosts)
+        self.recovery = Recovery(transport, membership, self.placement, self.hosts, stall_s=2 * timeout)
 
     def status(self) -> list[dict[str, Any]]:
         return [job.to_dict() for job in self.jobs.values()]
@@ -108,6 +113,7 @@ class Driver:
         if offload_choice not in OFFLOAD_CHOICES:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
+        verify_policy, verify_off = checks.job_policy(params, self.config, spec)
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
@@ -305,10 +311,25 @@ class Driver:
                 min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
                 source=source,
                 first_step=start_step,
+                book=self.book,
             )
+            if verify_off is not None:
+                await run.event(job, "notice", what="verify_off", reason=verify_off)
+            if verify_policy.on:
+                verifier = checks.start(self.t, spec.job_id, verify_policy, self.stepper.step_timeout_s)
+                run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
+                metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
             result = await self._finish(job, model, final, source, metrics)
+            if run.checks is not None:  # the checks' totals, and the secret their choices came from
+                v = run.checks.v
+                result["verify"] = {
+                    **v.policy.to_dict(),
+                    **v.totals,
+                    "commitment": v.selector.commitment,
+                    "secret": v.selector.reveal(),
+                }
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:
@@ -409,6 +430,8 @@ class Driver:
             }
             if job.offload:
                 record["optimizer_hosts"] = job.host_counters
+            if run.checks is not None and run.checks.last is not None:
+                record["verify"] = run.checks.last
             run.metrics.step(record)
             job.history.append(record)
             if len(job.history) > 2 * HISTORY_KEPT:  # the status shows the last HISTORY_KEPT

@@ -33,6 +33,9 @@ EVENT_KINDS = frozenset(
         "resume",
         "eval",
         "refused",
+        "verify",  # the job's work is spot-checked: policy, rate, commitment to the check secret
+        "caught",  # a worker failed a spot-check: banned from the job, its step replayed
+        "dispute",  # two neighbours' commitments disagree and neither failed its check: step replayed
         "notice",  # the driver did other than asked, and says what (fewer stages, no rebalancing)
     }
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
+from fusionnode.train.rebalance import PeerBook, planning_tflops
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
@@ -73,10 +75,13 @@ def tensor_spec(graph: Any, name: str) -> dict[str, Any]:
 
 
 def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
-    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link: where both ends report it, the
-    smaller bandwidth and the larger RTT, so one peer cannot advertise a link faster than the probe of
-    the peer at its other end measured it (SECURITY.md, attack 8)."""
+    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link, bounded by what probes measured
+    (SECURITY.md, attack 8): where both ends report it, the smaller bandwidth and the larger RTT, so
+    one peer cannot advertise a link faster than the probe of the peer at its other end measured it;
+    a link only one end reports is at most the fastest link that both of its ends measured (or
+    DEFAULT_UNMEASURED_GBPS when no link is measured from both ends)."""
     out: dict[tuple[str, str], tuple[float, float]] = {}
+    ends: dict[tuple[str, str], set[str]] = {}
     for rec in records:
         for other, m in (rec.links or {}).items():
             if m.bandwidth_bps <= 0 or other == rec.peer_id:
@@ -86,13 +91,33 @@ def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, fl
             if key in out:
                 bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
             out[key] = out[key[::-1]] = (bps, rtt)
+            ends.setdefault(key, set()).add(rec.peer_id)
+    both = [out[k][0] for k, e in ends.items() if len(e) == 2]
+    cap = max(both) if both else DEFAULT_UNMEASURED_GBPS * 1e9
+    for key, e in ends.items():
+        if len(e) < 2 and out[key][0] > cap:
+            out[key] = out[key[::-1]] = (cap, out[key][1])
     return out
 
 
-def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str]) -> dict[str, Any]:
-    """A cluster document (protocol/CLUSTER.md) of live peers: measured TFLOPS, offered memory, probed links."""
+def cluster_from_records(
+    records: list[Any],
+    workers: list[str],
+    hosts: list[str],
+    measured: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A cluster document (protocol/CLUSTER.md) of live peers: TFLOPS, offered memory, probed links.
+
+    TFLOPS are the peers' advertised figures only as far as `rebalance.planning_tflops` allows:
+    replaced by `measured` speeds (the driver's table of stage times, any job, any layout) and
+    otherwise capped relative to them; links are bounded by the probes (`symmetric_links`)."""
     devices, pairs, seen = [], [], set()
     by_id = {r.peer_id: r for r in records}
+    ids = list(dict.fromkeys([*workers, *hosts]))
+    tflops = planning_tflops(
+        {pid: max(float(by_id[pid].device.tflops_fp32), 1e-4) for pid in ids},
+        {p: v for p, v in (measured or {}).items() if p in ids},
+    )
     for pid in dict.fromkeys([*workers, *hosts]):
         rec = by_id[pid]
         roles = [
@@ -103,16 +128,25 @@ def cluster_from_records(records: list[Any], workers: list[str], hosts: list[str
         devices.append(
             {
                 "id": pid,
-                "tflops": max(float(rec.device.tflops_fp32), 1e-4),
+                "tflops": max(tflops[pid], 1e-4),
                 "memory_gb": rec.capacity_bytes / 1e9,
                 "roles": roles,
             }
         )
     measured = symmetric_links(records)
+    relayed = {  # links through a circuit relay (issue 22): priced by their measured bandwidth, flagged
+        frozenset((r.peer_id, o))
+        for r in records
+        for o, m in (r.links or {}).items()
+        if getattr(m, "relayed", False)
+    }
     for (a, b), (bps, rtt_s) in sorted(measured.items()):
         if a < b and a in by_id and b in by_id and (a, b) not in seen:
             seen.add((a, b))
-            pairs.append({"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0})
+            pair = {"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0}
+            if frozenset((a, b)) in relayed:
+                pair["relayed"] = True
+            pairs.append(pair)
     return {
         "version": 1,
         "name": "swarm",
@@ -216,11 +250,19 @@ def expected(job: Job, stage_args: list[StageAssignment]) -> dict[str, dict[str,
 class Placement:
     """The driver's placement of its jobs' stages on the swarm's workers."""
 
-    def __init__(self, transport: Any, membership: Any, step_timeout_s: float, hosts: OptimizerClient):
+    def __init__(
+        self,
+        transport: Any,
+        membership: Any,
+        step_timeout_s: float,
+        hosts: OptimizerClient,
+        book: PeerBook | None = None,
+    ):
         self.t = transport
         self.membership = membership
         self.step_timeout_s = step_timeout_s
         self.hosts = hosts
+        self.book = book if book is not None else PeerBook()  # the driver's: speeds and bans across jobs
 
     async def place(
         self,
@@ -255,7 +297,9 @@ class Placement:
             if missing:
                 raise ConfigError(f"requested peers are not available {role}s in the swarm: {missing}")
             return list(wanted)
-        # a record outlives its peer by up to its TTL: keep those that answer a ping
+        # a peer this driver banned (it failed a step of any of its jobs) gets no new work until the
+        # ban ends; a record outlives its peer by up to its TTL: keep those that answer a ping
+        ids = self.book.bans.allowed(ids, time.monotonic())
         dead, _leaving = await self.probe(ids)
         ids = [p for p in ids if p not in dead]
         # the driver's own peer first (it feeds the first stage without a hop), then by id
@@ -279,8 +323,12 @@ class Placement:
                 "--offload on needs at least one peer with the optimizer role (fusionnode join "
                 "--role optimizer)"
             )
-        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs)
-        hosts.sort(key=lambda h: (h in workers, h != self.t.peer_id, h))
+        # prefer hosts that are not also the job's workers (LuWu: CPU/RAM-rich peers apart from the GPUs);
+        # among equals the driver's own peer first (no hop for its pulls), except for a job that keeps
+        # checkpoints: it can be resumed from another peer, so its optimizer state stays off the
+        # driver's peer, where it would die with the driver
+        resumable = bool(params.get("spec", {}).get("save_dir"))
+        hosts.sort(key=lambda h: (h in workers, (h == self.t.peer_id) == resumable, h))
         k = int(params.get("optimizer_hosts") or 1)
         return hosts[: max(1, k)]
 
@@ -300,7 +348,9 @@ class Placement:
         from fusionnode.plan.planner import plan as make_plan
 
         hosts = await self.candidates(params.get("optimizer_peers"), "optimizer") if offload else []
-        doc = params.get("cluster") or cluster_from_records(await self.membership.peers(), workers, hosts)
+        doc = params.get("cluster") or cluster_from_records(
+            await self.membership.peers(), workers, hosts, self.book.speeds.speeds()
+        )
         known = {d["id"] for d in doc.get("devices", [])}
         missing = [w for w in workers if w not in known]
         if missing:

@@ -19,6 +19,7 @@ noisy measurement does not make the plan flap.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,6 +33,8 @@ DEFAULT_MIN_GAIN = 0.25  # relative step-time improvement below which a re-plan 
 DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
 DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
 MAX_BAN_S = 600.0  # seconds: the longest ban
+SPEED_WINDOW = 8  # samples per peer the driver's table keeps across jobs (a stall stays in it that long)
+ADVERTISED_CAP = 4.0  # an unmeasured peer is planned at most this many times the fastest measured one
 
 
 @dataclass(frozen=True)
@@ -92,36 +95,84 @@ def fill_speeds(
     scale = ratios[len(ratios) // 2] if ratios else None
     known = sorted(measured.values())
     fallback = known[len(known) // 2] if known else 1.0
+    cap = ADVERTISED_CAP * known[-1] if known else math.inf
     out = {}
     for p in peers:
         if p in measured:
             out[p] = measured[p]
         elif scale is not None and advertised.get(p, 0) > 0:
-            out[p] = advertised[p] * scale
+            out[p] = min(advertised[p] * scale, cap)  # an advertisement cannot outbid measurements
         else:
             out[p] = fallback
     return out
 
 
-def calibrate_cluster(doc: Mapping, measured: Mapping[str, float], advertised: Mapping[str, float]) -> dict:
-    """A copy of a cluster document (protocol/CLUSTER.md) whose devices' TFLOPS are replaced by the
-    measured speeds, expressed in the advertised unit (median ratio measured/advertised of the
-    measured peers); devices without a measurement keep their figure."""
-    ratios = sorted(
-        measured[p] / advertised[p] for p in measured if advertised.get(p, 0) > 0 and measured[p] > 0
-    )
-    out = dict(doc)
-    if not ratios:
+def planning_tflops(advertised: Mapping[str, float], measured: Mapping[str, float]) -> dict[str, float]:
+    """The TFLOPS the planner may use for each peer of `advertised` (its self-reported figures),
+    given `measured` speeds (any unit, the same for every peer: SpeedBook's work per second).
+
+    The rule (SECURITY.md, attack 8): with measurements, scale = the median of measured/advertised
+    over the measured peers; a measured peer's figure is its measurement / scale (the
+    advertisement is replaced); an unmeasured peer keeps its advertisement but at most
+    ADVERTISED_CAP x the fastest measured peer's figure. With no measurement at all, every figure is
+    at most ADVERTISED_CAP x the median advertised figure (one liar among honest peers is bounded)."""
+    adv = {p: float(v) for p, v in advertised.items() if math.isfinite(float(v)) and float(v) > 0}
+    ratios = sorted(measured[p] / adv[p] for p in measured if p in adv and measured[p] > 0)
+    out: dict[str, float] = {}
+    if ratios:
+        scale = ratios[len(ratios) // 2]
+        known = {p: max(measured[p] / scale, 1e-6) for p in measured if p in advertised and measured[p] > 0}
+        cap = ADVERTISED_CAP * max(known.values())
+        for p in advertised:
+            out[p] = known[p] if p in known else min(adv.get(p, 1e-6), cap)
         return out
-    scale = ratios[len(ratios) // 2]
-    devices = []
-    for d in doc.get("devices", []):
-        d = dict(d)
-        if d["id"] in measured:
-            d["tflops"] = max(measured[d["id"]] / scale, 1e-6)
-        devices.append(d)
-    out["devices"] = devices
+    figures = sorted(adv.values())
+    cap = ADVERTISED_CAP * figures[len(figures) // 2] if figures else math.inf
+    return {p: min(adv.get(p, 1e-6), cap) for p in advertised}
+
+
+def calibrate_cluster(doc: Mapping, measured: Mapping[str, float], advertised: Mapping[str, float]) -> dict:
+    """A copy of a cluster document (protocol/CLUSTER.md) whose devices' TFLOPS are what
+    `planning_tflops` allows: measured speeds in the advertised unit (median ratio measured/advertised
+    of the measured peers), unmeasured advertisements capped relative to them."""
+    adv = {d["id"]: float(advertised.get(d["id"], d["tflops"])) for d in doc.get("devices", [])}
+    figures = planning_tflops(adv, {p: v for p, v in measured.items() if p in adv})
+    out = dict(doc)
+    out["devices"] = [{**d, "tflops": max(figures[d["id"]], 1e-6)} for d in doc.get("devices", [])]
     return out
+
+
+class SpeedBook:
+    """Measured compute speed of peers: work (graph FLOPs x sequences) per second of compute over
+    each peer's last `window` samples. The driver keeps one for its lifetime (every job, every
+    layout feeds it, and a stall is recorded in it); each run keeps a short one (recent behaviour)."""
+
+    def __init__(self, window: int = SPEED_WINDOW):
+        self.window = window
+        self.samples: dict[str, collections.deque[tuple[float, float]]] = {}
+        self.stalls: dict[str, int] = {}
+
+    def record(self, peer: str, work: float, seconds: float) -> None:
+        if not (work > 0 and seconds > 0 and math.isfinite(work) and math.isfinite(seconds)):
+            return
+        self.samples.setdefault(peer, collections.deque(maxlen=self.window)).append((work, seconds))
+
+    def stall(self, peer: str, work: float, seconds: float) -> None:
+        """A peer took `work` and did not deliver within `seconds` (a failed step): its speed counts
+        the stall as a sample of that work over that time, so it stays slow for `window` samples."""
+        self.stalls[peer] = self.stalls.get(peer, 0) + 1
+        self.record(peer, max(work, 1.0), seconds)
+
+    def forget(self, peer: str) -> None:
+        self.samples.pop(peer, None)
+
+    def speeds(self) -> dict[str, float]:
+        out = {}
+        for p, q in self.samples.items():
+            work, secs = sum(w for w, _ in q), sum(s for _, s in q)
+            if work > 0 and secs > 0:
+                out[p] = work / secs
+        return out
 
 
 def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[int, ...]:
@@ -243,6 +294,90 @@ def decide(
     )
 
 
+@dataclass(frozen=True)
+class JobDecision:
+    adopt: bool
+    reason: str
+    current_s: float  # predicted step time of the job (its slowest pipeline), seconds
+    candidate_s: float
+    layouts: tuple[Layout, ...] = ()  # one per pipeline (also when not adopted, for the record)
+
+    @property
+    def gain(self) -> float:
+        return 1.0 - self.candidate_s / self.current_s if self.current_s > 0 else 0.0
+
+
+def decide_job(
+    current: Sequence[Layout],
+    flops: Sequence[Sequence[float]],
+    speeds: Mapping[str, float],
+    micro_batches: Sequence[int],
+    *,
+    spares: Sequence[str] = (),
+    steps_left: int,
+    move_cost_s: float,
+    min_gain: float = DEFAULT_MIN_GAIN,
+) -> JobDecision:
+    """`decide` for a job of several pipelines (data-parallel replicas): a step takes as long as its
+    slowest pipeline. Pipelines are taken slowest first; each gets the best of its `candidates`
+    (spares shared: a peer one pipeline takes is no spare for the next; a peer it drops becomes one).
+    `flops[i]` is pipeline i's work per operator (graph FLOPs x its sequences per step), so every
+    pipeline is priced in the same unit as `speeds`. The same threshold and move-cost rule as `decide`."""
+    if not current:
+        raise ValueError("no pipeline")
+    times = [
+        predict_step_s(lay, f, speeds, m) for lay, f, m in zip(current, flops, micro_batches, strict=True)
+    ]
+    cur = max(times)
+    layouts = list(current)
+    used = {p for lay in current for p in lay.peers}
+    free = [p for p in spares if p not in used]
+    for i in sorted(range(len(layouts)), key=lambda k: -times[k]):
+        best, best_s = layouts[i], times[i]
+        for lay in candidates(layouts[i], flops[i], speeds, free):
+            t = predict_step_s(lay, flops[i], speeds, micro_batches[i])
+            if t < best_s - 1e-12:
+                best, best_s = lay, t
+        if best != layouts[i]:
+            free = [p for p in free if p not in best.peers] + [
+                p for p in layouts[i].peers if p not in best.peers
+            ]
+            layouts[i], times[i] = best, best_s
+    new = max(times)
+    # a pipeline that was not holding the job back keeps its layout (moving it gains nothing)
+    cur_times = [
+        predict_step_s(lay, f, speeds, m) for lay, f, m in zip(current, flops, micro_batches, strict=True)
+    ]
+    for i, lay in enumerate(current):
+        others = {p for j, o in enumerate(layouts) if j != i for p in o.peers}
+        if layouts[i] != lay and cur_times[i] <= new and not others & set(lay.peers):
+            layouts[i], times[i] = lay, cur_times[i]
+    new = max(times)
+    out = tuple(layouts)
+    if out == tuple(current):
+        return JobDecision(False, "the current layout is the best candidate", cur, cur, out)
+    gain = 1.0 - new / cur
+    saved = (cur - new) * steps_left
+    if gain < min_gain:
+        return JobDecision(False, f"gain {gain:.0%} below the {min_gain:.0%} threshold", cur, new, out)
+    if saved <= move_cost_s:
+        return JobDecision(
+            False,
+            f"saves {saved:.1f} s over {steps_left} steps, moving costs {move_cost_s:.1f} s",
+            cur,
+            new,
+            out,
+        )
+    slow = min((p for lay in current for p in lay.peers), key=lambda p: speeds[p])
+    return JobDecision(
+        True,
+        f"predicted step {cur:.3f} s -> {new:.3f} s ({gain:.0%} faster; slowest peer {slow[:12]}…)",
+        cur,
+        new,
+        out,
+    )
+
+
 @dataclass
 class Bans:
     """Peers that failed, each banned for an interval that doubles with every failure (Petals)."""
@@ -265,6 +400,14 @@ class Bans:
 
     def allowed(self, peers: Iterable[str], now: float) -> list[str]:
         return [p for p in peers if not self.banned(p, now)]
+
+
+@dataclass
+class PeerBook:
+    """What a driver remembers about peers across its jobs: measured speeds and bans."""
+
+    speeds: SpeedBook = field(default_factory=SpeedBook)
+    bans: Bans = field(default_factory=lambda: Bans())
 
 
 def blame(
@@ -302,15 +445,21 @@ def blame(
 
 
 __all__ = [
+    "ADVERTISED_CAP",
     "Bans",
     "Decision",
+    "JobDecision",
     "Layout",
+    "PeerBook",
+    "SpeedBook",
     "blame",
     "calibrate_cluster",
     "candidates",
     "decide",
+    "decide_job",
     "fill_speeds",
     "measured_speeds",
+    "planning_tflops",
     "predict_step_s",
     "weighted_bounds",
 ]

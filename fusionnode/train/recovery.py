@@ -31,11 +31,20 @@ logger = logging.getLogger(__name__)
 class Recovery:
     """The driver's plan changes of its running jobs."""
 
-    def __init__(self, transport: Any, membership: Any, placement: Placement, hosts: OptimizerClient):
+    def __init__(
+        self,
+        transport: Any,
+        membership: Any,
+        placement: Placement,
+        hosts: OptimizerClient,
+        *,
+        stall_s: float = 120.0,
+    ):
         self.t = transport
         self.membership = membership
         self.placement = placement
         self.hosts = hosts
+        self.stall_s = stall_s  # what a stalled stage costs a step: the deadline of its job.step call
 
     async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> None:
         """Bans (or forgets) the peers to blame, adopts a plan without them; the step is then replayed."""
@@ -59,7 +68,13 @@ class Recovery:
                 run.gone.add(peer)
                 await run.event(job, "leave", peer=peer, step=step, reason="the peer drained and left")
             else:
+                # it attracted work and stalled: banned (per driver, doubling at each offence), and
+                # its measured speed counts the stall, so it is planned as slow once the ban ends
                 ban_s = run.bans.fail(peer, now)
+                work = sum(run.work(job, a) for a in run.stage_args if a.peer == peer)
+                if work > 0:
+                    run.book.speeds.stall(peer, work, self.stall_s)
+                run.recent.forget(peer)
                 await run.event(
                     job,
                     "failure",
@@ -219,18 +234,26 @@ class Recovery:
         )
         current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
         base = job.plan_version * STAGE_ID_STRIDE
-        given = [layout_]  # a rebalance's layout, for the first proposal only
+        given = [layout_]  # a rebalance's layouts (one per pipeline), for the first proposal only
 
         async def lay(candidates: list[str]) -> None:
             if not candidates:
                 raise PlanError("no worker is left that accepts the job's stages")
             if given[0] is not None:
-                pipe = job.pipelines[0]
-                job.pipelines = [
-                    Pipeline(
-                        0, list(given[0].peers), list(given[0].bounds), pipe.samples, pipe.micro_batches, 0
+                pipelines, first = [], 0
+                for pipe, lay_ in zip(job.pipelines, given[0], strict=True):
+                    pipelines.append(
+                        Pipeline(
+                            pipe.replica,
+                            list(lay_.peers),
+                            list(lay_.bounds),
+                            pipe.samples,
+                            pipe.micro_batches,
+                            first,
+                        )
                     )
-                ]
+                    first += len(lay_.peers)
+                job.pipelines = pipelines
                 given[0] = None
             elif run.strategy == "simple":
                 replicas = len(run.shares)
@@ -296,33 +319,35 @@ class Recovery:
         )
 
     async def maybe_rebalance(self, job: Job, run: Run, step: int) -> None:
-        """Straggler rebalancing and use of joined peers (one pipeline): adopt a better layout when
-        the measured speeds predict a gain above the threshold that outweighs the cost of moving."""
-        from fusionnode.train.rebalance import Layout, decide, fill_speeds
+        """Straggler rebalancing and use of joined peers, for every layout (one pipeline or several
+        data-parallel replicas): each pipeline's peers re-split or swapped by the measured speeds
+        (`rebalance.decide_job`), adopted when the job's predicted step gain is above the threshold
+        and outweighs the cost of moving."""
+        from fusionnode.train.rebalance import Layout, decide_job, fill_speeds
 
         run.steps_on_plan = 0  # next check after another window
-        if len(job.pipelines) != 1:
-            return
         workers = await self.live_workers(job, run)
-        pipe = job.pipelines[0]
-        spares = [w for w in workers if w not in pipe.peers]
+        in_plan = [p for pipe in job.pipelines for p in pipe.peers]
+        spares = [w for w in workers if w not in in_plan]
         advertised = {
             r.peer_id: float(r.device.tflops_fp32)
             for r in await self.membership.peers()
-            if r.peer_id in set(workers)
+            if r.peer_id in set(workers) | set(in_plan)
         }
-        speeds = fill_speeds(run.speeds(), advertised, [*pipe.peers, *spares])
-        current = Layout(tuple(pipe.peers), tuple(pipe.bounds))
-        d = decide(
-            current,
-            run.flops,
+        # this run's recent measurements first; peers it has not measured (spares) from the driver's
+        # table of earlier jobs; then advertisements, scaled to the measured unit and capped
+        measured = {**run.book.speeds.speeds(), **run.speeds()}
+        speeds = fill_speeds(measured, advertised, [*in_plan, *spares])
+        d = decide_job(
+            [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines],
+            [[f * p.samples for f in run.flops] for p in job.pipelines],
             speeds,
-            pipe.micro_batches,
+            [p.micro_batches for p in job.pipelines],
             spares=spares,
             steps_left=job.spec.steps - step,
             move_cost_s=run.move_s,
             min_gain=run.min_gain,
         )
         logger.info("rebalance check at step %d: %s", step, d.reason)
-        if d.adopt and d.layout is not None:
-            await self.adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layout)
+        if d.adopt and d.layouts:
+            await self.adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts)

@@ -5,7 +5,6 @@ Plain data shared by the driver's modules (placement, step, recovery); no networ
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans
+from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans, PeerBook, SpeedBook, stage_flops
 from fusionnode.wire.job import StageAssignment, StepReport
 
 logger = logging.getLogger(__name__)
@@ -127,24 +126,36 @@ class Run:
     source: Any = None
     first_step: int = 0
     gone: set[str] = dataclasses.field(default_factory=set)  # peers that left gracefully
-    bans: Bans = dataclasses.field(default_factory=Bans)
+    # the driver's table (speeds and bans across all its jobs); a run of its own by default
+    book: PeerBook = dataclasses.field(default_factory=PeerBook)
     steps_on_plan: int = 0
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
-    samples: dict[str, collections.deque] = dataclasses.field(default_factory=dict)
+    # this run's last DEFAULT_WINDOW samples per peer (what rebalancing reads: recent behaviour)
+    recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
+    checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
+
+    @property
+    def bans(self) -> Bans:
+        return self.book.bans
+
+    def work(self, job: Job, a: StageAssignment) -> float:
+        """Work of a stage per step, in the unit of every measured speed: the graph FLOPs of its
+        operators (per sequence) x the sequences its pipeline trains on each step."""
+        return stage_flops(self.flops, a.lo, a.hi) * job.pipelines[a.replica].samples
 
     def observe(self, job: Job, reports: list[StepReport]) -> None:
-        """Stage timings of a step feed the measured speeds (the first step of a plan warms up)."""
+        """Stage timings of a step (every pipeline) feed the run's and the driver's measured speeds
+        (the first step of a plan warms up)."""
         self.steps_on_plan += 1
         if self.steps_on_plan == 1:
             return
         for a, r in zip(self.stage_args, reports, strict=True):
-            q = self.samples.setdefault(a.peer, collections.deque(maxlen=DEFAULT_WINDOW))
-            q.append((a.peer, a.lo, a.hi, float(r.compute_s)))
+            w, secs = self.work(job, a), float(r.compute_s)
+            self.recent.record(a.peer, w, secs)
+            self.book.speeds.record(a.peer, w, secs)
 
     def speeds(self) -> dict[str, float]:
-        from fusionnode.train.rebalance import measured_speeds
-
-        return measured_speeds(self.flops, [s for q in self.samples.values() for s in q])
+        return self.recent.speeds()
 
     async def event(self, job: Job, kind: str, **fields: Any) -> None:
         """Records an event of the job (metrics file, status, the client's stream, the log)."""

@@ -93,6 +93,9 @@ class Stepper:
         input_name = next(iter(stage_args[0].recv_specs))
         timeout = self.step_timeout_s
         sends: dict[str, list[Any]] = {}
+        checks = run.checks
+        if checks is not None:
+            checks.before_step()
         shards = run.source.shard_batches(step, [p.samples for p in job.pipelines])
         for pipe, (xs, ys) in zip(job.pipelines, shards, strict=True):
             first, last = pipe.first_stage, pipe.first_stage + len(pipe.peers) - 1
@@ -100,12 +103,13 @@ class Stepper:
                 zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)
             ):
                 meta = {"job": jid, "step": step, "mb": mb}
-                sends.setdefault(pipe.peers[0], []).append(
-                    tensor_message(TensorKind.INPUT, {**meta, "stage": first}, {input_name: x})
-                )
-                sends.setdefault(pipe.peers[-1], []).append(
-                    tensor_message(TensorKind.TARGET, {**meta, "stage": last}, {"target": y})
-                )
+                msg_in = tensor_message(TensorKind.INPUT, {**meta, "stage": first}, {input_name: x})
+                msg_target = tensor_message(TensorKind.TARGET, {**meta, "stage": last}, {"target": y})
+                sends.setdefault(pipe.peers[0], []).append(msg_in)
+                sends.setdefault(pipe.peers[-1], []).append(msg_target)
+                if checks is not None:  # their digests, for the cross-check of the stages' commitments
+                    checks.fed(first, mb, "in", msg_in)
+                    checks.fed(last, mb, "target", msg_target)
 
         async def feed(peer: str, msgs: list[Any]) -> None:
             for msg in msgs:
@@ -134,6 +138,7 @@ class Stepper:
                         micro_batches=job.pipelines[a.replica].micro_batches,
                         mb_size=job.pipelines[a.replica].mb_size,
                         target_time_s=run.target_time_s,
+                        verify=checks is not None,
                     ),
                     timeout=timeout * 2,
                     recall=Rpc.JOB_STEP_RESULT,  # a reply lost to a stream reset: fetch it, the step ran
@@ -142,12 +147,18 @@ class Stepper:
             },
         }
         peer_of = {("step", a.stage): a.peer for a in stage_args}
+        if checks is not None:  # the checked stages' parameters, fetched while the stages compute
+            checks.prefetch(job, run, step)
         phases["feed_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         results = await self.gather_or_fail(job, run, step, calls, peer_of)
         reports = [results[("step", a.stage)] for a in stage_args]
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
+        if checks is not None:  # before the optimizer: nothing of a caught worker's step is applied
+            await checks.check(job, run, step, reports, StepFailed)
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
         if run.params.get("dump_grads") and step == run.first_step:
             await self.dump_grads(job, stage_args, run.params["dump_grads"])
         if job.offload:

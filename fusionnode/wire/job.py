@@ -42,6 +42,7 @@ class Rpc:
     JOB_FETCH: Final = "job.fetch"
     JOB_RELEASE: Final = "job.release"
     JOB_PING: Final = "job.ping"
+    JOB_AUDIT: Final = "job.audit"  # show a verified step's kept messages (fusionnode/verify/)
     DEBUG_SLOW: Final = "debug.slow"
     OPT_INIT: Final = "opt.init"
     OPT_HELD: Final = "opt.held"
@@ -74,6 +75,7 @@ class TensorKind:
     OPT_PARAMS: Final = "opt_params"  # driver -> optimizer host: a shard's initial parameters
     PUSH: Final = "push"  # worker -> optimizer host: a parameter's gradient of a step
     PULLED: Final = "pulled"  # optimizer host -> caller of `opt.pull`: parameters, mb = first + index
+    AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
     ALL: ClassVar[frozenset[str]]
 
 
@@ -271,6 +273,7 @@ class StepRequest(JobMessage):
     micro_batches: int
     mb_size: int
     target_time_s: float | None = None  # the time one micro-batch may take on a link (compression)
+    verify: bool = False  # spot-checked: commit to every message, keep them until the next step
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1 or self.mb_size < 1:
@@ -291,6 +294,25 @@ class StepReport(JobMessage):
     optimizer_bytes: int
     grad_sq: float  # squared norm of the stage's own (not shared) gradients
     links: dict[str, Any]  # {"fwd": counters, "bwd": counters} of the link compressors
+    verify: dict[str, Any] | None = None  # with StepRequest.verify: verify.Ledger.commitments()
+
+
+@message
+class AuditRequest(JobMessage):
+    """`job.audit`: send the kept messages of micro-batches `mbs` of the last verified step (and,
+    with `grads`, the stage's parameter gradients) as `audit` messages."""
+
+    job: str
+    stage: int
+    step: int
+    mbs: list[int]
+    grads: bool = False
+
+
+@message
+class AuditReply(JobMessage):
+    parts: dict[str, list[str]]  # micro-batch -> the parts shown (verify/ledger.py)
+    chunks: int  # `audit` messages that follow
 
 
 @message
@@ -444,6 +466,7 @@ class OptReady(JobMessage):
     job: str
     step: int
     timeout: float | None = None
+    digests: bool = False  # also the digests of the committed pushes (spot-checked jobs)
 
 
 @message
@@ -451,6 +474,7 @@ class OptReadyReply(JobMessage):
     complete: bool
     grad_sq: float
     missing: dict[str, list[str]]
+    digests: dict[str, dict[str, str]] | None = None  # contributor -> name -> digest of its push
 
 
 @message
@@ -551,6 +575,7 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.JOB_RELEASE, ReleaseRequest, ReleaseReply, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.JOB_PING, PingRequest, PingReply, "any peer", ()),
+        RpcSpec(Rpc.JOB_AUDIT, AuditRequest, AuditReply, "the stage's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.DEBUG_SLOW, DebugSlow, DebugSlow, "the peer itself (FUSIONNODE_DEBUG=1)", (_E.FORBIDDEN,)),
         RpcSpec(Rpc.OPT_INIT, OptInit, OptInitReply, "the job's driver (== driver)",
                 (_E.FORBIDDEN, _E.NO_ROOM)),

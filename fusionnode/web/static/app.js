@@ -379,6 +379,12 @@
     $("availability").textContent = typeof av === "string" ? av : "?";
     $("availability").className = "pill " + (av === "available" ? "ok" : "bad");
     document.body.dataset.availability = typeof av === "string" ? av : "?";
+    const reach = status.reachability || {};
+    const names = { public: "reachable", relayed: "behind NAT · relayed", nat: "behind NAT", local: "local", unknown: "reach ?" };
+    $("reach").textContent = names[reach.state] || "reach ?";
+    $("reach").title = (reach.line || "") + ((reach.relayed_peers || []).length ? " · relayed links: " + reach.relayed_peers.map((p) => p.slice(-6)).join(", ") : "");
+    $("reach").className = "pill " + (reach.state === "public" || reach.state === "local" || reach.state === "relayed" ? "ok" : "bad");
+    document.body.dataset.reachability = reach.state || "unknown";
     drawSwarm(status);
     drawChart($("loss"), jobs.map((j) => ({ job: j.job, points: j.history || [] })), "loss", 3,
       jobs.map((j) => ({ job: j.job, points: j.validation || [] })));

@@ -1,0 +1,405 @@
+"""`fusionnode bench verify`: spot-checks against lying workers on a real local swarm.
+
+Method (real `fusionnode join --debug` daemons on loopback; 3 peers: the driver's peer, which is
+also the optimizer host and a worker, and two more workers, one of them a spare; 2 stages, offload
+on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/liar.py):
+
+- overhead: the same honest job with checks off and at the default rate (`--rate`), alternated
+  `--overhead-repeats` times; median step time over the steps after the first 3 of each run.
+  The swarm is unpaced (no `debug_pace`: the paced testbed sleeps, which would hide the cost);
+  every peer shares this machine's cores, so the figure is noisy under other load.
+- lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
+  first stage that is not the driver's own peer lies from its first step (`scale` by 1.01 = a 1%
+  activation scaling; `noise` of 1% RMS; `stale` tensors of the previous step; `other`: another
+  micro-batch's tensors; `fraction`: a 1% scaling on only `--fraction` of its micro-batches;
+  `gradient`: a random parameter gradient of the right norm pushed to the optimizer hosts, found by
+  the gradient check, which recomputes all of a stage's micro-batches with probability `--rate`).
+  Reported: the step at which it was caught (steps until caught, counted from its first lie), the
+  validation loss at the end and the last step's loss, each with its difference to the
+  single-process reference of the same job (the validation loss is the steadier figure: the last
+  batch's loss of a 24-step run moves by tenths when only the plan, hence the summation order,
+  changes), and one
+  `--unchecked` run per kind with checks off (the loss a liar leaves behind when nobody checks).
+- statistics over 100 seeded runs: the real runs are too slow here for 100 per kind, so they are
+  simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
+  random choices, using that a checked micro-batch that was lied on is always caught (what the
+  real runs and tests/test_verify.py show: every kind of lie mismatches on every lied micro-batch)
+  and the closed form 1 - (1 - rate x fraction)^(m x 20) next to it.
+- clean: one honest job of `--clean-steps` steps under `--clean-policy` (default: every micro-batch
+  checked); reported: micro-batches checked, peers caught (false positives), disputes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEBUG_ENV = "FUSIONNODE_DEBUG"
+KIND_CONFIGS: dict[str, dict[str, Any]] = {
+    "scale": {"kind": "scale", "factor": 1.01},
+    "noise": {"kind": "noise", "sigma": 0.01},
+    "stale": {"kind": "stale"},
+    "other": {"kind": "other"},
+    "fraction": {"kind": "scale", "factor": 1.01},  # + "fraction": --fraction
+    "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
+}
+CATCH_WITHIN = 20  # steps: the target
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE
+
+    p = argparse.ArgumentParser(
+        prog="fusionnode bench verify",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--kinds",
+        default=",".join(KIND_CONFIGS),
+        help="comma-separated kinds of lie to run (default %(default)s)",
+    )
+    p.add_argument("--runs", type=int, default=2, help="real runs per kind of lie (default %(default)s)")
+    p.add_argument(
+        "--sim-runs", type=int, default=100, help="simulated seeded runs per kind (default %(default)s)"
+    )
+    p.add_argument("--steps", type=int, default=24, help="steps of each liar job (default %(default)s)")
+    p.add_argument("--rate", type=float, default=DEFAULT_PUBLIC_RATE, help="check rate (default %(default)s)")
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=0.25,
+        help="share of micro-batches the fraction liar lies on (default %(default)s)",
+    )
+    p.add_argument(
+        "--overhead-steps", type=int, default=30, help="steps of each overhead job (default %(default)s)"
+    )
+    p.add_argument("--overhead-repeats", type=int, default=2, help="off/on pairs (default %(default)s)")
+    p.add_argument(
+        "--clean-steps", type=int, default=500, help="steps of the clean run, 0 = skip (default %(default)s)"
+    )
+    p.add_argument(
+        "--clean-policy",
+        choices=["all", "sample"],
+        default="all",
+        help="checks of the clean run: every micro-batch, or the --rate sample (default %(default)s)",
+    )
+    p.add_argument(
+        "--unchecked",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also one liar run per kind with checks off, for its loss (default: on)",
+    )
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default %(default)s)")
+    p.add_argument(
+        "--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)"
+    )
+    p.add_argument("--seed", type=int, default=11, help="seed of the jobs (default %(default)s)")
+    p.add_argument(
+        "--workdir", default=None, help="peers' state and logs (default: a new temporary directory)"
+    )
+    p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
+    args = p.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or any(k not in KIND_CONFIGS for k in kinds):
+        p.error(f"--kinds: choose among {', '.join(KIND_CONFIGS)}")
+    args.kinds = kinds
+    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
+        p.error("--rate and --fraction must be in (0, 1]")
+    for name in ("runs", "sim_runs", "steps", "overhead_steps", "overhead_repeats", "micro_batches"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.clean_steps < 0:
+        p.error("--clean-steps must be >= 0")
+    return args
+
+
+def lie_config(kind: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    cfg = {**KIND_CONFIGS[kind], "seed": seed}
+    if kind == "fraction":
+        cfg["fraction"] = args.fraction
+    return cfg
+
+
+def _spec(
+    args: argparse.Namespace, job_id: str, steps: int, metrics: Path | None = None, seed: int | None = None
+) -> Any:
+    from fusionnode.train.spec import JobSpec
+
+    return JobSpec(
+        model="gpt2-tiny",
+        steps=steps,
+        batch_size=args.batch_size,
+        micro_batches=args.micro_batches,
+        seq_len=args.seq_len,
+        seed=args.seed if seed is None else seed,
+        grad_clip=1.0,
+        lr=3e-3,
+        warmup_steps=2,
+        metrics_out=str(metrics) if metrics else None,
+        job_id=job_id,
+    )
+
+
+async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tuple[dict, list[dict]]:
+    from fusionnode import control
+
+    events: list[dict] = []
+    async for obj in control.call_stream(swarm.control(0), "train", params, timeout=None):
+        if "event" not in obj:
+            return obj["result"], events
+        events.append(obj["event"])
+        if on_event is not None:
+            await on_event(obj["event"])
+    raise RuntimeError("the driver closed the job without a result")
+
+
+def _params(spec: Any, policy: str, rate: float | None) -> dict[str, Any]:
+    return {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "offload": "on",
+        "rebalance_every": 0,
+        "verify_policy": policy,
+        "verify_rate": rate,
+    }
+
+
+def _steps(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["type"] == "step"]
+
+
+def _events(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["type"] == "event" and e.get("kind") == kind]
+
+
+def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    verify_s: list[float] = []
+    losses: dict[str, float] = {}
+    parts: dict[str, float] = {}
+    for r in range(args.overhead_repeats):
+        for mode in ("off", "on"):
+            spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
+            result, events = asyncio.run(
+                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
+            )
+            steps = _steps(events)
+            times[mode] += [s["step_time_s"] for s in steps[3:]]
+            if mode == "on":
+                verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
+                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps"):
+                    parts[k] = parts.get(k, 0.0) + result["verify"][k]
+            losses[mode] = steps[-1]["loss"]
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {
+        "scenario": "overhead",
+        "rate": args.rate,
+        "median_step_s_off": round(off, 4),
+        "median_step_s_on": round(on, 4),
+        "overhead": round(on / off - 1, 4),
+        "median_verify_phase_s": round(statistics.median(verify_s), 4),
+        "verify_phase_share_of_step": round(statistics.median(verify_s) / on, 4),
+        "final_loss_off": losses["off"],
+        "final_loss_on": losses["on"],
+        "steps_timed": {k: len(v) for k, v in times.items()},
+        "mean_per_step_s": {
+            k: round(parts[k] / parts["steps"], 4)
+            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s")
+        },
+    }
+
+
+def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[str, Any]]:
+    from fusionnode.train.local import train_local
+
+    out = []
+    driver = swarm.ready[0]["peer_id"]
+    refs: dict[int, list[float]] = {}
+    for kind in args.kinds:
+        rows = []
+        modes = ["checked"] * args.runs + (["unchecked"] if args.unchecked else [])
+        for r, mode in enumerate(modes):
+            seed = args.seed + r
+            spec = _spec(args, f"verify-{kind}-{mode}-{r}", args.steps, workdir / f"{kind}-{r}.jsonl", seed)
+            if seed not in refs:
+                refs[seed] = train_local(spec.replace(metrics_out=None, job_id=""))
+            victim: list[int] = []
+
+            async def on_event(
+                ev: dict, kind: str = kind, seed: int = seed, victim: list[int] = victim
+            ) -> None:
+                if ev["type"] == "plan" and not victim:
+                    peer = next(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+                    i = next(i for i, rec in enumerate(swarm.ready) if rec["peer_id"] == peer)
+                    (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
+                    victim.append(i)
+
+            t0 = time.monotonic()
+            try:
+                result, events = asyncio.run(
+                    _train(
+                        swarm, _params(spec, "sample" if mode == "checked" else "off", args.rate), on_event
+                    )
+                )
+            finally:
+                for i in victim:
+                    (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+            caught = _events(events, "caught")
+            steps = _steps(events)
+            ref, ref_val = refs[seed].losses, refs[seed].val_loss
+            final = steps[-1]["loss"]
+            rows.append(
+                {
+                    "mode": mode,
+                    "caught_at_step": caught[0]["step"] if caught else None,
+                    "steps_until_caught": caught[0]["step"] + 1 if caught else None,
+                    "caught_peer_is_liar": bool(caught)
+                    and caught[0]["peer"] == swarm.ready[victim[0]]["peer_id"]
+                    and len(caught) == 1,
+                    "val_loss": result["val_loss"],
+                    "reference_val_loss": ref_val,
+                    "val_loss_rel_diff": abs(result["val_loss"] - ref_val) / ref_val,
+                    "final_loss": final,
+                    "reference_final_loss": ref[-1],
+                    "final_loss_rel_diff": abs(final - ref[-1]) / ref[-1],
+                    "max_abs_loss_diff_vs_reference": max(abs(s["loss"] - ref[s["step"]]) for s in steps),
+                    "wall_s": round(time.monotonic() - t0, 1),
+                }
+            )
+        out.append({"scenario": f"lie:{kind}", "config": lie_config(kind, args, 0), "runs": rows})
+    return out
+
+
+def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """100 seeded runs per kind with the real selector and the real liar's random choices."""
+    import torch
+
+    from fusionnode.verify.liar import Liar
+    from fusionnode.verify.selector import CheckSelector, catch_probability
+
+    m, stage = args.micro_batches, 1000
+    out = []
+    for kind in args.kinds:
+        cfg = lie_config(kind, args, 0)
+        caught_within, steps_needed = 0, []
+        for seed in range(args.sim_runs):
+            sel = CheckSelector(hashlib.sha256(f"bench-verify-{seed}".encode()).digest())
+            liar = Liar.from_dict({**cfg, "seed": seed})
+            found = None
+            for step in range(CATCH_WITHIN * 5):
+                if cfg["kind"] == "random_pseudo_gradient":  # every step; caught when a gradient check
+                    if sel.draw(step, stage, -1) < args.rate:
+                        found = step
+                        break
+                    continue
+                for mb in range(m):
+                    x = {"h": torch.full((1,), float(step * m + mb + 1))}
+                    lied = liar.tamper("act", stage, step, mb, False, x)["h"] is not x["h"]
+                    if lied and sel.draw(step, stage, mb) < args.rate:
+                        found = step
+                        break
+                if found is not None:
+                    break
+            steps_needed.append(found + 1 if found is not None else None)
+            caught_within += found is not None and found + 1 <= CATCH_WITHIN
+        lied_per_step = m * cfg.get("fraction", 1.0)
+        if kind == "gradient":  # one gradient check draw per stage and step
+            lied_total = CATCH_WITHIN
+        elif kind == "stale":  # nothing to replay on the first step
+            lied_total = lied_per_step * (CATCH_WITHIN - 1)
+        elif kind == "other":  # micro-batch 0 has no earlier one to copy
+            lied_total = (m - 1) * CATCH_WITHIN
+        else:
+            lied_total = lied_per_step * CATCH_WITHIN
+        done = [s for s in steps_needed if s is not None]
+        out.append(
+            {
+                "scenario": f"sim:{kind}",
+                "runs": args.sim_runs,
+                f"caught_within_{CATCH_WITHIN}_steps": caught_within,
+                "median_steps_until_caught": statistics.median(done) if done else None,
+                "max_steps_until_caught": max(done) if done else None,
+                "closed_form_p_within_20": round(catch_probability(args.rate, lied_total), 5),
+            }
+        )
+    return out
+
+
+def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
+    spec = _spec(args, "verify-clean", args.clean_steps)
+    t0 = time.monotonic()
+    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate)))
+    v = result.get("verify", {})
+    return {
+        "scenario": "clean",
+        "policy": args.clean_policy,
+        "steps": len(_steps(events)),
+        "micro_batches_checked": v.get("checked"),
+        "false_positives_caught": len(_events(events, "caught")),
+        "disputes": len(_events(events, "dispute")),
+        "failures": len(_events(events, "failure")),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from fusionnode.localswarm import LocalSwarm
+
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fusionnode-verify-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    out: list[dict[str, Any]] = simulate(args)
+    for res in out:
+        _print(res, args.json)
+    os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug hooks (the liar) are on
+    swarm = LocalSwarm(workdir / "swarm", 3, log=sys.stderr)
+    (workdir / "swarm").mkdir(parents=True, exist_ok=True)
+    try:
+        swarm.start()
+        asyncio.run(swarm.wait_connected())
+        res = run_overhead(args, swarm)
+        _print(res, args.json)
+        for res in run_lies(args, swarm, workdir):
+            _print(res, args.json)
+        if args.clean_steps:
+            _print(run_clean(args, swarm), args.json)
+    finally:
+        swarm.stop()
+    return 0
+
+
+def _print(res: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(res), flush=True)
+        return
+    print(f"[{res['scenario']}]")
+    for k, v in res.items():
+        if k == "scenario":
+            continue
+        if k == "runs" and isinstance(v, list):
+            for row in v:
+                print(
+                    "  "
+                    + ", ".join(f"{a}={round(b, 5) if isinstance(b, float) else b}" for a, b in row.items())
+                )
+        else:
+            print(f"  {k:40s} {round(v, 5) if isinstance(v, float) else v}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The driver's spot-checks of a job's work (fusionnode/verify/), wired into its steps.
+
+`job_policy` resolves `--verify-policy` / `--verify-rate` for a job (off with a notice when its links
+are lossy); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
+and target it sends), `prefetch` (once the stages run) and `check` (after the stages reported,
+before the optimizer): a caught worker is out of the job (`caught` event, `run.gone`) and the step
+fails with `bad_tensor` blaming it, so recovery bans it, drops the step's contributions and replays
+the step on a new plan; a dispute nobody can be blamed for replays the step with the same peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from fusionnode.errors import ConfigError, FusionNodeError
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
+
+
+def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str | None]:
+    """(the policy in force, why checks are off despite it, or None); ConfigError on bad options."""
+    from fusionnode.security.keys import SWARM_KEY_ENV
+    from fusionnode.verify.policy import resolve_policy
+
+    private = bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
+    try:
+        policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if not policy.on or spec.compress == "none":
+        return policy, None
+    if params.get("verify_policy") in ("sample", "all"):
+        raise ConfigError(
+            f"--verify-policy {params['verify_policy']} compares the tensors workers send with a "
+            f"recompute, which a lossy link codec (--compress {spec.compress}) would fail: use "
+            "--compress none with checks"
+        )
+    reason = (
+        f"spot-checks are off for this job: its links are compressed ({spec.compress}), and the "
+        "checks compare exact tensors (use --compress none to have the work checked)"
+    )
+    return dataclasses.replace(policy, policy="off", rate=0.0), reason
+
+
+def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> Any:
+    from fusionnode.runtime.stage import StageModule
+
+    return StageModule.from_description(description, params, device="cpu")
+
+
+def start(transport: Any, job_id: str, policy: Any, timeout_s: float) -> Any:
+    from fusionnode.verify.verifier import Verifier
+
+    return Verifier(transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage)
+
+
+def _as_map(a: StageAssignment) -> dict[str, Any]:
+    """What the verifier reads of a stage (it takes plain maps)."""
+    return {
+        "stage": a.stage,
+        "pos": a.position,
+        "num_stages": a.num_stages,
+        "replica": a.replica,
+        "peer": a.peer,
+        "description": a.description,
+        "send_specs": a.send_specs,
+        "param_specs": a.param_specs,
+        "frozen": a.frozen,
+        "offload": a.offload,
+    }
+
+
+class StepChecks:
+    """The checks of one job's steps (one per run, `Run.checks`)."""
+
+    def __init__(self, verifier: Any, placement: Any, membership: Any, step_timeout_s: float) -> None:
+        self.v = verifier
+        self.placement = placement
+        self.membership = membership
+        self.timeout_s = step_timeout_s
+        self.last: dict[str, Any] | None = None  # what the last step's checks covered (its record)
+
+    def before_step(self) -> None:
+        self.v.start_step()
+
+    def fed(self, stage: int, mb: int, part: str, msg: Any) -> None:
+        self.v.record_fed(stage, mb, part, msg)
+
+    def _micro_batches(self, job: Any) -> Any:
+        return lambda a: job.pipelines[a["replica"]].micro_batches
+
+    async def _params(self, job: Any, run: Any, stages: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The values the stages should have computed with: the hosts' with offload; else each
+        worker's own (bound by its commitment only)."""
+        by_id = {a.stage: a for a in run.stage_args}
+        wanted = [by_id[s["stage"]] for s in stages]
+        if job.offload:
+            return await self.placement.current_params(job, wanted, run.host_of)
+        out: dict[str, torch.Tensor] = dict(job.frozen)
+        for a in wanted:
+            out.update(await self.placement.fetch(job, [dataclasses.replace(a, replica=0)], "params"))
+        return out
+
+    def prefetch(self, job: Any, run: Any, step: int) -> None:
+        stages = [_as_map(a) for a in run.stage_args]
+        planned = self.v.planned(step, stages, self._micro_batches(job))
+        self.v.prefetch(planned, lambda s: self._params(job, run, s))
+
+    async def _pushed(self, job: Any, step: int) -> dict[str, dict[str, str]]:
+        """contributor -> parameter -> digest of the gradient the hosts received from it."""
+        replies = await asyncio.gather(
+            *(
+                jp.call(
+                    self.v.t,
+                    h,
+                    Rpc.OPT_READY,
+                    jp.OptReady(job=job.spec.job_id, step=step + 1, digests=True),
+                    timeout=self.timeout_s + 5,
+                    idempotent=True,
+                )
+                for h in job.hosts
+            )
+        )
+        out: dict[str, dict[str, str]] = {}
+        for r in replies:
+            for contributor, names in (r.digests or {}).items():
+                out.setdefault(contributor, {}).update(names)
+        return out
+
+    async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
+        """Checks the step; raises `failed` (StepFailed) when a worker is caught or a dispute stands."""
+        stages = [_as_map(a) for a in run.stage_args]
+        if any(s["peer"] not in self.v.device_kinds for s in stages):
+            with contextlib.suppress(FusionNodeError, OSError, asyncio.TimeoutError):
+                self.v.device_kinds = {p.peer_id: p.device.kind for p in await self.membership.peers()}
+        verdict = await self.v.check(
+            step,
+            stages,
+            [r.to_wire() for r in reports],
+            self._micro_batches(job),
+            lambda s: self._params(job, run, s),
+            check_grads=True,
+            pushed_for=(lambda st: self._pushed(job, st)) if job.offload else None,
+        )
+        self.last = {"checked": {str(k): v for k, v in verdict.plan.items()}, "grads": verdict.grads}
+        if verdict.ok:
+            return
+        for peer, why in sorted(verdict.caught.items()):
+            run.gone.add(peer)  # out of this job for good (recovery also bans it)
+            await run.event(job, "caught", peer=peer, step=step, reason=why)
+        if verdict.disputes and not verdict.caught:
+            await run.event(job, "dispute", peer=None, step=step, reason="; ".join(verdict.disputes[:4]))
+        raise failed(
+            step,
+            {
+                p: [Failure(ErrorCode.BAD_TENSOR, f"verification: {why}", blame=p)]
+                for p, why in verdict.caught.items()
+            },
+            [],
+        )
+
+
+__all__ = ["StepChecks", "job_policy", "start"]

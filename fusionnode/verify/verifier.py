@@ -1,0 +1,465 @@
+"""The driver's side of spot-checks: cross-check the commitments, pick micro-batches, recompute, compare.
+
+After every stage of a step has reported (each report carries its commitments: the digest of its
+parameters and of each micro-batch's received and sent messages), and before the step reaches the
+optimizer, the driver:
+
+1. cross-checks each link: what stage i says it sent must be what stage i+1 says it received (and
+   what the driver fed the first and last stages). A disagreement is a dispute between two peers:
+   both are checked on that micro-batch; if neither fails, the step is replayed and nobody is banned.
+2. draws the checked micro-batches (selector.CheckSelector, unpredictable before the reports),
+3. asks each checked stage's worker for those micro-batches' messages (`job.audit`), refuses any whose
+   digest differs from the commitment, takes the stage's parameters from `params_for` (the optimizer
+   hosts with offload: the truth, not the worker's word) and refuses a parameter digest that differs
+   from the committed one,
+4. recomputes each checked micro-batch (recompute.recompute) and compares (compare.py).
+
+A peer whose check fails is named in the returned verdict; the driver bans it, drops the step's
+contributions and replays the step under a new plan (train/driver.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.verify.commitment import digest_encoded, digest_tensors
+from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
+from fusionnode.verify.ledger import AUDIT_KIND, GRADS, unpack_audit
+from fusionnode.verify.policy import VerifyPolicy
+from fusionnode.verify.recompute import recompute
+from fusionnode.verify.selector import CheckSelector
+from fusionnode.wire.job import Rpc
+from fusionnode.wire.tensors import decode_tensor
+
+logger = logging.getLogger(__name__)
+
+AUDIT_RPC = Rpc.JOB_AUDIT
+MAX_AUDIT_CHUNKS = 4096  # audit messages one stage may answer with
+
+
+@dataclass
+class Verdict:
+    caught: dict[str, str] = field(default_factory=dict)  # peer -> why its work was refused
+    disputes: list[str] = field(default_factory=list)  # links whose two ends disagree (unresolved)
+    checked: int = 0  # micro-batches recomputed
+    plan: dict[int, list[int]] = field(default_factory=dict)  # stage -> micro-batches checked
+    grads: list[int] = field(default_factory=list)  # stages whose parameter gradients were checked
+    seconds: float = 0.0  # time the checks took
+
+    @property
+    def ok(self) -> bool:
+        return not self.caught and not self.disputes
+
+
+def chain_disputes(
+    stage_args: Sequence[Mapping[str, Any]],
+    commits: Sequence[Mapping[str, Any] | None],
+    fed: Mapping[tuple[int, int, str], str],
+    micro_batches: Callable[[Mapping[str, Any]], int],
+) -> tuple[dict[str, str], list[tuple[int, int, int, str]]]:
+    """Pure: (peers whose commitments are missing or malformed, disputed links as (stage, other
+    stage, mb, what)). `fed[(stage, mb, part)]`: digests of what the driver sent ("in" of first
+    stages, "target" of last stages)."""
+    bad: dict[str, str] = {}
+    by_pos = {(a["replica"], a["pos"]): (a, c) for a, c in zip(stage_args, commits, strict=True)}
+    for a, c in zip(stage_args, commits, strict=True):
+        m = micro_batches(a)
+        if not isinstance(c, Mapping) or not isinstance(c.get("mbs"), list) or len(c["mbs"]) != m:
+            bad[a["peer"]] = f"stage {a['stage']} sent no commitments for its {m} micro-batches"
+        elif not a.get("offload") and not isinstance(c.get("params"), str):  # with offload: the hosts'
+            bad[a["peer"]] = f"stage {a['stage']} sent no commitment to its parameters"
+    disputes: list[tuple[int, int, int, str]] = []
+    for a, c in zip(stage_args, commits, strict=True):
+        if a["peer"] in bad:
+            continue
+        mbs = c["mbs"]
+        last = a["pos"] == a["num_stages"] - 1
+        for mb in range(micro_batches(a)):
+            if a["pos"] == 0 and mbs[mb].get("in") != fed.get((a["stage"], mb, "in")):
+                disputes.append((a["stage"], -1, mb, "input"))
+            if last and mbs[mb].get("target") != fed.get((a["stage"], mb, "target")):
+                disputes.append((a["stage"], -1, mb, "target"))
+            nxt = by_pos.get((a["replica"], a["pos"] + 1))
+            if last or nxt is None or nxt[0]["peer"] in bad:
+                continue
+            b, cb = nxt
+            if mbs[mb].get("out") is None or mbs[mb].get("out") != cb["mbs"][mb].get("in"):
+                disputes.append((a["stage"], b["stage"], mb, "activations"))
+            if cb["mbs"][mb].get("gout") is None or cb["mbs"][mb].get("gout") != mbs[mb].get("gin"):
+                disputes.append((a["stage"], b["stage"], mb, "gradients"))
+    return bad, disputes
+
+
+def decode_shown(
+    tensors: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]] | None, peer: str
+) -> dict[str, torch.Tensor]:
+    """Decodes tensors a worker shows; a FusionNodeError naming the peer when they do not decode, are
+    not what `specs` (name -> shape, dtype) says or are not finite."""
+    out = {}
+    for name, enc in tensors.items():
+        if specs is not None:
+            spec = specs.get(name)
+            if spec is None or tuple(enc.shape) != tuple(spec["shape"]) or enc.dtype != spec["dtype"]:
+                raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} as {enc.dtype}{list(enc.shape)}")
+        try:
+            t = decode_tensor(enc)
+        except FusionNodeError as exc:
+            raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} undecodable: {exc}") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FusionNodeError(f"peer {peer[:12]}… showed non-finite values in {name!r}")
+        out[name] = t
+    return out
+
+
+def check_micro_batch(
+    module: Any,
+    a: Mapping[str, Any],
+    parts: Mapping[str, Mapping[str, torch.Tensor]],
+    micro_batches: int,
+    reported_loss: float | None,
+    rel_tol: float = CPU_REL_TOL,
+    accumulate: bool = False,
+) -> list[Mismatch]:
+    """Pure: recomputes one micro-batch of stage `a` from `parts` (its ledger's decoded messages)
+    and lists what differs from what the worker sent (and, on the last stage, reported)."""
+    last, first = a["pos"] == a["num_stages"] - 1, a["pos"] == 0
+    target = parts.get("target", {}).get("target") if last else None
+    res = recompute(
+        module,
+        inputs=parts.get("in", {}),
+        send_names=list(a["send_specs"]),
+        is_last=last,
+        is_first=first,
+        micro_batches=micro_batches,
+        target=target,
+        output_grads=parts.get("gin"),
+        accumulate=accumulate,
+    )
+    out: list[Mismatch] = []
+    if not last:
+        out += compare_tensors(parts.get("out", {}), res.outputs, rel_tol, "activation")
+    elif reported_loss is None:
+        out.append(Mismatch("loss", "not reported"))
+    else:
+        m = compare_loss(float(reported_loss), float(res.loss), rel_tol)
+        if m is not None:
+            out.append(m)
+    if not first:
+        out += compare_tensors(parts.get("gout", {}), res.input_grads, rel_tol, "gradient")
+    return out
+
+
+class Verifier:
+    """Spot-checks a job's steps (see the module docstring); one per running job."""
+
+    def __init__(
+        self,
+        transport: Any,
+        job_id: str,
+        policy: VerifyPolicy,
+        *,
+        timeout_s: float,
+        build_stage: Callable[[dict[str, Any], dict[str, torch.Tensor]], Any],
+        selector: CheckSelector | None = None,
+        rel_tol: float = CPU_REL_TOL,
+    ) -> None:
+        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule)."""
+        self.t = transport
+        self.job_id = job_id
+        self.policy = policy
+        self.selector = selector or CheckSelector.fresh()
+        self.build_stage = build_stage
+        self._modules: dict[int, Any] = {}  # stage -> its module, kept across steps (new values loaded)
+        self.timeout_s = timeout_s
+        self.rel_tol = rel_tol
+        self.fed: dict[tuple[int, int, str], str] = {}  # this step's digests of the driver's own messages
+        self._prefetch: tuple[set[int], asyncio.Future] | None = None  # (stages, their parameters)
+        self.device_kinds: dict[str, str] = {}  # peer -> device kind its published record names
+        self.totals = {
+            "steps": 0,
+            "checked": 0,
+            "caught": 0,
+            "disputes": 0,
+            "seconds": 0.0,  # the checks' time on the step's critical path, of which:
+            "params_s": 0.0,  # waiting for the checked stages' parameters (prefetched during the step)
+            "pushed_s": 0.0,  # waiting for the hosts' digests of the pushed gradients
+            "audit_s": 0.0,  # the audits (summed over stages checked in parallel)
+            "recompute_s": 0.0,  # the recomputes (summed over stages checked in parallel)
+        }
+
+    def start_step(self) -> None:
+        self.fed = {}
+        if self._prefetch is not None:
+            self._prefetch[1].cancel()
+        self._prefetch = None
+
+    def planned(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+    ) -> list[Mapping[str, Any]]:
+        """The stages this step will check (the driver knows its secret; the workers do not)."""
+        return [
+            a
+            for a in stage_args
+            if self.selector.chosen(step, a["stage"], micro_batches(a), self.policy.rate)
+        ]
+
+    def prefetch(self, stages: list[Mapping[str, Any]], params_for: Callable[..., Awaitable[Any]]) -> None:
+        """Starts fetching the parameters of the stages to check while the step runs (the values the
+        stages compute with do not change during a step), off the step's critical path."""
+        if stages:
+            self._prefetch = ({a["stage"] for a in stages}, asyncio.ensure_future(params_for(stages)))
+
+    async def _params(
+        self, stages: list[Mapping[str, Any]], params_for: Callable[..., Awaitable[Any]]
+    ) -> dict[str, torch.Tensor]:
+        got: dict[str, torch.Tensor] = {}
+        have: set[int] = set()
+        if self._prefetch is not None:
+            have, task = self._prefetch
+            self._prefetch = None
+            got = dict(await task)
+        rest = [a for a in stages if a["stage"] not in have]
+        if rest:
+            got.update(await params_for(rest))
+        return got
+
+    def record_fed(self, stage: int, mb: int, part: str, msg: Any) -> None:
+        """The driver fed `msg` (an input or a target) to `stage`: its digest, for the cross-check."""
+        self.fed[(stage, mb, part)] = digest_encoded(msg.tensors)
+
+    async def check(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        reports: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+        params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
+        check_grads: bool = False,
+        pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
+    ) -> Verdict:
+        """With `check_grads`, a stage drawn for a gradient check (micro-batch -1 of the selector) has
+        every micro-batch recomputed and its accumulated parameter gradients compared with those it
+        shows; `pushed_for(step)` gives the optimizer hosts' digests of what each contributor pushed
+        (contributor -> name -> digest; None without offload), which what it shows must match."""
+        t0 = time.perf_counter()
+        verdict = Verdict()
+        commits = [r.get("verify") for r in reports]
+        bad, disputes = chain_disputes(stage_args, commits, self.fed, micro_batches)
+        verdict.caught.update(bad)
+        forced: dict[int, set[int]] = {}
+        for s, o, mb, _what in disputes:
+            forced.setdefault(s, set()).add(mb)
+            if o >= 0:
+                forced.setdefault(o, set()).add(mb)
+        todo: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], list[int]]] = []
+        grad_checked: set[int] = set()
+        for a, r, c in zip(stage_args, reports, commits, strict=True):
+            if a["peer"] in bad:
+                continue
+            m = micro_batches(a)
+            mbs = set(self.selector.chosen(step, a["stage"], m, self.policy.rate)) | forced.get(
+                a["stage"], set()
+            )
+            if check_grads and self.grad_checked(step, a["stage"]):
+                grad_checked.add(a["stage"])
+                mbs = set(range(m))
+            if mbs:
+                todo.append((a, r, c, sorted(mbs)))
+        verdict.plan = {a["stage"]: mbs for a, _, _, mbs in todo}
+        verdict.grads = sorted(grad_checked)
+        pushed_task = (
+            asyncio.ensure_future(pushed_for(step)) if grad_checked and pushed_for is not None else None
+        )
+        pushed = None
+        if todo:
+            t1 = time.perf_counter()
+            params = await self._params([a for a, _, _, _ in todo], params_for)
+            self.totals["params_s"] += time.perf_counter() - t1
+            if pushed_task is not None:  # the hosts' digests, asked while the parameters came
+                t1 = time.perf_counter()
+                pushed = await pushed_task
+                self.totals["pushed_s"] += time.perf_counter() - t1
+            results = await asyncio.gather(
+                *(
+                    self._check_stage(
+                        step,
+                        a,
+                        r,
+                        c,
+                        mbs,
+                        params,
+                        micro_batches(a),
+                        a["stage"] in grad_checked,
+                        pushed,
+                    )
+                    for a, r, c, mbs in todo
+                ),
+                return_exceptions=True,
+            )
+            for (a, _, _, mbs), res in zip(todo, results, strict=True):
+                if isinstance(res, BaseException):
+                    if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                        raise res
+                    verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+                elif res:
+                    verdict.caught[a["peer"]] = res
+                verdict.checked += len(mbs)
+        caught_stages = {a["stage"] for a in stage_args if a["peer"] in verdict.caught}
+        for s, o, mb, what in disputes:
+            if s not in caught_stages and o not in caught_stages:
+                verdict.disputes.append(f"stage {s} -> {o if o >= 0 else 'driver'}, micro-batch {mb}: {what}")
+        verdict.seconds = time.perf_counter() - t0
+        self.totals["steps"] += 1
+        self.totals["checked"] += verdict.checked
+        self.totals["caught"] += len(verdict.caught)
+        self.totals["disputes"] += len(verdict.disputes)
+        self.totals["seconds"] += verdict.seconds
+        return verdict
+
+    def _module(self, a: Mapping[str, Any], params: dict[str, torch.Tensor]) -> Any:
+        """Stage `a`'s module with `params` loaded: built once per stage of a plan, then reloaded."""
+        cached = self._modules.get(a["stage"])
+        if cached is not None and cached[0] is a["description"]:
+            cached[1].load_state(params)
+            return cached[1]
+        module = self.build_stage(a["description"], params)
+        self._modules[a["stage"]] = (a["description"], module)
+        return module
+
+    def tolerance(self, peer: str, commit: Mapping[str, Any]) -> float:
+        """The comparison's tolerance for a stage computed on the device its worker reports (compare.py),
+        but the CPU one when the peer's published record names another kind of device: claiming a GPU
+        to be compared more loosely does not work."""
+        kind = str(commit.get("device") or "cpu")
+        if kind != "cpu" and self.device_kinds.get(peer) != kind:
+            kind = "cpu"
+        return max(self.rel_tol, tolerance_for(kind, bool(commit.get("autocast"))))
+
+    def grad_checked(self, step: int, stage: int) -> bool:
+        """Whether this step checks the stage's parameter gradients (all its micro-batches)."""
+        return self.selector.draw(step, stage, -1) < self.policy.rate
+
+    async def _check_stage(
+        self,
+        step: int,
+        a: Mapping[str, Any],
+        report: Mapping[str, Any],
+        commit: Mapping[str, Any],
+        mbs: list[int],
+        params: Mapping[str, torch.Tensor],
+        m: int,
+        grads: bool = False,
+        pushed: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> str:
+        """'' when every checked micro-batch of stage `a` matches, else why not."""
+        rel_tol = self.tolerance(a["peer"], commit)
+        mine = {n: params[n] for n in a["param_specs"]}
+        if not a.get("offload") and digest_tensors(mine) != commit["params"]:
+            return f"stage {a['stage']} showed parameters other than it committed to"
+        t1 = time.perf_counter()
+        res = await self.t.call(
+            a["peer"],
+            AUDIT_RPC,
+            {
+                "job": self.job_id,
+                "stage": a["stage"],
+                "step": step,
+                "mbs": mbs,
+                "grads": grads,
+            },
+            timeout=self.timeout_s,
+        )
+        listed = res.get("parts") if isinstance(res, dict) else None
+        n_chunks = res.get("chunks") if isinstance(res, dict) else None
+        if (
+            not isinstance(listed, dict)
+            or not isinstance(n_chunks, int)
+            or not 0 < n_chunks <= MAX_AUDIT_CHUNKS
+        ):
+            return f"stage {a['stage']} answered the audit without its parts"
+        chunks = []
+        for idx in range(n_chunks):
+            msg, src = await self.t.mailbox.get(
+                (AUDIT_KIND, self.job_id, step, idx, a["stage"]), self.timeout_s, sender=a["peer"]
+            )
+            chunks.append(msg.tensors)
+        try:
+            shown_parts = unpack_audit(chunks)
+        except ValueError as exc:
+            return f"stage {a['stage']} answered the audit with {exc}"
+        parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for mb in mbs:
+            want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
+            if sorted(listed.get(str(mb)) or []) != sorted(want):
+                return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
+            parts_of[mb] = {}
+            for part in want:
+                tensors = shown_parts.get((mb, part), {})
+                if digest_encoded(tensors) != commit["mbs"][mb][part]:
+                    return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
+                parts_of[mb][part] = decode_shown(tensors, None, src)
+        losses = report.get("losses") or []
+        shown: dict[str, torch.Tensor] | None = None
+        if grads:
+            grads_enc = shown_parts.get((-1, GRADS), {})
+            trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+            if set(grads_enc) != trained:
+                return f"stage {a['stage']} did not show its parameter gradients"
+            shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
+            contributor = (a.get("offload") or {}).get("contributor")
+            if pushed is not None and contributor is not None:
+                mine_pushed = pushed.get(contributor, {})
+                for name, g in shown.items():
+                    if mine_pushed.get(name) != digest_tensors({name: g}):
+                        return (
+                            f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
+                            f"than the one it holds (or none with its commitment) at step {step}"
+                        )
+
+        def run() -> str:
+            module = self._module(a, mine)
+            for p in module.parameters():  # the micro-batches below accumulate from zero
+                p.grad = None
+            for mb in mbs:
+                loss = losses[mb] if mb < len(losses) else None
+                bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
+                if bad:
+                    return (
+                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
+                        f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
+                    )
+            if shown is not None:
+                trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+                named = module.named_stage_parameters()
+                want = {
+                    n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
+                    for n in trained
+                }
+                bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
+                if bad:
+                    return (
+                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
+                        + "; ".join(str(x) for x in bad[:3])
+                    )
+            return ""
+
+        self.totals["audit_s"] += time.perf_counter() - t1
+        t1 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(run)
+        finally:
+            self.totals["recompute_s"] += time.perf_counter() - t1
+
+
+__all__ = ["AUDIT_RPC", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
