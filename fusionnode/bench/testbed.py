@@ -34,6 +34,18 @@ each configuration's speedup over the baseline, final loss (mean of the last 3
 steps), bytes on the wire, and the planner's two predictions of the plan's step time next to
 the measured one: the event simulation of the plan ("sim", plan/simulator.py) and the closed form
 its search minimises ("closed", plan/estimator.py).
+
+Against hivemind (netns only). After FusionNode's configurations, the same namespaces, links and
+device pacing run hivemind's collaborative training as its users run it (bench/hivemind_peer.py):
+  hivemind-avg:   hivemind.Optimizer's default mode, gradients averaged every target batch
+  hivemind-local: hivemind.Optimizer(use_local_updates=True), parameters averaged every target batch
+with the job's model, corpus, seed and tokens per step (target_batch_size = --batch-size), and
+settings fixed from hivemind's docstring guidance before any run (hivemind_peer.hivemind_settings,
+printed under the table). A second table (bench/compare.py) puts every system side by side: time
+to a target loss the baseline reaches, tokens/s, bytes sent on the emulated links (each namespace's
+/proc/net/dev, the same way for every system), final and validation loss, each device's share of
+the time computing; testbed-loss.png (and curves.csv) plot loss against wall-clock time. With
+user-space links hivemind is skipped: the token buckets shape FusionNode's streams, not hivemind's.
 """
 
 from __future__ import annotations
@@ -53,15 +65,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fusionnode.bench import compare
+from fusionnode.bench.compare import plot, print_table
+from fusionnode.bench.systems import (
+    HIVEMIND_SYSTEMS,
+    HIVEMIND_USERSPACE,
+    all_configs,
+    fusionnode_row,
+    run_hivemind,
+    sync_available,
+    system_names,
+)
 from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
 
-CONFIGS = [
-    ("baseline", {"planner": "even", "offload": "off"}, "none"),
-    ("planner", {"planner": "fusion", "offload": "on"}, "none"),  # the driver's choice for a planned job
-    ("adatopk", {"planner": "even", "offload": "off"}, "adatopk"),
-    ("fusionnode", {"planner": "fusion", "offload": "on"}, "adatopk"),
-]
-DEFAULT_CLUSTERS = ("testbed-4-mixed", "testbed-6-two-sites", "testbed-4-slow-compute")
+DEFAULT_CLUSTERS = ("testbed-4-mixed", "testbed-6-two-sites", "testbed-4-slow-compute", "home-volunteers-4")
+
+
 TESTBED_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "testbed.sh"
 
 
@@ -102,8 +121,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--configs",
-        default=",".join(c[0] for c in CONFIGS),
-        help="which configurations to run (default %(default)s)",
+        default=",".join(system_names()),
+        help="which configurations and systems to run; the sync modes run where this build has them, "
+        "hivemind's only on netns links (default %(default)s)",
+    )
+    p.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="the loss whose time to reach the comparison reports (default: the baseline's final "
+        "3-step mean loss, a loss the baseline reaches)",
+    )
+    p.add_argument(
+        "--hivemind-timeout",
+        type=float,
+        default=1200.0,
+        help="seconds a hivemind run may take before its peers are stopped (default %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -136,6 +169,8 @@ class Testbed:
         self.n = n
         self.peer_ids: list[str] = []
         self.controls: list[Path] = []
+        self.netns: list[str] = []  # netns: device i's namespace
+        self.links: list[dict[str, Any]] = []  # netns: {"a", "b", "addr_a", "addr_b", ...} per link
         self._proc: subprocess.Popen | None = None
         self._swarm: Any = None
 
@@ -165,6 +200,8 @@ class Testbed:
                 if line.startswith("TESTBED READY "):
                     info = json.loads(line[len("TESTBED READY ") :])
                     self.peer_ids = [p["peer_id"] for p in info["peers"]]
+                    self.netns = [d["netns"] for d in info["devices"]]
+                    self.links = info["links"]
                     self.controls = [Path(self.workdir) / f"peer{i}" / "control.sock" for i in range(self.n)]
                     return
                 if not line and self._proc.poll() is not None:
@@ -196,13 +233,30 @@ class Testbed:
 
         asyncio.run(go())
 
+    def tx_bytes(self) -> list[int] | None:
+        """netns: bytes each device has sent on its emulated links so far (None on loopback)."""
+        if self.network != "netns":
+            return None
+        from fusionnode.bench.compare import netdev_tx
+
+        return [netdev_tx(ns) for ns in self.netns]
+
+    def address(self, i: int, j: int) -> str:
+        """netns: device i's address on its link to device j."""
+        for link in self.links:
+            if (link["a"], link["b"]) == (i, j):
+                return link["addr_a"]
+            if (link["a"], link["b"]) == (j, i):
+                return link["addr_b"]
+        raise KeyError(f"no link between devices {i} and {j}")
+
     def stop(self) -> None:
         if self._swarm is not None:
             self._swarm.stop()
         if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(60)
+                self._proc.wait(180)  # testbed.sh stops every daemon, then deletes the namespaces
 
 
 def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
@@ -401,7 +455,7 @@ def bench_cluster(
         def record(config: str, run: dict[str, Any]) -> None:
             raw.append({"cluster": c.name, "config": config, "plan": run["plan"], "steps": run["steps"]})
 
-        def job(steps: int, compress: str) -> Any:
+        def job(steps: int, compress: str, fields: dict[str, Any] | None = None) -> Any:
             return JobSpec(
                 model="gpt2-tiny",
                 steps=steps,
@@ -411,6 +465,7 @@ def bench_cluster(
                 seed=0,
                 compress=compress,
                 warmup_steps=min(20, args.steps),
+                **(fields or {}),
             )
 
         overhead = {False: 0.0, True: 0.0}
@@ -458,19 +513,44 @@ def bench_cluster(
             )
         wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
         rows = []
-        for name, params, compress in CONFIGS:
+        comparison = []
+        for name, params, compress, fields in all_configs():
             if name not in wanted:
+                continue
+            if fields and not sync_available(fields):
+                print(
+                    f"[{c.name}] {name}: skipped: this build's job spec has no {', '.join(sorted(fields))} "
+                    "(issue 19's --sync modes)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
             planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
+            tx0 = bed.tx_bytes()
             run = run_config(
                 bed.controls[0],
-                job(args.steps, compress),
+                job(args.steps, compress, fields),
                 {**params, "cluster": planned, "peers": bed.peer_ids},
             )
+            tx1 = bed.tx_bytes()
             rows.append(summarize(name, run, args.warmup))
             record(name, run)
+            comparison.append(fusionnode_row(name, run, bed.peer_ids, args, tx0, tx1, {**params, **fields}))
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+        for system in HIVEMIND_SYSTEMS:
+            if system not in wanted:
+                continue
+            if network != "netns":
+                print(f"[{c.name}] {system}: skipped: {HIVEMIND_USERSPACE}", file=sys.stderr, flush=True)
+                continue
+            print(f"[{c.name}] {system} ...", file=sys.stderr, flush=True)
+            comparison.append(run_hivemind(bed, system, args, paced, c, workdir))
+            print(
+                f"[{c.name}] {system}: {comparison[-1]['tokens_per_s']:.0f} tokens/s",
+                file=sys.stderr,
+                flush=True,
+            )
         base = next((r for r in rows if r["config"] == "baseline"), None)
         for r in rows:
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base else None
@@ -484,84 +564,30 @@ def bench_cluster(
             "emulated_tflops": paced,
             "step_overhead_s": {"local": overhead[False], "offload": overhead[True]},
             "rows": rows,
+            "comparison": compare.finish(comparison, args.target_loss),
+            "workdir": str(workdir),
         }
     finally:
         bed.stop()
 
 
-def print_table(res: dict[str, Any]) -> None:
-    from fusionnode.term import table
-
-    label = "tc/netns links" if res["network"] == "netns" else "user-space token buckets on loopback"
-    speeds = ", ".join(f"{v * 1e3:.1f}" for v in res["emulated_tflops"])
-
-    def num(v: float | None, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
-    print()
-    table(
-        [
-            *("config", "tokens/s", "speedup", "step s", "sim s", "err", "closed s", "err", "wire MiB"),
-            *("loss", "Δloss", "pipes", "stages"),
-        ],
-        [
-            (
-                r["config"],
-                f"{r['tokens_per_s']:.0f}",
-                f"{r['speedup']:.2f}x",
-                f"{r['step_time_s']:.3f}",
-                num(r["simulated_step_time_s"], ".3f"),
-                num(r["simulation_error"], "+.0%"),
-                num(r["predicted_step_time_s"], ".3f"),
-                num(r["prediction_error"], "+.0%"),
-                f"{r['wire_bytes'] / 2**20:.1f}",
-                f"{r['final_loss']:.4f}",
-                f"{r['loss_vs_baseline']:+.1%}",
-                r["pipelines"],
-                r["stages"],
-            )
-            for r in res["rows"]
-        ],
-        title=f"{res['cluster']}: {res['devices']} peers, {label}, devices paced at {speeds} GFLOP/s",
-        right=tuple(range(1, 13)),
-    )
-
-
-def plot(results: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'fusionnode[bench]')", file=sys.stderr)
-        return False
-    fig, axes = plt.subplots(2, len(results), figsize=(5 * len(results), 7), squeeze=False)
-    for k, res in enumerate(results):
-        for r in res["rows"]:
-            t = [p["t"] for p in r["curve"]]
-            axes[0][k].plot(t, [p["tokens_per_s"] for p in r["curve"]], label=r["config"])
-            axes[1][k].plot(t, [p["loss"] for p in r["curve"]], label=r["config"])
-        axes[0][k].set_title(f"{res['cluster']} ({res['network']})")
-        axes[0][k].set_ylabel("tokens/s")
-        axes[1][k].set_ylabel("loss")
-        axes[1][k].set_xlabel("training time (s)")
-        axes[0][k].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    unknown = [x for x in args.configs.split(",") if x.strip() and x.strip() not in {c[0] for c in CONFIGS}]
+    wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
+    unknown = [x for x in wanted if x not in system_names()]
     if unknown:
         print(
             f"fusionnode bench testbed: unknown configuration(s) {unknown}; choose from "
-            f"{', '.join(c[0] for c in CONFIGS)}",
+            f"{', '.join(system_names())}",
             file=sys.stderr,
         )
         return 2
+    if args.hivemind_timeout <= 0:
+        print("fusionnode bench testbed: --hivemind-timeout must be > 0", file=sys.stderr)
+        return 2
+    explicit_hivemind = args.configs != ",".join(system_names()) and any(
+        x in HIVEMIND_SYSTEMS for x in wanted
+    )
     if args.steps < 1 or args.warmup < 0 or args.calibration_steps < 0:
         print(
             "fusionnode bench testbed: --steps must be >= 1, --warmup and --calibration-steps >= 0",
@@ -584,21 +610,36 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         network = "netns" if ok else "userspace"
+    if network == "userspace" and explicit_hivemind:
+        print(
+            f"fusionnode bench testbed: {', '.join(x for x in wanted if x in HIVEMIND_SYSTEMS)}: "
+            f"{HIVEMIND_USERSPACE}",
+            file=sys.stderr,
+        )
+        return 2
     args.machine_tflops = measured_speed(args.seq_len)  # once: every testbed paces from the same figure
     raw: list[dict[str, Any]] = []
     results = [bench_cluster(c, args, network, raw) for c in (args.cluster or DEFAULT_CLUSTERS)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for res in results:
-        print_table(res)
+        if res["rows"]:
+            print_table(res)
+        if res["comparison"]["rows"]:
+            compare.print_comparison(res["cluster"], res["network"], res["comparison"])
     (out / "results.json").write_text(
         json.dumps({"machine": f"{os.cpu_count()} cores", "results": results}, indent=2)
     )
     (out / "runs.json").write_text(json.dumps(raw))
-    if plot(results, out / "testbed.png"):
-        print(
-            f"\nwrote {out / 'results.json'}, {out / 'runs.json'} (every step's stage records) and {out / 'testbed.png'}"
-        )
+    compare.write_curves_csv(results, out / "curves.csv")
+    wrote = [out / "results.json", out / "runs.json", out / "curves.csv"]
+    if any(res["rows"] for res in results) and plot(
+        [res for res in results if res["rows"]], out / "testbed.png"
+    ):
+        wrote.append(out / "testbed.png")
+    if compare.plot_loss_vs_time(results, out / "testbed-loss.png"):
+        wrote.append(out / "testbed-loss.png")
+    print(f"\nwrote {', '.join(str(p) for p in wrote)} (runs.json: every step's stage records)")
     return 0
 
 

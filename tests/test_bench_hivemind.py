@@ -1,0 +1,269 @@
+"""`fusionnode bench testbed` against hivemind: the comparison's arithmetic, table and plot, the
+hivemind peer runner (2 real peers on loopback, NAT features off), and the netns comparison end
+to end (slow; skipped where network namespaces are unavailable)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fusionnode.bench import compare, hivemind_peer, systems, testbed
+
+NETDEV = """Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo:    1000      10    0    0    0     0          0         0     1000      10    0    0    0     0       0          0
+   to1: 5000000    4000    0    0    0     0          0         0   123456     100    0    0    0     0       0          0
+  to12:       0       0    0    0    0     0          0         0       44       1    0    0    0     0       0          0
+  eth0:       0       0    0    0    0     0          0         0    99999       1    0    0    0     0       0          0
+"""
+
+
+def test_netdev_counts_transmit_bytes_of_the_testbed_links_only():
+    assert compare.parse_netdev_tx(NETDEV) == 123456 + 44
+    assert compare.parse_netdev_tx(NETDEV, prefix="lo") == 1000
+
+
+def test_time_to_target_uses_the_running_mean():
+    curve = [{"step": i, "t": float(i + 1), "loss": v} for i, v in enumerate([5.0, 3.0, 4.0, 2.9, 2.9, 2.8])]
+    assert compare.running_mean([5.0, 3.0, 4.0], 3) == [5.0, 4.0, 4.0]
+    # single points dip below 3.0 at t=2 and t=4, the 3-step mean only at t=6 (2.867)
+    assert compare.time_to_target(curve, 3.0) == 6.0
+    assert compare.time_to_target(curve, 4.0) == 2.0
+    assert compare.time_to_target(curve, 1.0) is None
+
+
+def _swarm():
+    # peer 1 is slow: still in epoch 0 when peer 0 finished epoch 1 (local updates do not wait)
+    return {
+        "peers": [
+            {
+                "index": 0,
+                "steps": [
+                    {"epoch": 0, "loss": 5.0, "samples": 4, "compute_s": 1.0, "t": 1.0},
+                    {"epoch": 1, "loss": 4.0, "samples": 4, "compute_s": 1.0, "t": 2.0},
+                    {"epoch": 2, "loss": 9.0, "samples": 4, "compute_s": 1.0, "t": 9.0},  # past --steps
+                ],
+                "done": {"complete": True, "epoch": 2, "t": 8.0},
+            },
+            {
+                "index": 1,
+                "steps": [
+                    {"epoch": 0, "loss": 6.0, "samples": 2, "compute_s": 2.0, "t": 3.0},
+                    {"epoch": 1, "loss": 3.0, "samples": 2, "compute_s": 2.0, "t": 10.0},
+                ],
+                "done": {"complete": True, "epoch": 2, "t": 10.0},
+            },
+        ]
+    }
+
+
+def test_hivemind_curve_is_sample_weighted_per_epoch_and_runs_forward():
+    curve = compare.hivemind_curve(_swarm(), steps=2)
+    assert [p["step"] for p in curve] == [0, 1]
+    assert curve[0]["loss"] == pytest.approx((5.0 * 4 + 6.0 * 2) / 6)
+    assert curve[1]["loss"] == pytest.approx((4.0 * 4 + 3.0 * 2) / 6)
+    assert [p["t"] for p in curve] == [3.0, 10.0]
+    assert compare.hivemind_wall(_swarm()) == 10.0
+    assert compare.hivemind_utilisation(_swarm()) == pytest.approx([0.3, 0.4])
+
+
+def test_hivemind_curve_measures_the_shared_batch_where_there_is_one():
+    swarm = _swarm()
+    swarm["peers"][0]["steps"][0]["shared"] = True  # epoch 0: peer 0's share of FusionNode's batch
+    swarm["peers"][1]["steps"][0]["shared"] = True
+    swarm["peers"][0]["steps"].insert(1, {"epoch": 0, "loss": 1.0, "samples": 4, "compute_s": 1.0, "t": 1.5})
+    curve = compare.hivemind_curve(swarm, steps=2)
+    assert curve[0]["loss"] == pytest.approx((5.0 * 4 + 6.0 * 2) / 6)  # the extra step (1.0) left out
+    assert curve[1]["loss"] == pytest.approx((4.0 * 4 + 3.0 * 2) / 6)  # no shared step: all of them
+
+
+def test_fusionnode_curve_and_utilisation():
+    steps = [
+        {
+            "step_time_s": 2.0,
+            "loss": 5.0,
+            "stages": [{"peer": "a", "compute_s": 1.0}, {"peer": "b", "compute_s": 0.5}],
+        },
+        {
+            "step_time_s": 2.0,
+            "loss": 4.0,
+            "stages": [{"peer": "a", "compute_s": 1.0}, {"peer": "b", "compute_s": 1.5}],
+        },
+    ]
+    assert [(p["t"], p["loss"]) for p in compare.fusionnode_curve(steps)] == [(2.0, 5.0), (4.0, 4.0)]
+    # device c holds no stage: it does not compute at all
+    assert compare.fusionnode_utilisation(steps, ["a", "b", "c"]) == [0.5, 0.5, 0.0]
+
+
+def _rows():
+    base = compare.row(
+        "baseline",
+        kind="fusionnode",
+        curve=[{"step": i, "t": 2.0 * (i + 1), "loss": 5.0 - i} for i in range(4)],
+        wall_s=8.0,
+        tokens=4 * 16 * 128,
+        bytes_sent=10 * 2**20,
+        val_loss=2.5,
+        utilisation=[0.5, 0.9],
+    )
+    hm = compare.row(
+        "hivemind-avg",
+        kind="hivemind",
+        curve=[{"step": i, "t": 10.0 * (i + 1), "loss": 5.0 - 0.5 * i} for i in range(4)],
+        wall_s=40.0,
+        tokens=4 * 16 * 128,
+        bytes_sent=None,
+        val_loss=None,
+        utilisation=[0.1, 0.1],
+        settings={"matchmaking_time": 5.0},
+    )
+    return base, hm
+
+
+def test_target_is_the_baseline_final_loss_unless_given(capsys, tmp_path):
+    base, hm = _rows()
+    assert base["final_loss"] == pytest.approx(3.0) and base["tokens_per_s"] == pytest.approx(1024)
+    comp = compare.finish([base, hm], None)
+    assert comp["target_loss"] == pytest.approx(3.0) and "baseline" in comp["target_source"]
+    assert base["time_to_target_s"] == 8.0  # the baseline reaches its own final mean at its last step
+    assert hm["time_to_target_s"] is None  # hivemind's 3-step mean ends at 4.0
+    comp2 = compare.finish([dict(base), dict(hm)], 4.5)
+    assert comp2["target_source"] == "--target-loss"
+    assert comp2["rows"][1]["time_to_target_s"] == 30.0  # mean of 5.0, 4.5, 4.0
+
+    compare.print_comparison("home", "netns", comp)
+    out = capsys.readouterr().out
+    assert "not reached" in out and "matchmaking_time=5.0" in out and "50% 90%" in out
+    res = [{"cluster": "home", "network": "netns", "comparison": comp}]
+    compare.write_curves_csv(res, tmp_path / "curves.csv")
+    lines = (tmp_path / "curves.csv").read_text().splitlines()
+    assert lines[0] == "cluster,system,step,t_s,loss" and len(lines) == 1 + 8
+    pytest.importorskip("matplotlib")
+    assert compare.plot_loss_vs_time(res, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hivemind_settings_follow_its_guidance():
+    fast = hivemind_peer.hivemind_settings(4, 4 * 842496, 1e9)
+    assert fast["matchmaking_time"] == 5.0 and fast["averaging_timeout"] == 60.0  # the default floor
+    # 1.7 MB of fp16 over 10 Mbit/s: an all-reduce moves 2 x 3/4 of it, ~2 s; 2x that is below 60 s
+    assert hivemind_peer.hivemind_settings(4, 4 * 842496, 1e7)["averaging_timeout"] == 60.0
+    slow = hivemind_peer.hivemind_settings(4, 4 * 100_000_000, 1e7)
+    assert slow["averaging_timeout"] == pytest.approx(2 * 2 * 2e8 * 0.75 * 8 / 1e7, rel=0.01)
+    assert hivemind_peer.local_batch(16, 4) == 4 and hivemind_peer.local_batch(16, 6) == 3
+
+
+def test_hivemind_systems_are_refused_on_userspace_links(capsys):
+    assert testbed.main(["--network", "userspace", "--configs", "baseline,hivemind-avg"]) == 2
+    err = capsys.readouterr().err
+    assert "hivemind-avg" in err and "netns" in err
+    assert testbed.main(["--configs", "hivemind-turbo"]) == 2
+    assert "hivemind-avg" in capsys.readouterr().err  # the valid names are listed
+    assert testbed.main(["--hivemind-timeout", "0"]) == 2
+
+
+def test_sync_configurations_wait_for_their_job_spec_fields():
+    names = [c[0] for c in systems.SYNC_CONFIGS]
+    assert names == ["fusionnode-diloco", "fusionnode-sparseloco"]
+    assert systems.sync_available({}) and systems.sync_available({"seed": 1})
+    assert not systems.sync_available({"no_such_field": 1})
+    assert set(systems.system_names()) >= {"baseline", "fusionnode", *names, *systems.HIVEMIND_SYSTEMS}
+
+
+def _p2pd_cmdlines() -> list[list[str]]:
+    """Command lines of the p2pd daemons this test process started (through its peers)."""
+    out = []
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if child.name() == "p2pd":
+                out.append(child.cmdline())
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", hivemind_peer.MODES)
+def test_hivemind_peers_train_on_loopback(tmp_path, mode):
+    """2 real hivemind peers, loopback only, NAT port mapping / AutoNAT / relay service off: both reach
+    the last epoch, average with each other, and save parameters FusionNode's evaluate accepts."""
+    seen: list[list[list[str]]] = []
+    res = hivemind_peer.run_local_swarm(
+        mode,
+        2,
+        tmp_path,
+        steps=2,
+        batch_size=8,
+        seq_len=32,
+        pace_tflops=[0.0004, 0.0004],  # ~1 s per local step: the trackers see each other's progress
+        timeout_s=240,
+        at_start=lambda: seen.append(_p2pd_cmdlines()),
+    )
+    assert res["exit_codes"] == [0, 0]
+    daemons = seen[0]
+    assert len(daemons) >= 2
+    for cmd in daemons:
+        args = " ".join(cmd)
+        assert "-natPortMap=0" in args and "-autonat=0" in args and "-relayService=0" in args
+        assert "/ip4/127.0.0.1/" in args and "0.0.0.0" not in args
+    for peer in res["peers"]:
+        assert peer["done"]["complete"] and peer["done"]["epoch"] >= 2
+        # each epoch's first local step trained on the peer's half of FusionNode's batch of that step
+        firsts = {}
+        for r in peer["steps"]:
+            firsts.setdefault(r["epoch"], r)
+        assert all(r["shared"] and r["samples"] == 4 for r in firsts.values())
+        assert {r["epoch"] for r in peer["steps"]} <= {0, 1} and peer["steps"]
+        assert all(math.isfinite(r["loss"]) and r["compute_s"] >= 0.3 for r in peer["steps"])
+    logs = "".join((tmp_path / f"peer{i}.log").read_text() for i in range(2))
+    assert "with 2 peers" in logs  # an averaging round (gradients or parameters) had both peers
+    curve = compare.hivemind_curve(res, 2)
+    assert [p["step"] for p in curve] == [0, 1]
+    val = compare.evaluate_params(res["peers"][0]["params"], batch_size=8, seq_len=32, seed=0)
+    assert 0 < val < 6.0  # byte-level: ln(256) = 5.55 at the start
+
+
+@pytest.mark.slow
+def test_netns_comparison_end_to_end(tmp_path, capsys):
+    """The comparison on the netns testbed, small: the baseline and both hivemind modes."""
+    ok, why = testbed.netns_available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    out = tmp_path / "out"
+    rc = testbed.main(
+        [
+            *("--network", "netns", "--cluster", "home-volunteers-4", "--steps", "4", "--warmup", "1"),
+            *("--calibration-steps", "0", "--batch-size", "8", "--seq-len", "32", "--out", str(out)),
+            *("--configs", "baseline,hivemind-avg,hivemind-local"),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "time to loss" in text and "hivemind-local" in text
+    res = json.loads((out / "results.json").read_text())["results"][0]
+    rows = {r["system"]: r for r in res["comparison"]["rows"]}
+    assert set(rows) == {"baseline", "hivemind-avg", "hivemind-local"}
+    assert res["comparison"]["target_loss"] == pytest.approx(rows["baseline"]["final_loss"])
+    for r in rows.values():
+        assert r["bytes_sent"] > 100_000  # every system's traffic crossed the emulated links
+        assert len(r["curve"]) == 4 and r["tokens_per_s"] > 0 and math.isfinite(r["val_loss"])
+        assert len(r["utilisation"]) == 4 and all(0 <= u <= 1 for u in r["utilisation"])
+    assert Path(out / "curves.csv").exists()
+
+
+def test_round_counts_from_a_hivemind_log():
+    log = (
+        "Nov 24 01:29:16.273 [INFO] Averaged gradients with 4 peers\n"
+        "Nov 24 01:29:26.524 [INFO] Averaged parameters with 2 peers\n"
+        "Nov 24 01:29:11.104 [INFO] Skipping pre-scheduled averaging round: there are no other peers\n"
+        "Nov 24 01:29:11.104 [INFO] Proceeding with local gradients\n"
+        "Nov 24 01:30:23.057 [INFO] Averaging gradients failed with AllreduceException('could not find a group')\n"
+    )
+    r = hivemind_peer.count_rounds(log)
+    assert r == {"averaged": 2, "mean_group": 3.0, "alone": 1, "failed": 1}
+    assert hivemind_peer.count_rounds("")["mean_group"] == 0.0
