@@ -34,16 +34,18 @@ from typing import Any
 
 import torch
 
-from fusionnode.compress.link import LinkCompressor, LinkOptions
+from fusionnode.compress.link import LinkCompressor
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
+from fusionnode.runtime.offload import HostLink
 from fusionnode.runtime.rounds import StageRounds
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, FORWARD, peak_in_flight, schedule
 from fusionnode.runtime.stage import StageModule, StageRunner, state_bytes
+from fusionnode.runtime.stagejob import StageJob, make_optimizer, mb_rows
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
-from fusionnode.sync import SyncConfig, state_copies
+from fusionnode.sync import state_copies
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -52,81 +54,9 @@ from fusionnode.wire.messages import TensorMessage
 logger = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
-MAX_CONCURRENT_PUSHES = 16  # gradient pushes in flight at once (hosts limit streams per peer)
 
 
-def mb_rows(tensors: dict[str, torch.Tensor]) -> int:
-    """Samples in a micro-batch: the leading dimension of its tensors (0 if it has none)."""
-    return min((int(t.shape[0]) for t in tensors.values() if t.dim() > 0), default=0)
-
-
-class StageJob:
-    """One accepted stage of one job on this worker."""
-
-    def __init__(self, a: jp.StageAssignment, need_bytes: int, lease_s: float):
-        self.job: str = a.job
-        self.stage: int = a.stage  # global id of this stage among all pipelines of the job
-        self.pos: int = a.position  # position in its pipeline
-        self.num_stages: int = a.num_stages  # stages in its pipeline
-        self.prev_stage: int = a.stage - 1 if a.prev_stage is None else a.prev_stage
-        self.next_stage: int = a.stage + 1 if a.next_stage is None else a.next_stage
-        self.replica: int = a.replica
-        self.driver: str = a.driver
-        self.prev: str = a.prev
-        self.next: str = a.next
-        self.description: dict[str, Any] = a.description
-        self.param_specs: dict[str, dict[str, Any]] = a.param_specs
-        self.recv_specs: dict[str, dict[str, Any]] = a.recv_specs
-        self.send_specs: dict[str, dict[str, Any]] = a.send_specs
-        self.send_names: list[str] = list(self.send_specs)
-        self.shared_names: set[str] = set(a.shared_names)
-        self.args_frozen: list[str] = list(a.frozen)  # parameters a LoRA job does not train
-        self.spec: dict[str, Any] = a.spec
-        opts = LinkOptions.from_dict(a.link_options)
-        compress = str(self.spec.get("compress") or "none")
-        self.fwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_next)  # activations to the next stage
-        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_prev)  # their gradients back
-        self.need_bytes: int = need_bytes
-        self.flops_per_sample: float = a.flops_per_sample  # forward, for --debug pacing
-        # offload: where the parameters live and this stage's contributor key at their hosts
-        self.offload: jp.Offload | None = a.offload_plan
-        # --sync diloco|sparseloco (issue 19): a local inner optimizer, pseudo-gradients every round
-        self.sync = SyncConfig.from_dict(a.sync)
-        self.rounds: StageRounds | None = None
-        self.pull_task: asyncio.Future | None = None
-        self.step_task: asyncio.Future | None = None
-        self.step_task_step = -1  # the step step_task runs (or ran last)
-        self.last_report: tuple[int, dict[str, Any]] | None = None  # (step, report) of the last finished step
-        self.push_tasks: list[asyncio.Future] = []
-        self.grad_counts: dict[str, int] = {}
-        self.lease_s = lease_s
-        self.lease_until = time.monotonic() + lease_s
-        self.module: Any = None
-        self.opt: torch.optim.Optimizer | None = None
-        self.params: dict[str, torch.nn.Parameter] = {}
-        self.busy = asyncio.Lock()
-        self.ledger: Any = None  # verify.Ledger of the last step run with verification on
-        self.last_step = -1
-        self.step_now = -1
-        self.micro_batches_now = 0
-        # the sub-DAG runs on the GPU when there is one (bf16 autocast where supported); the wire
-        # carries float32 either way, so peers on different devices interoperate
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-
-    def renew(self) -> None:
-        self.lease_until = time.monotonic() + self.lease_s
-
-    @property
-    def is_last(self) -> bool:
-        return self.pos == self.num_stages - 1
-
-    @property
-    def is_first(self) -> bool:
-        return self.pos == 0
-
-
-class WorkerService:
+class WorkerService(HostLink):
     def __init__(
         self,
         transport: Transport,
@@ -337,88 +267,6 @@ class WorkerService:
         if sj.offload and not sj.sync.rounds:
             self._install_push_hooks(sj, asyncio.get_running_loop())
         return jp.StartReply(ready=True, params=len(sj.params))
-
-    def _install_push_hooks(self, sj: StageJob, loop: asyncio.AbstractEventLoop) -> None:
-        """Pushes each parameter's gradient to its optimizer host the moment the last micro-batch's
-        backward has accumulated it, overlapping the push with the rest of the backward pass."""
-        off = sj.offload
-        assert off is not None
-
-        def make_hook(name: str):
-            def hook(p: torch.Tensor) -> None:
-                sj.grad_counts[name] = sj.grad_counts.get(name, 0) + 1
-                if sj.grad_counts[name] == sj.micro_batches_now:
-                    grad = p.grad.detach().clone()
-                    liar = self._liar()
-                    if liar is not None and liar.kind == "random_pseudo_gradient":
-                        grad = liar.pseudo_gradient(grad)
-                    loop.call_soon_threadsafe(self._push, sj, name, grad)
-
-            return hook
-
-        for name, p in sj.params.items():
-            p.register_post_accumulate_grad_hook(make_hook(name))
-
-    def _push(self, sj: StageJob, name: str, grad: torch.Tensor) -> None:
-        off = sj.offload
-        meta = {
-            "job": sj.job,
-            "step": sj.step_now + 1,
-            "mb": -1,
-            "stage": sj.stage,
-            "contributor": off.contributor,
-            "samples": off.samples,
-        }
-        msg = tensor_message(TensorKind.PUSH, meta, {name: grad})
-        if sj.ledger is not None:  # the host keeps the digest of what arrives, for the driver's checks
-            from fusionnode.verify.commitment import COMMIT_KEY
-
-            msg.meta[COMMIT_KEY] = True
-        sj.push_tasks.append(asyncio.ensure_future(self._send_push(off.hosts[name], msg)))
-
-    async def _send_push(self, host: str, msg: TensorMessage) -> int:
-        """At most MAX_CONCURRENT_PUSHES pushes in flight (a host's per-peer stream limit)."""
-        if self.push_slots is None:
-            self.push_slots = asyncio.Semaphore(MAX_CONCURRENT_PUSHES)
-        async with self.push_slots:
-            return await self.t.send(host, msg)
-
-    async def _pull(self, sj: StageJob, step: int) -> None:
-        """Fetches this stage's parameters from their optimizer hosts and installs them."""
-        off = sj.offload
-        by_host: dict[str, list[str]] = {}
-        for name in sorted(sj.params):
-            by_host.setdefault(off.hosts[name], []).append(name)
-        timeout = self.config.step_timeout_s
-
-        async def one(host: str, names: list[str], first: int) -> dict[str, torch.Tensor]:
-            req = jp.OptPull(job=sj.job, names=names, tag=step, stage=sj.stage, first=first)
-            # a read: at worst its parameters arrive twice
-            res = await jp.call(self.t, host, Rpc.OPT_PULL, req, timeout=timeout, idempotent=True)
-            got: dict[str, torch.Tensor] = {}
-            for idx in range(first, first + res.count):
-                msg, src = await self.t.mailbox.get(
-                    (TensorKind.PULLED, sj.job, step, idx, sj.stage), timeout, sender=host
-                )
-                got.update(decode_checked(msg, {n: sj.param_specs[n] for n in names}, None, src))
-            return got
-
-        firsts, first = [], 0
-        for names in by_host.values():  # each host numbers its messages from its own first index
-            firsts.append(first)
-            first += len(names)
-        parts = await asyncio.gather(
-            *(one(h, names, f) for (h, names), f in zip(by_host.items(), firsts, strict=True))
-        )
-        values = {k: v for part in parts for k, v in part.items()}
-
-        def install() -> None:
-            with torch.no_grad():
-                for name, p in sj.params.items():
-                    p.copy_(values[name])
-                    p.grad = None
-
-        await asyncio.get_running_loop().run_in_executor(self.executor, install)
 
     async def rpc_release(self, req: jp.ReleaseRequest, sender: str) -> jp.ReleaseReply:
         sj = self._get(req, sender)
@@ -779,11 +627,3 @@ class WorkerService:
                 blame=src,
             )
         ledger.record(mb, RECEIVED_PART[kind], msg, digest)
-
-
-def make_optimizer(params: dict[str, torch.nn.Parameter], spec_dict: dict[str, Any]) -> Any:
-    """The stage's local optimizer: the optimizer hosts' code and math, on this stage's parameters."""
-    from fusionnode.optim.optimizers import job_optimizer_config, make_local_optimizer
-
-    shapes = {name: {"shape": list(p.shape)} for name, p in params.items()}
-    return make_local_optimizer(params, job_optimizer_config(spec_dict, shapes))

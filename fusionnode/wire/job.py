@@ -1,16 +1,16 @@
 """The job protocol between driver, worker and optimizer host: RPC names, typed messages, tensor kinds, error codes.
 
 Every RPC of a training job is named here once (`Rpc`), with one frozen dataclass for its request
-and one for its reply (`RPCS`); every kind of data message (`TensorKind`) and every machine-readable
-error code (`ErrorCode`) is spelled here and nowhere else (tests/test_protocol_home.py checks the
-source). Requests and replies cross the wire as the `args` / `result` maps of `Call` / `Reply`
+and one for its reply (`RPCS`); every kind of data message (`TensorKind`) is spelled here and nowhere
+else (tests/test_protocol_home.py checks the source), and every machine-readable error code
+(`ErrorCode`) once, in wire/job_errors.py. Requests and replies cross the wire as the `args` / `result` maps of `Call` / `Reply`
 (protocol/SPEC.md, section 13); `from_wire` refuses a missing or unknown field, a value of the
 wrong type and an out-of-bounds value with a `JobError` whose code is `bad_request`, so a field
 renamed on one side fails at once, not silently with a default.
 
 A failed call answers `Reply{ok: false, error: text, result: {"code": ..., "blame": peer id}}`:
-`JobError` carries the code and the peer to blame from the raising handler to the caller, where
-`Failure.of` reads it back; the driver's recovery decides on codes and peer ids, never on text.
+the codes and `JobError`, which carries the code and the peer to blame, live in wire/job_errors.py
+(re-exported here); the driver's recovery decides on codes and peer ids, never on text.
 
 `tensor_message` and `decode_checked` encode and check the tensors of data messages.
 """
@@ -22,7 +22,11 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Final
 
-from fusionnode.errors import DeadlineError, PeerError
+from fusionnode.wire.job_errors import ErrorCode as ErrorCode
+from fusionnode.wire.job_errors import Failure as Failure
+from fusionnode.wire.job_errors import JobError as JobError
+from fusionnode.wire.job_errors import error_result as error_result
+from fusionnode.wire.job_errors import remote_error as remote_error
 from fusionnode.wire.typed import FieldError, TypedMessage, message
 
 MAX_LEASE_S = 600.0  # seconds: longest lease a driver may ask a worker to hold a stage without renewal
@@ -84,78 +88,6 @@ class TensorKind:
 
 TensorKind.ALL = frozenset(v for k, v in vars(TensorKind).items() if k.isupper() and isinstance(v, str))
 FETCH_KIND: Final = {"params": TensorKind.FETCH_PARAMS, "grads": TensorKind.FETCH_GRADS}
-
-
-class ErrorCode:
-    """Machine-readable reasons of a failed call (`Reply.result["code"]`), a closed set."""
-
-    BAD_REQUEST: Final = "bad_request"  # a request that does not match its message type or bounds
-    FORBIDDEN: Final = "forbidden"  # the caller may not do that (not the job's driver, not a worker)
-    NOT_HELD: Final = "not_held"  # no such stage or shard here (lease expired, released, never assigned)
-    NO_ROOM: Final = "no_room"  # over this peer's offered capacity or per-driver limits
-    LEAVING: Final = "leaving"  # this peer is draining: re-plan without it, do not ban it
-    BAD_TENSOR: Final = "bad_tensor"  # `blame` sent a tensor of the wrong name, shape, dtype or values
-    ABORTED: Final = "aborted"  # the step was cancelled by the driver
-    NO_REPORT: Final = "no_report"  # `job.step_result` for a step this stage has no report of
-    UNANSWERED: Final = "unanswered"  # the call's stream closed before its reply (transient)
-    DEADLINE: Final = "deadline"  # a wait ran past its deadline
-    FAILED: Final = "failed"  # anything else
-    ALL: ClassVar[frozenset[str]]
-
-
-ErrorCode.ALL = frozenset(v for k, v in vars(ErrorCode).items() if k.isupper() and isinstance(v, str))
-
-
-class JobError(PeerError):
-    """A refusal or failure with a machine-readable `code` and, where another peer caused it, the
-    full peer id to `blame`."""
-
-    def __init__(self, code: str, message: str, blame: str = ""):
-        if code not in ErrorCode.ALL:
-            raise ValueError(f"unknown error code {code!r}")
-        super().__init__(message)
-        self.code = code
-        self.blame = blame
-
-
-def error_result(exc: BaseException) -> dict[str, Any]:
-    """The `Reply.result` of a failed call: its code and the peer to blame (empty for other errors)."""
-    if isinstance(exc, JobError):
-        out = {"code": exc.code}
-        if exc.blame:
-            out["blame"] = exc.blame
-        return out
-    if isinstance(exc, DeadlineError):
-        return {"code": ErrorCode.DEADLINE}
-    return {}
-
-
-def remote_error(text: str, result: dict[str, Any]) -> JobError:
-    """The caller's exception for a `Reply{ok: false}` (`text` says who refused what)."""
-    code = result.get("code")
-    blame = result.get("blame")
-    return JobError(
-        code if isinstance(code, str) and code in ErrorCode.ALL else ErrorCode.FAILED,
-        text,
-        blame if isinstance(blame, str) and len(blame) <= 128 else "",
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """One failed call as recovery sees it: code, the peer to blame (full id, "" if none), text."""
-
-    code: str
-    text: str
-    blame: str = ""
-
-    @classmethod
-    def of(cls, exc: BaseException) -> Failure:
-        if isinstance(exc, JobError):
-            return cls(exc.code, str(exc), exc.blame)
-        if isinstance(exc, (DeadlineError, TimeoutError)):
-            return cls(ErrorCode.DEADLINE, str(exc) or "deadline passed")
-        return cls(ErrorCode.FAILED, str(exc) or type(exc).__name__)
 
 
 # ---------------------------------------------------------------- typed messages
