@@ -183,7 +183,9 @@ def test_a_repeated_offload_commit_starts_no_second_pull():
     async def pull(sj, step):
         pulls.append(step)
 
-    sj = types.SimpleNamespace(offload={"hosts": {}}, last_step=-1, pull_task=None)
+    from fusionnode.sync import SyncConfig
+
+    sj = types.SimpleNamespace(offload={"hosts": {}}, last_step=-1, pull_task=None, sync=SyncConfig())
     w = types.SimpleNamespace(_get=lambda args, sender: sj, _pull=pull)
 
     async def main():
