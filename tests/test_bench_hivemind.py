@@ -167,12 +167,48 @@ def test_hivemind_systems_are_refused_on_userspace_links(capsys):
     assert testbed.main(["--hivemind-timeout", "0"]) == 2
 
 
-def test_sync_configurations_wait_for_their_job_spec_fields():
+def test_sync_configurations_are_jobs_the_train_command_accepts():
+    import argparse
+
+    from fusionnode.sync import SyncConfig, sync_from_args
+
     names = [c[0] for c in systems.SYNC_CONFIGS]
     assert names == ["fusionnode-diloco", "fusionnode-sparseloco"]
-    assert systems.sync_available({}) and systems.sync_available({"seed": 1})
-    assert not systems.sync_available({"no_such_field": 1})
     assert set(systems.system_names()) >= {"baseline", "fusionnode", *names, *systems.HIVEMIND_SYSTEMS}
+    for name, options, compress, fields in systems.SYNC_CONFIGS:
+        sync = SyncConfig.from_dict(options["sync"])  # what the driver reads from params["sync"]
+        assert sync.rounds and sync.inner_steps == systems.SYNC_INNER_STEPS == 10
+        assert name == f"fusionnode-{sync.mode}" and compress == "none" and fields == {}
+        # `train`'s own check of a round mode against the planner and offload: it must pass
+        args = argparse.Namespace(
+            sync=sync.mode,
+            inner_steps=sync.inner_steps,
+            outer_lr=sync.outer_lr,
+            outer_momentum=sync.outer_momentum,
+            sync_codec=sync.codec,
+            topk_density=sync.topk_density,
+            topk_chunk=sync.chunk,
+            ef_decay=sync.ef_decay,
+            planner=options["planner"],
+            offload=options["offload"],
+            rebalance_every=0,
+        )
+        assert sync_from_args(args) == sync
+        # 2 replicas x 2 stages fit every bundled testbed (4 or more devices)
+        assert options["replicas"] * options["stages"] == 4
+    diloco, sparse = (SyncConfig.from_dict(c[1]["sync"]) for c in systems.SYNC_CONFIGS)
+    # the settings `fusionnode bench sync` found good, fixed before the run
+    assert (diloco.outer_lr, diloco.outer_momentum) == (1.0, 0.0)
+    assert (sparse.topk_density, sparse.chunk, sparse.codec) == (1 / 16, 256, "ctopk2")
+    line = systems.settings_of({**systems.SYNC_CONFIGS[0][1], "cluster": {}, "peers": []})
+    assert line["sync"] == "diloco" and line["H"] == 10 and line["outer_momentum"] == 0.0
+    assert "0.7" in line["why"] and "cluster" not in line
+    line = systems.settings_of(systems.SYNC_CONFIGS[1][1])
+    assert line["density"] == "1/16" and line["chunk"] == 256
+    assert systems.settings_of({"planner": "fusion", "offload": "on"}) == {
+        "planner": "fusion",
+        "offload": "on",
+    }
 
 
 def _p2pd_cmdlines() -> list[list[str]]:

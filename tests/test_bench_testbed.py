@@ -97,7 +97,8 @@ def test_bad_arguments_are_refused(capsys):
 
 @pytest.mark.e2e
 def test_testbed_runs_on_loopback(tmp_path, capsys):
-    """The whole benchmark, small: 4 real peers, user-space links, calibration, two configurations."""
+    """The whole benchmark, small: 4 real peers, user-space links, calibration, three configurations
+    (one of them a --sync round mode: 2 replicas x 2 stages, its one round closed at the last step)."""
     out = tmp_path / "out"
     rc = testbed.main(
         [
@@ -116,7 +117,7 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
             "--seq-len",
             "32",
             "--configs",
-            "baseline,fusionnode",
+            "baseline,fusionnode,fusionnode-sparseloco",
             "--out",
             str(out),
         ]
@@ -127,10 +128,13 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
     res = json.loads((out / "results.json").read_text())["results"][0]
     assert res["network"] == "userspace" and res["step_overhead_s"]["offload"] >= 0
     rows = {r["config"]: r for r in res["rows"]}
-    assert set(rows) == {"baseline", "fusionnode"}
-    for r in rows.values():
-        assert r["tokens_per_s"] > 0 and r["predicted_step_time_s"] > 0
-        assert r["prediction_error"] is not None
+    assert set(rows) == {"baseline", "fusionnode", "fusionnode-sparseloco"}
+    for name, r in rows.items():
+        assert r["tokens_per_s"] > 0
+        if name == "fusionnode-sparseloco":  # --planner simple lays the replicas out, predicting nothing
+            assert r["predicted_step_time_s"] is None
+            continue
+        assert r["predicted_step_time_s"] > 0 and r["prediction_error"] is not None
     runs = json.loads((out / "runs.json").read_text())
     assert [r["config"] for r in runs] == [
         "calibration-speeds",
@@ -138,6 +142,10 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
         "calibration-overhead-offload",
         "baseline",
         "fusionnode",
+        "fusionnode-sparseloco",
     ]
+    hosts = runs[-1]["steps"][-1]["optimizer_hosts"]  # the sync mode's round reached the hosts
+    assert hosts and all(h["rounds_closed"] == 1 and h["received_bytes"] > 0 for h in hosts)
+    assert all(h["rounds_closed"] == 0 for h in runs[-1]["steps"][-2]["optimizer_hosts"])
     assert len(runs[2]["plan"]["stages"]) == 1  # the overhead is measured on one peer, no link in the way
     assert all("phases" in s for r in runs for s in r["steps"])

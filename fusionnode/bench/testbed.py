@@ -73,7 +73,6 @@ from fusionnode.bench.systems import (
     all_configs,
     fusionnode_row,
     run_hivemind,
-    sync_available,
     system_names,
 )
 from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
@@ -122,8 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--configs",
         default=",".join(system_names()),
-        help="which configurations and systems to run; the sync modes run where this build has them, "
-        "hivemind's only on netns links (default %(default)s)",
+        help="which configurations and systems to run; hivemind's only on netns links (default %(default)s)",
     )
     p.add_argument(
         "--target-loss",
@@ -516,14 +514,6 @@ def bench_cluster(
         comparison = []
         for name, params, compress, fields in all_configs():
             if name not in wanted:
-                continue
-            if fields and not sync_available(fields):
-                print(
-                    f"[{c.name}] {name}: skipped: this build's job spec has no {', '.join(sorted(fields))} "
-                    "(issue 19's --sync modes)",
-                    file=sys.stderr,
-                    flush=True,
-                )
                 continue
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
             planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
