@@ -359,8 +359,7 @@ class DirectConnection:
         self.writer = _Writer(sock, loop, self._half_closed)
         self._reader_done = False
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        for _ in range(READ_BUFFERS):
-            self._free.put(bytearray(READ_BYTES))
+        self._made = 0  # buffers the reader thread has allocated (on demand, at most READ_BUFFERS)
         self._thread = threading.Thread(target=self._read, name="direct-reader", daemon=True)
         self._thread.start()
 
@@ -369,7 +368,7 @@ class DirectConnection:
         StreamReader's own) and gives it back."""
         try:
             while True:
-                buf = self._free.get()
+                buf = self._next_buffer()
                 view = memoryview(buf)
                 n = self.sock.recv_into(view, READ_BYTES)
                 if not n:
@@ -387,6 +386,18 @@ class DirectConnection:
             with contextlib.suppress(RuntimeError):
                 self.loop.call_soon_threadsafe(self.reader.feed_eof)
             self._half_closed()
+
+    def _next_buffer(self) -> bytearray:
+        """A free buffer, a new one while fewer than READ_BUFFERS exist, else the next given back: a
+        connection allocates (and the kernel zeroes) only the buffers its traffic needs, in the reader
+        thread rather than on the event loop when the connection is accepted."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            if self._made < READ_BUFFERS:
+                self._made += 1
+                return bytearray(READ_BYTES)
+            return self._free.get()
 
     def _feed(self, buf: bytearray, n: int) -> None:
         self.reader.feed_data(memoryview(buf)[:n])
