@@ -304,39 +304,30 @@ async def _read_varint(reader: asyncio.StreamReader) -> int:
     raise ProtocolError("varint too long")
 
 
+def _decode_varint(data: bytes, i: int) -> tuple[int, int]:
+    """The varint at `data[i:]` and the index after it."""
+    value = shift = 0
+    while True:
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return value, i
+
+
 def _proto_fields(data: bytes) -> dict[int, list[Any]]:
     """A protobuf message's fields (varints as ints, length-delimited as bytes)."""
     out: dict[int, list[Any]] = {}
     i = 0
     while i < len(data):
-        key = shift = 0
-        while True:
-            b = data[i]
-            i += 1
-            key |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
+        key, i = _decode_varint(data, i)
         num, wire = key >> 3, key & 7
         if wire == 0:
-            v = shift = 0
-            while True:
-                b = data[i]
-                i += 1
-                v |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
+            v, i = _decode_varint(data, i)
             out.setdefault(num, []).append(v)
         elif wire == 2:
-            n = shift = 0
-            while True:
-                b = data[i]
-                i += 1
-                n |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
+            n, i = _decode_varint(data, i)
             out.setdefault(num, []).append(data[i : i + n])
             i += n
         else:
