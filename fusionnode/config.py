@@ -117,6 +117,11 @@ def is_loopback(maddr: str) -> bool:
     return proto in ("dns", "dns4", "dns6") and value == "localhost"
 
 
+def loopback_only(listen: tuple[str, ...] | list[str]) -> bool:
+    """Whether a node listens on loopback only (so every peer it can reach runs on this machine)."""
+    return bool(listen) and all(is_loopback(a) for a in listen)
+
+
 @dataclasses.dataclass(frozen=True)
 class NetworkOptions:
     """What the libp2p daemon may do beyond listening on its addresses. ``auto`` = on unless every
@@ -165,7 +170,7 @@ class NetworkOptions:
 
     def resolve(self, listen: tuple[str, ...] | list[str]) -> dict[str, bool | str]:
         """The effective settings for these listen addresses."""
-        local = bool(listen) and all(is_loopback(a) for a in listen)
+        local = loopback_only(listen)
 
         def on(value: str) -> bool:
             return value == "on" or (value == "auto" and not local)

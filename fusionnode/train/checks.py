@@ -25,20 +25,20 @@ from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
 
 def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str | None]:
     """(the policy in force, why checks are off despite it, or None); ConfigError on bad options."""
-    from fusionnode.config import is_loopback
+    from fusionnode.config import loopback_only
     from fusionnode.security.keys import SWARM_KEY_ENV
+    from fusionnode.sync import SyncConfig
     from fusionnode.verify.policy import resolve_policy
 
     # a private swarm (swarm key), or a local one (this peer listens on loopback only, so every peer
     # it can reach runs on this machine: the user's own processes): auto leaves checks off
-    listen = tuple(getattr(config, "listen", ()) or ())
-    local = bool(listen) and all(is_loopback(a) for a in listen)
+    local = loopback_only(tuple(getattr(config, "listen", ()) or ()))
     private = local or bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
     try:
         policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    sync = (params.get("sync") or {}).get("mode", "step") if isinstance(params.get("sync"), dict) else "step"
+    sync = SyncConfig.from_dict(params.get("sync")).mode
     if policy.on and sync != "step":
         # the recompute takes the hosts' parameters, while a round mode's workers step their own
         # (inner) optimizer between rounds: the two differ, so the checks cannot judge that work yet
