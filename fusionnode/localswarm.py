@@ -120,11 +120,14 @@ class LocalSwarm:
     def control(self, i: int) -> Path:
         return self.state_dir(i) / "control.sock"
 
-    async def wait_connected(self, timeout: float = SWARM_TIMEOUT) -> list[dict[str, Any]]:
+    async def wait_connected(
+        self, timeout: float = SWARM_TIMEOUT, peers: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Waits until peer 0 sees `peers` (default: every peer started) in the swarm."""
         from fusionnode import control
 
         deadline = time.monotonic() + timeout
-        want = {r["peer_id"] for r in self.ready}
+        want = set(peers) if peers is not None else {r["peer_id"] for r in self.ready}
         seen: set[str] = set()
         while time.monotonic() < deadline:
             res = await control.call(self.control(0), "peers")
@@ -132,7 +135,9 @@ class LocalSwarm:
             if want <= seen:
                 return res["peers"]
             await asyncio.sleep(0.5)
-        raise DaemonError(f"only {len(seen)} of {self.n} peers found each other within {timeout:.0f} s")
+        raise DaemonError(
+            f"only {len(seen & want)} of {len(want)} peers found each other within {timeout:.0f} s"
+        )
 
     def stop(self) -> None:
         """SIGTERM to each daemon (it withdraws and stops its DHT), SIGKILL to the group after a grace period."""

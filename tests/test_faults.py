@@ -163,7 +163,7 @@ def test_leave_driver_death_resume_and_optimizer_host_death(tmp_path):
         swarm.add_peer()
         ids = [r["peer_id"] for r in swarm.ready]
         alive = [i for i, p in enumerate(swarm.procs) if p.poll() is None]
-        asyncio.run(wait_seen(swarm, ids[alive[-1]]))  # the driver (peer 0) knows the new peer's record
+        asyncio.run(swarm.wait_connected(peers=[ids[alive[-1]]]))  # the driver (peer 0) knows the new peer
 
         # 2. the optimizer host dies: hosts restore the last shard checkpoint, steps since are replayed
         host = ids[alive[-1]]
@@ -235,13 +235,6 @@ def test_leave_driver_death_resume_and_optimizer_host_death(tmp_path):
         assert result["steps"] == spec.steps
     finally:
         swarm.stop()
-
-
-async def wait_seen(swarm: LocalSwarm, peer_id: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while peer_id not in {p["peer_id"] for p in (await control.call(swarm.control(0), "peers"))["peers"]}:
-        assert time.monotonic() < deadline, f"peer 0 never saw {peer_id}"
-        await asyncio.sleep(0.5)
 
 
 async def train_on(swarm: LocalSwarm, i: int, params: dict) -> tuple[dict, list[dict]]:
