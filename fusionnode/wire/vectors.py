@@ -84,6 +84,11 @@ def render_vector(vector: dict[str, Any]) -> str:
     return json.dumps(vector, indent=1, ensure_ascii=True) + "\n"
 
 
+def replace_bytes(data: bytes, offset: int, new: bytes) -> bytes:
+    """`data` with `new` written over it at `offset` (for invalid variants of a payload)."""
+    return data[:offset] + new + data[offset + len(new) :]
+
+
 def invalid_variant(description: str, enc: EncodedTensor, **changes: Any) -> dict[str, str]:
     """A variant of `enc` breaking one rule (`params` entries are merged into the original's)."""
     params = changes.pop("params", None)

@@ -27,13 +27,10 @@ from fusionnode.wire import pack_encoded  # noqa: E402
 from fusionnode.wire.vectors import (  # noqa: E402
     invalid_variant,
     render_vector,
+    replace_bytes,
     tensor_vector,
     write_or_check,
 )
-
-
-def _replace(data: bytes, offset: int, new: bytes) -> bytes:
-    return data[:offset] + new + data[offset + len(new) :]
 
 
 def build_vectors() -> dict[str, dict[str, Any]]:
@@ -53,12 +50,12 @@ def build_vectors() -> dict[str, dict[str, Any]]:
         [
             invalid_variant("payload truncated by one byte", enc, data=data[:-1]),
             invalid_variant("one trailing byte", enc, data=data + b"\x00"),
-            invalid_variant("index equal to the chunk length", enc, data=_replace(data, 25, b"\x04")),
-            invalid_variant("index past the short last chunk", enc, data=_replace(data, 29, b"\x02")),
-            invalid_variant("indices not increasing in a chunk", enc, data=_replace(data, 24, b"\x03")),
-            invalid_variant("lo above hi", enc, data=_replace(data, 0, struct.pack("<f", 5.0))),
-            invalid_variant("negative lo", enc, data=_replace(data, 8, struct.pack("<f", -1.0))),
-            invalid_variant("NaN scale", enc, data=_replace(data, 4, struct.pack("<f", float("nan")))),
+            invalid_variant("index equal to the chunk length", enc, data=replace_bytes(data, 25, b"\x04")),
+            invalid_variant("index past the short last chunk", enc, data=replace_bytes(data, 29, b"\x02")),
+            invalid_variant("indices not increasing in a chunk", enc, data=replace_bytes(data, 24, b"\x03")),
+            invalid_variant("lo above hi", enc, data=replace_bytes(data, 0, struct.pack("<f", 5.0))),
+            invalid_variant("negative lo", enc, data=replace_bytes(data, 8, struct.pack("<f", -1.0))),
+            invalid_variant("NaN scale", enc, data=replace_bytes(data, 4, struct.pack("<f", float("nan")))),
             invalid_variant("padding bits set", enc, data=data[:-1] + bytes([data[-1] | 0x80])),
             invalid_variant("k above chunk", enc, params={"k": 5}),
             invalid_variant("k zero", enc, params={"k": 0}),

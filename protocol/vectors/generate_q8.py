@@ -27,13 +27,10 @@ from fusionnode.wire import pack_encoded  # noqa: E402
 from fusionnode.wire.vectors import (  # noqa: E402
     invalid_variant,
     render_vector,
+    replace_bytes,
     tensor_vector,
     write_or_check,
 )
-
-
-def _replace(data: bytes, offset: int, new: bytes) -> bytes:
-    return data[:offset] + new + data[offset + len(new) :]
 
 
 def build_vectors() -> dict[str, dict[str, Any]]:
@@ -52,10 +49,12 @@ def build_vectors() -> dict[str, dict[str, Any]]:
         [
             invalid_variant("payload truncated by one byte", enc, data=data[:-1]),
             invalid_variant("one trailing byte", enc, data=data + b"\x00"),
-            invalid_variant("value -128 (outside [-127, 127])", enc, data=_replace(data, 12, b"\x80")),
-            invalid_variant("negative scale", enc, data=_replace(data, 0, struct.pack("<f", -1.0))),
-            invalid_variant("NaN scale", enc, data=_replace(data, 4, struct.pack("<f", float("nan")))),
-            invalid_variant("infinite scale", enc, data=_replace(data, 8, struct.pack("<f", float("inf")))),
+            invalid_variant("value -128 (outside [-127, 127])", enc, data=replace_bytes(data, 12, b"\x80")),
+            invalid_variant("negative scale", enc, data=replace_bytes(data, 0, struct.pack("<f", -1.0))),
+            invalid_variant("NaN scale", enc, data=replace_bytes(data, 4, struct.pack("<f", float("nan")))),
+            invalid_variant(
+                "infinite scale", enc, data=replace_bytes(data, 8, struct.pack("<f", float("inf")))
+            ),
             invalid_variant("row_len != shape[-1]", enc, params={"row_len": 3}),
             invalid_variant("unknown scale dtype", enc, params={"scale": "float64"}),
             invalid_variant("unknown format version", enc, params={"v": 2}),
@@ -110,7 +109,7 @@ def build_vectors() -> dict[str, dict[str, Any]]:
             invalid_variant(
                 "nibble 0x8 (-8, outside [-7, 7])",
                 enc,
-                data=_replace(data, 12, bytes([0x08 | (data[12] & 0xF0)])),
+                data=replace_bytes(data, 12, bytes([0x08 | (data[12] & 0xF0)])),
             ),
             invalid_variant("padding nibble not zero", enc, data=data[:-1] + bytes([last | 0x10])),
             invalid_variant("q4 payload declared as q8", enc, codec="q8"),
