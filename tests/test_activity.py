@@ -418,6 +418,29 @@ def test_runner_manual_pause_schedule_and_retry():
     asyncio.run(main())
 
 
+def test_the_schedule_applies_from_the_start_and_to_a_resume_before_any_check():
+    async def main() -> None:
+        rec = Recorder()
+        outside = at(15, 0)
+        ctl = AvailabilityController(
+            None, Schedule.parse("22:00-07:00"), rec, local_now=lambda: outside, interval_s=60.0
+        )
+        status = await ctl.resume()  # no periodic check has run yet
+        assert status["availability"] == "paused" and ctl.state.reason != "manual"
+        rec2 = Recorder()
+        ctl2 = AvailabilityController(
+            None, Schedule.parse("22:00-07:00"), rec2, local_now=lambda: outside, interval_s=60.0
+        )
+        task = asyncio.create_task(ctl2.run())  # its first periodic check is a minute away
+        try:
+            await rec2.wait_for("paused", 0, 2.0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 # ---- caps ----------------------------------------------------------------------------------------
 def test_util_cap_sets_torch_threads_and_duty_cycle():
     try:

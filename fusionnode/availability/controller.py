@@ -7,6 +7,7 @@ advertise changes; pause and resume by hand."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -117,8 +118,17 @@ class AvailabilityController:
             self._published = ad
             self.changed_at = self.clock()
 
+    def _apply_schedule(self) -> None:
+        """Takes the schedule's verdict for now into the state, without sampling the owner."""
+        if self.schedule is not None:
+            inside = self.schedule.contains(self.local_now())
+            self._state = dataclasses.replace(self._state, outside_schedule=not inside)
+
     async def run(self) -> None:
-        """Checks every interval_s until cancelled (primes the monitor's counters first)."""
+        """Checks every interval_s until cancelled (primes the monitor's counters first); the schedule
+        applies from the start, not only after the first interval."""
+        self._apply_schedule()
+        await self._publish()
         if self.monitor is not None:
             await asyncio.to_thread(self.monitor.sample)
         while True:
@@ -140,5 +150,6 @@ class AvailabilityController:
     async def resume(self) -> dict[str, Any]:
         """Lifts a manual pause; a schedule or owner pause still in force keeps us paused."""
         self._state = resume_manual(self._state)
+        self._apply_schedule()  # the schedule's verdict now, even before the first periodic check
         await self._publish()
         return self.status()
