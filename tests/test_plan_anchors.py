@@ -93,17 +93,58 @@ def test_planner_never_slower_than_an_even_grid():
         assert p.prediction.step_time_s <= grids[0].step_s * (1 + 1e-9)
 
 
-def test_planner_simulates_its_choice_against_the_grids_on_larger_clusters():
-    from fusionnode.plan.anchors import SIMULATED
-    from fusionnode.plan.simulator import simulate
+def test_robust_choice_is_not_dominated_by_any_grid_under_the_two_models():
+    """Above SMALL_CLUSTER workers the plan is the shortlist's best worse ratio under the simulator
+    and DT-FM's cost model: no even grid (the best under either model among them) is faster than it
+    under both, and none has a smaller worse ratio."""
+    from fusionnode.plan.anchors import GRID_SHORTLIST, dtfm_of, robust_choice, sim_of
 
     g = gpt2_like_graph(12, 128, 32)
     c = load_cluster_dict(_two_sites(16))
     p = plan(g, c, 32, compress=False)
     ctx = make_context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
-    grids = grid.even_grids(ctx)[:SIMULATED]
-    best_grid = min(simulate(g, c, build_plan(g, ctx, ev, None, "grid")).step_time_s for ev in grids)
-    assert simulate(g, c, p).step_time_s <= best_grid * (1 + 1e-9)
+    grids = grid.even_grids(ctx)
+    by_dtfm = sorted(grids, key=lambda ev: dtfm_of(g, ctx, ev))
+    listed = grids[:GRID_SHORTLIST] + by_dtfm[:GRID_SHORTLIST]
+    ps, pd = sim_of_plan(g, c, p, ctx), dtfm_step_time(g, c, p, ctx.est).step_s
+    for ev in listed:
+        gs, gd = sim_of(g, ctx, ev), dtfm_of(g, ctx, ev)
+        assert not (gs < ps * (1 - 1e-9) and gd < pd * (1 - 1e-9)), (gs, gd, ps, pd)
+    # the choice's worse ratio is the smallest of every candidate it was given, grids included
+    _, fig = robust_choice(g, ctx, [grids[-1]], [])
+    mine = max(fig["sim_ratio"], fig["dtfm_ratio"])
+    for ev in listed:
+        r = max(sim_of(g, ctx, ev) / fig["sim_best"], dtfm_of(g, ctx, ev) / fig["dtfm_best"])
+        assert mine <= r * (1 + 1e-9)
+    assert fig["sim_best"] <= min(sim_of(g, ctx, ev) for ev in listed) * (1 + 1e-9)
+
+
+def test_robust_choice_trades_the_simulator_for_dtfm_where_they_disagree():
+    """A candidate that is best under one model but many times slower under the other is not taken
+    when another is within a small factor under both."""
+    from fusionnode.plan.anchors import dtfm_of, robust_choice, sim_of
+
+    g = with_activation_bytes(gpt2_like_graph(24, 512, 64), 0.5)
+    c = load_cluster_dict(_two_sites(16))
+    ctx = make_context(g, c, 64, None, True, None, None, fence.MAX_BLOCKS, False)
+    grids = grid.even_grids(ctx)
+    scored = [(sim_of(g, ctx, ev), dtfm_of(g, ctx, ev), ev) for ev in grids]
+    sim_first = min(scored, key=lambda x: x[0])
+    dtfm_first = min(scored, key=lambda x: x[1])
+    choice, fig = robust_choice(g, ctx, [sim_first[2]], [])
+    # here the models disagree: the simulator's favourite is many times slower under DT-FM's model
+    assert sim_first[1] > 5 * fig["dtfm_best"]
+    worst = max(fig["sim_ratio"], fig["dtfm_ratio"])
+    assert worst < 1.5
+    assert worst < max(sim_first[0] / fig["sim_best"], sim_first[1] / fig["dtfm_best"])
+    assert worst <= max(dtfm_first[0] / fig["sim_best"], dtfm_first[1] / fig["dtfm_best"])
+    assert choice.pipelines != sim_first[2].pipelines
+
+
+def sim_of_plan(g, c, p, ctx):
+    from fusionnode.plan.simulator import simulate
+
+    return simulate(g, c, p, ctx.est).step_time_s
 
 
 def test_scenarios_rebuild_the_papers_links():

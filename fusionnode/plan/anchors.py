@@ -1,21 +1,37 @@
-"""Anchors: the layouts the planner always considers and must beat under its own cost model.
+"""Anchors, and the planner's model-robust final choice.
 
-* every even grid that fits (plan/grid.py), as is, and re-split by the planner's split DP;
-* DT-FM's layout (plan/dtfm.py) for the best even grid's shape, found with a budget a planning
-  call can afford (PLANNER_POPULATION x PLANNER_TRIALS, on clusters of at most DTFM_MAX_WORKERS
-  workers), as is and re-split.
+Anchors: the layouts the planner always considers and must beat.
 
-The planner takes the fastest of them under its closed form when it beats its own search; on
-clusters of more than SMALL_CLUSTER workers (below, the closed form is what the exhaustive
-reference checks) it then simulates its choice and the SIMULATED fastest anchors (plan/simulator.py) and keeps the one the
-simulator finds fastest (`by_simulation`), together with the SHALLOW even grids that DT-FM's
-cost model (plan/dtfm_cost.py) rates fastest, a cheap second opinion on which shapes to simulate: the closed form is within a few percent of the
-simulator on most pipelines, but not on all, and the plan should not lose to an anchor where the
-finer model can tell.
+* every even grid that fits (plan/grid.py), as is, and the fastest GRIDS_RESPLIT re-split by the
+  planner's split DP;
+* DT-FM's layout (plan/dtfm.py), found with a budget a planning call can afford
+  (dtfm.PLANNER_POPULATION x dtfm.PLANNER_TRIALS, on clusters of at most DTFM_MAX_WORKERS workers)
+  for the shape of the best even grid under the planner's closed form AND for the shape of the
+  best even grid under DT-FM's cost model (plan/dtfm_cost.py), each as is and re-split.
+
+The robust choice (`robust_choice`, clusters above SMALL_CLUSTER workers; below, the closed form
+is what the exhaustive reference checks): two cost models disagree most about overlap. The
+planner's simulator overlaps activation transfers with compute and so likes deep pipelines of thin
+stages; DT-FM's cost model charges every pipeline boundary its whole batch share with no overlap,
+and all-reduce between replicas, and so likes short pipelines. A plan chosen under one of them
+alone can lose 2-7x under the other. So the planner scores a shortlist under both: the simulator
+and DT-FM's model, each step time divided by the best any candidate reaches under that model, and
+takes the candidate whose worse ratio is smallest (ties: the faster simulated). The shortlist:
+
+* the planner's own best configuration per pipeline count (closed form);
+* the SIMULATED fastest anchors by the closed form;
+* the GRID_SHORTLIST fastest even grids by the closed form and the GRID_SHORTLIST fastest by
+  DT-FM's model (so the best grid under either model is always a candidate: `fusionnode bench
+  plan` compares with the best of exactly these);
+* every DT-FM layout found;
+* the BALANCED candidates with the smallest worse ratio of closed form and DT-FM's model.
+
+Every candidate is scored under DT-FM's model (cheap); only the shortlist is simulated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -29,23 +45,65 @@ log = logging.getLogger(__name__)
 
 DTFM_MAX_WORKERS = 256  # DT-FM's search runs inside the planner only up to this many workers
 GRIDS_RESPLIT = 3  # the fastest even grids also re-split by the DP
-SIMULATED = 3  # anchors the planner simulates against its own choice
-SHALLOW = 2  # and even grids the fastest under DT-FM's cost model (which favours short pipelines)
+SIMULATED = 3  # anchors (by the closed form) the planner simulates against its own choice
+GRID_SHORTLIST = 6  # even grids simulated per ranking (closed form, DT-FM's model)
+BALANCED = 6  # and candidates with the best worse ratio of closed form and DT-FM's model
+BALANCED_SHAPES = 2  # DT-FM also runs for the shapes of the grids with the best such ratio
+DTFM_POPULATION = 20  # DT-FM's budget for the shape DT-FM's model rates best (on DT-FM's settings
+DTFM_TRIALS = 200  # it finds the same layouts as the published 100 x 4,900: bench plan)
 
 
-def anchors(ctx: Context, with_dtfm: bool = True) -> list[Evaluated]:
-    """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layout, fastest first."""
-    out = grid.even_grids(ctx)
+def _key(ev: Evaluated) -> tuple:
+    return (
+        ev.pipelines,
+        ev.shares,
+        tuple(o.cost.split for o in ev.choices),
+        tuple(o.u for o in ev.choices),
+        ev.hosts,
+    )
+
+
+def dtfm_of(graph: OpGraph, ctx: Context, ev: Evaluated) -> float:
+    """ev's step seconds under DT-FM's cost model."""
+    return dtfm_step_time(graph, ctx.est.cluster, build_plan(graph, ctx, ev, None, "fusion"), ctx.est).step_s
+
+
+def sim_of(graph: OpGraph, ctx: Context, ev: Evaluated) -> float:
+    """ev's step seconds under the planner's event simulator."""
+    return simulate(graph, ctx.est.cluster, build_plan(graph, ctx, ev, None, "fusion"), ctx.est).step_time_s
+
+
+def grids_by_dtfm(graph: OpGraph, ctx: Context, grids: list[Evaluated]) -> list[tuple[float, Evaluated]]:
+    """(DT-FM model seconds, grid), fastest first."""
+    scored = [(dtfm_of(graph, ctx, ev), ev) for ev in grids]
+    scored.sort(key=lambda x: x[0])
+    return scored
+
+
+def anchors(ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None) -> list[Evaluated]:
+    """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layouts, fastest first
+    by the closed form. DT-FM runs for the best grid's shape under the closed form and, given the
+    graph, for the best grid's shape under DT-FM's cost model."""
+    grids = grid.even_grids(ctx)
+    out = list(grids)
     for ev in list(out[:GRIDS_RESPLIT]):
         re = evaluate_config(ctx, ev.pipelines)
         if re is not None:
             out.append(re)
-    if with_dtfm and out and len(ctx.workers) <= DTFM_MAX_WORKERS:
-        replicas, stages = grid.grid_shape(out[0])
-        if stages > 1 or replicas > 1:
-            _, ev = dtfm.dtfm_search(
-                ctx, replicas, stages, population=dtfm.PLANNER_POPULATION, trials=dtfm.PLANNER_TRIALS
-            )
+    if with_dtfm and grids and len(ctx.workers) <= DTFM_MAX_WORKERS:
+        budget = (dtfm.PLANNER_POPULATION, dtfm.PLANNER_TRIALS)
+        shapes = {grid.grid_shape(grids[0]): budget}
+        if graph is not None:
+            by_dtfm = grids_by_dtfm(graph, ctx, grids)
+            shapes.setdefault(grid.grid_shape(by_dtfm[0][1]), (DTFM_POPULATION, DTFM_TRIALS))
+            c0, d0 = grids[0].step_s, by_dtfm[0][0]
+            balanced = sorted(by_dtfm, key=lambda x: max(x[1].step_s / c0, x[0] / d0))
+            for _, ev in balanced[:BALANCED_SHAPES]:
+                shapes.setdefault(grid.grid_shape(ev), budget)
+        for (replicas, stages), (population, trials) in shapes.items():
+            if stages == 1 and replicas == 1:
+                continue
+            _, ev = dtfm.dtfm_search(ctx, replicas, stages, population=population, trials=trials)
             if ev is not None:
                 out.append(ev)
                 re = evaluate_config(ctx, ev.pipelines)
@@ -61,30 +119,86 @@ def best_anchor(ctx: Context, with_dtfm: bool = True) -> Evaluated | None:
 
 
 def by_simulation(graph: OpGraph, ctx: Context, candidates: list[Evaluated]) -> Evaluated:
-    """The candidate whose plan the event simulator finds fastest (the first on ties)."""
+    """The candidate whose plan the event simulator finds fastest (the first on ties): the final
+    choice on clusters above DTFM_MAX_WORKERS, where DT-FM's model is too slow to score them all."""
     best, best_t = candidates[0], math.inf
     seen: set = set()
     for ev in candidates:
-        key = (
-            ev.pipelines,
-            ev.shares,
-            tuple(o.cost.split for o in ev.choices),
-            tuple(o.u for o in ev.choices),
-        )
-        if key in seen:
+        if _key(ev) in seen:
             continue
-        seen.add(key)
-        t = simulate(graph, ctx.est.cluster, build_plan(graph, ctx, ev, None, "fusion"), ctx.est).step_time_s
+        seen.add(_key(ev))
+        t = sim_of(graph, ctx, ev)
         if t < best_t * (1 - 1e-9):
             best, best_t = ev, t
     return best
 
 
-def shallow_grids(graph: OpGraph, ctx: Context) -> list[Evaluated]:
-    """The SHALLOW even grids DT-FM's cost model rates fastest."""
-    scored = []
-    for ev in grid.even_grids(ctx):
-        p = build_plan(graph, ctx, ev, None, "grid")
-        scored.append((dtfm_step_time(graph, ctx.est.cluster, p, ctx.est).step_s, ev))
-    scored.sort(key=lambda x: x[0])
-    return [ev for _, ev in scored[:SHALLOW]]
+@dataclasses.dataclass
+class Scored:
+    ev: Evaluated
+    dtfm_s: float
+    sim_s: float = math.nan
+
+
+def robust_choice(
+    graph: OpGraph, ctx: Context, own: list[Evaluated], found: list[Evaluated]
+) -> tuple[Evaluated, dict]:
+    """The candidate with the smallest worse ratio to the best under the simulator and under
+    DT-FM's model (module docstring). `own`: the planner's configurations (its choice first);
+    `found`: the anchors. Returns (choice, figures for the log)."""
+    pool: dict[tuple, Scored] = {}
+
+    def add(ev: Evaluated) -> Scored:
+        k = _key(ev)
+        if k not in pool:
+            pool[k] = Scored(ev, dtfm_of(graph, ctx, ev))
+        return pool[k]
+
+    grids = grid.even_grids(ctx)
+    shortlist: dict[tuple, Scored] = {}
+    for ev in [*own, *found[:SIMULATED]]:
+        s = add(ev)
+        shortlist[_key(ev)] = s
+    for ev in found:
+        add(ev)
+    grid_scored = [add(ev) for ev in grids]
+    for s in grid_scored[:GRID_SHORTLIST] + sorted(grid_scored, key=lambda s: s.dtfm_s)[:GRID_SHORTLIST]:
+        shortlist[_key(s.ev)] = s
+    for ev in found:  # DT-FM's layouts are not grids of the cluster's order: all of them
+        if not any(ev.pipelines == g.pipelines for g in grids):
+            shortlist[_key(ev)] = pool[_key(ev)]
+    closed_best = min(s.ev.step_s for s in pool.values())
+    dtfm_best = min(s.dtfm_s for s in pool.values())
+    balanced = sorted(pool.values(), key=lambda s: max(s.ev.step_s / closed_best, s.dtfm_s / dtfm_best))
+    for s in balanced[:BALANCED]:
+        shortlist[_key(s.ev)] = s
+    for s in shortlist.values():
+        s.sim_s = sim_of(graph, ctx, s.ev)
+    sim_best = min(s.sim_s for s in shortlist.values())
+
+    def worst(s: Scored) -> tuple[float, float]:
+        return (max(s.sim_s / sim_best, s.dtfm_s / dtfm_best), s.sim_s)
+
+    pick = min(shortlist.values(), key=worst)
+    if log.isEnabledFor(logging.DEBUG):
+        for s in sorted(shortlist.values(), key=worst):
+            log.debug(
+                "candidate %s shares %s: closed %.3g sim %.3g dtfm %.3g worst %.3f",
+                [len(p) for p in s.ev.pipelines][:6],
+                s.ev.shares[:6],
+                s.ev.step_s,
+                s.sim_s,
+                s.dtfm_s,
+                worst(s)[0],
+            )
+    figures = {
+        "pool": len(pool),
+        "simulated": len(shortlist),
+        "sim_best": sim_best,
+        "dtfm_best": dtfm_best,
+        "sim_s": pick.sim_s,
+        "dtfm_s": pick.dtfm_s,
+        "sim_ratio": pick.sim_s / sim_best,
+        "dtfm_ratio": pick.dtfm_s / dtfm_best,
+    }
+    return pick.ev, figures

@@ -208,11 +208,15 @@ def plan(
     compress: bool = True,
     with_anchors: bool = True,
     keep_floor: float = K_MIN,
+    robust: bool = True,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
     `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py);
-    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on."""
+    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
+    `robust`: on clusters above SMALL_CLUSTER (and up to anchors.DTFM_MAX_WORKERS) workers, choose
+    the candidate with the best worse ratio under the simulator and DT-FM's cost model
+    (anchors.robust_choice), else the fastest simulated."""
     t0 = time.perf_counter()
     ctx = make_context(
         graph,
@@ -238,26 +242,27 @@ def plan(
     if small and est.offload:  # small clusters: the whole search once per optimizer host set
         candidates = host_sets(cluster, workers, float(chain.params[-1]), ctx.hosts)
     best: Evaluated | None = None
+    own: list[Evaluated] = []  # the search's best per pipeline count (clusters above SMALL_CLUSTER)
     for hs in candidates:
         ctx.hosts = hs
         ctx._host_terms = None
-        found = _constructive(ctx, levels, counts, LOCAL_SEARCH_STARTS if small and local_search else 1)
+        found = _constructive(
+            ctx, levels, counts, LOCAL_SEARCH_STARTS if small and local_search else 1, per_count=not small
+        )
         for ev in found:
             if small and local_search:
                 ev = _local_search(ctx, ev, [])
             if best is None or ev.step_s < best.step_s:
                 best = ev
-    shortlist: list[Evaluated] = []
-    if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
-        from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
-        from fusionnode.plan.grid import even_grids
+        own.extend(found[1:])
+    found_anchors: list[Evaluated] = []
+    if with_anchors:  # even grids and DT-FM's layouts: the plan must be at least as fast
+        from fusionnode.plan.anchors import anchors
 
         ctx.hosts, ctx._host_terms = list(candidates[0]), None
-        shortlist = anchors(ctx)
-        if shortlist and (best is None or shortlist[0].step_s < best.step_s):
-            best = shortlist[0]
-        if not small:  # candidates to simulate against the choice
-            shortlist = shortlist[:SIMULATED] + even_grids(ctx)[:SIMULATED] + shallow_grids(graph, ctx)
+        found_anchors = anchors(ctx, graph=None if small else graph)
+        if found_anchors and (best is None or found_anchors[0].step_s < best.step_s):
+            best = found_anchors[0]
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
@@ -268,10 +273,19 @@ def plan(
     ctx.hosts = list(best.hosts)
     ctx._host_terms = None
     best = _best_hosts(ctx, best)
-    if shortlist and not small:  # small clusters: the closed form is checked against the exhaustive optimum
-        from fusionnode.plan.anchors import by_simulation
+    if (
+        with_anchors and not small
+    ):  # small clusters: the closed form is checked against the exhaustive optimum
+        from fusionnode.plan.anchors import DTFM_MAX_WORKERS, SIMULATED, by_simulation, robust_choice
+        from fusionnode.plan.grid import even_grids
 
-        best = by_simulation(graph, ctx, [best, *shortlist])
+        ctx.hosts, ctx._host_terms = list(best.hosts), None
+        if robust and len(workers) <= DTFM_MAX_WORKERS:
+            best, figures = robust_choice(graph, ctx, [best, *own], found_anchors)
+            log.info("robust choice: %s", {k: round(v, 3) for k, v in figures.items()})
+        else:  # the simulator alone (DT-FM's model is too slow to score every grid of 1,000 workers)
+            shortlist = [best, *found_anchors[:SIMULATED], *even_grids(ctx)[:SIMULATED]]
+            best = by_simulation(graph, ctx, shortlist)
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
@@ -284,8 +298,11 @@ def plan(
     return build_plan(graph, ctx, best, seq_len, strategy="fusion")
 
 
-def _constructive(ctx: Context, levels: list, counts: list[int], keep: int) -> list[Evaluated]:
-    """The `keep` best configurations built from every grouping, pipeline count and builder."""
+def _constructive(
+    ctx: Context, levels: list, counts: list[int], keep: int, per_count: bool = False
+) -> list[Evaluated]:
+    """The `keep` best configurations built from every grouping, pipeline count and builder (fastest
+    first); with `per_count`, followed by the best of every other pipeline count."""
     cluster = ctx.est.cluster
     seen: set[tuple[tuple[int, ...], ...]] = set()
     found: list[Evaluated] = []
@@ -317,6 +334,12 @@ def _constructive(ctx: Context, levels: list, counts: list[int], keep: int) -> l
             out.append(ev)
         if len(out) >= keep:
             break
+    if per_count:
+        counts_seen = {len(o.pipelines) for o in out}
+        for ev in found:
+            if len(ev.pipelines) not in counts_seen:
+                counts_seen.add(len(ev.pipelines))
+                out.append(ev)
     return out
 
 
