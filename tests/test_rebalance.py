@@ -140,3 +140,34 @@ def test_calibrated_cluster_feeds_the_planner_estimator():
     est = Estimator(load_cluster_dict(out, "t"))
     assert est.compute_time(1, 1e12) == pytest.approx(4 * est.compute_time(0, 1e12))
     assert doc["devices"][1]["tflops"] == 10.0  # input untouched
+
+
+def test_noise_is_the_median_spread_so_one_real_slowdown_is_not_noise():
+    from fusionnode.train.rebalance import SpeedBook
+
+    book = SpeedBook(4)
+    for k in range(4):
+        book.record("a", 100.0, 1.0 + 0.02 * (-1) ** k)  # +-2% jitter
+        book.record("b", 100.0, 1.0 - 0.02 * (-1) ** k)
+        book.record("c", 100.0, 1.0 if k < 2 else 4.0)  # slowed 4x halfway through its window
+    noise = book.noise()
+    assert 0.01 < noise < 0.05
+    assert book.noise(["c"]) > 0.5  # alone, the level shift is a large spread
+    assert SpeedBook().noise() == 0.0
+
+
+def test_trigger_needs_a_gain_over_the_noise_at_consecutive_checks():
+    from fusionnode.train.rebalance import Trigger
+
+    t = Trigger(persist=2, sigmas=3.0)
+    # a noisy measurement: the gain is over the job's threshold but not over 3 x the noise
+    assert t.threshold(0.25, 0.2) == pytest.approx(0.6)
+    assert t.check(True, 0.5, 0.25, 0.2)[0] is False and t.streak == 0
+    # a real slow-down: the same gain at two checks in a row
+    assert t.check(True, 0.5, 0.25, 0.02)[0] is False and t.streak == 1
+    act, why = t.check(True, 0.5, 0.25, 0.02)
+    assert act and "2 checks" in why and t.streak == 0
+    # one good window between bad ones resets the streak
+    t.check(True, 0.5, 0.25, 0.02)
+    t.check(False, 0.0, 0.25, 0.02)
+    assert t.check(True, 0.5, 0.25, 0.02)[0] is False

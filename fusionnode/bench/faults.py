@@ -10,6 +10,11 @@ worker reads a slow-down factor from `<state dir>/debug_slow`):
   steps one worker (not the driver's) is slowed `--factor` times. Reported: median tokens/s of the
   healthy steps, of the slowed steps before the re-plan, of the steps after it (leaving out the
   first step of each plan), the reference's, and the steps from the slow-down to the re-plan.
+  With `--pipelines 2`: the job is 2 pipelines x 2 stages on the 4 workers, the reference 2
+  pipelines of one stage on the 3 healthy ones (3 // 2 stages each).
+- clean: the job of `--pipelines` on 4 healthy workers with rebalancing at its default (on, every
+  4 steps: the optimizer state is offloaded); reported: the re-plans it made (there should be none:
+  the trigger acts only on a gain that clears the measured noise at consecutive checks).
 - kill: 2 + `--kills` peers (the driver, also the optimizer host, and one worker form 2 stages;
   the rest are spares); `--kills` times, at least 3 steps apart, a random non-driver worker of
   the plan in force is SIGKILLed at a random moment of a step. Reported: steps completed,
@@ -45,9 +50,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scenario",
-        choices=["straggler", "kill", "all"],
+        choices=["straggler", "kill", "clean", "all"],
         default="all",
-        help="which fault to inject: a straggler, SIGKILLed workers, or both (default %(default)s)",
+        help="which fault to inject: a straggler, SIGKILLed workers, or both; clean: none, to count "
+        "the re-plans rebalancing makes on a healthy job (default %(default)s)",
+    )
+    p.add_argument(
+        "--pipelines",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="straggler and clean: one pipeline of 4 stages, or 2 pipelines of 2 stages (default %(default)s)",
     )
     p.add_argument("--steps", type=int, default=30, help="steps of each job (default %(default)s)")
     p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down (default %(default)s)")
@@ -154,18 +167,21 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 (swarm.state_dir(ids.index(victim)) / "debug_slow").write_text(str(args.factor))
                 slowed.append(victim)
 
-        params = {"spec": spec.to_dict(), "stages": 4, "peers": order, "offload": "on"}
+        shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
+        params = {"spec": spec.to_dict(), **shape, "peers": order, "offload": "on"}
         _res, events = asyncio.run(_train(swarm, {**params, "rebalance_every": args.check_every}, on_event))
         victim = slowed[0]
         (swarm.state_dir(ids.index(victim)) / "debug_slow").unlink(missing_ok=True)
         healthy = [p for p in order if p != victim]
         ref_spec = _spec(args, workdir / "straggler-reference.jsonl").replace(job_id="straggler-reference")
+        # the same job without the slowed peer: 3 stages, or 2 pipelines of one stage (3 // 2)
+        ref_shape = {"stages": 3} if args.pipelines == 1 else {"replicas": 2}
         _res, ref_events = asyncio.run(
             _train(
                 swarm,
                 {
                     "spec": ref_spec.to_dict(),
-                    "stages": 3,
+                    **ref_shape,
                     "peers": healthy,
                     "offload": "on",
                     "rebalance_every": 0,
@@ -189,6 +205,7 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         after_tps = _median_tps(after)
         return {
             "scenario": "straggler",
+            "pipelines": args.pipelines,
             "factor": args.factor,
             "reference_without_slowed_peer_tokens_per_s": ref_tps,
             "before_slowdown_tokens_per_s": _median_tps(before),
@@ -204,6 +221,30 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             if replans
             else None,
             "slowed_peer": victim[:12],
+        }
+    finally:
+        swarm.stop()
+
+
+def run_clean(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """A healthy job with rebalancing at its default (on: offloaded optimizer state): the re-plans it
+    makes (the trigger should see only timing noise, so none) and the noise it measured."""
+    swarm = _swarm(workdir / "clean", 4)
+    try:
+        spec = _spec(args, workdir / "clean.jsonl").replace(job_id="clean")
+        shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
+        t0 = time.monotonic()
+        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **shape, "offload": "on"}))
+        steps = [e for e in events if e["type"] == "step"]
+        replans = [e for e in events if e.get("kind") == "replan" and e.get("reason") != "initial plan"]
+        return {
+            "scenario": "clean",
+            "pipelines": args.pipelines,
+            "steps": len(steps),
+            "replans": len(replans),
+            "replan_reasons": [e.get("reason") for e in replans],
+            "median_tokens_per_s": _median_tps(steps[2:]),
+            "wall_s": round(time.monotonic() - t0, 1),
         }
     finally:
         swarm.stop()
@@ -288,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         out.append(run_straggler(args, workdir))
     if args.scenario in ("kill", "all"):
         out.append(run_kills(args, workdir))
+    if args.scenario == "clean":
+        out.append(run_clean(args, workdir))
     for res in out:
         if args.json:
             print(json.dumps(res))

@@ -112,10 +112,11 @@ def add_train_command(sub: Any) -> None:
     p.add_argument(
         "--rebalance-every",
         type=int_at_least(0),
-        default=0,
+        default=None,
         metavar="N",
-        help="every N steps, re-plan if measured stage times promise a faster layout (needs "
-        "--offload on; 0 = never, the default)",
+        help="every N steps, re-plan if measured stage times promise a faster layout, by a gain that "
+        "clears the measured timing noise at two checks in a row (needs offloaded optimizer state; "
+        "0 = never; default: every 4 steps when the job's optimizer state is offloaded, else never)",
     )
     p.add_argument(
         "--rebalance-gain",

@@ -60,9 +60,19 @@ ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up co
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
 OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
-DEFAULT_REBALANCE_EVERY = (
-    0  # steps between straggler checks; 0 (default): re-plan only on failures and leaves
-)
+# steps between straggler checks when the job can survive a move (offloaded optimizer state, no
+# --sync rounds) and does not say otherwise; a check acts only on a gain that clears the measured
+# noise at consecutive checks (rebalance.Trigger)
+DEFAULT_REBALANCE_EVERY = 4
+
+
+def rebalance_every(params: dict[str, Any], job: Job) -> int:
+    """Steps between rebalance checks: as asked, else DEFAULT_REBALANCE_EVERY for a job that can
+    survive a move (offloaded optimizer state, no --sync rounds), else never."""
+    asked = params.get("rebalance_every")
+    if asked is not None:
+        return int(asked)
+    return DEFAULT_REBALANCE_EVERY if job.offload and not job.sync.rounds else 0
 
 
 class Driver:
@@ -311,7 +321,7 @@ class Driver:
                 seq_len=seq_len,
                 known=set(workers),
                 move_s=time.perf_counter() - t_move,
-                rebalance_every=int(params.get("rebalance_every", DEFAULT_REBALANCE_EVERY) or 0),
+                rebalance_every=rebalance_every(params, job),
                 min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
                 source=source,
                 first_step=start_step,

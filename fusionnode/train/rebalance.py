@@ -35,6 +35,8 @@ DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (double
 MAX_BAN_S = 600.0  # seconds: the longest ban
 SPEED_WINDOW = 8  # samples per peer the driver's table keeps across jobs (a stall stays in it that long)
 ADVERTISED_CAP = 4.0  # an unmeasured peer is planned at most this many times the fastest measured one
+PERSIST_CHECKS = 2  # a re-plan needs its gain at this many consecutive checks (one window is noise)
+NOISE_SIGMAS = 3.0  # ... and a gain above this many times the measured noise of the stage speeds
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,23 @@ class SpeedBook:
     def forget(self, peer: str) -> None:
         self.samples.pop(peer, None)
 
+    def noise(self, peers: Iterable[str] | None = None) -> float:
+        """The timing noise of the stage speeds: the median over peers (with two samples or more)
+        of the relative standard deviation of their per-sample speeds. The median, so one peer's
+        real slow-down (a level shift inside its window) does not count as noise; 0 if unknown."""
+        cvs = []
+        for p in self.samples if peers is None else peers:
+            q = self.samples.get(p)
+            if not q or len(q) < 2:
+                continue
+            v = [w / s for w, s in q]
+            mean = sum(v) / len(v)
+            if mean > 0:
+                sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1))
+                cvs.append(sd / mean)
+        cvs.sort()
+        return cvs[len(cvs) // 2] if cvs else 0.0
+
     def speeds(self) -> dict[str, float]:
         out = {}
         for p, q in self.samples.items():
@@ -173,6 +192,32 @@ class SpeedBook:
             if work > 0 and secs > 0:
                 out[p] = work / secs
         return out
+
+
+@dataclass
+class Trigger:
+    """When a rebalance decision may be acted on: the predicted gain must clear both the job's
+    threshold and NOISE_SIGMAS x the measured noise of stage speeds, at `persist` consecutive checks
+    (a real slow-down persists; a noisy window does not)."""
+
+    persist: int = PERSIST_CHECKS
+    sigmas: float = NOISE_SIGMAS
+    streak: int = 0
+
+    def threshold(self, min_gain: float, noise: float) -> float:
+        return max(min_gain, self.sigmas * noise)
+
+    def check(self, wants: bool, gain: float, min_gain: float, noise: float) -> tuple[bool, str]:
+        """(act now?, why) for a decision that `wants` to move with this predicted `gain`."""
+        bar = self.threshold(min_gain, noise)
+        if not wants or gain < bar:
+            self.streak = 0
+            return False, f"gain {gain:.0%} under the bar {bar:.0%} (noise {noise:.1%})"
+        self.streak += 1
+        if self.streak < self.persist:
+            return False, f"gain {gain:.0%} over the bar {bar:.0%}: check {self.streak} of {self.persist}"
+        self.streak = 0
+        return True, f"gain {gain:.0%} over the bar {bar:.0%} at {self.persist} checks in a row"
 
 
 def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[int, ...]:

@@ -322,7 +322,8 @@ class Recovery:
         """Straggler rebalancing and use of joined peers, for every layout (one pipeline or several
         data-parallel replicas): each pipeline's peers re-split or swapped by the measured speeds
         (`rebalance.decide_job`), adopted when the job's predicted step gain is above the threshold
-        and outweighs the cost of moving."""
+        and outweighs the cost of moving, and the run's `Trigger` agrees (the gain clears the
+        measured noise of stage speeds at consecutive checks)."""
         from fusionnode.train.rebalance import Layout, decide_job, fill_speeds
 
         run.steps_on_plan = 0  # next check after another window
@@ -348,6 +349,8 @@ class Recovery:
             move_cost_s=run.move_s,
             min_gain=run.min_gain,
         )
-        logger.info("rebalance check at step %d: %s", step, d.reason)
-        if d.adopt and d.layouts:
+        noise = run.recent.noise(in_plan)
+        act, why = run.trigger.check(d.adopt, d.gain, run.min_gain, noise)
+        logger.info("rebalance check at step %d: %s; %s", step, d.reason, why)
+        if act and d.layouts:
             await self.adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts)

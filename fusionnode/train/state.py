@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fusionnode.sync import SyncConfig
-from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans, PeerBook, SpeedBook, stage_flops
+from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans, PeerBook, SpeedBook, Trigger, stage_flops
 from fusionnode.wire.job import StageAssignment, StepReport
 
 logger = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class Run:
     # this run's last DEFAULT_WINDOW samples per peer (what rebalancing reads: recent behaviour)
     names_by_stage: dict[int, list[str]] | None = None  # --sync rounds: what each stage sends (issue 19)
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
+    trigger: Trigger = dataclasses.field(default_factory=Trigger)  # rebalancing's noise-aware trigger
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
 
     @property
