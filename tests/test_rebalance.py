@@ -151,8 +151,8 @@ def test_noise_is_the_median_spread_so_one_real_slowdown_is_not_noise():
         book.record("b", 100.0, 1.0 - 0.02 * (-1) ** k)
         book.record("c", 100.0, 1.0 if k < 2 else 4.0)  # slowed 4x halfway through its window
     noise = book.noise()
-    assert 0.01 < noise < 0.05
-    assert book.noise(["c"]) > 0.5  # alone, the level shift is a large spread
+    assert 0.005 < noise < 0.03  # about the 2% jitter / sqrt(4 samples)
+    assert book.noise(["c"]) > 0.3  # alone, the level shift is a large spread
     assert SpeedBook().noise() == 0.0
 
 

@@ -5,6 +5,7 @@ speeds replacing advertised TFLOPS. Pure decision logic first; one real 2-pipeli
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
 
@@ -181,3 +182,32 @@ def test_a_pipeline_that_does_not_hold_the_job_back_is_not_moved():
     speeds = {"a": 1.0, "b": 0.1, "c": 1.0, "d": 0.8}
     d = decide_job(pipes, [FLOPS, FLOPS], speeds, [2, 2], steps_left=100, move_cost_s=0.0)
     assert d.adopt and d.layouts[1] == pipes[1] and d.layouts[0] != pipes[0]
+
+
+def test_balance_shares_minimises_the_slowest_pipeline():
+    from fusionnode.train.rebalance import balance_shares
+
+    # pipeline 0 takes 4x as long per sample: it gets a fifth of the batch, in whole micro-batches
+    assert balance_shares([4.0, 1.0], [2, 2], 20) == [4, 16]
+    assert balance_shares([1.0, 1.0], [2, 2], 8) == [4, 4]
+    assert balance_shares([1.0, 1.0], [4, 4], 4) is None  # each pipeline needs a micro-batch
+    for per, batch in (([3.0, 1.0, 2.0], 24), ([1.0, 5.0], 12)):
+        got = balance_shares(per, [2] * len(per), batch)
+        assert got is not None and sum(got) == batch and all(n % 2 == 0 and n >= 2 for n in got)
+        best = min(
+            max(p * n for p, n in zip(per, c, strict=True))
+            for c in itertools.product(range(2, batch + 1, 2), repeat=len(per))
+            if sum(c) == batch
+        )
+        assert max(p * n for p, n in zip(per, got, strict=True)) == pytest.approx(best)
+
+
+def test_a_two_pipeline_job_moves_batch_shares_before_stages():
+    pipes = [Layout(("a", "b"), (0, 20, 40)), Layout(("c", "d"), (0, 20, 40))]
+    speeds = {"a": 1.0, "b": 0.25, "c": 1.0, "d": 1.0}  # b slowed 4x
+    d = decide_job(pipes, [FLOPS, FLOPS], speeds, [2, 2], steps_left=100, move_cost_s=0.0, shares=[8, 8])
+    assert d.adopt and d.layouts == tuple(pipes) and sum(d.shares) == 16
+    assert d.shares[0] < d.shares[1] and "shares" in d.reason
+    # without shares (or one pipeline) the stages are re-split as before
+    d2 = decide_job(pipes, [FLOPS, FLOPS], speeds, [2, 2], steps_left=100, move_cost_s=0.0)
+    assert d2.adopt and d2.layouts[0] != pipes[0] and d2.shares == ()

@@ -36,7 +36,7 @@ MAX_BAN_S = 600.0  # seconds: the longest ban
 SPEED_WINDOW = 8  # samples per peer the driver's table keeps across jobs (a stall stays in it that long)
 ADVERTISED_CAP = 4.0  # an unmeasured peer is planned at most this many times the fastest measured one
 PERSIST_CHECKS = 2  # a re-plan needs its gain at this many consecutive checks (one window is noise)
-NOISE_SIGMAS = 3.0  # ... and a gain above this many times the measured noise of the stage speeds
+NOISE_SIGMAS = 2.0  # ... and a gain above this many times the measured noise of the stage speeds
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,10 @@ class SpeedBook:
         self.samples.pop(peer, None)
 
     def noise(self, peers: Iterable[str] | None = None) -> float:
-        """The timing noise of the stage speeds: the median over peers (with two samples or more)
-        of the relative standard deviation of their per-sample speeds. The median, so one peer's
-        real slow-down (a level shift inside its window) does not count as noise; 0 if unknown."""
+        """The timing noise of the measured stage speeds: the median over peers (with two samples
+        or more) of the relative standard error of their mean speed over the window (the spread of
+        their per-sample speeds / sqrt(samples)). The median, so one peer's real slow-down (a level
+        shift inside its window) does not count as noise; 0 if unknown."""
         cvs = []
         for p in self.samples if peers is None else peers:
             q = self.samples.get(p)
@@ -181,7 +182,7 @@ class SpeedBook:
             mean = sum(v) / len(v)
             if mean > 0:
                 sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1))
-                cvs.append(sd / mean)
+                cvs.append(sd / mean / math.sqrt(len(v)))
         cvs.sort()
         return cvs[len(cvs) // 2] if cvs else 0.0
 
@@ -346,10 +347,32 @@ class JobDecision:
     current_s: float  # predicted step time of the job (its slowest pipeline), seconds
     candidate_s: float
     layouts: tuple[Layout, ...] = ()  # one per pipeline (also when not adopted, for the record)
+    shares: tuple[int, ...] = ()  # samples per pipeline under `layouts` (moved when shares pay)
 
     @property
     def gain(self) -> float:
         return 1.0 - self.candidate_s / self.current_s if self.current_s > 0 else 0.0
+
+
+def balance_shares(
+    per_sample_s: Sequence[float], micro_batches: Sequence[int], batch: int
+) -> list[int] | None:
+    """Batch shares (samples per pipeline, each a multiple of its micro-batch count and at least one
+    micro-batch each) that minimise the slowest pipeline, given each pipeline's seconds per sample:
+    greedily, one micro-batch of samples at a time to the pipeline that would finish first with it.
+    None if the batch cannot be shared so."""
+    shares = [max(1, int(m)) for m in micro_batches]
+    left = batch - sum(shares)
+    if left < 0:
+        return None
+    while left > 0:
+        fits = [i for i, m in enumerate(shares) if micro_batches[i] <= left]
+        if not fits:
+            return None
+        i = min(fits, key=lambda k: (per_sample_s[k] * (shares[k] + micro_batches[k]), k))
+        shares[i] += max(1, int(micro_batches[i]))
+        left -= max(1, int(micro_batches[i]))
+    return shares
 
 
 def decide_job(
@@ -362,18 +385,41 @@ def decide_job(
     steps_left: int,
     move_cost_s: float,
     min_gain: float = DEFAULT_MIN_GAIN,
+    shares: Sequence[int] = (),
 ) -> JobDecision:
     """`decide` for a job of several pipelines (data-parallel replicas): a step takes as long as its
     slowest pipeline. Pipelines are taken slowest first; each gets the best of its `candidates`
     (spares shared: a peer one pipeline takes is no spare for the next; a peer it drops becomes one).
     `flops[i]` is pipeline i's work per operator (graph FLOPs x its sequences per step), so every
-    pipeline is priced in the same unit as `speeds`. The same threshold and move-cost rule as `decide`."""
+    pipeline is priced in the same unit as `speeds`. The same threshold and move-cost rule as `decide`.
+
+    With `shares` (samples per pipeline) and several pipelines, the batch shares are tried first
+    (`balance_shares`: pipeline times scale with their samples); a share change that clears the
+    threshold and the move cost is returned as is (layouts unchanged, new `shares`); else the
+    pipelines are re-split or swapped as above."""
     if not current:
         raise ValueError("no pipeline")
     times = [
         predict_step_s(lay, f, speeds, m) for lay, f, m in zip(current, flops, micro_batches, strict=True)
     ]
     cur = max(times)
+    if shares and len(current) > 1:  # first the cheap move: the batch shared by the pipelines' speeds
+        new_shares = balance_shares(
+            [t / n for t, n in zip(times, shares, strict=True)], micro_batches, sum(shares)
+        )
+        if new_shares is not None and tuple(new_shares) != tuple(shares):
+            new = max(t / n * k for t, n, k in zip(times, shares, new_shares, strict=True))
+            gain, saved = 1.0 - new / cur, (cur - new) * steps_left
+            if gain >= min_gain and saved > move_cost_s:
+                return JobDecision(
+                    True,
+                    f"predicted step {cur:.3f} s -> {new:.3f} s ({gain:.0%} faster) by batch shares "
+                    f"{list(shares)} -> {new_shares}",
+                    cur,
+                    new,
+                    tuple(current),
+                    tuple(new_shares),
+                )
     layouts = list(current)
     used = {p for lay in current for p in lay.peers}
     free = [p for p in spares if p not in used]

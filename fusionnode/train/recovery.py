@@ -209,7 +209,14 @@ class Recovery:
         return [p for p in run.bans.allowed(ids, now) if p not in run.gone]
 
     async def adopt(
-        self, job: Job, run: Run, workers: list[str], *, reason: str, layout_: Any = None
+        self,
+        job: Job,
+        run: Run,
+        workers: list[str],
+        *,
+        reason: str,
+        layout_: Any = None,
+        shares_: Any = (),
     ) -> None:
         """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
         step in progress), lays out new ones (with new stage ids, so no message or contribution of
@@ -241,19 +248,21 @@ class Recovery:
                 raise PlanError("no worker is left that accepts the job's stages")
             if given[0] is not None:
                 pipelines, first = [], 0
-                for pipe, lay_ in zip(job.pipelines, given[0], strict=True):
+                samples = list(shares_) or [p.samples for p in job.pipelines]
+                for pipe, lay_, n in zip(job.pipelines, given[0], samples, strict=True):
                     pipelines.append(
                         Pipeline(
                             pipe.replica,
                             list(lay_.peers),
                             list(lay_.bounds),
-                            pipe.samples,
+                            int(n),
                             pipe.micro_batches,
                             first,
                         )
                     )
                     first += len(lay_.peers)
                 job.pipelines = pipelines
+                run.shares = [p.samples for p in pipelines]
                 given[0] = None
             elif run.strategy == "simple":
                 replicas = len(run.shares)
@@ -315,6 +324,7 @@ class Recovery:
             step=job.step,
             peers=[a.peer for a in stage_args],
             bounds=[[a.lo, a.hi] for a in stage_args],
+            shares=[p.samples for p in job.pipelines],
             move_s=round(run.move_s, 3),
         )
 
@@ -348,9 +358,21 @@ class Recovery:
             steps_left=job.spec.steps - step,
             move_cost_s=run.move_s,
             min_gain=run.min_gain,
+            shares=[p.samples for p in job.pipelines],
         )
         noise = run.recent.noise(in_plan)
         act, why = run.trigger.check(d.adopt, d.gain, run.min_gain, noise)
         logger.info("rebalance check at step %d: %s; %s", step, d.reason, why)
+        run.metrics.event(  # the metrics file only: what each check saw (noise, gain, decision)
+            "rebalance_check",
+            step=step,
+            gain=round(d.gain, 4),
+            noise=round(noise, 4),
+            wants=d.adopt,
+            acts=act,
+            reason=f"{d.reason}; {why}",
+        )
         if act and d.layouts:
-            await self.adopt(job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts)
+            await self.adopt(
+                job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts, shares_=d.shares
+            )
