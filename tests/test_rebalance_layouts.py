@@ -99,7 +99,8 @@ def test_an_inflated_advertisement_stops_attracting_work_after_one_measurement()
 @pytest.mark.slow
 def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypatch):
     """2 pipelines x 2 stages on 4 real peers; one worker (not the driver) slowed 4x by the debug
-    hook from the start: a rebalance re-plan gives it less work, and the job finishes every step."""
+    hook from the start: a rebalance re-plan gives it less work (its pipeline a smaller batch share,
+    or it fewer operators), and the job finishes every step."""
     from fusionnode import control
     from fusionnode.localswarm import LocalSwarm
     from fusionnode.runtime.hooks import DEBUG_ENV, DEBUG_SLOW_FILE
@@ -152,8 +153,22 @@ def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypat
         print("rebalances:", [(e["step"], e["reason"], e["peers"], e["bounds"]) for e in rebalances])
         assert rebalances, f"no rebalance re-plan: {[e.get('reason') for e in replans]}"
         last = rebalances[-1]
-        after = {p: hi - lo for p, (lo, hi) in zip(last["peers"], last["bounds"], strict=True)}
-        assert after.get(victim, 0) < first[victim]
+
+        def work(peers: list[str], bounds: list[list[int]], shares: list[int]) -> dict[str, int]:
+            """Operators x samples per step of each peer (a pipeline starts where lo is 0)."""
+            out, k = {}, -1
+            for p, (lo, hi) in zip(peers, bounds, strict=True):
+                k += lo == 0
+                out[p] = out.get(p, 0) + (hi - lo) * shares[k]
+            return out
+
+        even = [spec.batch_size // 2] * 2
+        before = work(
+            [s["peer"] for s in initial["stages"]], [[s["lo"], s["hi"]] for s in initial["stages"]], even
+        )
+        after = work(last["peers"], last["bounds"], last.get("shares") or even)
+        # less work for the slowed peer: fewer operators, or a smaller batch share for its pipeline
+        assert after.get(victim, 0) < before[victim]
         steps = [e for e in events if e["type"] == "step"]
         assert sorted({e["step"] for e in steps}) == list(range(spec.steps))
 
