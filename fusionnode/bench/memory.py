@@ -77,6 +77,7 @@ def run_mode(spec: Any, mode: str) -> dict[str, Any]:
             "peers": workers,
             "offload": mode,
             "optimizer_peers": [swarm.ready[2]["peer_id"]],
+            "rebalance_every": 0,  # the layout as given while memory is sampled
         }
 
         async def go() -> None:

@@ -71,7 +71,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         async def go() -> list[dict[str, Any]]:
             await swarm.wait_connected()
             steps = []
-            params = {"spec": spec.to_dict(), "stages": args.peers, "offload": args.offload}
+            params = {
+                "spec": spec.to_dict(),
+                "stages": args.peers,
+                "offload": args.offload,
+                "rebalance_every": 0,
+            }
             async for obj in control.call_stream(swarm.control(0), "train", params, timeout=None):
                 ev = obj.get("event")
                 if ev is None:

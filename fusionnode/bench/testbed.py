@@ -329,7 +329,11 @@ def run_config(control_path: Path, spec: Any, params: dict[str, Any]) -> dict[st
     async def go() -> tuple[dict[str, Any], list[dict[str, Any]]]:
         events: list[dict[str, Any]] = []
         async for obj in control.call_stream(
-            control_path, "train", {"spec": spec.to_dict(), **params}, timeout=1800
+            # the configuration as given: no straggler re-plan mid-measurement (on by default)
+            control_path,
+            "train",
+            {"spec": spec.to_dict(), "rebalance_every": 0, **params},
+            timeout=1800,
         ):
             if "event" in obj:
                 events.append(obj["event"])
