@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fusionnode.errors import FusionNodeError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
@@ -84,6 +85,7 @@ class HostedShard:
         self.replica_of: dict[str, int] = {}  # contributor key -> its replica, from the plan
         self.replica_samples: dict[int, int] = {}  # samples per step of each replica, from the plan
         self.round_updates: dict[int, RoundUpdate] = {}
+        self.saves: set[asyncio.Task[None]] = set()  # round checkpoints being written
 
 
 @dataclasses.dataclass
@@ -351,6 +353,8 @@ class OptimizerHostService:
         )
         resumed = 0
         step = req.resume_step
+        sync = SyncConfig.from_dict(a.sync)
+        state: dict[str, Any] = {}
         if step is not None:
             state = await asyncio.to_thread(
                 load_shard, pend.root, job, f"h{pend.host_index}", int(step), pend.owner["tag"]
@@ -371,14 +375,21 @@ class OptimizerHostService:
             pend.host_index,
             owner=pend.owner,
         )
-        sync = SyncConfig.from_dict(a.sync)
         if sync.rounds:
             shard = self.shards[req.job]
             shard.rounds = RoundCombiner(sync, a.replicas, set(pend.specs))
-            for contribs in pend.expected.by_name.values():
-                for key, c in contribs.items():
-                    shard.replica_of[key] = int(c.replica)
-                    shard.replica_samples[int(c.replica)] = c.samples
+            self._plan_replicas(shard, pend.expected)
+            # the outer state: from the shard checkpoint when it holds it, else new (the parameters
+            # came from the driver's checkpoint, or the job starts), the ledger at the store's step
+            if "rounds" in state:
+                shard.rounds.load_state(*state["rounds"])
+            else:
+                shard.rounds.start_at(-(-store.applied_step // sync.inner_steps))
+            if shard.rounds.round * sync.inner_steps != store.applied_step:
+                raise JobError(
+                    ErrorCode.BAD_REQUEST,
+                    f"step {store.applied_step} is not a round boundary of --inner-steps {sync.inner_steps}",
+                )
         return jp.OptLoadReply(ready=True, applied_step=store.applied_step, resumed=resumed)
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -546,10 +557,38 @@ class OptimizerHostService:
             logger.warning("round contribution from %s refused: %s", sender[:12], exc)
             return
         if complete:
-            update = shard.store.update_masters(shard.rounds.close)
+            rounds = shard.rounds
+            h = rounds.cfg.inner_steps
+            # the store's applied step is the round ledger's step count: a re-plan or a restore
+            # answers it, and the driver goes on from the open round's first step
+            update = shard.store.update_masters(rounds.close, applied_step=(rounds.round + 1) * h)
             shard.round_updates[update.round] = update
             for old in [r for r in shard.round_updates if r < update.round - 1]:
                 del shard.round_updates[old]
+            done = shard.store.applied_step
+            if shard.save_dir is not None and rounds.cfg.checkpoint_due(done, shard.save_every):
+                self._save_round(shard, done, rounds.state())
+
+    def _save_round(self, shard: HostedShard, step: int, state: Any) -> None:
+        """Writes the shard with the rounds' outer state after a round (in a thread; the state was
+        taken when the round closed, the store's is taken at `step` or the save is skipped)."""
+
+        async def save() -> None:
+            try:
+                await asyncio.to_thread(
+                    functools.partial(save_shard, owner=shard.owner, rounds=state),
+                    shard.save_dir,
+                    shard.job,
+                    f"h{shard.host_index}",
+                    step,
+                    shard.store,
+                )
+            except (OSError, FusionNodeError) as exc:  # the previous checkpoint stays; training goes on
+                logger.error("could not write the shard checkpoint of round step %d: %s", step, exc)
+
+        task = asyncio.get_running_loop().create_task(save())
+        shard.saves.add(task)
+        task.add_done_callback(shard.saves.discard)
 
     async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
         """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
@@ -590,9 +629,25 @@ class OptimizerHostService:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);
         pending contributions are dropped so a replayed step is applied once, under the new plan."""
         shard = self._shard(req.job, sender)
-        dropped = shard.store.replan(_expected(req.expected))
+        expected = _expected(req.expected)
+        dropped = shard.store.replan(expected)
         shard.peers = {key: c["peer"] for contribs in req.expected.values() for key, c in contribs.items()}
+        if shard.rounds is not None:
+            # the open round is redone by the new plan's stages: its contributions so far are dropped
+            # (a closed round stays closed, its id refused: no round is applied twice)
+            if shard.rounds.drop_pending():
+                dropped = [*dropped, shard.store.applied_step + 1]
+            self._plan_replicas(shard, expected)
         return jp.OptReplanReply(applied_step=shard.store.applied_step, dropped=list(dropped))
+
+    @staticmethod
+    def _plan_replicas(shard: HostedShard, expected: ExpectedContributions) -> None:
+        """The replica of each contributor key and each replica's samples per step, from the plan."""
+        shard.replica_of, shard.replica_samples = {}, {}
+        for contribs in expected.by_name.values():
+            for key, c in contribs.items():
+                shard.replica_of[key] = int(c.replica)
+                shard.replica_samples[int(c.replica)] = c.samples
 
     async def rpc_release(self, req: jp.OptRelease, sender: str) -> jp.ReleaseReply:
         pend = self._pending.get(req.job)

@@ -122,8 +122,8 @@ class Driver:
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.sync = SyncConfig.from_dict(params.get("sync"))
-        if job.sync.rounds and (params.get("resume") or int(params.get("rebalance_every") or 0) > 0):
-            raise ConfigError(f"--sync {job.sync.mode} does not resume or rebalance yet")
+        if job.sync.rounds and int(params.get("rebalance_every") or 0) > 0:
+            raise ConfigError(f"--rebalance-every: --sync {job.sync.mode} does not rebalance yet")
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
@@ -382,14 +382,11 @@ class Driver:
                 if failures_in_a_row > MAX_REPLAYS:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
                 step = await self.recovery.recover_hosts(job, run, step, fail)
+                if job.sync.rounds:
+                    step = await self._round_restart(job, run, step, [step])
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
-                if job.sync.rounds:
-                    raise PeerError(
-                        f"step {step} failed ({fail.summary()}); --sync {job.sync.mode} does not recover "
-                        "a failed worker yet"
-                    ) from None
                 if not job.offload:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
@@ -400,6 +397,8 @@ class Driver:
                         f"step {step} failed {failures_in_a_row} times in a row: {fail.summary()}"
                     ) from None
                 await self.recovery.recover(job, run, source, step, fail)
+                if job.sync.rounds:
+                    step = await self._round_restart(job, run, step, job.hosts_applied)
                 continue
             failures_in_a_row = 0
             step_time = time.perf_counter() - t0
@@ -440,6 +439,10 @@ class Driver:
             }
             if job.offload:
                 record["optimizer_hosts"] = job.host_counters
+            if job.sync.rounds:  # the round ledger: the rounds the hosts have applied, and this step's
+                record["rounds_applied"] = job.rounds_closed
+                if job.sync.round_closes(step, spec.steps):
+                    record["round_closed"] = step // job.sync.inner_steps
             if run.checks is not None and run.checks.last is not None:
                 record["verify"] = run.checks.last
             run.metrics.step(record)
@@ -454,7 +457,8 @@ class Driver:
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
                 await self.recovery.recover(job, run, source, step, late)
                 continue
-            if save_at(spec, step) and step < spec.steps:
+            due = job.sync.checkpoint_due(step, spec.save_every) if job.sync.rounds else save_at(spec, step)
+            if spec.save_dir and due and step < spec.steps:
                 try:
                     await asyncio.to_thread(
                         save_job,
@@ -472,6 +476,34 @@ class Driver:
                 and run.steps_on_plan >= run.rebalance_every
             ):
                 await self.recovery.maybe_rebalance(job, run, step)
+
+    async def _round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
+        """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
+        (every round they closed, each once); the job goes on from the first step of the round they
+        have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
+        round's start), with new inner optimizer state. Returns that step."""
+        if len(set(applied)) != 1:
+            raise PlanError(
+                f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "
+                "a stage died while sending its round; restart with --resume from the last checkpoint"
+            )
+        h = job.sync.inner_steps
+        if applied[0] % h:
+            raise PlanError(f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {h})")
+        job.rounds_closed = applied[0] // h
+        restart = min(applied[0], job.spec.steps)
+        job.step = restart
+        await run.event(
+            job,
+            "recovered",
+            step=failed_at,
+            role="rounds",
+            replay_from=restart,
+            rounds_applied=job.rounds_closed,
+            reason=f"round {job.rounds_closed} is redone from its start on the new plan (rounds "
+            f"0..{job.rounds_closed - 1} were applied once)",
+        )
+        return restart
 
     async def _finish(
         self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any

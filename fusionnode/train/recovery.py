@@ -287,9 +287,12 @@ class Recovery:
         stage_args, _workers = await self.placement.place(list(workers), lay, assign, run.metrics, run.emit)
         self.placement.accept(job, stage_args)
         if job.offload:
-            await self.hosts.replan(spec.job_id, job.hosts, run.host_of, expected(job, stage_args))
+            job.hosts_applied = await self.hosts.replan(
+                spec.job_id, job.hosts, run.host_of, expected(job, stage_args)
+            )
         await self.placement.ship(job, stage_args, current)
         run.stage_args = stage_args
+        run.names_by_stage = None  # which stage sends which name at a round's end: the new stage ids
         run.steps_on_plan = 0
         run.target_time_s = None
         run.move_s = time.perf_counter() - t0

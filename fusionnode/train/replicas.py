@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.outer import make_outer
 from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
 from fusionnode.sync import SyncConfig
 from fusionnode.train.data import BatchSource, loss_scale, step_seed
@@ -128,8 +129,15 @@ def train_local_replicas(
     progress: Callable[[dict[str, Any]], None] | None = None,
     eval_every: int = 0,
     eval_batches: int = EVAL_BATCHES,
+    restart_rounds: Collection[int] = (),
+    fresh_outer_rounds: Collection[int] = (),
 ) -> ReplicasResult:
     """Train `spec` as `replicas` data-parallel replicas synchronised by `sync`, in this process.
+
+    `restart_rounds` (diloco/sparseloco): rounds that start with new inner optimizers and error
+    feedback on every replica, as after the swarm redid a round on a new plan (a worker died, the job
+    resumed); `fresh_outer_rounds`: rounds that start with a new outer optimizer state, as after the
+    optimizer hosts restarted from the driver's checkpoint. The reference those runs follow.
 
     With `eval_every` > 0, the validation loss of the shared parameters is added to the record of
     every step whose number + 1 is a multiple of it (under diloco/sparseloco, a step that closes a
@@ -151,7 +159,17 @@ def train_local_replicas(
                 progress(rec)
 
         if sync.rounds:
-            res = _round_modes(spec, sync, shares, seq_len, emit, records, eval_every, eval_batches)
+            res = _round_modes(
+                spec,
+                sync,
+                shares,
+                seq_len,
+                emit,
+                records,
+                eval_every,
+                eval_batches,
+                (frozenset(restart_rounds), frozenset(fresh_outer_rounds)),
+            )
         else:
             res = _step_mode(spec, sync, replicas, seq_len, emit, records, eval_every, eval_batches)
         metrics.event("eval", step=spec.steps, val_loss=res.val_loss)
@@ -168,6 +186,7 @@ def _round_modes(
     records: list[dict[str, Any]],
     eval_every: int,
     eval_batches: int,
+    restarts: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
 ) -> ReplicasResult:
     """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
     replicas = len(shares)
@@ -185,6 +204,11 @@ def _round_modes(
     losses: list[float] = []
     for step in range(spec.steps):
         t0 = time.perf_counter()
+        if step % sync.inner_steps == 0 and step // sync.inner_steps in restarts[0]:
+            opts = [make_optimizer(mdl, spec) for mdl in models]
+            senders = [ReplicaSync(sync) for _ in range(replicas)]
+        if step % sync.inner_steps == 0 and step // sync.inner_steps in restarts[1]:
+            host.outer = make_outer(sync)
         batches = source.shard_batches(step, shares)
         rlosses = []
         for r in range(replicas):

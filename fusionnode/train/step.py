@@ -215,8 +215,10 @@ class Stepper:
             if job.sync.rounds:
                 job.count_round(step, [r.round_bytes for r in committed.values()])
         except StepFailed as fail:
-            if not job.offload or job.sync.rounds:
+            if not job.offload:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
+            if job.sync.rounds:  # the inner steps are lost with the worker: the driver redoes the round
+                raise
             late = fail
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
