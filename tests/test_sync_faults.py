@@ -82,3 +82,88 @@ def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(t
     assert s.downed[0] not in {
         st["peer"] for st in [e for e in s.events if e["type"] == "plan"][-1]["stages"]
     }
+
+
+def test_an_optimizer_host_dying_mid_round_is_replaced_from_the_checkpoints(tmp_path):
+    """The host dies in round 1; the round's close finds it gone. The new host cannot read the dead
+    one's disk: every host restarts from the driver's step-3 checkpoint (new outer state), and round 1
+    is redone: applied once."""
+    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    spec = small_spec(steps=9, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+
+    def victim(s: Swarm) -> str:
+        return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
+
+    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=victim)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+        "rebalance_every": 0,
+    }
+    result = asyncio.run(s.driver.run_job(params, s.emit))
+    assert s.downed and result["steps"] == spec.steps
+    rec = {e.get("role"): e for e in recovered(s)}
+    assert rec["optimizer"]["replay_from"] == 3 and rec["optimizer"]["fresh_optimizer"]
+    assert rec["rounds"]["replay_from"] == 3 and rec["rounds"]["rounds_applied"] == 1
+    plans = [e for e in s.events if e["type"] == "plan"]
+    assert s.downed[0] not in plans[-1]["optimizer_hosts"]
+    last = final_runs(s.steps())
+    closed = [last[i].get("round_closed") for i in range(spec.steps)]
+    assert closed == [None, None, 0, None, None, 1, None, None, 2]
+    assert all(h["rounds_closed"] == 3 for h in last[8]["optimizer_hosts"])
+    ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={1}, fresh_outer_rounds={1}).losses
+    for i in range(spec.steps):
+        assert abs(last[i]["loss"] - ref[i]) < TOL, f"step {i}: swarm {last[i]['loss']:.6f} vs {ref[i]:.6f}"
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tmp_path):
+    """A job stopped in round 2 resumes from its step-6 checkpoints: the hosts' shard checkpoints
+    hold the masters, the open round and the outer Nesterov buffer, so the resumed rounds are the
+    reference's (whose replicas restart their inner optimizers at round 2, as the new stages do)."""
+    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+        "rebalance_every": 0,
+    }
+
+    async def stop_at_step_7(event: dict) -> None:
+        s.events.append(event)
+        if event["type"] == "step" and event["step"] == 7:
+            raise Interrupted
+
+    try:
+        asyncio.run(s.driver.run_job(params, stop_at_step_7))
+    except Interrupted:
+        pass
+    first = [e["step"] for e in s.steps()]
+    assert first == list(range(8))
+    s.events.clear()
+    result = asyncio.run(s.driver.run_job({**params, "resume": True}, s.emit))
+    assert result["steps"] == spec.steps
+    steps = s.steps()
+    assert [e["step"] for e in steps] == list(range(6, 12))
+    assert [e.get("round_closed") for e in steps] == [None, None, 2, None, None, 3]
+    assert steps[0]["rounds_applied"] == 2 and steps[-1]["rounds_applied"] == 4
+    ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}).losses
+    for e in steps:
+        assert abs(e["loss"] - ref[e["step"]]) < TOL, (
+            f"step {e['step']}: {e['loss']:.6f} vs {ref[e['step']]:.6f}"
+        )
+    # the outer momentum came back: without it the resumed steps would differ
+    fresh = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, fresh_outer_rounds={2}).losses
+    assert max(abs(e["loss"] - fresh[e["step"]]) for e in steps[3:]) > 10 * TOL

@@ -655,6 +655,8 @@ class OptimizerHostService:
             self._release(pend.job)
             return jp.ReleaseReply(released=True)
         shard = self._shard(req.job, sender)
+        if shard.saves:  # a round's checkpoint being written: a resume reads it
+            await asyncio.gather(*shard.saves, return_exceptions=True)
         self._release(shard.job)
         return jp.ReleaseReply(released=True)
 

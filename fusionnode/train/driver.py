@@ -291,6 +291,8 @@ class Driver:
                         )
                         start_step = applied[0]
                     full = await self.placement.current_params(job, stage_args, host_of, all_names=full)
+                    if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
+                        job.rounds_closed = -(-start_step // job.sync.inner_steps)
             await self.placement.ship(job, stage_args, full)
             job.state = "running"
             run = Run(
