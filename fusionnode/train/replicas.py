@@ -131,6 +131,7 @@ def train_local_replicas(
     eval_batches: int = EVAL_BATCHES,
     restart_rounds: Collection[int] = (),
     fresh_outer_rounds: Collection[int] = (),
+    on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """Train `spec` as `replicas` data-parallel replicas synchronised by `sync`, in this process.
 
@@ -138,6 +139,7 @@ def train_local_replicas(
     feedback on every replica, as after the swarm redid a round on a new plan (a worker died, the job
     resumed); `fresh_outer_rounds`: rounds that start with a new outer optimizer state, as after the
     optimizer hosts restarted from the driver's checkpoint. The reference those runs follow.
+    `on_round(round, θ)` sees the shared parameters after each round (a copy).
 
     With `eval_every` > 0, the validation loss of the shared parameters is added to the record of
     every step whose number + 1 is a multiple of it (under diloco/sparseloco, a step that closes a
@@ -169,6 +171,7 @@ def train_local_replicas(
                 eval_every,
                 eval_batches,
                 (frozenset(restart_rounds), frozenset(fresh_outer_rounds)),
+                on_round,
             )
         else:
             res = _step_mode(spec, sync, replicas, seq_len, emit, records, eval_every, eval_batches)
@@ -187,6 +190,7 @@ def _round_modes(
     eval_every: int,
     eval_batches: int,
     restarts: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
+    on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
     replicas = len(shares)
@@ -238,6 +242,8 @@ def _round_modes(
                             p.copy_(theta[n])
             tokens_in_round = [0] * replicas
             rec["round_closed"] = host.round - 1
+            if on_round is not None:
+                on_round(host.round - 1, {n: t.clone() for n, t in theta.items()})
         rec.update(
             step_time_s=time.perf_counter() - t0,
             wire_bytes=wire,
