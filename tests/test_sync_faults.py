@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from test_components import Swarm, small_spec
 
@@ -16,6 +17,7 @@ from fusionnode.train.replicas import train_local_replicas
 torch.set_num_threads(1)
 
 TOL = 1e-4  # diloco, fp32: the swarm computes what the reference computes
+SPARSE_TOL = 1e-3  # sparseloco: top-k and 2-bit bins may flip on near-ties
 
 
 class FaultySwarm(Swarm):
@@ -43,9 +45,19 @@ def recovered(s: Swarm) -> list[dict]:
     return [e for e in s.events if e["type"] == "event" and e["kind"] == "recovered"]
 
 
-def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(tmp_path):
-    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
-    spec = small_spec(steps=7, micro_batches=2)
+@pytest.mark.parametrize(
+    ("sync", "tol", "save"),
+    [
+        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9), TOL, False),
+        (SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256), SPARSE_TOL, True),
+    ],
+    ids=["diloco", "sparseloco-checkpointed"],
+)
+def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(tmp_path, sync, tol, save):
+    """diloco without checkpoints; sparseloco with a checkpoint at every round boundary, from which the
+    new stages get the replicas' error feedback at the redone round's start (the dead stage's is gone)."""
+    kw = {"save_dir": str(tmp_path / "ck"), "save_every": 3} if save else {}
+    spec = small_spec(steps=7, micro_batches=2, **kw)
 
     def victim(s: Swarm) -> str:  # a worker of the plan that is not the driver's own peer
         plan = next(e for e in s.events if e["type"] == "plan")
@@ -75,10 +87,10 @@ def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(t
     assert all(h["rounds_closed"] == 3 for h in last[6]["optimizer_hosts"])
     ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={1}).losses
     for i in range(spec.steps):
-        assert abs(last[i]["loss"] - ref[i]) < TOL, f"step {i}: swarm {last[i]['loss']:.6f} vs {ref[i]:.6f}"
+        assert abs(last[i]["loss"] - ref[i]) < tol, f"step {i}: swarm {last[i]['loss']:.6f} vs {ref[i]:.6f}"
     # the redo is what the reference computes: not the uninterrupted run (the inner state was lost)
     plain = train_local_replicas(spec, sync, replicas=2).losses
-    assert max(abs(last[i]["loss"] - plain[i]) for i in range(3, spec.steps)) > 10 * TOL
+    assert max(abs(last[i]["loss"] - plain[i]) for i in range(3, spec.steps)) > 3 * tol
     assert s.downed[0] not in {
         st["peer"] for st in [e for e in s.events if e["type"] == "plan"][-1]["stages"]
     }
@@ -124,11 +136,23 @@ class Interrupted(Exception):
     pass
 
 
-def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tmp_path):
-    """A job stopped in round 2 resumes from its step-6 checkpoints: the hosts' shard checkpoints
-    hold the masters, the open round and the outer Nesterov buffer, so the resumed rounds are the
-    reference's (whose replicas restart their inner optimizers at round 2, as the new stages do)."""
-    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+@pytest.mark.parametrize(
+    ("sync", "tol", "lost"),
+    [
+        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9), TOL, "fresh_outer_rounds"),
+        (
+            SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256),
+            SPARSE_TOL,
+            "fresh_feedback_rounds",
+        ),
+    ],
+    ids=["diloco", "sparseloco"],
+)
+def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tmp_path, sync, tol, lost):
+    """A job stopped in round 2 resumes from its step-6 checkpoints: the hosts' shard checkpoints hold
+    the masters, the open round and the outer Nesterov buffer, the driver's the replicas' SparseLoCo
+    error feedback, so the resumed rounds are the reference's (whose replicas restart their inner
+    optimizers at round 2, as the new stages do); without that state they would not be."""
     spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
     s = Swarm(tmp_path, workers=4, hosts=2)
     params = {
@@ -146,12 +170,9 @@ def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tm
         if event["type"] == "step" and event["step"] == 7:
             raise Interrupted
 
-    try:
+    with pytest.raises(Interrupted):
         asyncio.run(s.driver.run_job(params, stop_at_step_7))
-    except Interrupted:
-        pass
-    first = [e["step"] for e in s.steps()]
-    assert first == list(range(8))
+    assert [e["step"] for e in s.steps()] == list(range(8))
     s.events.clear()
     result = asyncio.run(s.driver.run_job({**params, "resume": True}, s.emit))
     assert result["steps"] == spec.steps
@@ -161,9 +182,9 @@ def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tm
     assert steps[0]["rounds_applied"] == 2 and steps[-1]["rounds_applied"] == 4
     ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}).losses
     for e in steps:
-        assert abs(e["loss"] - ref[e["step"]]) < TOL, (
+        assert abs(e["loss"] - ref[e["step"]]) < tol, (
             f"step {e['step']}: {e['loss']:.6f} vs {ref[e['step']]:.6f}"
         )
-    # the outer momentum came back: without it the resumed steps would differ
-    fresh = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, fresh_outer_rounds={2}).losses
-    assert max(abs(e["loss"] - fresh[e["step"]]) for e in steps[3:]) > 10 * TOL
+    # the outer state came back: without it the resumed rounds would differ
+    fresh = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, **{lost: {2}}).losses
+    assert max(abs(e["loss"] - fresh[e["step"]]) for e in steps[3:]) > 3 * tol

@@ -30,10 +30,10 @@ from typing import Any, Protocol
 
 import torch
 
-from fusionnode.errors import FusionNodeError
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
+from fusionnode.optim.host_rounds import READY_POLL_S, HostRounds, _data_bytes
 from fusionnode.optim.optimizers import job_optimizer_config
-from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
+from fusionnode.optim.rounds import RoundCombiner, RoundUpdate
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
@@ -43,11 +43,10 @@ from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor, pack_encoded
+from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
-READY_POLL_S = 0.005  # seconds between checks of a step's completeness
 _SAFE_JOB = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # job ids usable as a directory name
 BANNABLE = frozenset({"rejected_shape", "rejected_dtype", "rejected_nonfinite"})  # store refusals = hostile
 
@@ -104,11 +103,6 @@ class _PendingShard:
     params: dict[str, torch.Tensor] | None = None
 
 
-def _data_bytes(msg: TensorMessage) -> int:
-    """Bytes of a data message's encoded tensors (descriptor and payload): what a host counts as received."""
-    return sum(len(pack_encoded(enc)) for enc in msg.tensors.values())
-
-
 def owner_tag(secret: str | None, driver: str) -> str:
     """The name of an owner's shard directory: a hash of the job secret, else of the driver's peer id."""
     what = f"secret:{secret}" if secret is not None else f"peer:{driver}"
@@ -162,7 +156,7 @@ class HostTransport(Protocol):
     ) -> int: ...
 
 
-class OptimizerHostService:
+class OptimizerHostService(HostRounds):
     def __init__(
         self,
         transport: HostTransport,
@@ -517,114 +511,6 @@ class OptimizerHostService:
         """Cumulative bytes of the job this host received (its data messages) and sent."""
         return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}
 
-    def _on_round(self, msg: TensorMessage, sender: str) -> None:
-        """A stage's pseudo-gradients of a round (issue 19); the round closes, and the outer step is
-        applied to the masters, when every replica sent every name of the shard."""
-        m = msg.meta
-        shard = self.shards.get(str(m.get("job")))
-        if shard is None or shard.rounds is None:
-            return
-        key = str(m.get("contributor", ""))
-        if shard.peers.get(key) != sender or self.bans.is_banned(sender):
-            shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
-            return
-        shard.received_bytes += _data_bytes(msg)
-        for name, enc in msg.tensors.items():
-            spec = shard.specs.get(name)
-            try:
-                value = decode_tensor(enc)
-            except Exception as exc:
-                self._offence(shard, sender, "undecodable", str(exc)[:200])
-                return
-            if (
-                spec is None
-                or tuple(value.shape) != tuple(spec["shape"])
-                or not bool(torch.isfinite(value).all())
-            ):
-                self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
-                return
-        try:
-            # the replica is the one the plan gives the sender's contributor key, and its weight what the
-            # plan gives that replica (samples per step; every replica runs the same steps of the same
-            # length in a round closed by step count): never what a worker claims
-            replica = shard.replica_of.get(key)
-            if replica is None:
-                raise RoundError(f"contributor {key!r} is not in this job's plan")
-            weight = float(shard.replica_samples[replica])
-            complete = shard.rounds.add(int(m["step"]), replica, weight, dict(msg.tensors))
-        except (RoundError, KeyError, TypeError, ValueError) as exc:
-            shard.rejected["round"] = shard.rejected.get("round", 0) + 1
-            logger.warning("round contribution from %s refused: %s", sender[:12], exc)
-            return
-        if complete:
-            rounds = shard.rounds
-            h = rounds.cfg.inner_steps
-            # the store's applied step is the round ledger's step count: a re-plan or a restore
-            # answers it, and the driver goes on from the open round's first step
-            update = shard.store.update_masters(rounds.close, applied_step=(rounds.round + 1) * h)
-            shard.round_updates[update.round] = update
-            for old in [r for r in shard.round_updates if r < update.round - 1]:
-                del shard.round_updates[old]
-            done = shard.store.applied_step
-            if shard.save_dir is not None and rounds.cfg.checkpoint_due(done, shard.save_every):
-                self._save_round(shard, done, rounds.state())
-
-    def _save_round(self, shard: HostedShard, step: int, state: Any) -> None:
-        """Writes the shard with the rounds' outer state after a round (in a thread; the state was
-        taken when the round closed, the store's is taken at `step` or the save is skipped)."""
-
-        async def save() -> None:
-            try:
-                await asyncio.to_thread(
-                    functools.partial(save_shard, owner=shard.owner, rounds=state),
-                    shard.save_dir,
-                    shard.job,
-                    f"h{shard.host_index}",
-                    step,
-                    shard.store,
-                )
-            except (OSError, FusionNodeError) as exc:  # the previous checkpoint stays; training goes on
-                logger.error("could not write the shard checkpoint of round step %d: %s", step, exc)
-
-        task = asyncio.get_running_loop().create_task(save())
-        shard.saves.add(task)
-        task.add_done_callback(shard.saves.discard)
-
-    async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
-        """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
-        update of `names`: u per name (diloco), or every replica's message per name, its weight in
-        the meta (sparseloco)."""
-        shard = self._shard(req.job, sender, driver_only=False)
-        if sender not in set(shard.peers.values()):
-            raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull a round")
-        if not 0 <= req.first < 1 << 40:
-            raise JobError(ErrorCode.BAD_REQUEST, f"first must be in [0, 2^40), got {req.first}")
-        names = list(req.names)
-        if any(n not in shard.specs for n in names):
-            raise JobError(ErrorCode.NOT_HELD, "this host does not hold all of those names")
-        deadline = time.monotonic() + self.step_deadline_s
-        while req.round not in shard.round_updates and time.monotonic() < deadline:
-            if shard.rounds is None or shard.rounds.round > req.round + 1:
-                break
-            await asyncio.sleep(READY_POLL_S)
-        update = shard.round_updates.get(req.round)
-        if update is None:
-            raise JobError(
-                ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
-            )
-        if update.mode == "diloco":
-            series = [({name: update.updates[name]}, None) for name in names]
-        else:
-            series = [({name: encs[name]}, w) for w, encs in update.relayed for name in names]
-        for idx, (tensors, weight) in enumerate(series):
-            meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
-            if weight is not None:
-                meta["weight"] = weight
-            shard.sent_bytes += await self.t.send(
-                sender, TensorMessage(TensorKind.ROUND_UPDATE, meta, tensors)
-            )
-        return jp.CountReply(count=len(series))
-
     async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);
         pending contributions are dropped so a replayed step is applied once, under the new plan."""
@@ -639,15 +525,6 @@ class OptimizerHostService:
                 dropped = [*dropped, shard.store.applied_step + 1]
             self._plan_replicas(shard, expected)
         return jp.OptReplanReply(applied_step=shard.store.applied_step, dropped=list(dropped))
-
-    @staticmethod
-    def _plan_replicas(shard: HostedShard, expected: ExpectedContributions) -> None:
-        """The replica of each contributor key and each replica's samples per step, from the plan."""
-        shard.replica_of, shard.replica_samples = {}, {}
-        for contribs in expected.by_name.values():
-            for key, c in contribs.items():
-                shard.replica_of[key] = int(c.replica)
-                shard.replica_samples[int(c.replica)] = c.samples
 
     async def rpc_release(self, req: jp.OptRelease, sender: str) -> jp.ReleaseReply:
         pend = self._pending.get(req.job)

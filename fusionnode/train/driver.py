@@ -37,7 +37,14 @@ from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig
 from fusionnode.train import checks
-from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
+from fusionnode.train.checkpoint import (
+    checkpoint_feedback,
+    job_secret,
+    load_resume,
+    read_resume,
+    save_at,
+    save_job,
+)
 from fusionnode.train.placement import (
     PLANNERS,
     STAGE_ID_STRIDE,
@@ -293,7 +300,17 @@ class Driver:
                     full = await self.placement.current_params(job, stage_args, host_of, all_names=full)
                     if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
                         job.rounds_closed = -(-start_step // job.sync.inner_steps)
-            await self.placement.ship(job, stage_args, full)
+            feedback = None
+            if job.sync.mode == "sparseloco" and ckpt is not None:
+                # the replicas' error feedback, when the checkpoint it came with is the step resumed
+                feedback = checkpoint_feedback(ckpt) if start_step == ckpt.step else None
+                if not feedback:
+                    metrics.event(
+                        "resume",
+                        reason="no error feedback for this step: the replicas start new ones",
+                        step=start_step,
+                    )
+            await self.placement.ship(job, stage_args, full, feedback)
             job.state = "running"
             run = Run(
                 traced=traced,
@@ -327,7 +344,8 @@ class Driver:
                 metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            result = await self._finish(job, model, final, source, metrics)
+            feedback = await self._feedback(job, run) if spec.save_dir else None
+            result = await self._finish(job, model, final, source, metrics, feedback)
             if run.checks is not None:  # the checks' totals, and the secret their choices came from
                 v = run.checks.v
                 result["verify"] = {
@@ -468,6 +486,7 @@ class Driver:
                         step,
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
+                        await self._feedback(job, run),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
@@ -478,6 +497,12 @@ class Driver:
                 and run.steps_on_plan >= run.rebalance_every
             ):
                 await self.recovery.maybe_rebalance(job, run, step)
+
+    async def _feedback(self, job: Job, run: Run) -> dict[int, dict[str, torch.Tensor]] | None:
+        """--sync sparseloco: the replicas' error feedback, for a checkpoint at a round boundary."""
+        if job.sync.mode != "sparseloco":
+            return None
+        return await self.placement.fetch_feedback(job, run.stage_args)
 
     async def _round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
         """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
@@ -508,7 +533,13 @@ class Driver:
         return restart
 
     async def _finish(
-        self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any
+        self,
+        job: Job,
+        model: Any,
+        final: dict[str, torch.Tensor],
+        source: Any,
+        metrics: Any,
+        feedback: dict[int, dict[str, torch.Tensor]] | None = None,
     ) -> dict[str, Any]:
         from fusionnode.train.generate import generate
         from fusionnode.train.local import evaluate
@@ -522,7 +553,7 @@ class Driver:
         checkpoint = None
         if job.spec.save_dir:
             try:
-                checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final)
+                checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final, feedback)
             except (OSError, FusionNodeError) as exc:  # the trained result is still reported
                 logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
                 metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)

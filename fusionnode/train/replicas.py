@@ -131,14 +131,17 @@ def train_local_replicas(
     eval_batches: int = EVAL_BATCHES,
     restart_rounds: Collection[int] = (),
     fresh_outer_rounds: Collection[int] = (),
+    fresh_feedback_rounds: Collection[int] = (),
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """Train `spec` as `replicas` data-parallel replicas synchronised by `sync`, in this process.
 
-    `restart_rounds` (diloco/sparseloco): rounds that start with new inner optimizers and error
-    feedback on every replica, as after the swarm redid a round on a new plan (a worker died, the job
-    resumed); `fresh_outer_rounds`: rounds that start with a new outer optimizer state, as after the
-    optimizer hosts restarted from the driver's checkpoint. The reference those runs follow.
+    `restart_rounds` (diloco/sparseloco): rounds that start with new inner optimizers on every
+    replica, as after the swarm redid a round on a new plan (a worker died, a host was replaced, the
+    job resumed); `fresh_feedback_rounds`: rounds that start with new SparseLoCo error feedback (a
+    redone round: the dead stage's accumulators are gone); `fresh_outer_rounds`: rounds that start
+    with a new outer optimizer state, as after the optimizer hosts restarted from the driver's
+    checkpoint. The reference those runs follow.
     `on_round(round, θ)` sees the shared parameters after each round (a copy).
 
     With `eval_every` > 0, the validation loss of the shared parameters is added to the record of
@@ -170,7 +173,7 @@ def train_local_replicas(
                 records,
                 eval_every,
                 eval_batches,
-                (frozenset(restart_rounds), frozenset(fresh_outer_rounds)),
+                (frozenset(restart_rounds), frozenset(fresh_outer_rounds), frozenset(fresh_feedback_rounds)),
                 on_round,
             )
         else:
@@ -189,7 +192,7 @@ def _round_modes(
     records: list[dict[str, Any]],
     eval_every: int,
     eval_batches: int,
-    restarts: tuple[frozenset[int], frozenset[int]] = (frozenset(), frozenset()),
+    restarts: tuple[frozenset[int], ...] = (frozenset(), frozenset(), frozenset()),
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
@@ -208,11 +211,13 @@ def _round_modes(
     losses: list[float] = []
     for step in range(spec.steps):
         t0 = time.perf_counter()
-        if step % sync.inner_steps == 0 and step // sync.inner_steps in restarts[0]:
+        at = step // sync.inner_steps if step % sync.inner_steps == 0 else None
+        if at in restarts[0]:
             opts = [make_optimizer(mdl, spec) for mdl in models]
-            senders = [ReplicaSync(sync) for _ in range(replicas)]
-        if step % sync.inner_steps == 0 and step // sync.inner_steps in restarts[1]:
+        if at in restarts[1]:
             host.outer = make_outer(sync)
+        if at in restarts[2]:
+            senders = [ReplicaSync(sync) for _ in range(replicas)]
         batches = source.shard_batches(step, shares)
         rlosses = []
         for r in range(replicas):
