@@ -83,9 +83,7 @@ class TensorKind:
     AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
     PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
     ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
-    FEEDBACK: Final = (
-        "feedback"  # a sparseloco stage's error feedback: `job.fetch` what="feedback", or before `job.start`
-    )
+    FEEDBACK: Final = "error_feedback"  # sparseloco accumulators: `job.fetch`, or before `job.start`
     ALL: ClassVar[frozenset[str]]
 
 
