@@ -13,6 +13,7 @@ from test_components import Swarm, small_spec
 
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
+from fusionnode.wire.job import Rpc
 
 torch.set_num_threads(1)
 
@@ -188,3 +189,54 @@ def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tm
     # the outer state came back: without it the resumed rounds would differ
     fresh = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, **{lost: {2}}).losses
     assert max(abs(e["loss"] - fresh[e["step"]]) for e in steps[3:]) > 3 * tol
+
+
+def test_a_worker_dying_after_its_round_reached_the_hosts_does_not_redo_the_round(tmp_path):
+    """The victim sends its pseudo-gradients of round 1 and dies while pulling the update: the hosts
+    close round 1 (every contribution arrived) and the victim's commit fails. The step is recorded,
+    the hosts' ledger says round 1 is applied, so the job goes on at round 2 on a new plan: round 1
+    is not redone (it would be applied twice)."""
+    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    spec = small_spec(steps=9, micro_batches=2)
+    s = Swarm(tmp_path, workers=5, hosts=2)
+    victim: list[str] = []
+    downed: list[str] = []
+
+    async def emit(event: dict) -> None:
+        s.events.append(event)
+        if event["type"] == "plan" and not victim:
+            victim.append(next(st["peer"] for st in event["stages"] if st["peer"] != s.ids[0]))
+
+    for pid in s.hosts:
+        t = s.net.peers[pid]
+        pull = t._rpc[Rpc.OPT_ROUND_PULL]
+
+        async def dies_while_pulling(args, sender, pull=pull):
+            if victim and sender == victim[0] and args.get("round") == 1 and not downed:
+                s.net.down.add(sender)
+                downed.append(sender)
+            return await pull(args, sender)
+
+        t._rpc[Rpc.OPT_ROUND_PULL] = dies_while_pulling
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+        "rebalance_every": 0,
+    }
+    result = asyncio.run(s.driver.run_job(params, emit))
+    assert downed and result["steps"] == spec.steps
+    rec = [e for e in recovered(s) if e.get("role") == "rounds"]
+    assert len(rec) == 1 and rec[0]["replay_from"] == 6 and rec[0]["rounds_applied"] == 2
+    steps = s.steps()
+    assert [e["step"] for e in steps] == list(range(9))  # nothing redone
+    assert [e.get("round_closed") for e in steps] == [None, None, 0, None, None, 1, None, None, 2]
+    assert steps[-1]["rounds_applied"] == 3
+    ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}).losses
+    for e in steps:
+        assert abs(e["loss"] - ref[e["step"]]) < TOL, (
+            f"step {e['step']}: {e['loss']:.6f} vs {ref[e['step']]:.6f}"
+        )

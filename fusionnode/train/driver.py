@@ -476,6 +476,8 @@ class Driver:
             step += 1
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
                 await self.recovery.recover(job, run, source, step, late)
+                if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
+                    step = await self._round_restart(job, run, step - 1, job.hosts_applied)
                 continue
             due = job.sync.checkpoint_due(step, spec.save_every) if job.sync.rounds else save_at(spec, step)
             if spec.save_dir and due and step < spec.steps:

@@ -217,8 +217,10 @@ class Stepper:
         except StepFailed as fail:
             if not job.offload:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
-            if job.sync.rounds:  # the inner steps are lost with the worker: the driver redoes the round
-                raise
+            if job.sync.rounds:  # recorded; the driver then asks the hosts whether the round closed
+                if isinstance(fail, HostFailed):  # a host died at the round's end: restored first
+                    raise
+                job.round_bytes = 0
             late = fail
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
