@@ -110,6 +110,15 @@ def check_rounds_once(events: list[dict], sp: JobSpec, *, fresh_outer: bool) -> 
     ).losses
     for i in range(sp.steps):
         assert abs(last[i]["loss"] - ref[i]) < TOL, f"step {i}: swarm {last[i]['loss']:.6f} vs {ref[i]:.6f}"
+    fail = next(
+        e for e in metrics_events(sp.metrics_out) if e["event"] == "recovered" and "time_to_recover_s" in e
+    )
+    print(
+        f"{sp.metrics_out}: failed at step {rec['step']}, rounds applied {rec['rounds_applied']}, "
+        f"went on from step {rec['replay_from']}; re-plan {fail['time_to_recover_s']} s; "
+        f"max |loss - reference| {max(abs(last[i]['loss'] - ref[i]) for i in range(sp.steps)):.2e}",
+        file=sys.stderr,
+    )
     return redone
 
 

@@ -155,6 +155,10 @@ def test_sparseloco_follows_the_local_reference(swarm, tmp_path):
             both += int((sent_swarm & sent_ref).sum())
             either += int((sent_swarm | sent_ref).sum())
         assert either > 0 and both / either >= 0.99, f"round {r}: {both / either:.4f} of the indices agree"
+        print(
+            f"sparseloco round {r}: {both}/{either} = {both / either:.5f} of the indices agree",
+            file=sys.stderr,
+        )
         before, ref_before = {n: after[n].float() for n in before}, ref_theta[r]
 
 

@@ -401,9 +401,10 @@ class Driver:
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_REPLAYS:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
-                step = await self.recovery.recover_hosts(job, run, step, fail)
+                resume_at = await self.recovery.recover_hosts(job, run, step, fail)
                 if job.sync.rounds:
-                    step = await self._round_restart(job, run, step, [step])
+                    resume_at = await self._round_restart(job, run, step, [resume_at])
+                step = resume_at
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
