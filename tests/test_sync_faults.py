@@ -13,7 +13,7 @@ from test_components import Swarm, small_spec
 
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
-from fusionnode.wire.job import Rpc
+from fusionnode.wire.job import Rpc, TensorKind
 
 torch.set_num_threads(1)
 
@@ -240,3 +240,43 @@ def test_a_worker_dying_after_its_round_reached_the_hosts_does_not_redo_the_roun
         assert abs(e["loss"] - ref[e["step"]]) < TOL, (
             f"step {e['step']}: {e['loss']:.6f} vs {ref[e['step']]:.6f}"
         )
+
+
+def test_a_worker_dying_before_the_driver_sends_its_tied_weight_sum_fails_only_the_step(tmp_path):
+    """The victim reported step 4 and is gone when the driver sends it the tied weights' gradient sum
+    (round modes step each replica alone, with the driver summing the tied gradients): a StepFailed,
+    recovered like any other, not the end of the job."""
+    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    spec = small_spec(steps=7, micro_batches=2)
+    s = Swarm(tmp_path, workers=5, hosts=2)
+    downed: list[str] = []
+    driver_t = s.net.peers[s.ids[0]]
+    send = driver_t.send
+
+    async def send_or_find_gone(peer, msg, observe=None):
+        if (
+            msg.kind == TensorKind.SHARED_SUM
+            and msg.meta.get("step") == 4
+            and peer != s.ids[0]
+            and not downed
+        ):
+            s.net.down.add(peer)
+            downed.append(peer)
+        return await send(peer, msg, observe)
+
+    driver_t.send = send_or_find_gone
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+        "rebalance_every": 0,
+    }
+    result = asyncio.run(s.driver.run_job(params, s.emit))
+    assert downed and result["steps"] == spec.steps
+    assert [e["step"] for e in s.steps()] == [0, 1, 2, 3, 3, 4, 5, 6]
+    ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={1}).losses
+    for i, e in final_runs(s.steps()).items():
+        assert abs(e["loss"] - ref[i]) < TOL, f"step {i}: {e['loss']:.6f} vs {ref[i]:.6f}"
