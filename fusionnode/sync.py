@@ -101,6 +101,15 @@ class SyncConfig:
         """Whether the round containing `step` ends after it (every H steps, and at the last step)."""
         return (step + 1) % self.inner_steps == 0 or step + 1 == total_steps
 
+    def checkpoint_due(self, steps_done: int, save_every: int) -> bool:
+        """Round modes: whether the job is checkpointed after `steps_done` steps, a round boundary
+        (a multiple of H) at or after a multiple of `save_every` passed since the previous boundary
+        (a checkpoint mid-round would hold parameters the rounds have not caught up with)."""
+        h = self.inner_steps
+        if not save_every or steps_done <= 0 or steps_done % h:
+            return False
+        return steps_done // save_every > (steps_done - h) // save_every
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

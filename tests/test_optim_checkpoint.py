@@ -167,3 +167,48 @@ def test_bad_arguments(tmp_path: Path) -> None:
     save_shard(tmp_path, "job1", "h", 0, store)
     with pytest.raises(ConfigError):
         other.load_state_dict(load_latest_shard(tmp_path, "job1", "h")[1])
+
+
+def test_a_round_modes_shard_checkpoint_keeps_the_outer_state_and_the_ledger(tmp_path: Path) -> None:
+    """--sync diloco (issue 19): the store's applied step is the round ledger (a round is applied
+    once: a second close ending at the same step is refused before the masters change); the shard
+    checkpoint carries the open round, the ledger and the Nesterov buffer, and a combiner restored
+    from it closes the next round exactly as the one that wrote it."""
+    from fusionnode.optim.rounds import RoundCombiner, RoundError
+    from fusionnode.sync import SyncConfig
+    from fusionnode.wire.tensors import encode_tensor
+
+    cfg = SyncConfig("diloco", inner_steps=4, outer_lr=0.7, outer_momentum=0.9)
+    store = _store()
+    names = set(SHAPES)
+    rounds = RoundCombiner(cfg, 1, names)
+    g = torch.Generator().manual_seed(3)
+
+    def contribution() -> dict:
+        return {n: encode_tensor(torch.randn(s, generator=g)) for n, s in SHAPES.items()}
+
+    for r in range(2):
+        rounds.add(r, 0, 64.0, contribution())
+        store.update_masters(rounds.close, applied_step=(r + 1) * 4)
+    before = store.get_params(sorted(names))[1]
+    with pytest.raises(StepOrderError, match="applied already"):
+        store.update_masters(lambda _p: pytest.fail("the masters were touched"), applied_step=8)
+    after = store.get_params(sorted(names))[1]
+    assert store.applied_step == 8 and all(torch.equal(after[n], before[n]) for n in names)
+    save_shard(tmp_path, "job1", "h0", 8, store, rounds=rounds.state())
+    state = ckpt.load_shard(tmp_path, "job1", "h0", 8)
+    meta, bufs = state["rounds"]
+    assert meta["round"] == 2 and meta["applied"] == [0, 1] and set(bufs) == names
+    restored, again = _store(), RoundCombiner(cfg, 1, names)
+    restored.load_state_dict(state)
+    again.load_state(meta, bufs)
+    assert restored.applied_step == 8
+    with pytest.raises(RoundError, match="already applied"):
+        again.add(1, 0, 64.0, contribution())
+    nxt = contribution()
+    for comb, st in ((rounds, store), (again, restored)):
+        comb.add(2, 0, 64.0, dict(nxt))
+        st.update_masters(comb.close, applied_step=12)
+    a, b = store.get_params(sorted(names))[1], restored.get_params(sorted(names))[1]
+    assert all(torch.equal(a[n], b[n]) for n in names)
+    assert again.applied == [0, 1, 2]

@@ -135,6 +135,33 @@ def test_bad_sync_options_exit_2_naming_the_option_before_anything_starts(
     assert not metrics.exists() and not state.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--sync", "diloco", "--inner-steps", "-1"], "--inner-steps -1: must be an integer >= 1"),
+        (["--sync", "diloco", "--inner-steps", "two"], "argument --inner-steps: invalid int value: 'two'"),
+        (["--sync", "DiLoCo"], "argument --sync: invalid choice: 'DiLoCo'"),
+        (["--sync", "sparseloco", "--sync-codec", "ctopk3"], "--sync-codec 'ctopk3'"),
+        (["--sync", "sparseloco", "--shares", "3,0"], "--shares: every share must be at least 1"),
+        (["--sync", "diloco", "--planner", "even"], "--planner even"),
+        (["--sync", "diloco", "--planner", "memory"], "--planner memory"),
+        (["--sync", "diloco", "--rebalance-every", "5"], "--rebalance-every"),
+    ],
+)
+def test_bad_sync_options_of_a_swarm_job_exit_2_before_any_daemon_is_asked(
+    tmp_path, capsys, args, says
+) -> None:
+    """The same checks for a job sent to the daemon (no --local): refused before the control socket
+    is opened (the state directory, where it would live, is never created)."""
+    state = tmp_path / "state"
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--state-dir", str(state), "--replicas", "2", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert says in err.strip().splitlines()[-1], err
+    assert not state.exists()
+
+
 def test_cli_local_replicas_runs_and_reports_rounds(capsys) -> None:
     args = ["--steps", "4", "--batch-size", "4", "--seq-len", "16", "--replicas", "2"]
     code = cli.main(["train", "--local", *args, "--sync", "sparseloco", "--inner-steps", "2"])

@@ -11,7 +11,7 @@ import pytest
 from fusionnode import control
 from fusionnode.localswarm import LocalSwarm
 from fusionnode.sync import SyncConfig
-from fusionnode.train.checkpoint import load_checkpoint
+from fusionnode.train.checkpoint import list_checkpoints, read_checkpoint
 from fusionnode.train.local import build_job_model
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
@@ -33,7 +33,9 @@ def swarm(tmp_path_factory):
         s.stop()
 
 
-def run_job(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares=None) -> tuple[dict, list[dict]]:
+def run_job(
+    swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares=None, on_event=None
+) -> tuple[dict, list[dict]]:
     async def go():
         events = []
         params = {
@@ -48,6 +50,8 @@ def run_job(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares=None) -> 
         async for obj in control.call_stream(swarm.control(0), "train", params, timeout=600):
             if "event" in obj:
                 events.append(obj["event"])
+                if on_event is not None:
+                    on_event(obj["event"])
             else:
                 return obj["result"], events
         raise AssertionError("no result")
@@ -115,24 +119,47 @@ def test_replicas_of_different_shares_weigh_by_tokens(swarm):
 
 
 def test_sparseloco_follows_the_local_reference(swarm, tmp_path):
-    s = spec(save_dir=str(tmp_path / "ckpt"), save_every=0)
-    sync = SyncConfig("sparseloco", inner_steps=5, topk_density=1 / 16, chunk=256)
-    _res, events = run_job(swarm, s, sync)
+    """Within 1e-3 per step, and in every round at least 99% of the positions transmitted (the union
+    of the replicas' top-k indices: where the round's outer step changed θ, read from the driver's
+    checkpoint at every round boundary) are the reference's (Jaccard index; top-k and 2-bit bins may
+    flip on near-ties)."""
+    h = 5
+    s = spec(save_dir=str(tmp_path / "ckpt"), save_every=h)
+    sync = SyncConfig("sparseloco", inner_steps=h, topk_density=1 / 16, chunk=256)
+    seen: dict[int, dict] = {}
+
+    def collect(_ev: dict) -> None:  # the driver keeps 3 checkpoints: read each as it appears
+        for step, path in list_checkpoints(tmp_path / "ckpt"):
+            if step not in seen:
+                seen[step] = read_checkpoint(path).params
+
+    _res, events = run_job(swarm, s, sync, on_event=collect)
+    collect({})
     dist = [e["loss"] for e in events if e["type"] == "step"]
-    ref = train_local_replicas(s.replace(save_dir=None), sync, replicas=2)
+    ref_theta: dict[int, dict] = {}
+    ref = train_local_replicas(
+        s.replace(save_dir=None), sync, replicas=2, on_round=lambda r, th: ref_theta.__setitem__(r, th)
+    )
     for i, (a, b) in enumerate(zip(dist, ref.losses, strict=True)):
         assert abs(a - b) < 1e-3, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
     _check_records([e for e in events if e["type"] == "step"], sync)
-    # the positions the rounds changed: the union of every index any replica transmitted
-    start = dict(build_job_model(s).named_parameters())
-    final = load_checkpoint(str(tmp_path / "ckpt")).params
-    same = total = 0
-    for name, p0 in start.items():
-        touched_swarm = (final[name].float() - p0.detach()) != 0
-        touched_ref = (ref.params[name] - p0.detach()) != 0
-        same += int((touched_swarm == touched_ref).sum())
-        total += p0.numel()
-    assert same / total >= 0.99, f"{same / total:.4f} of the transmitted positions agree"
+    assert sorted(seen) == list(range(h, STEPS + 1, h))
+    before = {n: p.detach().float() for n, p in build_job_model(s).named_parameters()}
+    ref_before = dict(before)
+    for r in range(STEPS // h):
+        after = seen[(r + 1) * h]
+        both = either = 0
+        for name, p0 in before.items():
+            sent_swarm = after[name].float() != p0
+            sent_ref = ref_theta[r][name] != ref_before[name]
+            both += int((sent_swarm & sent_ref).sum())
+            either += int((sent_swarm | sent_ref).sum())
+        assert either > 0 and both / either >= 0.99, f"round {r}: {both / either:.4f} of the indices agree"
+        print(
+            f"sparseloco round {r}: {both}/{either} = {both / either:.5f} of the indices agree",
+            file=sys.stderr,
+        )
+        before, ref_before = {n: after[n].float() for n in before}, ref_theta[r]
 
 
 def test_step_records_carry_host_bytes(swarm):

@@ -38,6 +38,7 @@ from fusionnode.optim.store import ParameterStore, StepOrderError
 
 logger = logging.getLogger(__name__)
 
+OUTER_BUF = "outer_buf"  # tensor-name prefix of a round mode's outer optimizer state
 DEFAULT_KEEP = 3  # complete checkpoints kept per (job, host)
 CHUNK_BYTES = 16 << 20  # bytes per write call while streaming tensors
 FORMAT_VERSION = 1
@@ -143,12 +144,15 @@ def save_shard(
     *,
     keep: int = DEFAULT_KEEP,
     owner: dict[str, str] | None = None,
+    rounds: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write the store's state at `step` atomically; returns the checkpoint directory.
 
     `step` must equal the store's applied_step (pause applies while saving for a consistent
     cut across hosts). `owner` (the owning driver's peer id and owner tag) goes into the manifest and
-    must match when the shard is loaded. Raises CheckpointError (an OSError keeping errno, e.g. ENOSPC) when
+    must match when the shard is loaded. `rounds` (--sync diloco|sparseloco, issue 19): the outer
+    state, `RoundCombiner.state()`: its scalars go into the manifest, its tensors beside the
+    parameters ("outer_buf/<name>"). Raises CheckpointError (an OSError keeping errno, e.g. ENOSPC) when
     writing fails, after removing the partial files; the earlier checkpoints stay.
     """
     if keep < 1:
@@ -165,8 +169,11 @@ def save_shard(
             if leftover.name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
+        flat = _flatten(state)
+        if rounds is not None:
+            flat.update({f"{OUTER_BUF}/{n}": t for n, t in rounds[1].items()})
         sha, nbytes = _write_safetensors(
-            tmp / TENSOR_FILE, _flatten(state), {"job_id": job_id, "host_id": host_id, "step": str(step)}
+            tmp / TENSOR_FILE, flat, {"job_id": job_id, "host_id": host_id, "step": str(step)}
         )
         manifest = {
             "format": FORMAT_VERSION,
@@ -182,6 +189,8 @@ def save_shard(
             "bytes": nbytes,
             "owner": dict(owner or {}),
         }
+        if rounds is not None:
+            manifest["rounds"] = {**rounds[0], "outer_buf": sorted(rounds[1])}
         with open(tmp / MANIFEST_FILE, "wb") as f:
             _write_chunk(f, json.dumps(manifest, indent=1, sort_keys=True).encode())
             f.flush()
@@ -233,7 +242,12 @@ def _load_one(
         raise ValueError("tensor file hash mismatch")
     flat = safetensors.torch.load_file(str(tensor_path))
     names = manifest["names"]
+    out: dict[str, Any] = {}
+    if "rounds" in manifest:
+        meta = dict(manifest["rounds"])
+        out["rounds"] = (meta, {n: flat[f"{OUTER_BUF}/{n}"] for n in meta.pop("outer_buf")})
     return {
+        **out,
         "job_id": job_id,
         "applied_step": step,
         "optimizer_config": manifest["optimizer_config"],

@@ -236,9 +236,11 @@ class OptimizerClient:
 
     async def replan(
         self, job_id: str, hosts: list[str], host_of: dict[str, str], expected: Expected
-    ) -> None:
-        """Points the hosts at a new plan's contributors (their pending contributions are dropped)."""
-        await asyncio.gather(
+    ) -> list[int]:
+        """Points the hosts at a new plan's contributors (their pending contributions are dropped);
+        returns each host's applied step (under --sync diloco|sparseloco: the steps its closed rounds
+        cover, the round ledger)."""
+        replies = await asyncio.gather(
             *(
                 jp.call(
                     self.t,
@@ -250,6 +252,7 @@ class OptimizerClient:
                 for h in hosts
             )
         )
+        return [r.applied_step for r in replies]
 
     def release(self, job_id: str, hosts: list[str]) -> list[Any]:
         """The calls that drop the job's shards (to be gathered with the workers' releases)."""

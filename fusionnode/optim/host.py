@@ -31,8 +31,9 @@ from typing import Any, Protocol
 import torch
 
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
+from fusionnode.optim.host_rounds import READY_POLL_S, HostRounds, _data_bytes
 from fusionnode.optim.optimizers import job_optimizer_config
-from fusionnode.optim.rounds import RoundCombiner, RoundError, RoundUpdate
+from fusionnode.optim.rounds import RoundCombiner, RoundUpdate
 from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
@@ -42,11 +43,10 @@ from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
-from fusionnode.wire.tensors import decode_tensor, pack_encoded
+from fusionnode.wire.tensors import decode_tensor
 
 logger = logging.getLogger(__name__)
 
-READY_POLL_S = 0.005  # seconds between checks of a step's completeness
 _SAFE_JOB = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # job ids usable as a directory name
 BANNABLE = frozenset({"rejected_shape", "rejected_dtype", "rejected_nonfinite"})  # store refusals = hostile
 
@@ -84,6 +84,7 @@ class HostedShard:
         self.replica_of: dict[str, int] = {}  # contributor key -> its replica, from the plan
         self.replica_samples: dict[int, int] = {}  # samples per step of each replica, from the plan
         self.round_updates: dict[int, RoundUpdate] = {}
+        self.saves: set[asyncio.Task[None]] = set()  # round checkpoints being written
 
 
 @dataclasses.dataclass
@@ -100,11 +101,6 @@ class _PendingShard:
     owner: dict[str, str]
     host_index: int
     params: dict[str, torch.Tensor] | None = None
-
-
-def _data_bytes(msg: TensorMessage) -> int:
-    """Bytes of a data message's encoded tensors (descriptor and payload): what a host counts as received."""
-    return sum(len(pack_encoded(enc)) for enc in msg.tensors.values())
 
 
 def owner_tag(secret: str | None, driver: str) -> str:
@@ -160,7 +156,7 @@ class HostTransport(Protocol):
     ) -> int: ...
 
 
-class OptimizerHostService:
+class OptimizerHostService(HostRounds):
     def __init__(
         self,
         transport: HostTransport,
@@ -351,6 +347,8 @@ class OptimizerHostService:
         )
         resumed = 0
         step = req.resume_step
+        sync = SyncConfig.from_dict(a.sync)
+        state: dict[str, Any] = {}
         if step is not None:
             state = await asyncio.to_thread(
                 load_shard, pend.root, job, f"h{pend.host_index}", int(step), pend.owner["tag"]
@@ -371,14 +369,21 @@ class OptimizerHostService:
             pend.host_index,
             owner=pend.owner,
         )
-        sync = SyncConfig.from_dict(a.sync)
         if sync.rounds:
             shard = self.shards[req.job]
             shard.rounds = RoundCombiner(sync, a.replicas, set(pend.specs))
-            for contribs in pend.expected.by_name.values():
-                for key, c in contribs.items():
-                    shard.replica_of[key] = int(c.replica)
-                    shard.replica_samples[int(c.replica)] = c.samples
+            self._plan_replicas(shard, pend.expected)
+            # the outer state: from the shard checkpoint when it holds it, else new (the parameters
+            # came from the driver's checkpoint, or the job starts), the ledger at the store's step
+            if "rounds" in state:
+                shard.rounds.load_state(*state["rounds"])
+            else:
+                shard.rounds.start_at(-(-store.applied_step // sync.inner_steps))
+            if shard.rounds.round * sync.inner_steps != store.applied_step:
+                raise JobError(
+                    ErrorCode.BAD_REQUEST,
+                    f"step {store.applied_step} is not a round boundary of --inner-steps {sync.inner_steps}",
+                )
         return jp.OptLoadReply(ready=True, applied_step=store.applied_step, resumed=resumed)
 
     def _on_push(self, msg: TensorMessage, sender: str) -> None:
@@ -506,92 +511,19 @@ class OptimizerHostService:
         """Cumulative bytes of the job this host received (its data messages) and sent."""
         return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}
 
-    def _on_round(self, msg: TensorMessage, sender: str) -> None:
-        """A stage's pseudo-gradients of a round (issue 19); the round closes, and the outer step is
-        applied to the masters, when every replica sent every name of the shard."""
-        m = msg.meta
-        shard = self.shards.get(str(m.get("job")))
-        if shard is None or shard.rounds is None:
-            return
-        key = str(m.get("contributor", ""))
-        if shard.peers.get(key) != sender or self.bans.is_banned(sender):
-            shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
-            return
-        shard.received_bytes += _data_bytes(msg)
-        for name, enc in msg.tensors.items():
-            spec = shard.specs.get(name)
-            try:
-                value = decode_tensor(enc)
-            except Exception as exc:
-                self._offence(shard, sender, "undecodable", str(exc)[:200])
-                return
-            if (
-                spec is None
-                or tuple(value.shape) != tuple(spec["shape"])
-                or not bool(torch.isfinite(value).all())
-            ):
-                self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
-                return
-        try:
-            # the replica is the one the plan gives the sender's contributor key, and its weight what the
-            # plan gives that replica (samples per step; every replica runs the same steps of the same
-            # length in a round closed by step count): never what a worker claims
-            replica = shard.replica_of.get(key)
-            if replica is None:
-                raise RoundError(f"contributor {key!r} is not in this job's plan")
-            weight = float(shard.replica_samples[replica])
-            complete = shard.rounds.add(int(m["step"]), replica, weight, dict(msg.tensors))
-        except (RoundError, KeyError, TypeError, ValueError) as exc:
-            shard.rejected["round"] = shard.rejected.get("round", 0) + 1
-            logger.warning("round contribution from %s refused: %s", sender[:12], exc)
-            return
-        if complete:
-            update = shard.store.update_masters(shard.rounds.close)
-            shard.round_updates[update.round] = update
-            for old in [r for r in shard.round_updates if r < update.round - 1]:
-                del shard.round_updates[old]
-
-    async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
-        """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
-        update of `names`: u per name (diloco), or every replica's message per name, its weight in
-        the meta (sparseloco)."""
-        shard = self._shard(req.job, sender, driver_only=False)
-        if sender not in set(shard.peers.values()):
-            raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull a round")
-        if not 0 <= req.first < 1 << 40:
-            raise JobError(ErrorCode.BAD_REQUEST, f"first must be in [0, 2^40), got {req.first}")
-        names = list(req.names)
-        if any(n not in shard.specs for n in names):
-            raise JobError(ErrorCode.NOT_HELD, "this host does not hold all of those names")
-        deadline = time.monotonic() + self.step_deadline_s
-        while req.round not in shard.round_updates and time.monotonic() < deadline:
-            if shard.rounds is None or shard.rounds.round > req.round + 1:
-                break
-            await asyncio.sleep(READY_POLL_S)
-        update = shard.round_updates.get(req.round)
-        if update is None:
-            raise JobError(
-                ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
-            )
-        if update.mode == "diloco":
-            series = [({name: update.updates[name]}, None) for name in names]
-        else:
-            series = [({name: encs[name]}, w) for w, encs in update.relayed for name in names]
-        for idx, (tensors, weight) in enumerate(series):
-            meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
-            if weight is not None:
-                meta["weight"] = weight
-            shard.sent_bytes += await self.t.send(
-                sender, TensorMessage(TensorKind.ROUND_UPDATE, meta, tensors)
-            )
-        return jp.CountReply(count=len(series))
-
     async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);
         pending contributions are dropped so a replayed step is applied once, under the new plan."""
         shard = self._shard(req.job, sender)
-        dropped = shard.store.replan(_expected(req.expected))
+        expected = _expected(req.expected)
+        dropped = shard.store.replan(expected)
         shard.peers = {key: c["peer"] for contribs in req.expected.values() for key, c in contribs.items()}
+        if shard.rounds is not None:
+            # the open round is redone by the new plan's stages: its contributions so far are dropped
+            # (a closed round stays closed, its id refused: no round is applied twice)
+            if shard.rounds.drop_pending():
+                dropped = [*dropped, shard.store.applied_step + 1]
+            self._plan_replicas(shard, expected)
         return jp.OptReplanReply(applied_step=shard.store.applied_step, dropped=list(dropped))
 
     async def rpc_release(self, req: jp.OptRelease, sender: str) -> jp.ReleaseReply:
@@ -600,6 +532,8 @@ class OptimizerHostService:
             self._release(pend.job)
             return jp.ReleaseReply(released=True)
         shard = self._shard(req.job, sender)
+        if shard.saves:  # a round's checkpoint being written: a resume reads it
+            await asyncio.gather(*shard.saves, return_exceptions=True)
         self._release(shard.job)
         return jp.ReleaseReply(released=True)
 

@@ -135,6 +135,38 @@ class RoundCombiner:
         self.pending: dict[int, tuple[float, dict[str, EncodedTensor]]] = {}
         self.received_bytes = 0  # cumulative, every contribution accepted
         self.sent_bytes = 0  # cumulative, the update once per replica
+        self.applied: list[int] = []  # the ledger: the ids of the rounds closed, in order
+
+    def drop_pending(self) -> list[int]:
+        """Forget the open round's contributions (a re-plan: the round is redone by the new plan's
+        stages); returns the replicas whose contributions were dropped."""
+        dropped = sorted(self.pending)
+        self.pending = {}
+        return dropped
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """What a checkpoint keeps of the rounds: (the open round, the ledger and the outer
+        optimizer's scalars; its tensors, e.g. DiLoCo's Nesterov buffer, cloned)."""
+        outer = self.outer.state_dict()
+        bufs = {n: t.clone() for n, t in outer.pop("buf", {}).items()}
+        return {"round": self.round, "applied": list(self.applied), "outer": outer}, bufs
+
+    def load_state(self, meta: Mapping[str, Any], bufs: Mapping[str, Tensor]) -> None:
+        """Restore `state()`; pending contributions are dropped."""
+        outer = dict(meta["outer"])
+        if isinstance(self.outer, NesterovOuter):
+            outer["buf"] = dict(bufs)
+        self.outer.load_state_dict(outer)
+        self.round = int(meta["round"])
+        self.applied = [int(r) for r in meta["applied"]]
+        self.pending = {}
+
+    def start_at(self, round_id: int) -> None:
+        """A combiner that continues a job at round `round_id` with new outer state (the parameters
+        came from the driver's checkpoint; no shard checkpoint held the outer state)."""
+        self.round = int(round_id)
+        self.applied = list(range(round_id))
+        self.pending = {}
 
     def complete(self) -> bool:
         if len(self.pending) != self.replicas:
@@ -190,6 +222,7 @@ class RoundCombiner:
             apply_update(masters, update, self.limits)
         self.sent_bytes += update.nbytes() * self.replicas
         self.pending = {}
+        self.applied.append(self.round)
         self.round += 1
         return update
 

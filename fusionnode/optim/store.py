@@ -529,11 +529,20 @@ class ParameterStore:
             logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
         return dropped
 
-    def update_masters(self, fn: Callable[[dict[str, Tensor]], Any]) -> Any:
+    def update_masters(self, fn: Callable[[dict[str, Tensor]], Any], applied_step: int | None = None) -> Any:
         """Runs `fn` on the fp32 masters (updated in place) under the apply lock: the outer step of a
-        --sync round (issue 19). Returns what `fn` returns."""
+        --sync round (issue 19). With `applied_step`, the store counts the steps the round covered as
+        applied (the round ledger a re-plan or a checkpoint reads). Returns what `fn` returns."""
         with self._apply_lock:
-            return fn(self._opt.params)
+            if applied_step is not None and applied_step <= self.applied_step:
+                raise StepOrderError(
+                    f"a round ending at step {applied_step} is applied already (at {self.applied_step})"
+                )
+            out = fn(self._opt.params)
+            if applied_step is not None:
+                with self._lock:
+                    self._applied_step = int(applied_step)
+            return out
 
     # ----------------------------------------------------------------- parameters
     def get_params(

@@ -18,7 +18,8 @@ from fusionnode.errors import PeerError
 from fusionnode.optim.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
 from fusionnode.sync import SyncConfig
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import Rpc, TensorKind
+from fusionnode.wire.checked import decode_checked
+from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import pack_encoded
 
@@ -31,6 +32,29 @@ class StageRounds:
         self.sender = ReplicaSync(cfg)
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
+
+    def feedback_state(self) -> dict[str, torch.Tensor]:
+        """SparseLoCo: the error-feedback accumulators of the names this stage sends (none before its
+        first round); diloco keeps none."""
+        fb = self.sender.feedback
+        return fb.state_dict() if fb is not None else {}
+
+    async def load_feedback(self, worker: Any, sj: Any, count: int) -> None:
+        """Takes the `count` error-feedback tensors the driver sent before `job.start` (a resumed job)."""
+        fb = self.sender.feedback
+        if fb is None or not 0 < count <= len(sj.params):
+            raise JobError(
+                ErrorCode.BAD_REQUEST, f"{count} error-feedback tensors for a stage that takes none"
+            )
+        state: dict[str, torch.Tensor] = {}
+        for idx in range(count):
+            msg, src = await worker.t.mailbox.get(
+                (TensorKind.FEEDBACK, sj.job, -1, idx, sj.stage),
+                worker.config.step_timeout_s,
+                sender=sj.driver,
+            )
+            state.update(decode_checked(msg, sj.param_specs, None, src))
+        fb.load_state_dict(state)
 
     async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> dict[str, list[int]]:
         """Send this stage's share of round `info["id"]` (`CommitRequest.round`) and install the

@@ -264,6 +264,10 @@ class WorkerService(HostLink):
                 sj.rounds = StageRounds(sj.sync, sj.params)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        if req.feedback:  # a resumed --sync sparseloco job: the replica's error feedback
+            if sj.rounds is None:
+                raise JobError(ErrorCode.BAD_REQUEST, "error feedback for a stage that keeps none")
+            await sj.rounds.load_feedback(self, sj, req.feedback)
         if sj.offload and not sj.sync.rounds:
             self._install_push_hooks(sj, asyncio.get_running_loop())
         return jp.StartReply(ready=True, params=len(sj.params))
@@ -279,13 +283,21 @@ class WorkerService(HostLink):
         return jp.ReleaseReply(released=True)
 
     async def rpc_fetch(self, req: jp.FetchRequest, sender: str) -> jp.CountReply:
-        """Sends this stage's parameters (what="params") or gradients (what="grads") to the driver."""
+        """Sends this stage's parameters (what="params"), gradients (what="grads") or --sync sparseloco
+        error feedback (what="feedback") to the driver."""
         sj = self._get(req, sender)
         what = req.what
-        names = sorted(sj.params)
+        if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
+            tensors = sj.rounds.feedback_state() if sj.rounds is not None else {}
+        else:
+            zero = torch.zeros_like
+            tensors = {
+                n: p.detach() if what == "params" else (zero(p) if p.grad is None else p.grad)
+                for n, p in sj.params.items()
+            }
+        names = sorted(tensors)
         for idx, name in enumerate(names):
-            p = sj.params[name]
-            t = p.detach() if what == "params" else (p.grad if p.grad is not None else torch.zeros_like(p))
+            t = tensors[name]
             meta = {"job": sj.job, "stage": sj.stage, "step": -1, "mb": idx}
             await self.t.send(sj.driver, tensor_message(jp.FETCH_KIND[what], meta, {name: t}))
         return jp.CountReply(count=len(names))

@@ -309,14 +309,22 @@ def save_at(spec: Any, step: int) -> bool:
     )
 
 
-def save_job(job: Any, step: int, source: Any, params: Mapping[str, torch.Tensor]) -> str:
+def save_job(
+    job: Any,
+    step: int,
+    source: Any,
+    params: Mapping[str, torch.Tensor],
+    feedback: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+) -> str:
     """Saves every state-dict name of a job's model (tied weights under each of their names, stored
     once), so the checkpoint loads strictly into the model (`fusionnode generate`, `export`), with
-    the job secret and the data source's state."""
+    the job secret and the data source's state; `feedback` (--sync sparseloco): each replica's
+    error-feedback accumulators, by name (the outer state the workers keep)."""
     full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
-    path = save_checkpoint(
-        job.spec.save_dir, step, full, {"job_secret": job.secret}, source.state(step), job.spec
-    )
+    state: dict[str, Any] = {"job_secret": job.secret}
+    if feedback:
+        state["feedback"] = {int(r): dict(acc) for r, acc in feedback.items()}
+    path = save_checkpoint(job.spec.save_dir, step, full, state, source.state(step), job.spec)
     return str(path)
 
 
@@ -328,6 +336,18 @@ def read_resume(spec: Any) -> Checkpoint:
     if ckpt is None:
         raise ConfigError(f"--resume: no complete checkpoint in {spec.save_dir}")
     return ckpt
+
+
+def checkpoint_feedback(ckpt: Checkpoint | None) -> dict[int, dict[str, torch.Tensor]]:
+    """The --sync sparseloco error feedback a checkpoint holds (per replica, by name); {} if none."""
+    raw = (ckpt.optimizer_state or {}).get("feedback") if ckpt is not None else None
+    if not isinstance(raw, Mapping):
+        return {}
+    return {
+        int(r): {str(n): t.float() for n, t in acc.items() if isinstance(t, torch.Tensor)}
+        for r, acc in raw.items()
+        if isinstance(acc, Mapping)
+    }
 
 
 def load_resume(

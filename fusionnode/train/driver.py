@@ -37,7 +37,14 @@ from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig
 from fusionnode.train import checks
-from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
+from fusionnode.train.checkpoint import (
+    checkpoint_feedback,
+    job_secret,
+    load_resume,
+    read_resume,
+    save_at,
+    save_job,
+)
 from fusionnode.train.placement import (
     PLANNERS,
     STAGE_ID_STRIDE,
@@ -132,8 +139,8 @@ class Driver:
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.sync = SyncConfig.from_dict(params.get("sync"))
-        if job.sync.rounds and (params.get("resume") or int(params.get("rebalance_every") or 0) > 0):
-            raise ConfigError(f"--sync {job.sync.mode} does not resume or rebalance yet")
+        if job.sync.rounds and int(params.get("rebalance_every") or 0) > 0:
+            raise ConfigError(f"--rebalance-every: --sync {job.sync.mode} does not rebalance yet")
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
@@ -301,7 +308,19 @@ class Driver:
                         )
                         start_step = applied[0]
                     full = await self.placement.current_params(job, stage_args, host_of, all_names=full)
-            await self.placement.ship(job, stage_args, full)
+                    if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
+                        job.rounds_closed = -(-start_step // job.sync.inner_steps)
+            feedback = None
+            if job.sync.mode == "sparseloco" and ckpt is not None:
+                # the replicas' error feedback, when the checkpoint it came with is the step resumed
+                feedback = checkpoint_feedback(ckpt) if start_step == ckpt.step else None
+                if not feedback:
+                    metrics.event(
+                        "resume",
+                        reason="no error feedback for this step: the replicas start new ones",
+                        step=start_step,
+                    )
+            await self.placement.ship(job, stage_args, full, feedback)
             job.state = "running"
             run = Run(
                 traced=traced,
@@ -335,7 +354,8 @@ class Driver:
                 metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            result = await self._finish(job, model, final, source, metrics)
+            feedback = await self._feedback(job, run) if spec.save_dir else None
+            result = await self._finish(job, model, final, source, metrics, feedback)
             if run.checks is not None:  # the checks' totals, and the secret their choices came from
                 v = run.checks.v
                 result["verify"] = {
@@ -391,15 +411,13 @@ class Driver:
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_REPLAYS:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
-                step = await self.recovery.recover_hosts(job, run, step, fail)
+                resume_at = await self.recovery.recover_hosts(job, run, step, fail)
+                if job.sync.rounds:
+                    resume_at = await self._round_restart(job, run, step, [resume_at])
+                step = resume_at
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
-                if job.sync.rounds:
-                    raise PeerError(
-                        f"step {step} failed ({fail.summary()}); --sync {job.sync.mode} does not recover "
-                        "a failed worker yet"
-                    ) from None
                 if not job.offload:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
@@ -410,6 +428,8 @@ class Driver:
                         f"step {step} failed {failures_in_a_row} times in a row: {fail.summary()}"
                     ) from None
                 await self.recovery.recover(job, run, source, step, fail)
+                if job.sync.rounds:
+                    step = await self._round_restart(job, run, step, job.hosts_applied)
                 continue
             failures_in_a_row = 0
             step_time = time.perf_counter() - t0
@@ -450,6 +470,10 @@ class Driver:
             }
             if job.offload:
                 record["optimizer_hosts"] = job.host_counters
+            if job.sync.rounds:  # the round ledger: the rounds the hosts have applied, and this step's
+                record["rounds_applied"] = job.rounds_closed
+                if job.sync.round_closes(step, spec.steps):
+                    record["round_closed"] = step // job.sync.inner_steps
             if run.checks is not None and run.checks.last is not None:
                 record["verify"] = run.checks.last
             run.metrics.step(record)
@@ -463,8 +487,11 @@ class Driver:
             step += 1
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
                 await self.recovery.recover(job, run, source, step, late)
+                if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
+                    step = await self._round_restart(job, run, step - 1, job.hosts_applied)
                 continue
-            if save_at(spec, step) and step < spec.steps:
+            due = job.sync.checkpoint_due(step, spec.save_every) if job.sync.rounds else save_at(spec, step)
+            if spec.save_dir and due and step < spec.steps:
                 try:
                     await asyncio.to_thread(
                         save_job,
@@ -472,6 +499,7 @@ class Driver:
                         step,
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
+                        await self._feedback(job, run),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
@@ -483,8 +511,48 @@ class Driver:
             ):
                 await self.recovery.maybe_rebalance(job, run, step)
 
+    async def _feedback(self, job: Job, run: Run) -> dict[int, dict[str, torch.Tensor]] | None:
+        """--sync sparseloco: the replicas' error feedback, for a checkpoint at a round boundary."""
+        if job.sync.mode != "sparseloco":
+            return None
+        return await self.placement.fetch_feedback(job, run.stage_args)
+
+    async def _round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
+        """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
+        (every round they closed, each once); the job goes on from the first step of the round they
+        have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
+        round's start), with new inner optimizer state. Returns that step."""
+        if len(set(applied)) != 1:
+            raise PlanError(
+                f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "
+                "a stage died while sending its round; restart with --resume from the last checkpoint"
+            )
+        h = job.sync.inner_steps
+        if applied[0] % h:
+            raise PlanError(f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {h})")
+        job.rounds_closed = applied[0] // h
+        restart = min(applied[0], job.spec.steps)
+        job.step = restart
+        await run.event(
+            job,
+            "recovered",
+            step=failed_at,
+            role="rounds",
+            replay_from=restart,
+            rounds_applied=job.rounds_closed,
+            reason=f"round {job.rounds_closed} is redone from its start on the new plan (rounds "
+            f"0..{job.rounds_closed - 1} were applied once)",
+        )
+        return restart
+
     async def _finish(
-        self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any
+        self,
+        job: Job,
+        model: Any,
+        final: dict[str, torch.Tensor],
+        source: Any,
+        metrics: Any,
+        feedback: dict[int, dict[str, torch.Tensor]] | None = None,
     ) -> dict[str, Any]:
         from fusionnode.train.generate import generate
         from fusionnode.train.local import evaluate
@@ -498,7 +566,7 @@ class Driver:
         checkpoint = None
         if job.spec.save_dir:
             try:
-                checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final)
+                checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final, feedback)
             except (OSError, FusionNodeError) as exc:  # the trained result is still reported
                 logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
                 metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)

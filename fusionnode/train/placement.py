@@ -21,6 +21,7 @@ import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
+from fusionnode.optim.rounds import contributing_names
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.sync import state_copies
@@ -513,12 +514,27 @@ class Placement:
             )
         return refused
 
-    async def ship(self, job: Job, stage_args: list[StageAssignment], full: dict[str, torch.Tensor]) -> None:
+    async def ship(
+        self,
+        job: Job,
+        stage_args: list[StageAssignment],
+        full: dict[str, torch.Tensor],
+        feedback: dict[int, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """Sends each stage its parameters and starts it; `feedback` (a resumed --sync sparseloco job):
+        per replica, the error feedback of each name, sent to the stage that sends that name."""
+        senders = contributing_names(stage_args) if feedback else {}
+
         async def ship(a: StageAssignment) -> None:
             for idx, name in enumerate(sorted(a.param_specs)):
                 meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
                 await self.t.send(a.peer, tensor_message(TensorKind.PARAMS, meta, {name: full[name]}))
-            req = jp.StageRef(job=job.spec.job_id, stage=a.stage)
+            mine = (feedback or {}).get(a.replica, {})
+            names = [n for n in senders.get(a.stage, []) if n in mine]
+            for idx, name in enumerate(names):
+                meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
+                await self.t.send(a.peer, tensor_message(TensorKind.FEEDBACK, meta, {name: mine[name]}))
+            req = jp.StageRef(job=job.spec.job_id, stage=a.stage, feedback=len(names))
             await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s)
 
         await asyncio.gather(*(ship(a) for a in stage_args))
@@ -548,6 +564,30 @@ class Placement:
                     out[name] = out[name] + t
                 else:
                     out.setdefault(name, t)
+        return out
+
+    async def fetch_feedback(
+        self, job: Job, stage_args: list[StageAssignment]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """--sync sparseloco: every replica's error-feedback accumulators, by name (for a checkpoint)."""
+
+        async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
+            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what="feedback")
+            res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.step_timeout_s)
+            got: dict[str, torch.Tensor] = {}
+            for idx in range(res.count):
+                msg, src = await self.t.mailbox.get(
+                    (TensorKind.FEEDBACK, job.spec.job_id, -1, idx, a.stage),
+                    self.step_timeout_s,
+                    sender=a.peer,
+                )
+                got.update(decode_checked(msg, a.param_specs, None, src))
+            return got
+
+        parts = await asyncio.gather(*(one(a) for a in stage_args))
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for a, part in zip(stage_args, parts, strict=True):
+            out.setdefault(a.replica, {}).update(part)
         return out
 
     def release_calls(self, job: Job, abort: bool, timeout: float = 5.0) -> list[Any]:

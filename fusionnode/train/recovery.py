@@ -18,7 +18,7 @@ from typing import Any
 
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
-from fusionnode.train.checkpoint import load_resume, read_resume, save_job
+from fusionnode.train.checkpoint import checkpoint_feedback, load_resume, read_resume, save_job
 from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected, layout
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import StepFailed
@@ -296,9 +296,12 @@ class Recovery:
         stage_args, _workers = await self.placement.place(list(workers), lay, assign, run.metrics, run.emit)
         self.placement.accept(job, stage_args)
         if job.offload:
-            await self.hosts.replan(spec.job_id, job.hosts, run.host_of, expected(job, stage_args))
-        await self.placement.ship(job, stage_args, current)
+            job.hosts_applied = await self.hosts.replan(
+                spec.job_id, job.hosts, run.host_of, expected(job, stage_args)
+            )
+        await self.placement.ship(job, stage_args, current, await self.round_feedback(job))
         run.stage_args = stage_args
+        run.names_by_stage = None  # which stage sends which name at a round's end: the new stage ids
         run.steps_on_plan = 0
         run.target_time_s = None
         run.move_s = time.perf_counter() - t0
@@ -327,6 +330,18 @@ class Recovery:
             shares=[p.samples for p in job.pipelines],
             move_s=round(run.move_s, 3),
         )
+
+    async def round_feedback(self, job: Job) -> dict[int, dict[str, Any]] | None:
+        """--sync sparseloco, a round redone on a new plan: the replicas' error feedback at the round's
+        start, from the driver's checkpoint of that step when there is one (else the new stages start
+        new accumulators)."""
+        if job.sync.mode != "sparseloco" or not job.spec.save_dir or len(set(job.hosts_applied)) != 1:
+            return None
+        try:
+            ckpt = await asyncio.to_thread(read_resume, job.spec)
+        except (ConfigError, OSError):
+            return None
+        return checkpoint_feedback(ckpt) or None if ckpt.step == job.hosts_applied[0] else None
 
     async def maybe_rebalance(self, job: Job, run: Run, step: int) -> None:
         """Straggler rebalancing and use of joined peers, for every layout (one pipeline or several

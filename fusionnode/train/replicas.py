@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.outer import make_outer
 from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
 from fusionnode.sync import SyncConfig
 from fusionnode.train.data import BatchSource, loss_scale, step_seed
@@ -128,8 +129,20 @@ def train_local_replicas(
     progress: Callable[[dict[str, Any]], None] | None = None,
     eval_every: int = 0,
     eval_batches: int = EVAL_BATCHES,
+    restart_rounds: Collection[int] = (),
+    fresh_outer_rounds: Collection[int] = (),
+    fresh_feedback_rounds: Collection[int] = (),
+    on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """Train `spec` as `replicas` data-parallel replicas synchronised by `sync`, in this process.
+
+    `restart_rounds` (diloco/sparseloco): rounds that start with new inner optimizers on every
+    replica, as after the swarm redid a round on a new plan (a worker died, a host was replaced, the
+    job resumed); `fresh_feedback_rounds`: rounds that start with new SparseLoCo error feedback (a
+    redone round: the dead stage's accumulators are gone); `fresh_outer_rounds`: rounds that start
+    with a new outer optimizer state, as after the optimizer hosts restarted from the driver's
+    checkpoint. The reference those runs follow.
+    `on_round(round, θ)` sees the shared parameters after each round (a copy).
 
     With `eval_every` > 0, the validation loss of the shared parameters is added to the record of
     every step whose number + 1 is a multiple of it (under diloco/sparseloco, a step that closes a
@@ -151,7 +164,18 @@ def train_local_replicas(
                 progress(rec)
 
         if sync.rounds:
-            res = _round_modes(spec, sync, shares, seq_len, emit, records, eval_every, eval_batches)
+            res = _round_modes(
+                spec,
+                sync,
+                shares,
+                seq_len,
+                emit,
+                records,
+                eval_every,
+                eval_batches,
+                (frozenset(restart_rounds), frozenset(fresh_outer_rounds), frozenset(fresh_feedback_rounds)),
+                on_round,
+            )
         else:
             res = _step_mode(spec, sync, replicas, seq_len, emit, records, eval_every, eval_batches)
         metrics.event("eval", step=spec.steps, val_loss=res.val_loss)
@@ -168,6 +192,8 @@ def _round_modes(
     records: list[dict[str, Any]],
     eval_every: int,
     eval_batches: int,
+    restarts: tuple[frozenset[int], ...] = (frozenset(), frozenset(), frozenset()),
+    on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
 ) -> ReplicasResult:
     """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
     replicas = len(shares)
@@ -185,6 +211,13 @@ def _round_modes(
     losses: list[float] = []
     for step in range(spec.steps):
         t0 = time.perf_counter()
+        at = step // sync.inner_steps if step % sync.inner_steps == 0 else None
+        if at in restarts[0]:
+            opts = [make_optimizer(mdl, spec) for mdl in models]
+        if at in restarts[1]:
+            host.outer = make_outer(sync)
+        if at in restarts[2]:
+            senders = [ReplicaSync(sync) for _ in range(replicas)]
         batches = source.shard_batches(step, shares)
         rlosses = []
         for r in range(replicas):
@@ -214,6 +247,8 @@ def _round_modes(
                             p.copy_(theta[n])
             tokens_in_round = [0] * replicas
             rec["round_closed"] = host.round - 1
+            if on_round is not None:
+                on_round(host.round - 1, {n: t.clone() for n, t in theta.items()})
         rec.update(
             step_time_s=time.perf_counter() - t0,
             wire_bytes=wire,

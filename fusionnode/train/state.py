@@ -50,6 +50,7 @@ class Job:
         self.sync = SyncConfig()  # --sync (issue 19): diloco/sparseloco close rounds on the hosts
         self.round_bytes = 0  # bytes the stages sent at the last step's round end (issue 19)
         self.rounds_closed = 0
+        self.hosts_applied: list[int] = []  # the hosts' applied steps at the last re-plan (round ledger)
         self.round_host_bytes: dict[str, list[int]] = {}  # host -> cumulative [received, sent], rounds
         self.step = 0
         self.loss: float | None = None

@@ -164,7 +164,17 @@ class Stepper:
             await self.dump_grads(job, stage_args, run.params["dump_grads"])
         commit_by_stage: dict[int, dict[str, Any]] | None = None
         if job.sync.rounds:  # issue 19: each replica steps its own inner optimizer; rounds on the hosts
-            grad_norm, commit_by_stage = await self.round_commit_args(job, run, stage_args, reports, step, lr)
+            # the tied-weight sums go to the stages: a stage that died since its report fails the
+            # step (a StepFailed, recovered as any other), not the job
+            key = ("round_args", 0)
+            got = await self.gather_or_fail(
+                job,
+                run,
+                step,
+                {key: self.round_commit_args(job, run, stage_args, reports, step, lr)},
+                {key: self.t.peer_id},
+            )
+            grad_norm, commit_by_stage = got[key]
             commit_extra: dict[str, Any] = {}
         elif job.offload:
             try:
@@ -215,8 +225,12 @@ class Stepper:
             if job.sync.rounds:
                 job.count_round(step, [r.round_bytes for r in committed.values()])
         except StepFailed as fail:
-            if not job.offload or job.sync.rounds:
+            if not job.offload:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
+            if job.sync.rounds:  # recorded; the driver then asks the hosts whether the round closed
+                if isinstance(fail, HostFailed):  # a host died at the round's end: restored first
+                    raise
+                job.round_bytes = 0
             late = fail
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}

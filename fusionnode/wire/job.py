@@ -83,11 +83,16 @@ class TensorKind:
     AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
     PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
     ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
+    FEEDBACK: Final = "error_feedback"  # sparseloco accumulators: `job.fetch`, or before `job.start`
     ALL: ClassVar[frozenset[str]]
 
 
 TensorKind.ALL = frozenset(v for k, v in vars(TensorKind).items() if k.isupper() and isinstance(v, str))
-FETCH_KIND: Final = {"params": TensorKind.FETCH_PARAMS, "grads": TensorKind.FETCH_GRADS}
+FETCH_KIND: Final = {
+    "params": TensorKind.FETCH_PARAMS,
+    "grads": TensorKind.FETCH_GRADS,
+    "feedback": TensorKind.FEEDBACK,
+}
 
 
 # ---------------------------------------------------------------- typed messages
@@ -187,10 +192,12 @@ class AssignReply(JobMessage):
 
 @message
 class StageRef(JobMessage):
-    """`job.start`: build the stage from the `params` messages sent before it."""
+    """`job.start`: build the stage from the `params` messages sent before it (and `feedback` error
+    feedback accumulators of a resumed --sync sparseloco job)."""
 
     job: str
     stage: int
+    feedback: int = 0
 
 
 @message

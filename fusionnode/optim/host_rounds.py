@@ -1,0 +1,161 @@
+"""The optimizer host's side of the --sync diloco|sparseloco rounds (issue 19): the stages'
+pseudo-gradients in, the outer step on the masters once every replica sent every name, the round's
+update out (`opt.round_pull`), and a checkpoint of the shard with the outer state at the round
+boundaries the job checkpoints. Mixed into `optim.host.OptimizerHostService`."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.optim.checkpoint import save_shard
+from fusionnode.optim.rounds import RoundError
+from fusionnode.optim.store import ExpectedContributions
+from fusionnode.wire import job as jp
+from fusionnode.wire.job import ErrorCode, JobError, TensorKind
+from fusionnode.wire.messages import TensorMessage
+from fusionnode.wire.tensors import decode_tensor, pack_encoded
+
+logger = logging.getLogger(__name__)
+
+READY_POLL_S = 0.005  # seconds between checks of a step's completeness or a round's closing
+
+
+def _data_bytes(msg: TensorMessage) -> int:
+    """Bytes of a data message's encoded tensors (descriptor and payload): what a host counts as received."""
+    return sum(len(pack_encoded(enc)) for enc in msg.tensors.values())
+
+
+class HostRounds:
+    """Round handling of `OptimizerHostService`, which provides its shards, bans, transport, step
+    deadline, `_shard` (a caller's shard or a JobError) and `_offence` (an offence counted, banned)."""
+
+    shards: dict[str, Any]
+    bans: Any
+    t: Any
+    step_deadline_s: float
+    _offence: Any
+    _shard: Any
+
+    def _on_round(self, msg: TensorMessage, sender: str) -> None:
+        """A stage's pseudo-gradients of a round (issue 19); the round closes, and the outer step is
+        applied to the masters, when every replica sent every name of the shard."""
+        m = msg.meta
+        shard = self.shards.get(str(m.get("job")))
+        if shard is None or shard.rounds is None:
+            return
+        key = str(m.get("contributor", ""))
+        if shard.peers.get(key) != sender or self.bans.is_banned(sender):
+            shard.rejected["not_in_plan"] = shard.rejected.get("not_in_plan", 0) + 1
+            return
+        shard.received_bytes += _data_bytes(msg)
+        for name, enc in msg.tensors.items():
+            spec = shard.specs.get(name)
+            try:
+                value = decode_tensor(enc)
+            except Exception as exc:
+                self._offence(shard, sender, "undecodable", str(exc)[:200])
+                return
+            if (
+                spec is None
+                or tuple(value.shape) != tuple(spec["shape"])
+                or not bool(torch.isfinite(value).all())
+            ):
+                self._offence(shard, sender, "rejected_shape", f"round pseudo-gradient {name}")
+                return
+        try:
+            # the replica is the one the plan gives the sender's contributor key, and its weight what the
+            # plan gives that replica (samples per step; every replica runs the same steps of the same
+            # length in a round closed by step count): never what a worker claims
+            replica = shard.replica_of.get(key)
+            if replica is None:
+                raise RoundError(f"contributor {key!r} is not in this job's plan")
+            weight = float(shard.replica_samples[replica])
+            complete = shard.rounds.add(int(m["step"]), replica, weight, dict(msg.tensors))
+        except (RoundError, KeyError, TypeError, ValueError) as exc:
+            shard.rejected["round"] = shard.rejected.get("round", 0) + 1
+            logger.warning("round contribution from %s refused: %s", sender[:12], exc)
+            return
+        if complete:
+            rounds = shard.rounds
+            h = rounds.cfg.inner_steps
+            # the store's applied step is the round ledger's step count: a re-plan or a restore
+            # answers it, and the driver goes on from the open round's first step
+            update = shard.store.update_masters(rounds.close, applied_step=(rounds.round + 1) * h)
+            shard.round_updates[update.round] = update
+            for old in [r for r in shard.round_updates if r < update.round - 1]:
+                del shard.round_updates[old]
+            done = shard.store.applied_step
+            if shard.save_dir is not None and rounds.cfg.checkpoint_due(done, shard.save_every):
+                self._save_round(shard, done, rounds.state())
+
+    def _save_round(self, shard: Any, step: int, state: Any) -> None:
+        """Writes the shard with the rounds' outer state after a round (in a thread; the state was
+        taken when the round closed, the store's is taken at `step` or the save is skipped)."""
+
+        async def save() -> None:
+            try:
+                await asyncio.to_thread(
+                    functools.partial(save_shard, owner=shard.owner, rounds=state),
+                    shard.save_dir,
+                    shard.job,
+                    f"h{shard.host_index}",
+                    step,
+                    shard.store,
+                )
+            except (OSError, FusionNodeError) as exc:  # the previous checkpoint stays; training goes on
+                logger.error("could not write the shard checkpoint of round step %d: %s", step, exc)
+
+        task = asyncio.get_running_loop().create_task(save())
+        shard.saves.add(task)
+        task.add_done_callback(shard.saves.discard)
+
+    async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
+        """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
+        update of `names`: u per name (diloco), or every replica's message per name, its weight in
+        the meta (sparseloco)."""
+        shard = self._shard(req.job, sender, driver_only=False)
+        if sender not in set(shard.peers.values()):
+            raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull a round")
+        if not 0 <= req.first < 1 << 40:
+            raise JobError(ErrorCode.BAD_REQUEST, f"first must be in [0, 2^40), got {req.first}")
+        names = list(req.names)
+        if any(n not in shard.specs for n in names):
+            raise JobError(ErrorCode.NOT_HELD, "this host does not hold all of those names")
+        deadline = time.monotonic() + self.step_deadline_s
+        while req.round not in shard.round_updates and time.monotonic() < deadline:
+            if shard.rounds is None or shard.rounds.round > req.round + 1:
+                break
+            await asyncio.sleep(READY_POLL_S)
+        update = shard.round_updates.get(req.round)
+        if update is None:
+            raise JobError(
+                ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
+            )
+        if update.mode == "diloco":
+            series = [({name: update.updates[name]}, None) for name in names]
+        else:
+            series = [({name: encs[name]}, w) for w, encs in update.relayed for name in names]
+        for idx, (tensors, weight) in enumerate(series):
+            meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
+            if weight is not None:
+                meta["weight"] = weight
+            shard.sent_bytes += await self.t.send(
+                sender, TensorMessage(TensorKind.ROUND_UPDATE, meta, tensors)
+            )
+        return jp.CountReply(count=len(series))
+
+    @staticmethod
+    def _plan_replicas(shard: Any, expected: ExpectedContributions) -> None:
+        """The replica of each contributor key and each replica's samples per step, from the plan."""
+        shard.replica_of, shard.replica_samples = {}, {}
+        for contribs in expected.by_name.values():
+            for key, c in contribs.items():
+                shard.replica_of[key] = int(c.replica)
+                shard.replica_samples[int(c.replica)] = c.samples
