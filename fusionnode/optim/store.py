@@ -82,6 +82,7 @@ COUNTER_NAMES = (
     "forced",
     "empty_steps",  # forced steps that had no contribution at all
     "dropped_partial",  # (name, replica) pairs left out of a forced step as incomplete
+    "rolled_back",  # applied steps undone (a spot-check caught a worker lying in them)
 )
 
 
@@ -236,6 +237,9 @@ class ParameterStore:
         self._pending: dict[int, _Pending] = {}
         self._results: OrderedDict[int, ApplyResult] = OrderedDict()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        # the state before the last applied step, kept when an apply asks (`keep`): a spot-checked
+        # job's step is checked while the next one runs, and rolled back when a worker lied in it
+        self._previous: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -380,14 +384,21 @@ class ParameterStore:
             return FlatOptimizer.grad_sq_norm(pend.mean)
 
     def apply(
-        self, step: int, lr: float | None = None, *, force: bool = False, clip_coef: float | None = None
+        self,
+        step: int,
+        lr: float | None = None,
+        *,
+        force: bool = False,
+        clip_coef: float | None = None,
+        keep: bool = False,
     ) -> ApplyResult:
         """Apply `step` once: when all contributions arrived, or with what arrived when `force`.
 
         Returns applied=False (and the missing contributors) when not ready and not forced.
         Re-applying an applied step returns the earlier result. A forced step with no
         contribution at all advances `applied_step` without updating anything.
-        Raises StepOrderError for a step beyond applied_step + 1.
+        Raises StepOrderError for a step beyond applied_step + 1. `keep`: the state before the step
+        is kept, so that `rollback(step - 1)` can undo it (one step deep).
         """
         with self._apply_lock:
             with self._lock:
@@ -412,6 +423,7 @@ class ParameterStore:
                     )
                 self._pending.pop(step, None)
                 self._applying = step
+            self._previous = self._keep_state(self._previous) if keep else None
             try:
                 result = self._apply_pending(
                     step, pend, lr, force=force and not complete, clip_coef=clip_coef
@@ -528,6 +540,50 @@ class ParameterStore:
         if dropped:
             logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
         return dropped
+
+    def _keep_state(self, into: dict[str, Any] | None) -> dict[str, Any]:
+        """The state now (under the apply lock), copied into `into`'s buffers when it has them."""
+        osd = self._opt.state_dict()
+        tensors = {("params", n): p for n, p in self._opt.params.items()}
+        tensors.update({(k, n): t for k, v in osd["state"].items() for n, t in v.items()})
+        if into is not None and set(into["tensors"]) == set(tensors):
+            for key, t in tensors.items():
+                into["tensors"][key].copy_(t)
+        else:
+            into = {"tensors": {key: t.clone() for key, t in tensors.items()}}
+        into["applied_step"] = self._applied_step
+        into["steps"] = dict(osd["steps"])
+        return into
+
+    def rollback(self, step: int) -> bool:
+        """Back to the state after `step`: the applied step kept with `apply(..., keep=True)` is
+        undone (parameters and optimizer state as before it), and pending contributions are dropped.
+        Returns whether a step was undone; StepOrderError when the store cannot go back to `step`."""
+        with self._apply_lock:
+            with self._lock:
+                applied = self._applied_step
+                self._pending.clear()
+            if applied == step:
+                return False
+            prev = self._previous
+            if prev is None or prev["applied_step"] != step or applied != step + 1:
+                raise StepOrderError(
+                    f"cannot roll back to step {step}: applied {applied}, kept "
+                    f"{None if prev is None else prev['applied_step']}"
+                )
+            state: dict[str, dict[str, Tensor]] = {}
+            for (kind, n), t in prev["tensors"].items():
+                if kind == "params":
+                    self._opt.params[n].copy_(t)
+                else:
+                    state.setdefault(kind, {})[n] = t
+            self._opt.load_state_dict({"steps": prev["steps"], "state": state})
+            self._previous = None
+            with self._lock:
+                self._applied_step = step
+                self._results.pop(step + 1, None)
+                self._counters["rolled_back"] += 1
+            return True
 
     def update_masters(self, fn: Callable[[dict[str, Tensor]], Any]) -> Any:
         """Runs `fn` on the fp32 masters (updated in place) under the apply lock: the outer step of a

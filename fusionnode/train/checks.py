@@ -2,10 +2,20 @@
 
 `job_policy` resolves `--verify-policy` / `--verify-rate` for a job (off with a notice when its links
 are lossy); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
-and target it sends), `prefetch` (once the stages run) and `check` (after the stages reported,
-before the optimizer): a caught worker is out of the job (`caught` event, `run.gone`) and the step
-fails with `bad_tensor` blaming it, so recovery bans it, drops the step's contributions and replays
-the step on a new plan; a dispute nobody can be blamed for replays the step with the same peers.
+and target it sends), `prefetch` (once the stages run), then after the stages reported:
+
+- with offload (`deferred`): `launch` before the optimizer (the draw, the checked stages'
+  parameters), whose audits and recomputes run in the background while the next step runs; that
+  next step `settle`s them before its own update. A lie found there raises `Rollback` for the
+  checked step: the optimizer hosts, which kept the state before it (`opt.apply` with `keep`), undo
+  it (`opt.rollback`), the liar is banned, and the job replays from the lied step on a new plan;
+  nothing of the lie stays in the model, and honest steps are applied exactly as without checks;
+- without offload: `check` before the optimizer, on the critical path (the workers update their
+  own parameters at commit, which cannot be rolled back).
+
+A caught worker is out of the job (`caught` event, `run.gone`) and the step fails with `bad_tensor`
+blaming it, so recovery bans it, drops the step's contributions and replays the step on a new plan;
+a dispute nobody can be blamed for replays the step with the same peers.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any
 
 import torch
@@ -101,6 +112,8 @@ class StepChecks:
         self.membership = membership
         self.timeout_s = step_timeout_s
         self.last: dict[str, Any] | None = None  # what the last step's checks covered (its record)
+        self.pending: tuple[int, asyncio.Future] | None = None  # (step, its checks running)
+        self.wait_s = 0.0  # time steps waited for a background check to end (on the critical path)
 
     def before_step(self) -> None:
         self.v.start_step()
@@ -149,22 +162,71 @@ class StepChecks:
                 out.setdefault(contributor, {}).update(names)
         return out
 
-    async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
-        """Checks the step; raises `failed` (StepFailed) when a worker is caught or a dispute stands."""
-        stages = [_as_map(a) for a in run.stage_args]
+    async def _device_kinds(self, stages: list[dict[str, Any]]) -> None:
         if any(s["peer"] not in self.v.device_kinds for s in stages):
             with contextlib.suppress(FusionNodeError, OSError, asyncio.TimeoutError):
                 self.v.device_kinds = {p.peer_id: p.device.kind for p in await self.membership.peers()}
-        verdict = await self.v.check(
+
+    async def _prepare(self, job: Any, run: Any, step: int, reports: list[Any]) -> Any:
+        stages = [_as_map(a) for a in run.stage_args]
+        await self._device_kinds(stages)
+        prep = await self.v.prepare(
             step,
             stages,
             [r.to_wire() for r in reports],
             self._micro_batches(job),
             lambda s: self._params(job, run, s),
             check_grads=True,
-            pushed_for=(lambda st: self._pushed(job, st)) if job.offload else None,
         )
-        self.last = {"checked": {str(k): v for k, v in verdict.plan.items()}, "grads": verdict.grads}
+        self.last = {
+            "step": step,
+            "checked": {str(k): v for k, v in prep.verdict.plan.items()},
+            "grads": prep.verdict.grads,
+        }
+        return prep
+
+    def _finish(self, job: Any, prep: Any) -> Any:
+        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None)
+
+    async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
+        """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
+        stands (the path without offload: the workers apply their own updates, nothing to roll back)."""
+        prep = await self._prepare(job, run, step, reports)
+        await self.judge(job, run, step, await self._finish(job, prep), failed)
+
+    def deferred(self, job: Any) -> bool:
+        """Whether this job's steps are checked while the next step runs (off the critical path): with
+        offload, where the optimizer hosts keep the state before the last step and can roll it back."""
+        return bool(job.offload) and not job.sync.rounds
+
+    async def launch(self, job: Any, run: Any, step: int, reports: list[Any]) -> None:
+        """Before the step's update: the draw and the checked stages' parameters; the audits and
+        recomputes then run in the background (`settle` has their verdict) while the next step does."""
+        prep = await self._prepare(job, run, step, reports)
+        self.pending = (step, asyncio.ensure_future(self._finish(job, prep)))
+
+    async def settle(self) -> tuple[int, Any] | None:
+        """(step, verdict) of the check running in the background, once it ended; None when none runs."""
+        if self.pending is None:
+            return None
+        step, task = self.pending
+        self.pending = None
+        t0 = time.perf_counter()
+        try:
+            verdict = await task
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        return step, verdict
+
+    def cancel(self) -> None:
+        """Forgets the background check (the hosts were restored from a checkpoint: nothing to judge)."""
+        if self.pending is not None:
+            self.pending[1].cancel()
+            self.pending = None
+
+    async def judge(self, job: Any, run: Any, step: int, verdict: Any, failed: type) -> None:
+        """Nothing when the step's checks passed; else the caught peers are out of the job (`caught`
+        event, `run.gone`) and `failed(step, ...)` (StepFailed or its Rollback) is raised, blaming them."""
         if verdict.ok:
             return
         for peer, why in sorted(verdict.caught.items()):

@@ -51,7 +51,7 @@ from fusionnode.train.placement import (
 from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
-from fusionnode.train.step import HostFailed, StepFailed, Stepper, step_loss
+from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
 from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
@@ -331,6 +331,8 @@ class Driver:
                 result["verify"] = {
                     **v.policy.to_dict(),
                     **v.totals,
+                    "deferred": run.checks.deferred(job),
+                    "wait_s": run.checks.wait_s,
                     "commitment": v.selector.commitment,
                     "secret": v.selector.reveal(),
                 }
@@ -371,7 +373,13 @@ class Driver:
         tokens_total, time_total = 0, 0.0
         step = start_step
         failures_in_a_row = 0
-        while step < spec.steps:
+        while step < spec.steps or (run.checks is not None and run.checks.pending is not None):
+            if step >= spec.steps:  # the last step's checks, still running in the background
+                rollback = await self._settle(job, run)
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self._roll_back(job, run, source, rollback)
+                continue
             t0 = time.perf_counter()
             lr = lr_at(step, spec)
             wire0 = self.t.bytes_sent.get(jid, 0)
@@ -381,10 +389,19 @@ class Driver:
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_REPLAYS:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
+                if run.checks is not None:  # the hosts restore a checkpoint: the steps after it rerun
+                    run.checks.cancel()
                 step = await self.recovery.recover_hosts(job, run, step, fail)
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
+                if not isinstance(fail, Rollback):  # the previous step's checks first: a lie there wins
+                    fail = await self._settle(job, run) or fail
+                if isinstance(fail, Rollback):
+                    if failures_in_a_row > MAX_REPLAYS:
+                        raise PlanError(f"step {fail.step}: {fail.summary()}") from None
+                    step = await self._roll_back(job, run, source, fail)
+                    continue
                 if job.sync.rounds:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); --sync {job.sync.mode} does not recover "
@@ -455,6 +472,11 @@ class Driver:
                 await self.recovery.recover(job, run, source, step, late)
                 continue
             if save_at(spec, step) and step < spec.steps:
+                rollback = await self._settle(job, run)  # a checkpoint holds checked steps only
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self._roll_back(job, run, source, rollback)
+                    continue
                 try:
                     await asyncio.to_thread(
                         save_job,
@@ -472,6 +494,37 @@ class Driver:
                 and run.steps_on_plan >= run.rebalance_every
             ):
                 await self.recovery.maybe_rebalance(job, run, step)
+
+    async def _settle(self, job: Job, run: Run) -> Rollback | None:
+        """Waits for the checks running in the background (the last step's); the Rollback to do when
+        they caught a lie, else None."""
+        if run.checks is None:
+            return None
+        settled = await run.checks.settle()
+        if settled is None:
+            return None
+        try:
+            await run.checks.judge(job, run, settled[0], settled[1], Rollback)
+        except Rollback as rollback:
+            return rollback
+        return None
+
+    async def _roll_back(self, job: Job, run: Run, source: Any, fail: Rollback) -> int:
+        """Undoes the lied step on the optimizer hosts (and drops the step after it, not applied),
+        bans the liar, re-plans; returns the step to replay from (the lied one)."""
+        step = fail.step
+        await self.hosts.rollback(job.spec.job_id, job.hosts, step)  # the stores count from 1
+        job.history[:] = [r for r in job.history if r["step"] < step]
+        job.step = step
+        await run.event(
+            job,
+            "rollback",
+            peer=None,
+            step=step,
+            reason=f"a spot-check found a lie in step {step}: the optimizer hosts undid it; replaying from it",
+        )
+        await self.recovery.recover(job, run, source, step, fail)
+        return step
 
     async def _finish(
         self, job: Job, model: Any, final: dict[str, torch.Tensor], source: Any, metrics: Any

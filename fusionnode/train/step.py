@@ -57,6 +57,12 @@ class StepFailed(FusionNodeError):
         return "; ".join(parts)
 
 
+class Rollback(StepFailed):
+    """A spot-check that ran while the next step did found a lie in `step`, already applied: the
+    optimizer hosts undo it (they kept the state before it), the liar is banned, and the job replays
+    from `step` on a new plan (train/checks.py)."""
+
+
 class HostFailed(StepFailed):
     """An optimizer host died: restore every host from the last shard checkpoint and replay."""
 
@@ -156,7 +162,19 @@ class Stepper:
         reports = [results[("step", a.stage)] for a in stage_args]
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
-        if checks is not None:  # before the optimizer: nothing of a caught worker's step is applied
+        keep = False
+        if checks is not None and checks.deferred(job):
+            # the previous step's checks ran while this step did: a lie there rolls both back; this
+            # step's checks then start (the draw, the parameters it computed with) and run on while
+            # the next step does; the hosts keep the state before this step until they are judged
+            settled = await checks.settle()
+            if settled is not None:
+                await checks.judge(job, run, settled[0], settled[1], Rollback)
+            await checks.launch(job, run, step, reports)
+            keep = True
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
+        elif checks is not None:  # before the optimizer: nothing of a caught worker's step is applied
             await checks.check(job, run, step, reports, StepFailed)
             phases["verify_s"] = time.perf_counter() - t_phase
             t_phase = time.perf_counter()
@@ -169,7 +187,7 @@ class Stepper:
         elif job.offload:
             try:
                 applied = await self.hosts.apply(
-                    jid, job.hosts, step + 1, lr, spec.grad_clip, save_at(spec, step + 1)
+                    jid, job.hosts, step + 1, lr, spec.grad_clip, save_at(spec, step + 1), keep=keep
                 )  # the stores count steps from 1
                 grad_norm, job.host_counters = applied.grad_norm, applied.counters
             except (TimeoutError, FusionNodeError, OSError) as exc:

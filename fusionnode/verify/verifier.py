@@ -59,6 +59,22 @@ class Verdict:
         return not self.caught and not self.disputes
 
 
+@dataclass
+class Prepared:
+    """A step's checks once `Verifier.prepare` ran (before the step's update), for `Verifier.finish`."""
+
+    step: int
+    stage_args: Sequence[Mapping[str, Any]]
+    micro_batches: Callable[[Mapping[str, Any]], int]
+    verdict: Verdict
+    todo: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], list[int]]]
+    grad_checked: set[int]
+    disputes: list[tuple[int, int, int, str]]
+    params: dict[str, torch.Tensor]
+    t0: float
+    prepare_s: float
+
+
 def chain_disputes(
     stage_args: Sequence[Mapping[str, Any]],
     commits: Sequence[Mapping[str, Any] | None],
@@ -251,11 +267,28 @@ class Verifier:
         """With `check_grads`, a stage drawn for a gradient check (micro-batch -1 of the selector) has
         every micro-batch recomputed and its accumulated parameter gradients compared with those it
         shows; `pushed_for(step)` gives the optimizer hosts' digests of what each contributor pushed
-        (contributor -> name -> digest; None without offload), which what it shows must match."""
+        (contributor -> name -> digest; None without offload), which what it shows must match.
+        `prepare` + `finish` in one (the driver splits them to check a step while the next runs)."""
+        prep = await self.prepare(step, stage_args, reports, micro_batches, params_for, check_grads)
+        return await self.finish(prep, pushed_for)
+
+    async def prepare(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        reports: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+        params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
+        check_grads: bool = False,
+    ) -> Prepared:
+        """What must happen before the step's update is applied: the link cross-check, the draw, and
+        the checked stages' parameters (the values the stages computed with, which the optimizer
+        hosts overwrite when they apply the step). Takes this step's `fed` digests and prefetch."""
         t0 = time.perf_counter()
         verdict = Verdict()
+        fed, self.fed = self.fed, {}
         commits = [r.get("verify") for r in reports]
-        bad, disputes = chain_disputes(stage_args, commits, self.fed, micro_batches)
+        bad, disputes = chain_disputes(stage_args, commits, fed, micro_batches)
         verdict.caught.update(bad)
         forced: dict[int, set[int]] = {}
         for s, o, mb, _what in disputes:
@@ -278,17 +311,33 @@ class Verifier:
                 todo.append((a, r, c, sorted(mbs)))
         verdict.plan = {a["stage"]: mbs for a, _, _, mbs in todo}
         verdict.grads = sorted(grad_checked)
-        pushed_task = (
-            asyncio.ensure_future(pushed_for(step)) if grad_checked and pushed_for is not None else None
-        )
-        pushed = None
+        params: dict[str, torch.Tensor] = {}
         if todo:
             t1 = time.perf_counter()
             params = await self._params([a for a, _, _, _ in todo], params_for)
             self.totals["params_s"] += time.perf_counter() - t1
-            if pushed_task is not None:  # the hosts' digests, asked while the parameters came
+        else:
+            self.start_step()  # drops an unused prefetch
+        return Prepared(
+            step, stage_args, micro_batches, verdict, todo, grad_checked, disputes, params, t0,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+
+    async def finish(
+        self,
+        prep: Prepared,
+        pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
+    ) -> Verdict:
+        """The audits, recomputes and comparisons of a prepared step (they read only what the
+        workers kept and the parameters fetched: they may run while the next step does)."""
+        t0 = time.perf_counter()
+        step, stage_args, verdict, todo = prep.step, prep.stage_args, prep.verdict, prep.todo
+        micro_batches, grad_checked = prep.micro_batches, prep.grad_checked
+        pushed = None
+        if todo:
+            if grad_checked and pushed_for is not None:
                 t1 = time.perf_counter()
-                pushed = await pushed_task
+                pushed = await pushed_for(step)
                 self.totals["pushed_s"] += time.perf_counter() - t1
             results = await asyncio.gather(
                 *(
@@ -298,7 +347,7 @@ class Verifier:
                         r,
                         c,
                         mbs,
-                        params,
+                        prep.params,
                         micro_batches(a),
                         a["stage"] in grad_checked,
                         pushed,
@@ -316,10 +365,10 @@ class Verifier:
                     verdict.caught[a["peer"]] = res
                 verdict.checked += len(mbs)
         caught_stages = {a["stage"] for a in stage_args if a["peer"] in verdict.caught}
-        for s, o, mb, what in disputes:
+        for s, o, mb, what in prep.disputes:
             if s not in caught_stages and o not in caught_stages:
                 verdict.disputes.append(f"stage {s} -> {o if o >= 0 else 'driver'}, micro-batch {mb}: {what}")
-        verdict.seconds = time.perf_counter() - t0
+        verdict.seconds = prep.prepare_s + time.perf_counter() - t0
         self.totals["steps"] += 1
         self.totals["checked"] += verdict.checked
         self.totals["caught"] += len(verdict.caught)
@@ -462,4 +511,4 @@ class Verifier:
             self.totals["recompute_s"] += time.perf_counter() - t1
 
 
-__all__ = ["AUDIT_RPC", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
+__all__ = ["AUDIT_RPC", "Prepared", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
