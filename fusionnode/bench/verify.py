@@ -53,6 +53,7 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
 }
 CATCH_WITHIN = 20  # steps: the target
+SECTIONS = ("sim", "overhead", "lies", "seeded", "clean")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,15 +109,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workdir", default=None, help="peers' state and logs (default: a new temporary directory)"
     )
+    p.add_argument(
+        "--sections",
+        default="sim,overhead,lies,clean",
+        help="what to run, comma-separated among sim, overhead, lies, seeded, clean (default %(default)s)",
+    )
+    p.add_argument(
+        "--seeded-runs",
+        type=int,
+        default=100,
+        help="real seeded runs per kind of lie in the 'seeded' section (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KIND_CONFIGS for k in kinds):
         p.error(f"--kinds: choose among {', '.join(KIND_CONFIGS)}")
     args.kinds = kinds
+    sections = [x for x in args.sections.split(",") if x]
+    if not sections or any(x not in SECTIONS for x in sections):
+        p.error(f"--sections: choose among {', '.join(SECTIONS)}")
+    args.sections = sections
     if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
         p.error("--rate and --fraction must be in (0, 1]")
-    for name in ("runs", "sim_runs", "steps", "overhead_steps", "overhead_repeats", "micro_batches"):
+    for name in (
+        "runs",
+        "sim_runs",
+        "seeded_runs",
+        "steps",
+        "overhead_steps",
+        "overhead_repeats",
+        "micro_batches",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.clean_steps < 0:
@@ -185,29 +209,36 @@ def _events(events: list[dict], kind: str) -> list[dict]:
 
 def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {"off": [], "on": []}
+    per_run: dict[str, list[float]] = {"off": [], "on": []}  # each run's median step time
     verify_s: list[float] = []
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
+    deferred = None
     for r in range(args.overhead_repeats):
-        for mode in ("off", "on"):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternated: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             result, events = asyncio.run(
                 _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
             )
             steps = _steps(events)
             times[mode] += [s["step_time_s"] for s in steps[3:]]
+            per_run[mode].append(statistics.median(s["step_time_s"] for s in steps[3:]))
             if mode == "on":
                 verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
-                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps"):
+                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps", "wait_s"):
                     parts[k] = parts.get(k, 0.0) + result["verify"][k]
+                deferred = result["verify"].get("deferred")
             losses[mode] = steps[-1]["loss"]
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    pairs = [b / a - 1 for a, b in zip(per_run["off"], per_run["on"], strict=True)]
     return {
         "scenario": "overhead",
         "rate": args.rate,
         "median_step_s_off": round(off, 4),
         "median_step_s_on": round(on, 4),
         "overhead": round(on / off - 1, 4),
+        "overhead_per_pair": [round(x, 4) for x in pairs],
+        "checks_off_critical_path": deferred,
         "median_verify_phase_s": round(statistics.median(verify_s), 4),
         "verify_phase_share_of_step": round(statistics.median(verify_s) / on, 4),
         "final_loss_off": losses["off"],
@@ -215,7 +246,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "steps_timed": {k: len(v) for k, v in times.items()},
         "mean_per_step_s": {
             k: round(parts[k] / parts["steps"], 4)
-            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s")
+            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s", "wait_s")
         },
     }
 
@@ -336,6 +367,71 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def run_seeded(args: argparse.Namespace, swarm: Any) -> list[dict[str, Any]]:
+    """`--seeded-runs` real jobs per kind of lie at `--rate`, each of at most CATCH_WITHIN steps
+    and stopped (cancelled) as soon as the liar is caught; a tiny batch (4 sequences of 32 tokens,
+    `--micro-batches` micro-batches). Both workers other than the driver's peer carry the lie
+    before the job starts, so whichever the plan picks lies from step 0 (the spare runs nothing);
+    steps are counted from step 0. The driver forgets its bans at each job (a debug option)."""
+    from fusionnode import control
+    from fusionnode.errors import FusionNodeError
+
+    driver = swarm.ready[0]["peer_id"]
+    others = [i for i, rec in enumerate(swarm.ready) if rec["peer_id"] != driver]
+    tiny = argparse.Namespace(**{**vars(args), "batch_size": 4, "seq_len": 32})
+    out = []
+    for kind in args.kinds:
+        steps_needed: list[int | None] = []
+        wrong_peer, t0 = 0, time.monotonic()
+        for r in range(args.seeded_runs):
+            seed = 1000 + r
+            job_id = f"verify-seeded-{kind}-{r}-{os.getpid()}"
+            spec = _spec(tiny, job_id, CATCH_WITHIN, seed=seed)
+            for i in others:
+                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
+            caught: list[dict] = []
+            liars: list[str] = []
+
+            async def run_one(
+                spec: Any = spec, job_id: str = job_id, caught: list = caught, liars: list = liars
+            ) -> None:
+                async def on_event(ev: dict) -> None:
+                    if ev["type"] == "plan" and not liars:
+                        liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+                    if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
+                        caught.append(ev)
+                        await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
+
+                params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
+                try:
+                    await _train(swarm, params, on_event)
+                except (FusionNodeError, OSError) as exc:
+                    if not caught:  # a cancelled job ends its stream with an error: expected then
+                        raise RuntimeError(f"seeded run {job_id} failed: {exc}") from exc
+
+            try:
+                asyncio.run(run_one())
+            finally:
+                for i in others:
+                    (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+            steps_needed.append(caught[0]["step"] + 1 if caught else None)
+            wrong_peer += bool(caught) and caught[0]["peer"] not in liars
+        done = [x for x in steps_needed if x is not None]
+        out.append(
+            {
+                "scenario": f"seeded:{kind}",
+                "runs": args.seeded_runs,
+                f"caught_within_{CATCH_WITHIN}_steps": sum(1 for x in done if x <= CATCH_WITHIN),
+                "median_steps_until_caught": statistics.median(done) if done else None,
+                "max_steps_until_caught": max(done) if done else None,
+                "caught_peer_not_the_liar": wrong_peer,
+                "steps_until_caught": steps_needed,
+                "wall_s": round(time.monotonic() - t0, 1),
+            }
+        )
+    return out
+
+
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
@@ -348,7 +444,9 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "micro_batches_checked": v.get("checked"),
         "false_positives_caught": len(_events(events, "caught")),
         "disputes": len(_events(events, "dispute")),
+        "rollbacks": len(_events(events, "rollback")),
         "failures": len(_events(events, "failure")),
+        "gradient_checks_and_check_seconds": [v.get("steps"), round(v.get("seconds", 0.0), 1)],
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -362,20 +460,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fusionnode-verify-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out: list[dict[str, Any]] = simulate(args)
-    for res in out:
-        _print(res, args.json)
+    if "sim" in args.sections:
+        for res in simulate(args):
+            _print(res, args.json)
+    if not set(args.sections) - {"sim"}:
+        return 0
     os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug hooks (the liar) are on
     swarm = LocalSwarm(workdir / "swarm", 3, log=sys.stderr)
     (workdir / "swarm").mkdir(parents=True, exist_ok=True)
     try:
         swarm.start()
         asyncio.run(swarm.wait_connected())
-        res = run_overhead(args, swarm)
-        _print(res, args.json)
-        for res in run_lies(args, swarm, workdir):
-            _print(res, args.json)
-        if args.clean_steps:
+        if "overhead" in args.sections:
+            _print(run_overhead(args, swarm), args.json)
+        if "lies" in args.sections:
+            for res in run_lies(args, swarm, workdir):
+                _print(res, args.json)
+        if "seeded" in args.sections:
+            for res in run_seeded(args, swarm):
+                _print(res, args.json)
+        if "clean" in args.sections and args.clean_steps:
             _print(run_clean(args, swarm), args.json)
     finally:
         swarm.stop()

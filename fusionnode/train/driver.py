@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from fusionnode.train.placement import (
     crossing_names,
     layout,
 )
-from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, Bans, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
@@ -115,6 +116,12 @@ class Driver:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
         verify_policy, verify_off = checks.job_policy(params, self.config, spec)
+        if params.get("debug_forget_bans"):  # `bench verify`'s seeded runs: each starts with no bans
+            from fusionnode.runtime.hooks import DEBUG_ENV
+
+            if os.environ.get(DEBUG_ENV) != "1":
+                raise ConfigError("debug_forget_bans needs a daemon started with --debug")
+            self.book.bans = Bans()
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
