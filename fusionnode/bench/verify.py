@@ -367,60 +367,82 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def run_seeded(args: argparse.Namespace, swarm: Any) -> list[dict[str, Any]]:
+def _seeded_run(
+    args: argparse.Namespace,
+    swarm: Any,
+    tiny: argparse.Namespace,
+    kind: str,
+    r: int,
+    attempt: int,
+    driver: str,
+    others: list[int],
+) -> tuple[list[dict], list[str]] | None:
+    """One seeded job: (its first `caught` event or none, the peers that carried the lie in its
+    first plan); None when it failed before its liar was caught."""
+    from fusionnode import control
+    from fusionnode.errors import FusionNodeError
+
+    seed = 1000 + r
+    job_id = f"verify-seeded-{kind}-{r}-{attempt}-{os.getpid()}"
+    spec = _spec(tiny, job_id, CATCH_WITHIN, seed=seed)
+    for i in others:
+        (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
+    caught: list[dict] = []
+    liars: list[str] = []
+
+    async def on_event(ev: dict) -> None:
+        if ev["type"] == "plan" and not liars:
+            liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+        if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
+            caught.append(ev)
+            await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
+
+    params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
+    try:
+        asyncio.run(_train(swarm, params, on_event))
+    except (FusionNodeError, OSError) as exc:
+        if not caught:  # a cancelled job ends its stream with an error: expected then
+            print(f"  seeded run {job_id} failed: {exc}", file=sys.stderr, flush=True)
+            return None
+    finally:
+        for i in others:
+            (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+    return caught, liars
+
+
+def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
     """`--seeded-runs` real jobs per kind of lie at `--rate`, each of at most CATCH_WITHIN steps
     and stopped (cancelled) as soon as the liar is caught; a tiny batch (4 sequences of 32 tokens,
     `--micro-batches` micro-batches). Both workers other than the driver's peer carry the lie
     before the job starts, so whichever the plan picks lies from step 0 (the spare runs nothing);
-    steps are counted from step 0. The driver forgets its bans at each job (a debug option)."""
-    from fusionnode import control
-    from fusionnode.errors import FusionNodeError
+    steps are counted from step 0. The driver forgets its bans at each job (a debug option). A job
+    that fails before its liar is caught (a stream reset at its start, say) is run again, at most
+    twice, then counted as failed. Yields one row per kind."""
 
     driver = swarm.ready[0]["peer_id"]
     others = [i for i, rec in enumerate(swarm.ready) if rec["peer_id"] != driver]
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 4, "seq_len": 32})
-    out = []
     for kind in args.kinds:
         steps_needed: list[int | None] = []
-        wrong_peer, t0 = 0, time.monotonic()
+        wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
         for r in range(args.seeded_runs):
-            seed = 1000 + r
-            job_id = f"verify-seeded-{kind}-{r}-{os.getpid()}"
-            spec = _spec(tiny, job_id, CATCH_WITHIN, seed=seed)
-            for i in others:
-                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
-            caught: list[dict] = []
-            liars: list[str] = []
-
-            async def run_one(
-                spec: Any = spec, job_id: str = job_id, caught: list = caught, liars: list = liars
-            ) -> None:
-                async def on_event(ev: dict) -> None:
-                    if ev["type"] == "plan" and not liars:
-                        liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
-                    if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
-                        caught.append(ev)
-                        await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
-
-                params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
-                try:
-                    await _train(swarm, params, on_event)
-                except (FusionNodeError, OSError) as exc:
-                    if not caught:  # a cancelled job ends its stream with an error: expected then
-                        raise RuntimeError(f"seeded run {job_id} failed: {exc}") from exc
-
-            try:
-                asyncio.run(run_one())
-            finally:
-                for i in others:
-                    (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
-            steps_needed.append(caught[0]["step"] + 1 if caught else None)
-            wrong_peer += bool(caught) and caught[0]["peer"] not in liars
+            for attempt in range(3):
+                got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
+                if got is not None:
+                    caught, liars = got
+                    steps_needed.append(caught[0]["step"] + 1 if caught else None)
+                    wrong_peer += bool(caught) and caught[0]["peer"] not in liars
+                    break
+                retried += 1
+            else:
+                failed += 1
         done = [x for x in steps_needed if x is not None]
-        out.append(
+        yield (
             {
                 "scenario": f"seeded:{kind}",
-                "runs": args.seeded_runs,
+                "runs": len(steps_needed),
+                "runs_failed_to_run": failed,
+                "attempts_retried": retried,
                 f"caught_within_{CATCH_WITHIN}_steps": sum(1 for x in done if x <= CATCH_WITHIN),
                 "median_steps_until_caught": statistics.median(done) if done else None,
                 "max_steps_until_caught": max(done) if done else None,
@@ -429,7 +451,6 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> list[dict[str, Any]]:
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )
-    return out
 
 
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:

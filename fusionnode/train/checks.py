@@ -81,10 +81,67 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
     return StageModule.from_description(description, params, device="cpu")
 
 
-def start(transport: Any, job_id: str, policy: Any, timeout_s: float) -> Any:
+CHECK_NICE = 19  # the check process's niceness: its recomputes take the cores the stages leave idle
+_child_modules: dict[tuple[str, int], Any] = {}  # in the check process: (job, stage) -> its module
+
+
+def _child_init() -> None:
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.nice(CHECK_NICE)
+
+
+def _child_ready() -> bool:
+    from fusionnode.runtime.stage import StageModule  # noqa: F401 - imported once, before the first check
+
+    return True
+
+
+def _child_check(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor], *rest: Any) -> str:
+    """In the check process: `check_stage_work` with the stage's module kept across steps."""
+    from fusionnode.verify.verifier import check_stage_work
+
+    for key in [k for k in _child_modules if k[0] != job_id]:  # another job's modules
+        del _child_modules[key]
+    module = _child_modules.get((job_id, a["stage"]))
+    if module is None:  # a stage id names one stage of one plan: its description does not change
+        module = _child_modules[(job_id, a["stage"])] = _cpu_stage(a["description"], dict(mine))
+    else:
+        module.load_state(mine)
+    return check_stage_work(module, a, mine, *rest)
+
+
+class CheckProcess:
+    """One process of this daemon (spawned at its first checked job, at low priority) that runs the
+    checks' recomputes: on a thread of the daemon they would hold its GIL against the driver's own
+    stage and optimizer host (latency on every step), and compete at the same priority for cores."""
+
+    _pool: Any = None
+
+    def __init__(self, job_id: str) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self.job_id = job_id
+        if CheckProcess._pool is None:
+            CheckProcess._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init
+            )
+            CheckProcess._pool.submit(_child_ready)  # starts it (and imports torch) now
+
+    async def __call__(self, a: Any, mine: Any, *rest: Any) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, dict(a), mine, *rest)
+
+
+def start(transport: Any, job_id: str, policy: Any, timeout_s: float, elsewhere: bool = True) -> Any:
+    """The job's Verifier; `elsewhere`: its recomputes in the daemon's check process."""
     from fusionnode.verify.verifier import Verifier
 
-    return Verifier(transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage)
+    run_elsewhere = CheckProcess(job_id) if elsewhere and policy.on else None
+    return Verifier(
+        transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage, run_elsewhere=run_elsewhere
+    )
 
 
 def _as_map(a: StageAssignment) -> dict[str, Any]:

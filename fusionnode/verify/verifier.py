@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +174,46 @@ def check_micro_batch(
     return out
 
 
+def check_stage_work(
+    module: Any,
+    a: Mapping[str, Any],
+    mine: Mapping[str, torch.Tensor],
+    parts_of: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]],
+    mbs: list[int],
+    losses: Sequence[float],
+    m: int,
+    rel_tol: float,
+    shown: Mapping[str, torch.Tensor] | None,
+    step: int,
+) -> str:
+    """Pure: recomputes the checked micro-batches of stage `a` with `module` (its parameters
+    `mine` loaded) and, when `shown`, compares the accumulated parameter gradients; '' when every
+    one matches, else why not."""
+    for p in module.parameters():  # the micro-batches below accumulate from zero
+        p.grad = None
+    for mb in mbs:
+        loss = losses[mb] if mb < len(losses) else None
+        bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
+        if bad:
+            return (
+                f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
+                f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
+            )
+    if shown is not None:
+        trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+        named = module.named_stage_parameters()
+        want = {
+            n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])) for n in trained
+        }
+        bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
+        if bad:
+            return (
+                f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
+                + "; ".join(str(x) for x in bad[:3])
+            )
+    return ""
+
+
 class Verifier:
     """Spot-checks a job's steps (see the module docstring); one per running job."""
 
@@ -186,13 +227,17 @@ class Verifier:
         build_stage: Callable[[dict[str, Any], dict[str, torch.Tensor]], Any],
         selector: CheckSelector | None = None,
         rel_tol: float = CPU_REL_TOL,
+        run_elsewhere: Callable[..., Awaitable[str]] | None = None,
     ) -> None:
-        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule)."""
+        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule);
+        `run_elsewhere(a, params, parts, mbs, losses, m, rel_tol, shown, step)`: runs
+        `check_stage_work` elsewhere (another process) instead of on a thread of this one."""
         self.t = transport
         self.job_id = job_id
         self.policy = policy
         self.selector = selector or CheckSelector.fresh()
         self.build_stage = build_stage
+        self.run_elsewhere = run_elsewhere
         self._modules: dict[int, Any] = {}  # stage -> its module, kept across steps (new values loaded)
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
@@ -476,39 +521,27 @@ class Verifier:
                             f"than the one it holds (or none with its commitment) at step {step}"
                         )
 
-        def run() -> str:
-            module = self._module(a, mine)
-            for p in module.parameters():  # the micro-batches below accumulate from zero
-                p.grad = None
-            for mb in mbs:
-                loss = losses[mb] if mb < len(losses) else None
-                bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
-                if bad:
-                    return (
-                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
-                        f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
-                    )
-            if shown is not None:
-                trained = set(a["param_specs"]) - set(a.get("frozen") or [])
-                named = module.named_stage_parameters()
-                want = {
-                    n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
-                    for n in trained
-                }
-                bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
-                if bad:
-                    return (
-                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
-                        + "; ".join(str(x) for x in bad[:3])
-                    )
-            return ""
-
         self.totals["audit_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
+        job = (a, mine, parts_of, mbs, losses, m, rel_tol, shown, step)
         try:
-            return await asyncio.to_thread(run)
+            if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
+                try:
+                    return await self.run_elsewhere(*job)
+                except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
+                    logger.warning("the check process failed (%s); checking on a thread instead", exc)
+                    self.run_elsewhere = None
+            return await asyncio.to_thread(lambda: check_stage_work(self._module(a, mine), *job))
         finally:
             self.totals["recompute_s"] += time.perf_counter() - t1
 
 
-__all__ = ["AUDIT_RPC", "Prepared", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
+__all__ = [
+    "AUDIT_RPC",
+    "Prepared",
+    "Verdict",
+    "Verifier",
+    "chain_disputes",
+    "check_micro_batch",
+    "check_stage_work",
+]
