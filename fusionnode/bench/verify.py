@@ -467,7 +467,8 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "disputes": len(_events(events, "dispute")),
         "rollbacks": len(_events(events, "rollback")),
         "failures": len(_events(events, "failure")),
-        "gradient_checks_and_check_seconds": [v.get("steps"), round(v.get("seconds", 0.0), 1)],
+        "steps_checked": v.get("steps"),
+        "check_seconds_total": round(v.get("seconds", 0.0), 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
