@@ -5,7 +5,9 @@ also the optimizer host and a worker, and two more workers, one of them a spare;
 on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/liar.py):
 
 - overhead: the same honest job with checks off and at the default rate (`--rate`), alternated
-  `--overhead-repeats` times; median step time over the steps after the first 3 of each run.
+  `--overhead-repeats` times (after one short checked job that starts the driver's check
+  process); median step time over the steps after the first 3 of each run, and each off/on
+  pair's figure (the spread says how much the machine's other load moved it).
   The swarm is unpaced (no `debug_pace`: the paced testbed sleeps, which would hide the cost);
   every peer shares this machine's cores, so the figure is noisy under other load.
 - lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
@@ -20,13 +22,20 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
   batch's loss of a 24-step run moves by tenths when only the plan, hence the summation order,
   changes), and one
   `--unchecked` run per kind with checks off (the loss a liar leaves behind when nobody checks).
-- statistics over 100 seeded runs: the real runs are too slow here for 100 per kind, so they are
-  simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
+- seeded (`--sections seeded`): `--seeded-runs` (100) real jobs per kind on the same swarm, each of
+  at most 20 steps on a tiny batch and cancelled as soon as its liar is caught (see `run_seeded`);
+  reported: caught within 20 steps out of the runs, median / max steps until caught, whether the
+  caught peer was the liar. About 1-2 s per job here.
+- sim: the same statistics simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
   random choices, using that a checked micro-batch that was lied on is always caught (what the
   real runs and tests/test_verify.py show: every kind of lie mismatches on every lied micro-batch)
   and the closed form 1 - (1 - rate x fraction)^(m x 20) next to it.
 - clean: one honest job of `--clean-steps` steps under `--clean-policy` (default: every micro-batch
-  checked); reported: micro-batches checked, peers caught (false positives), disputes.
+  checked); reported: micro-batches checked, peers caught (false positives), disputes, rollbacks.
+
+With offload the driver checks a step while the next one runs, its recomputes in a low-priority
+process of its daemon; a lie found that way rolls the lied step back on the optimizer hosts (the
+`rollback` event) and the job replays from it (train/checks.py).
 """
 
 from __future__ import annotations
@@ -214,6 +223,8 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
     deferred = None
+    # a short checked job first: the driver's daemon spawns its check process at its first checked job
+    asyncio.run(_train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate)))
     for r in range(args.overhead_repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternated: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)

@@ -81,7 +81,7 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
     return StageModule.from_description(description, params, device="cpu")
 
 
-CHECK_NICE = 19  # the check process's niceness: its recomputes take the cores the stages leave idle
+CHECK_NICE = 10  # the check process's niceness: its recomputes take the cores the stages leave idle
 _child_modules: dict[tuple[str, int], Any] = {}  # in the check process: (job, stage) -> its module
 
 

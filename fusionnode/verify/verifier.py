@@ -488,39 +488,47 @@ class Verifier:
                 (AUDIT_KIND, self.job_id, step, idx, a["stage"]), self.timeout_s, sender=a["peer"]
             )
             chunks.append(msg.tensors)
-        try:
-            shown_parts = unpack_audit(chunks)
-        except ValueError as exc:
-            return f"stage {a['stage']} answered the audit with {exc}"
-        parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        for mb in mbs:
-            want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
-            if sorted(listed.get(str(mb)) or []) != sorted(want):
-                return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
-            parts_of[mb] = {}
-            for part in want:
-                tensors = shown_parts.get((mb, part), {})
-                if digest_encoded(tensors) != commit["mbs"][mb][part]:
-                    return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
-                parts_of[mb][part] = decode_shown(tensors, None, src)
-        losses = report.get("losses") or []
-        shown: dict[str, torch.Tensor] | None = None
-        if grads:
-            grads_enc = shown_parts.get((-1, GRADS), {})
-            trained = set(a["param_specs"]) - set(a.get("frozen") or [])
-            if set(grads_enc) != trained:
-                return f"stage {a['stage']} did not show its parameter gradients"
-            shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
-            contributor = (a.get("offload") or {}).get("contributor")
-            if pushed is not None and contributor is not None:
-                mine_pushed = pushed.get(contributor, {})
-                for name, g in shown.items():
-                    if mine_pushed.get(name) != digest_tensors({name: g}):
-                        return (
-                            f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
-                            f"than the one it holds (or none with its commitment) at step {step}"
-                        )
 
+        def examine() -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
+            """The shown tensors against their commitments, decoded (hashing: on a thread)."""
+            try:
+                shown_parts = unpack_audit(chunks)
+            except ValueError as exc:
+                return f"stage {a['stage']} answered the audit with {exc}"
+            parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+            for mb in mbs:
+                want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
+                if sorted(listed.get(str(mb)) or []) != sorted(want):
+                    return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
+                parts_of[mb] = {}
+                for part in want:
+                    tensors = shown_parts.get((mb, part), {})
+                    if digest_encoded(tensors) != commit["mbs"][mb][part]:
+                        return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
+                    parts_of[mb][part] = decode_shown(tensors, None, src)
+            shown: dict[str, torch.Tensor] | None = None
+            if grads:
+                grads_enc = shown_parts.get((-1, GRADS), {})
+                trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+                if set(grads_enc) != trained:
+                    return f"stage {a['stage']} did not show its parameter gradients"
+                shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
+                contributor = (a.get("offload") or {}).get("contributor")
+                if pushed is not None and contributor is not None:
+                    mine_pushed = pushed.get(contributor, {})
+                    for name, g in shown.items():
+                        if mine_pushed.get(name) != digest_tensors({name: g}):
+                            return (
+                                f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
+                                f"than the one it holds (or none with its commitment) at step {step}"
+                            )
+            return parts_of, shown
+
+        examined = await asyncio.to_thread(examine)
+        if isinstance(examined, str):
+            return examined
+        parts_of, shown = examined
+        losses = report.get("losses") or []
         self.totals["audit_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
         job = (a, mine, parts_of, mbs, losses, m, rel_tol, shown, step)
