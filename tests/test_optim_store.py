@@ -400,3 +400,23 @@ def test_rollback_needs_a_kept_step() -> None:
     with pytest.raises(StepOrderError):
         store.rollback(0)
     assert store.applied_step == 1
+
+
+def test_rollback_to_the_mark_undoes_every_step_since() -> None:
+    """A liar caught late in its plan: the hosts go back to the state marked at the plan's start
+    (`mark`), undoing every step since, and the replay equals an honest run exactly."""
+    honest, lied = _small_store(), _small_store()
+    for store, scales in ((honest, (1.0, 0.5, 0.25)), (lied, (1.0, 30.0, -7.0))):
+        for step, scale in enumerate(scales, start=1):
+            _push_all(store, step, scale)
+            store.apply(step, keep=True, mark=step == 2)  # the plan started at step 2
+    assert lied.rollback(1) is True and lied.applied_step == 1
+    assert lied.counters["rolled_back"] == 2
+    for step, scale in ((2, 0.5), (3, 0.25)):
+        _push_all(lied, step, scale)
+        lied.apply(step, keep=True)
+    _, want = honest.get_params()
+    _, got = lied.get_params()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    with pytest.raises(StepOrderError):
+        lied.rollback(0)  # never marked

@@ -108,7 +108,8 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert result["verify"]["caught"] == 1 and result["verify"]["deferred"]
         # checked while the next step ran: the hosts undid the lied step, which was replayed
         rollbacks = [e for e in events if e["type"] == "event" and e.get("kind") == "rollback"]
-        assert [e["step"] for e in rollbacks] == [caught[0]["step"]], rollbacks
+        assert [e["lied_step"] for e in rollbacks] == [caught[0]["step"]], rollbacks
+        assert rollbacks[0]["step"] == 0  # back to the plan's start: the liar computed every step since
         assert_matches_reference(spec, events)  # nothing of the lie stayed in the model
         for i in range(len(swarm.ready)):
             (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)

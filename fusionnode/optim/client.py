@@ -172,6 +172,7 @@ class OptimizerClient:
         grad_clip: float | None,
         save: bool,
         keep: bool = False,
+        mark: bool = False,
     ) -> Applied:
         """Waits for the hosts to have every contribution of `step` (the stores count from 1), clips
         globally, applies; `save`: the hosts checkpoint their shards at this step; `keep`: they keep
@@ -210,6 +211,7 @@ class OptimizerClient:
                         force=not r.complete,
                         save=save,
                         keep=keep,
+                        mark=mark,
                     ),
                     timeout=self.step_timeout_s,
                     idempotent=True,  # a host re-applying an applied step answers with the earlier result
@@ -231,7 +233,8 @@ class OptimizerClient:
 
     async def rollback(self, job_id: str, hosts: list[str], step: int) -> bool:
         """Every host back to the state after `step` (the stores' count): the step after it, applied
-        with `keep`, is undone. Returns whether any host undid a step."""
+        with `keep`, is undone, or every step since the mark when `step` is the marked one. Returns
+        whether any host undid a step."""
         replies = await asyncio.gather(
             *(
                 jp.call(

@@ -456,7 +456,13 @@ class OptimizerHostService:
         step = req.step
         res = await asyncio.to_thread(
             functools.partial(
-                shard.store.apply, step, req.lr, force=req.force, clip_coef=req.clip_coef, keep=req.keep
+                shard.store.apply,
+                step,
+                req.lr,
+                force=req.force,
+                clip_coef=req.clip_coef,
+                keep=req.keep,
+                mark=req.mark,
             )
         )
         if (req.save or (shard.save_every and step % shard.save_every == 0)) and res.applied:

@@ -240,6 +240,7 @@ class ParameterStore:
         # the state before the last applied step, kept when an apply asks (`keep`): a spot-checked
         # job's step is checked while the next one runs, and rolled back when a worker lied in it
         self._previous: dict[str, Any] | None = None
+        self._marked: dict[str, Any] | None = None  # the state kept by the last `apply(mark=True)`
 
     # ----------------------------------------------------------------- properties
     @property
@@ -391,6 +392,7 @@ class ParameterStore:
         force: bool = False,
         clip_coef: float | None = None,
         keep: bool = False,
+        mark: bool = False,
     ) -> ApplyResult:
         """Apply `step` once: when all contributions arrived, or with what arrived when `force`.
 
@@ -398,7 +400,8 @@ class ParameterStore:
         Re-applying an applied step returns the earlier result. A forced step with no
         contribution at all advances `applied_step` without updating anything.
         Raises StepOrderError for a step beyond applied_step + 1. `keep`: the state before the step
-        is kept, so that `rollback(step - 1)` can undo it (one step deep).
+        is kept, so that `rollback(step - 1)` can undo it (one step deep); `mark`: it is also kept
+        as the mark (until the next mark), so that `rollback(step - 1)` can go back to it later.
         """
         with self._apply_lock:
             with self._lock:
@@ -423,7 +426,9 @@ class ParameterStore:
                     )
                 self._pending.pop(step, None)
                 self._applying = step
-            self._previous = self._keep_state(self._previous) if keep else None
+            self._previous = self._keep_state(self._previous) if keep or mark else None
+            if mark:
+                self._marked = self._keep_state(self._marked)
             try:
                 result = self._apply_pending(
                     step, pend, lr, force=force and not complete, clip_coef=clip_coef
@@ -557,8 +562,9 @@ class ParameterStore:
 
     def rollback(self, step: int) -> bool:
         """Back to the state after `step`: the applied step kept with `apply(..., keep=True)` is
-        undone (parameters and optimizer state as before it), and pending contributions are dropped.
-        Returns whether a step was undone; StepOrderError when the store cannot go back to `step`."""
+        undone (parameters and optimizer state as before it), or every step since the mark when
+        `step` is the marked one; pending contributions are dropped. Returns whether a step was
+        undone; StepOrderError when the store cannot go back to `step`."""
         with self._apply_lock:
             with self._lock:
                 applied = self._applied_step
@@ -567,10 +573,10 @@ class ParameterStore:
                 return False
             prev = self._previous
             if prev is None or prev["applied_step"] != step or applied != step + 1:
-                raise StepOrderError(
-                    f"cannot roll back to step {step}: applied {applied}, kept "
-                    f"{None if prev is None else prev['applied_step']}"
-                )
+                prev = self._marked
+                if prev is None or prev["applied_step"] != step or applied < step:
+                    kept = [None if k is None else k["applied_step"] for k in (self._previous, self._marked)]
+                    raise StepOrderError(f"cannot roll back to step {step}: applied {applied}, kept {kept}")
             state: dict[str, dict[str, Tensor]] = {}
             for (kind, n), t in prev["tensors"].items():
                 if kind == "params":
@@ -581,8 +587,9 @@ class ParameterStore:
             self._previous = None
             with self._lock:
                 self._applied_step = step
-                self._results.pop(step + 1, None)
-                self._counters["rolled_back"] += 1
+                for s in range(step + 1, applied + 1):
+                    self._results.pop(s, None)
+                self._counters["rolled_back"] += applied - step
             return True
 
     def update_masters(self, fn: Callable[[dict[str, Tensor]], Any]) -> Any:

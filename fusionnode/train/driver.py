@@ -517,9 +517,12 @@ class Driver:
         return None
 
     async def _roll_back(self, job: Job, run: Run, source: Any, fail: Rollback) -> int:
-        """Undoes the lied step on the optimizer hosts (and drops the step after it, not applied),
-        bans the liar, re-plans; returns the step to replay from (the lied one)."""
+        """Undoes the lied step on the optimizer hosts (and drops the step after it, not applied), or
+        every step since the mark when the liar has been in the plan since then (its earlier,
+        unchecked steps may hold lies too); bans the liar, re-plans; returns the step to replay from."""
         step = fail.step
+        if run.mark is not None and run.mark[1] == job.plan_version and run.mark[0] <= step:
+            step = run.mark[0]  # the liar computed every step of this plan since the mark
         await self.hosts.rollback(job.spec.job_id, job.hosts, step)  # the stores count from 1
         job.history[:] = [r for r in job.history if r["step"] < step]
         job.step = step
@@ -528,7 +531,11 @@ class Driver:
             "rollback",
             peer=None,
             step=step,
-            reason=f"a spot-check found a lie in step {step}: the optimizer hosts undid it; replaying from it",
+            lied_step=fail.step,
+            reason=(
+                f"a spot-check found a lie in step {fail.step}: the optimizer hosts undid steps "
+                f"{step}..{fail.step} (the liar's steps since the plan's start or its last mark); replaying"
+            ),
         )
         await self.recovery.recover(job, run, source, step, fail)
         return step

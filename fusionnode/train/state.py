@@ -163,6 +163,9 @@ class Run:
     names_by_stage: dict[int, list[str]] | None = None  # --sync rounds: what each stage sends (issue 19)
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
+    # (step, plan version) whose starting state the optimizer hosts keep as the mark (checked jobs):
+    # a liar caught later in the same plan has every step since undone (train/checks.py)
+    mark: tuple[int, int] | None = None
 
     @property
     def bans(self) -> Bans:

@@ -429,6 +429,7 @@ class OptApply(JobMessage):
     clip_coef: float = 1.0
     save: bool = False
     keep: bool = False  # keep the state before this step, so that opt.rollback can undo it
+    mark: bool = False  # also keep it as the mark: opt.rollback to it undoes every step since
 
 
 @message
