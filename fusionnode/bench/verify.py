@@ -209,7 +209,14 @@ def _params(spec: Any, policy: str, rate: float | None) -> dict[str, Any]:
 
 
 def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in events if e["type"] == "step"]
+    """The step records that stand: a `rollback` event voids those from its step on (replayed)."""
+    steps: list[dict] = []
+    for e in events:
+        if e["type"] == "step":
+            steps.append(e)
+        elif e["type"] == "event" and e.get("kind") == "rollback":
+            steps = [x for x in steps if x["step"] < e["step"]]
+    return steps
 
 
 def _events(events: list[dict], kind: str) -> list[dict]:
@@ -305,6 +312,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                 {
                     "mode": mode,
                     "caught_at_step": caught[0]["step"] if caught else None,
+                    "rolled_back_to": [e["step"] for e in _events(events, "rollback")],
                     "steps_until_caught": caught[0]["step"] + 1 if caught else None,
                     "caught_peer_is_liar": bool(caught)
                     and caught[0]["peer"] == swarm.ready[victim[0]]["peer_id"]
