@@ -5,11 +5,14 @@ are lossy); `start` makes the job's `Verifier`; the stepper calls `before_step`,
 and target it sends), `prefetch` (once the stages run), then after the stages reported:
 
 - with offload (`deferred`): `launch` before the optimizer (the draw, the checked stages'
-  parameters), whose audits and recomputes run in the background while the next step runs; that
-  next step `settle`s them before its own update. A lie found there raises `Rollback` for the
-  checked step: the optimizer hosts, which kept the state before it (`opt.apply` with `keep`), undo
-  it (`opt.rollback`), the liar is banned, and the job replays from the lied step on a new plan;
-  nothing of the lie stays in the model, and honest steps are applied exactly as without checks;
+  parameters); the audits run in the background while the next step runs, which waits for them
+  before its own update (`settle`: the workers keep two steps' messages); the recomputes run on in
+  the daemon's low-priority check process, up to MAX_LAG steps behind. The optimizer hosts keep the
+  state at the start of the plan (`opt.apply` with `mark`, renewed every MARK_EVERY steps, after
+  every earlier step was judged). A lie found raises `Rollback` for the lied step: the hosts go back
+  to the mark (`opt.rollback`: every step the liar computed since is undone), the liar is banned,
+  and the job replays from the mark on a new plan; nothing of the liar's stays in the model, and
+  honest steps are applied exactly as without checks;
 - without offload: `check` before the optimizer, on the critical path (the workers update their
   own parameters at commit, which cannot be rolled back).
 
@@ -81,6 +84,7 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
     return StageModule.from_description(description, params, device="cpu")
 
 
+MAX_LAG = 8  # checked steps whose recomputes may still run while the job goes on
 CHECK_NICE = 10  # the check process's niceness: its recomputes take the cores the stages leave idle
 _child_modules: dict[tuple[str, int], Any] = {}  # in the check process: (job, stage) -> its module
 
@@ -169,7 +173,8 @@ class StepChecks:
         self.membership = membership
         self.timeout_s = step_timeout_s
         self.last: dict[str, Any] | None = None  # what the last step's checks covered (its record)
-        self.pending: tuple[int, asyncio.Future] | None = None  # (step, its checks running)
+        self.auditing: tuple[int, asyncio.Future] | None = None  # (step, its audits running)
+        self.lagging: list[tuple[int, Any]] = []  # (step, Verdict) audited, recomputes maybe running
         self.wait_s = 0.0  # time steps waited for a background check to end (on the critical path)
 
     def before_step(self) -> None:
@@ -242,8 +247,8 @@ class StepChecks:
         }
         return prep
 
-    def _finish(self, job: Any, prep: Any) -> Any:
-        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None)
+    def _finish(self, job: Any, prep: Any, lag: bool = False) -> Any:
+        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None, lag=lag)
 
     async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
         """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
@@ -257,29 +262,49 @@ class StepChecks:
         return bool(job.offload) and not job.sync.rounds
 
     async def launch(self, job: Any, run: Any, step: int, reports: list[Any]) -> None:
-        """Before the step's update: the draw and the checked stages' parameters; the audits and
-        recomputes then run in the background (`settle` has their verdict) while the next step does."""
+        """Before the step's update: the draw and the checked stages' parameters; the audits then run
+        in the background while the next step does, and the recomputes after them, for as long as
+        they take (`settle` collects their verdicts)."""
         prep = await self._prepare(job, run, step, reports)
-        self.pending = (step, asyncio.ensure_future(self._finish(job, prep)))
+        self.auditing = (step, asyncio.ensure_future(self._finish(job, prep, lag=True)))
 
-    async def settle(self) -> tuple[int, Any] | None:
-        """(step, verdict) of the check running in the background, once it ended; None when none runs."""
-        if self.pending is None:
-            return None
-        step, task = self.pending
-        self.pending = None
+    def busy(self) -> bool:
+        return self.auditing is not None or bool(self.lagging)
+
+    async def settle(self, everything: bool = False) -> tuple[int, Any] | None:
+        """(step, verdict) of the first checked step found wrong, None when none is: waits for the
+        last step's audits (the workers keep two steps), judges the steps whose recomputes ended,
+        and waits for the oldest while more than MAX_LAG steps are unjudged; with `everything`,
+        for all of them (before a new mark, a checkpoint, a re-plan or the end of the job)."""
         t0 = time.perf_counter()
         try:
-            verdict = await task
+            if self.auditing is not None:
+                step, task = self.auditing
+                self.auditing = None
+                self.lagging.append((step, await task))
+            while self.lagging:
+                step, verdict = self.lagging[0]
+                if not (everything or verdict.done or len(self.lagging) > MAX_LAG):
+                    break
+                self.lagging.pop(0)
+                await self.v.conclude(verdict)
+                if not verdict.ok:
+                    self.cancel()  # the steps after it are undone with it
+                    return step, verdict
+            return None
         finally:
             self.wait_s += time.perf_counter() - t0
-        return step, verdict
 
     def cancel(self) -> None:
-        """Forgets the background check (the hosts were restored from a checkpoint: nothing to judge)."""
-        if self.pending is not None:
-            self.pending[1].cancel()
-            self.pending = None
+        """Forgets the checks still running (the steps they check are undone, or the hosts were
+        restored from a checkpoint and the steps after it run again)."""
+        if self.auditing is not None:
+            self.auditing[1].cancel()
+            self.auditing = None
+        for _step, verdict in self.lagging:
+            for _a, f in verdict.later:
+                f.cancel()
+        self.lagging = []
 
     async def judge(self, job: Any, run: Any, step: int, verdict: Any, failed: type) -> None:
         """Nothing when the step's checks passed; else the caught peers are out of the job (`caught`

@@ -380,7 +380,7 @@ class Driver:
         tokens_total, time_total = 0, 0.0
         step = start_step
         failures_in_a_row = 0
-        while step < spec.steps or (run.checks is not None and run.checks.pending is not None):
+        while step < spec.steps or (run.checks is not None and run.checks.busy()):
             if step >= spec.steps:  # the last step's checks, still running in the background
                 rollback = await self._settle(job, run)
                 if rollback is not None:
@@ -500,14 +500,19 @@ class Driver:
                 and step < spec.steps
                 and run.steps_on_plan >= run.rebalance_every
             ):
+                rollback = await self._settle(job, run)  # a re-plan starts a new mark
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self._roll_back(job, run, source, rollback)
+                    continue
                 await self.recovery.maybe_rebalance(job, run, step)
 
     async def _settle(self, job: Job, run: Run) -> Rollback | None:
-        """Waits for the checks running in the background (the last step's); the Rollback to do when
-        they caught a lie, else None."""
+        """Waits for every check still running in the background; the Rollback to do when one caught
+        a lie, else None."""
         if run.checks is None:
             return None
-        settled = await run.checks.settle()
+        settled = await run.checks.settle(everything=True)
         if settled is None:
             return None
         try:

@@ -165,15 +165,14 @@ class Stepper:
         t_phase = time.perf_counter()
         keep = mark = False
         if checks is not None and checks.deferred(job):
-            # the previous step's checks ran while this step did: a lie there rolls both back; this
+            # earlier steps' checks ran while this step did: a lie there rolls back to the mark; this
             # step's checks then start (the draw, the parameters it computed with) and run on while
-            # the next step does; the hosts keep the state before this step until they are judged
-            settled = await checks.settle()
+            # the next steps do; the hosts keep the state at the plan's start (the mark)
+            mark = run.mark is None or run.mark[1] != job.plan_version or step - run.mark[0] >= MARK_EVERY
+            settled = await checks.settle(everything=mark)  # no unjudged step before a new mark
             if settled is not None:
                 await checks.judge(job, run, settled[0], settled[1], Rollback)
             await checks.launch(job, run, step, reports)
-            keep = True
-            mark = run.mark is None or run.mark[1] != job.plan_version or step - run.mark[0] >= MARK_EVERY
             phases["verify_s"] = time.perf_counter() - t_phase
             t_phase = time.perf_counter()
         elif checks is not None:  # before the optimizer: nothing of a caught worker's step is applied

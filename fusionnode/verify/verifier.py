@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import BrokenExecutor
@@ -54,6 +55,15 @@ class Verdict:
     plan: dict[int, list[int]] = field(default_factory=dict)  # stage -> micro-batches checked
     grads: list[int] = field(default_factory=list)  # stages whose parameter gradients were checked
     seconds: float = 0.0  # time the checks took
+    # recomputes still running (`Verifier.finish` with `lag`): (stage, future of '' or why not)
+    later: list[tuple[Mapping[str, Any], asyncio.Future]] = field(default_factory=list)
+    open_disputes: list[tuple[int, int, int, str]] = field(default_factory=list)  # judged at the end
+    stage_args: Sequence[Mapping[str, Any]] = ()
+
+    @property
+    def done(self) -> bool:
+        """Whether every recompute of it has ended (`Verifier.conclude` then does not wait)."""
+        return all(f.done() for _, f in self.later)
 
     @property
     def ok(self) -> bool:
@@ -238,6 +248,7 @@ class Verifier:
         self.selector = selector or CheckSelector.fresh()
         self.build_stage = build_stage
         self.run_elsewhere = run_elsewhere
+        self._thread_lock = threading.Lock()
         self._modules: dict[int, Any] = {}  # stage -> its module, kept across steps (new values loaded)
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
@@ -372,9 +383,12 @@ class Verifier:
         self,
         prep: Prepared,
         pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
+        lag: bool = False,
     ) -> Verdict:
         """The audits, recomputes and comparisons of a prepared step (they read only what the
-        workers kept and the parameters fetched: they may run while the next step does)."""
+        workers kept and the parameters fetched: they may run while the next step does). With
+        `lag` it returns once the audits are done (what the workers keep for two steps only), the
+        recomputes left running in `verdict.later`: `conclude` judges them."""
         t0 = time.perf_counter()
         step, stage_args, verdict, todo = prep.step, prep.stage_args, prep.verdict, prep.todo
         micro_batches, grad_checked = prep.micro_batches, prep.grad_checked
@@ -396,6 +410,7 @@ class Verifier:
                         micro_batches(a),
                         a["stage"] in grad_checked,
                         pushed,
+                        defer=True,
                     )
                     for a, r, c, mbs in todo
                 ),
@@ -406,14 +421,35 @@ class Verifier:
                     if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
                         raise res
                     verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+                elif isinstance(res, asyncio.Future):
+                    verdict.later.append((a, res))
                 elif res:
                     verdict.caught[a["peer"]] = res
                 verdict.checked += len(mbs)
-        caught_stages = {a["stage"] for a in stage_args if a["peer"] in verdict.caught}
-        for s, o, mb, what in prep.disputes:
+        verdict.open_disputes, verdict.stage_args = list(prep.disputes), stage_args
+        verdict.seconds = prep.prepare_s + time.perf_counter() - t0
+        if not lag:
+            await self.conclude(verdict)
+        return verdict
+
+    async def conclude(self, verdict: Verdict) -> Verdict:
+        """Waits for a verdict's recomputes and judges them (and the disputes); counts it."""
+        t0 = time.perf_counter()
+        later, verdict.later = verdict.later, []
+        results = await asyncio.gather(*(f for _, f in later), return_exceptions=True)
+        for (a, _), res in zip(later, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                    raise res
+                verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+            elif res:
+                verdict.caught[a["peer"]] = res
+        caught_stages = {a["stage"] for a in verdict.stage_args if a["peer"] in verdict.caught}
+        for s, o, mb, what in verdict.open_disputes:
             if s not in caught_stages and o not in caught_stages:
                 verdict.disputes.append(f"stage {s} -> {o if o >= 0 else 'driver'}, micro-batch {mb}: {what}")
-        verdict.seconds = prep.prepare_s + time.perf_counter() - t0
+        verdict.open_disputes = []
+        verdict.seconds += time.perf_counter() - t0
         self.totals["steps"] += 1
         self.totals["checked"] += verdict.checked
         self.totals["caught"] += len(verdict.caught)
@@ -455,8 +491,10 @@ class Verifier:
         m: int,
         grads: bool = False,
         pushed: Mapping[str, Mapping[str, str]] | None = None,
-    ) -> str:
-        """'' when every checked micro-batch of stage `a` matches, else why not."""
+        defer: bool = False,
+    ) -> str | asyncio.Future:
+        """'' when every checked micro-batch of stage `a` matches, else why not; with `defer`, once
+        the audit passed, a future of that (the recompute, left running)."""
         rel_tol = self.tolerance(a["peer"], commit)
         mine = {n: params[n] for n in a["param_specs"]}
         if not a.get("offload") and digest_tensors(mine) != commit["params"]:
@@ -532,6 +570,13 @@ class Verifier:
         self.totals["audit_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
         job = (a, mine, parts_of, mbs, losses, m, rel_tol, shown, step)
+        if defer:
+            return asyncio.ensure_future(self._recompute(job))
+        return await self._recompute(job)
+
+    async def _recompute(self, job: tuple) -> str:
+        a, mine = job[0], job[1]
+        t1 = time.perf_counter()
         try:
             if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
                 try:
@@ -539,7 +584,12 @@ class Verifier:
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
                     self.run_elsewhere = None
-            return await asyncio.to_thread(lambda: check_stage_work(self._module(a, mine), *job))
+
+            def run() -> str:
+                with self._thread_lock:  # one module per stage: recomputes of two steps take turns
+                    return check_stage_work(self._module(a, mine), *job)
+
+            return await asyncio.to_thread(run)
         finally:
             self.totals["recompute_s"] += time.perf_counter() - t1
 
