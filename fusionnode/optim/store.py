@@ -58,6 +58,7 @@ from torch import Tensor
 
 from fusionnode.errors import ConfigError, FusionNodeError
 from fusionnode.optim.optimizers import FlatOptimizer, OptimizerConfig
+from fusionnode.optim.snapshot import keep_state, restore_state
 
 logger = logging.getLogger(__name__)
 
@@ -237,10 +238,8 @@ class ParameterStore:
         self._pending: dict[int, _Pending] = {}
         self._results: OrderedDict[int, ApplyResult] = OrderedDict()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
-        # the state before the last applied step, kept when an apply asks (`keep`): a spot-checked
-        # job's step is checked while the next one runs, and rolled back when a worker lied in it
-        self._previous: dict[str, Any] | None = None
-        self._marked: dict[str, Any] | None = None  # the state kept by the last `apply(mark=True)`
+        self._previous: dict[str, Any] | None = None  # kept states (snapshot.py): `keep` and
+        self._marked: dict[str, Any] | None = None  # `mark` of apply(), for rollback()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -399,9 +398,7 @@ class ParameterStore:
         Returns applied=False (and the missing contributors) when not ready and not forced.
         Re-applying an applied step returns the earlier result. A forced step with no
         contribution at all advances `applied_step` without updating anything.
-        Raises StepOrderError for a step beyond applied_step + 1. `keep`: the state before the step
-        is kept, so that `rollback(step - 1)` can undo it (one step deep); `mark`: it is also kept
-        as the mark (until the next mark), so that `rollback(step - 1)` can go back to it later.
+        Raises StepOrderError for a step beyond applied_step + 1. `keep`|`mark`: see `rollback`.
         """
         with self._apply_lock:
             with self._lock:
@@ -426,9 +423,10 @@ class ParameterStore:
                     )
                 self._pending.pop(step, None)
                 self._applying = step
-            self._previous = self._keep_state(self._previous) if keep or mark else None
+            kept = keep_state(self._opt, self._applied_step, self._previous) if keep or mark else None
+            self._previous = kept
             if mark:
-                self._marked = self._keep_state(self._marked)
+                self._marked = keep_state(self._opt, self._applied_step, self._marked)
             try:
                 result = self._apply_pending(
                     step, pend, lr, force=force and not complete, clip_coef=clip_coef
@@ -546,49 +544,24 @@ class ParameterStore:
             logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
         return dropped
 
-    def _keep_state(self, into: dict[str, Any] | None) -> dict[str, Any]:
-        """The state now (under the apply lock), copied into `into`'s buffers when it has them."""
-        osd = self._opt.state_dict()
-        tensors = {("params", n): p for n, p in self._opt.params.items()}
-        tensors.update({(k, n): t for k, v in osd["state"].items() for n, t in v.items()})
-        if into is not None and set(into["tensors"]) == set(tensors):
-            for key, t in tensors.items():
-                into["tensors"][key].copy_(t)
-        else:
-            into = {"tensors": {key: t.clone() for key, t in tensors.items()}}
-        into["applied_step"] = self._applied_step
-        into["steps"] = dict(osd["steps"])
-        return into
-
     def rollback(self, step: int) -> bool:
-        """Back to the state after `step`: the applied step kept with `apply(..., keep=True)` is
-        undone (parameters and optimizer state as before it), or every step since the mark when
-        `step` is the marked one; pending contributions are dropped. Returns whether a step was
-        undone; StepOrderError when the store cannot go back to `step`."""
+        """Back to the state after `step` kept by `apply(step + 1, keep|mark)` (`keep`: until the next
+        step; `mark`: until the next mark), pending pushes dropped; whether a step was undone.
+        StepOrderError when the store cannot go back to `step`."""
         with self._apply_lock:
             with self._lock:
                 applied = self._applied_step
                 self._pending.clear()
+            prev = self._previous if applied == step + 1 else None
+            kept = [k for k in (prev, self._marked) if k is not None and k["applied_step"] == step]
             if applied == step:
                 return False
-            prev = self._previous
-            if prev is None or prev["applied_step"] != step or applied != step + 1:
-                prev = self._marked
-                if prev is None or prev["applied_step"] != step or applied < step:
-                    kept = [None if k is None else k["applied_step"] for k in (self._previous, self._marked)]
-                    raise StepOrderError(f"cannot roll back to step {step}: applied {applied}, kept {kept}")
-            state: dict[str, dict[str, Tensor]] = {}
-            for (kind, n), t in prev["tensors"].items():
-                if kind == "params":
-                    self._opt.params[n].copy_(t)
-                else:
-                    state.setdefault(kind, {})[n] = t
-            self._opt.load_state_dict({"steps": prev["steps"], "state": state})
+            if not kept:
+                raise StepOrderError(f"cannot roll back to step {step} (applied {applied}): not kept")
+            restore_state(self._opt, kept[0])
             self._previous = None
             with self._lock:
                 self._applied_step = step
-                for s in range(step + 1, applied + 1):
-                    self._results.pop(s, None)
                 self._counters["rolled_back"] += applied - step
             return True
 
