@@ -87,13 +87,18 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert_matches_reference(spec, events)
 
         # 2. a stage's worker other than the driver's peer scales what it sends by 1% (activations, or
-        # the input gradients if it holds the last stage)
+        # the input gradients if it holds the last stage), from after step 1 on: its honest steps
+        # 0 and 1 are undone with the lied one (the hosts go back to the plan's start, the mark)
         spec = spec_for(tmp_path, "liar", seed=6)
         liar: list[str] = []
+        first_plan: list[dict] = []
 
         async def on_event(ev: dict) -> None:
-            if ev["type"] == "plan" and not liar:
-                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+            if ev["type"] == "plan" and not first_plan:
+                first_plan.append(ev)
+            if ev["type"] == "step" and ev["step"] == 1 and not liar:
+                stages = first_plan[0]["stages"]
+                victim = next(s["peer"] for s in stages if s["peer"] != swarm.ready[0]["peer_id"])
                 i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
                 (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
                 liar.append(victim)
@@ -109,6 +114,7 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         # checked while the next step ran: the hosts undid the lied step, which was replayed
         rollbacks = [e for e in events if e["type"] == "event" and e.get("kind") == "rollback"]
         assert [e["lied_step"] for e in rollbacks] == [caught[0]["step"]], rollbacks
+        assert caught[0]["step"] >= 2, caught  # it lied from step 2 (or 3) on
         assert rollbacks[0]["step"] == 0  # back to the plan's start: the liar computed every step since
         assert_matches_reference(spec, events)  # nothing of the lie stayed in the model
         for i in range(len(swarm.ready)):
