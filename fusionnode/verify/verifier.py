@@ -14,8 +14,10 @@ optimizer, the driver:
    from the committed one,
 4. recomputes each checked micro-batch (recompute.recompute) and compares (compare.py).
 
-A peer whose check fails is named in the returned verdict; the driver bans it, drops the step's
-contributions and replays the step under a new plan (train/driver.py).
+A peer whose check fails is named in the returned verdict; the driver bans it and replays the step
+under a new plan, after undoing what was applied (train/checks.py). `prepare` (1-2) must run before
+the step's update; `finish` (3-4) may run while later steps do, and with `lag` leaves the recomputes
+running for `conclude`.
 """
 
 from __future__ import annotations
@@ -260,7 +262,7 @@ class Verifier:
             "checked": 0,
             "caught": 0,
             "disputes": 0,
-            "seconds": 0.0,  # the checks' time on the step's critical path, of which:
+            "seconds": 0.0,  # the checks' time (with offload mostly while later steps run), of which:
             "params_s": 0.0,  # waiting for the checked stages' parameters (prefetched during the step)
             "pushed_s": 0.0,  # waiting for the hosts' digests of the pushed gradients
             "audit_s": 0.0,  # the audits (summed over stages checked in parallel)
