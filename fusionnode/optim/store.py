@@ -423,7 +423,7 @@ class ParameterStore:
                     )
                 self._pending.pop(step, None)
                 self._applying = step
-            kept = keep_state(self._opt, self._applied_step, self._previous) if keep or mark else None
+            kept = keep_state(self._opt, self._applied_step, self._previous) if keep else None
             self._previous = kept
             if mark:
                 self._marked = keep_state(self._opt, self._applied_step, self._marked)

@@ -398,6 +398,7 @@ class Driver:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
                 if run.checks is not None:  # the hosts restore a checkpoint: the steps after it rerun
                     run.checks.cancel()
+                    run.mark = None
                 step = await self.recovery.recover_hosts(job, run, step, fail)
                 continue
             except StepFailed as fail:
@@ -522,12 +523,12 @@ class Driver:
         return None
 
     async def _roll_back(self, job: Job, run: Run, source: Any, fail: Rollback) -> int:
-        """Undoes the lied step on the optimizer hosts (and drops the step after it, not applied), or
-        every step since the mark when the liar has been in the plan since then (its earlier,
-        unchecked steps may hold lies too); bans the liar, re-plans; returns the step to replay from."""
+        """Undoes every step since the hosts' mark (the plan's start, or its last renewal): the liar's
+        earlier, unchecked steps may hold lies too; bans the liar, re-plans; returns the step to
+        replay from."""
         step = fail.step
-        if run.mark is not None and run.mark[1] == job.plan_version and run.mark[0] <= step:
-            step = run.mark[0]  # the liar computed every step of this plan since the mark
+        if run.mark is not None and run.mark[0] <= step:  # the hosts' mark: renewed only once all
+            step = run.mark[0]  # the steps before it were judged, so the lie is after it
         await self.hosts.rollback(job.spec.job_id, job.hosts, step)  # the stores count from 1
         job.history[:] = [r for r in job.history if r["step"] < step]
         job.step = step
