@@ -371,6 +371,8 @@ class Driver:
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
+            if run.checks is not None:  # a cancelled or failed job: its checks still running
+                run.checks.cancel()
 
     async def _steps(self, job: Job, run: Run, source: Any, start_step: int) -> None:
         from fusionnode.train.spec import lr_at
