@@ -358,3 +358,65 @@ def test_concurrent_pushes_from_threads() -> None:
     assert store.ready(1)
     assert store.counters["pushes"] == 200 and store.counters["duplicates"] == 200
     assert store.pending_grad_sq_norm(1) == pytest.approx(50 * 8 * 1.5**2)
+
+
+def _push_all(store: ParameterStore, step: int, scale: float) -> None:
+    for key, n in (("r0/s0", 3), ("r1/s0", 5)):
+        store.push(step, key, "b", torch.full((3,), scale), n)
+        store.push(step, key, "w", torch.full((2, 3), -scale), n)
+
+
+def test_rollback_undoes_the_kept_step_exactly() -> None:
+    """A spot-checked job's hosts keep the state before each step (`keep`): rolling back the lied
+    step and applying the honest one gives bit for bit what an honest run has (params and Adam)."""
+    honest, lied = _small_store(), _small_store()
+    for store in (honest, lied):
+        _push_all(store, 1, 1.0)
+        store.apply(1, keep=True)
+    _push_all(honest, 2, 0.5)
+    honest.apply(2, keep=True)
+    _push_all(lied, 2, 40.0)  # a lie, applied before its check ended
+    lied.apply(2, keep=True)
+    lied.push(3, "r0/s0", "b", torch.ones(3), 3)  # the next step's pushes: dropped by the rollback
+    assert lied.rollback(1) is True
+    assert lied.applied_step == 1 and not lied.ready(3) and lied.counters["rolled_back"] == 1
+    assert lied.rollback(1) is False  # already there: nothing undone
+    with pytest.raises(StepOrderError):
+        lied.rollback(0)  # one step deep only
+    _push_all(lied, 2, 0.5)  # the replay, without the liar
+    lied.apply(2, keep=True)
+    _, want = honest.get_params()
+    _, got = lied.get_params()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    sw, sg = honest.state_dict(), lied.state_dict()
+    assert sw["steps"] == sg["steps"]
+    assert all(torch.equal(sw["state"][k][n], sg["state"][k][n]) for k in sw["state"] for n in sw["state"][k])
+
+
+def test_rollback_needs_a_kept_step() -> None:
+    store = _small_store()
+    _push_all(store, 1, 1.0)
+    store.apply(1)  # not kept
+    with pytest.raises(StepOrderError):
+        store.rollback(0)
+    assert store.applied_step == 1
+
+
+def test_rollback_to_the_mark_undoes_every_step_since() -> None:
+    """A liar caught late in its plan: the hosts go back to the state marked at the plan's start
+    (`mark`), undoing every step since, and the replay equals an honest run exactly."""
+    honest, lied = _small_store(), _small_store()
+    for store, scales in ((honest, (1.0, 0.5, 0.25)), (lied, (1.0, 30.0, -7.0))):
+        for step, scale in enumerate(scales, start=1):
+            _push_all(store, step, scale)
+            store.apply(step, keep=True, mark=step == 2)  # the plan started at step 2
+    assert lied.rollback(1) is True and lied.applied_step == 1
+    assert lied.counters["rolled_back"] == 2
+    for step, scale in ((2, 0.5), (3, 0.25)):
+        _push_all(lied, step, scale)
+        lied.apply(step, keep=True)
+    _, want = honest.get_params()
+    _, got = lied.get_params()
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    with pytest.raises(StepOrderError):
+        lied.rollback(0)  # never marked

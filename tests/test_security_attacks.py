@@ -425,7 +425,7 @@ def test_one_hosts_failed_save_resumes_from_the_newest_step_all_hosts_have(tmp_p
     from types import SimpleNamespace
 
     from fusionnode.optim import checkpoint as ck
-    from fusionnode.optim.store import contributor_key
+    from fusionnode.optim.contributions import contributor_key
     from fusionnode.train.checkpoint import job_secret
     from fusionnode.train.driver import Driver, Job, Pipeline
 

@@ -22,9 +22,10 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from fusionnode.config import LOCAL_ONLY
 from fusionnode.errors import DaemonError, PeerError
+from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.host import OptimizerHostService
 from fusionnode.optim.optimizers import job_optimizer_config
-from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
+from fusionnode.optim.store import ParameterStore
 from fusionnode.runtime.transport import PROTO_DATA, PROTO_RPC, Transport
 from fusionnode.security import (
     DHTSwarmAuthorizer,

@@ -1,8 +1,8 @@
 """Spot-checks on real `fusionnode join --debug` processes on loopback: an honest run bans nobody and
 trains exactly as one process does; a worker scaling what it sends by 1% is caught by the
-recompute, banned, its step dropped and replayed under a new plan, and the run still matches the
-single-process reference (nothing from the liar was applied); so is a worker pushing a random
-gradient to the optimizer hosts (the gradient check)."""
+recompute (while the next step runs), banned, the lied step undone on the optimizer hosts and replayed
+under a new plan, and the run still matches the single-process reference (nothing from the liar
+stays); so is a worker pushing a random gradient to the optimizer hosts (the gradient check)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,20 @@ async def train(swarm: LocalSwarm, params: dict, on_event=None) -> tuple[dict, l
     raise AssertionError("the driver closed the job without a result")
 
 
+def kept_steps(events: list[dict]) -> list[dict]:
+    """The step records that stand: a `rollback` event (a lie found in a step already applied, by
+    the checks that run while the next step does) voids the records from its step on."""
+    steps: list[dict] = []
+    for e in events:
+        if e["type"] == "step":
+            steps.append(e)
+        elif e["type"] == "event" and e.get("kind") == "rollback":
+            steps = [s for s in steps if s["step"] < e["step"]]
+    return steps
+
+
 def assert_matches_reference(spec: JobSpec, events: list[dict]) -> None:
-    steps = [e for e in events if e["type"] == "step"]
+    steps = kept_steps(events)
     assert [e["step"] for e in steps] == list(range(spec.steps))  # none lost, none twice
     ref = train_local(spec.replace(metrics_out=None)).losses
     for i, (a, b) in enumerate(zip([e["loss"] for e in steps], ref, strict=True)):
@@ -75,13 +87,18 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert_matches_reference(spec, events)
 
         # 2. a stage's worker other than the driver's peer scales what it sends by 1% (activations, or
-        # the input gradients if it holds the last stage)
+        # the input gradients if it holds the last stage), from after step 1 on: its honest steps
+        # 0 and 1 are undone with the lied one (the hosts go back to the plan's start, the mark)
         spec = spec_for(tmp_path, "liar", seed=6)
         liar: list[str] = []
+        first_plan: list[dict] = []
 
         async def on_event(ev: dict) -> None:
-            if ev["type"] == "plan" and not liar:
-                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+            if ev["type"] == "plan" and not first_plan:
+                first_plan.append(ev)
+            if ev["type"] == "step" and ev["step"] == 1 and not liar:
+                stages = first_plan[0]["stages"]
+                victim = next(s["peer"] for s in stages if s["peer"] != swarm.ready[0]["peer_id"])
                 i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
                 (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
                 liar.append(victim)
@@ -93,8 +110,13 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         assert "failed a spot-check" in caught[0]["reason"] and "relative error" in caught[0]["reason"]
         plans = [e for e in events if e["type"] == "plan"]
         assert len(plans) >= 2 and liar[0] not in [s["peer"] for s in plans[-1]["stages"]]
-        assert result["verify"]["caught"] == 1
-        assert_matches_reference(spec, events)  # the lied step was dropped and replayed
+        assert result["verify"]["caught"] == 1 and result["verify"]["deferred"]
+        # checked while the next step ran: the hosts undid the lied step, which was replayed
+        rollbacks = [e for e in events if e["type"] == "event" and e.get("kind") == "rollback"]
+        assert [e["lied_step"] for e in rollbacks] == [caught[0]["step"]], rollbacks
+        assert caught[0]["step"] >= 2, caught  # it lied from step 2 (or 3) on
+        assert rollbacks[0]["step"] == 0  # back to the plan's start: the liar computed every step since
+        assert_matches_reference(spec, events)  # nothing of the lie stayed in the model
         for i in range(len(swarm.ready)):
             (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
 
@@ -113,7 +135,8 @@ def test_honest_run_bans_nobody_and_a_one_percent_liar_is_caught_banned_and_repl
         result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}, on_plan))
         caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
         assert [e["peer"] for e in caught] == liar, caught
-        assert "pushed a gradient" in caught[0]["reason"]
+        # the hosts' digest of the push binds what it shows: the recompute refutes it
+        assert "failed a gradient check" in caught[0]["reason"], caught[0]["reason"]
         assert_matches_reference(spec, events)
     finally:
         swarm.stop()

@@ -30,8 +30,9 @@ from collections.abc import Callable
 
 import torch
 
+from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.optimizers import FlatOptimizer, OptimizerConfig
-from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
+from fusionnode.optim.store import ParameterStore
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,9 @@ also the optimizer host and a worker, and two more workers, one of them a spare;
 on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/liar.py):
 
 - overhead: the same honest job with checks off and at the default rate (`--rate`), alternated
-  `--overhead-repeats` times; median step time over the steps after the first 3 of each run.
+  `--overhead-repeats` times (after one short checked job that starts the driver's check
+  process); median step time over the steps after the first 3 of each run, and each off/on
+  pair's figure (the spread says how much the machine's other load moved it).
   The swarm is unpaced (no `debug_pace`: the paced testbed sleeps, which would hide the cost);
   every peer shares this machine's cores, so the figure is noisy under other load.
 - lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
@@ -20,13 +22,20 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
   batch's loss of a 24-step run moves by tenths when only the plan, hence the summation order,
   changes), and one
   `--unchecked` run per kind with checks off (the loss a liar leaves behind when nobody checks).
-- statistics over 100 seeded runs: the real runs are too slow here for 100 per kind, so they are
-  simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
+- seeded (`--sections seeded`): `--seeded-runs` (100) real jobs per kind on the same swarm, each of
+  at most 20 steps on a tiny batch and cancelled as soon as its liar is caught (see `run_seeded`);
+  reported: caught within 20 steps out of the runs, median / max steps until caught, whether the
+  caught peer was the liar. About 1-2 s per job here.
+- sim: the same statistics simulated with the real check selector (a fresh secret per seeded run) and the real liar's own
   random choices, using that a checked micro-batch that was lied on is always caught (what the
   real runs and tests/test_verify.py show: every kind of lie mismatches on every lied micro-batch)
   and the closed form 1 - (1 - rate x fraction)^(m x 20) next to it.
 - clean: one honest job of `--clean-steps` steps under `--clean-policy` (default: every micro-batch
-  checked); reported: micro-batches checked, peers caught (false positives), disputes.
+  checked); reported: micro-batches checked, peers caught (false positives), disputes, rollbacks.
+
+With offload the driver checks a step while the next one runs, its recomputes in a low-priority
+process of its daemon; a lie found that way rolls the lied step back on the optimizer hosts (the
+`rollback` event) and the job replays from it (train/checks.py).
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
 }
 CATCH_WITHIN = 20  # steps: the target
+SECTIONS = ("sim", "overhead", "lies", "seeded", "clean")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -108,15 +118,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workdir", default=None, help="peers' state and logs (default: a new temporary directory)"
     )
+    p.add_argument(
+        "--sections",
+        default="sim,overhead,lies,clean",
+        help="what to run, comma-separated among sim, overhead, lies, seeded, clean (default %(default)s)",
+    )
+    p.add_argument(
+        "--seeded-runs",
+        type=int,
+        default=100,
+        help="real seeded runs per kind of lie in the 'seeded' section (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KIND_CONFIGS for k in kinds):
         p.error(f"--kinds: choose among {', '.join(KIND_CONFIGS)}")
     args.kinds = kinds
+    sections = [x for x in args.sections.split(",") if x]
+    if not sections or any(x not in SECTIONS for x in sections):
+        p.error(f"--sections: choose among {', '.join(SECTIONS)}")
+    args.sections = sections
     if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
         p.error("--rate and --fraction must be in (0, 1]")
-    for name in ("runs", "sim_runs", "steps", "overhead_steps", "overhead_repeats", "micro_batches"):
+    for name in (
+        "runs",
+        "sim_runs",
+        "seeded_runs",
+        "steps",
+        "overhead_steps",
+        "overhead_repeats",
+        "micro_batches",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.clean_steps < 0:
@@ -176,7 +209,14 @@ def _params(spec: Any, policy: str, rate: float | None) -> dict[str, Any]:
 
 
 def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in events if e["type"] == "step"]
+    """The step records that stand: a `rollback` event voids those from its step on (replayed)."""
+    steps: list[dict] = []
+    for e in events:
+        if e["type"] == "step":
+            steps.append(e)
+        elif e["type"] == "event" and e.get("kind") == "rollback":
+            steps = [x for x in steps if x["step"] < e["step"]]
+    return steps
 
 
 def _events(events: list[dict], kind: str) -> list[dict]:
@@ -185,29 +225,38 @@ def _events(events: list[dict], kind: str) -> list[dict]:
 
 def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {"off": [], "on": []}
+    per_run: dict[str, list[float]] = {"off": [], "on": []}  # each run's median step time
     verify_s: list[float] = []
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
+    deferred = None
+    # a short checked job first: the driver's daemon spawns its check process at its first checked job
+    asyncio.run(_train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate)))
     for r in range(args.overhead_repeats):
-        for mode in ("off", "on"):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternated: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             result, events = asyncio.run(
                 _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
             )
             steps = _steps(events)
             times[mode] += [s["step_time_s"] for s in steps[3:]]
+            per_run[mode].append(statistics.median(s["step_time_s"] for s in steps[3:]))
             if mode == "on":
                 verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
-                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps"):
+                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps", "wait_s"):
                     parts[k] = parts.get(k, 0.0) + result["verify"][k]
+                deferred = result["verify"].get("deferred")
             losses[mode] = steps[-1]["loss"]
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    pairs = [b / a - 1 for a, b in zip(per_run["off"], per_run["on"], strict=True)]
     return {
         "scenario": "overhead",
         "rate": args.rate,
         "median_step_s_off": round(off, 4),
         "median_step_s_on": round(on, 4),
         "overhead": round(on / off - 1, 4),
+        "overhead_per_pair": [round(x, 4) for x in pairs],
+        "checks_off_critical_path": deferred,
         "median_verify_phase_s": round(statistics.median(verify_s), 4),
         "verify_phase_share_of_step": round(statistics.median(verify_s) / on, 4),
         "final_loss_off": losses["off"],
@@ -215,7 +264,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "steps_timed": {k: len(v) for k, v in times.items()},
         "mean_per_step_s": {
             k: round(parts[k] / parts["steps"], 4)
-            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s")
+            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s", "wait_s")
         },
     }
 
@@ -263,6 +312,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                 {
                     "mode": mode,
                     "caught_at_step": caught[0]["step"] if caught else None,
+                    "rolled_back_to": [e["step"] for e in _events(events, "rollback")],
                     "steps_until_caught": caught[0]["step"] + 1 if caught else None,
                     "caught_peer_is_liar": bool(caught)
                     and caught[0]["peer"] == swarm.ready[victim[0]]["peer_id"]
@@ -336,6 +386,92 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def _seeded_run(
+    args: argparse.Namespace,
+    swarm: Any,
+    tiny: argparse.Namespace,
+    kind: str,
+    r: int,
+    attempt: int,
+    driver: str,
+    others: list[int],
+) -> tuple[list[dict], list[str]] | None:
+    """One seeded job: (its first `caught` event or none, the peers that carried the lie in its
+    first plan); None when it failed before its liar was caught."""
+    from fusionnode import control
+    from fusionnode.errors import FusionNodeError
+
+    seed = 1000 + r
+    job_id = f"verify-seeded-{kind}-{r}-{attempt}-{os.getpid()}"
+    spec = _spec(tiny, job_id, CATCH_WITHIN, seed=seed)
+    for i in others:
+        (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
+    caught: list[dict] = []
+    liars: list[str] = []
+
+    async def on_event(ev: dict) -> None:
+        if ev["type"] == "plan" and not liars:
+            liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+        if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
+            caught.append(ev)
+            await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
+
+    params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
+    try:
+        asyncio.run(_train(swarm, params, on_event))
+    except (FusionNodeError, OSError) as exc:
+        if not caught:  # a cancelled job ends its stream with an error: expected then
+            print(f"  seeded run {job_id} failed: {exc}", file=sys.stderr, flush=True)
+            return None
+    finally:
+        for i in others:
+            (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+    return caught, liars
+
+
+def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
+    """`--seeded-runs` real jobs per kind of lie at `--rate`, each of at most CATCH_WITHIN steps
+    and stopped (cancelled) as soon as the liar is caught; a tiny batch (4 sequences of 32 tokens,
+    `--micro-batches` micro-batches). Both workers other than the driver's peer carry the lie
+    before the job starts, so whichever the plan picks lies from step 0 (the spare runs nothing);
+    steps are counted from step 0. The driver forgets its bans at each job (a debug option). A job
+    that fails before its liar is caught (a stream reset at its start, say) is run again, at most
+    twice, then counted as failed. Yields one row per kind."""
+
+    driver = swarm.ready[0]["peer_id"]
+    others = [i for i, rec in enumerate(swarm.ready) if rec["peer_id"] != driver]
+    tiny = argparse.Namespace(**{**vars(args), "batch_size": 4, "seq_len": 32})
+    for kind in args.kinds:
+        steps_needed: list[int | None] = []
+        wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
+        for r in range(args.seeded_runs):
+            for attempt in range(3):
+                got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
+                if got is not None:
+                    caught, liars = got
+                    steps_needed.append(caught[0]["step"] + 1 if caught else None)
+                    wrong_peer += bool(caught) and caught[0]["peer"] not in liars
+                    break
+                retried += 1
+            else:
+                failed += 1
+        done = [x for x in steps_needed if x is not None]
+        yield (
+            {
+                "scenario": f"seeded:{kind}",
+                "runs": len(steps_needed),
+                "runs_failed_to_run": failed,
+                "attempts_retried": retried,
+                f"caught_within_{CATCH_WITHIN}_steps": sum(1 for x in done if x <= CATCH_WITHIN),
+                "median_steps_until_caught": statistics.median(done) if done else None,
+                "max_steps_until_caught": max(done) if done else None,
+                "caught_peer_not_the_liar": wrong_peer,
+                "steps_until_caught": steps_needed,
+                "wall_s": round(time.monotonic() - t0, 1),
+            }
+        )
+
+
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
@@ -348,7 +484,10 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "micro_batches_checked": v.get("checked"),
         "false_positives_caught": len(_events(events, "caught")),
         "disputes": len(_events(events, "dispute")),
+        "rollbacks": len(_events(events, "rollback")),
         "failures": len(_events(events, "failure")),
+        "steps_checked": v.get("steps"),
+        "check_seconds_total": round(v.get("seconds", 0.0), 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -362,20 +501,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="fusionnode-verify-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    out: list[dict[str, Any]] = simulate(args)
-    for res in out:
-        _print(res, args.json)
+    if "sim" in args.sections:
+        for res in simulate(args):
+            _print(res, args.json)
+    if not set(args.sections) - {"sim"}:
+        return 0
     os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug hooks (the liar) are on
     swarm = LocalSwarm(workdir / "swarm", 3, log=sys.stderr)
     (workdir / "swarm").mkdir(parents=True, exist_ok=True)
     try:
         swarm.start()
         asyncio.run(swarm.wait_connected())
-        res = run_overhead(args, swarm)
-        _print(res, args.json)
-        for res in run_lies(args, swarm, workdir):
-            _print(res, args.json)
-        if args.clean_steps:
+        if "overhead" in args.sections:
+            _print(run_overhead(args, swarm), args.json)
+        if "lies" in args.sections:
+            for res in run_lies(args, swarm, workdir):
+                _print(res, args.json)
+        if "seeded" in args.sections:
+            for res in run_seeded(args, swarm):
+                _print(res, args.json)
+        if "clean" in args.sections and args.clean_steps:
             _print(run_clean(args, swarm), args.json)
     finally:
         swarm.stop()

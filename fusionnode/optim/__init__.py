@@ -1,6 +1,7 @@
 """Optimizer hosts: fp32 masters and optimizer state off the workers (LuWu-style offload)."""
 
 from fusionnode.optim.checkpoint import CheckpointError, load_latest_shard, save_shard
+from fusionnode.optim.contributions import Contributor, ExpectedContributions, contributor_key
 from fusionnode.optim.optimizers import (
     FlatOptimizer,
     LocalOptimizer,
@@ -13,14 +14,11 @@ from fusionnode.optim.optimizers import (
 from fusionnode.optim.sharding import param_bytes, shard_loads, shard_params
 from fusionnode.optim.store import (
     ApplyResult,
-    Contributor,
-    ExpectedContributions,
     ParameterStore,
     PushResult,
     StepNotReadyError,
     StepOrderError,
     UnknownParameterError,
-    contributor_key,
 )
 
 __all__ = [

@@ -164,10 +164,19 @@ class OptimizerClient:
         raise AssertionError("unreachable")
 
     async def apply(
-        self, job_id: str, hosts: list[str], step: int, lr: float, grad_clip: float | None, save: bool
+        self,
+        job_id: str,
+        hosts: list[str],
+        step: int,
+        lr: float,
+        grad_clip: float | None,
+        save: bool,
+        keep: bool = False,
+        mark: bool = False,
     ) -> Applied:
         """Waits for the hosts to have every contribution of `step` (the stores count from 1), clips
-        globally, applies; `save`: the hosts checkpoint their shards at this step."""
+        globally, applies; `save`: the hosts checkpoint their shards at this step; `keep`: they keep
+        the state before it, so that `rollback` can undo it."""
         ready = await asyncio.gather(
             *(
                 jp.call(
@@ -195,7 +204,14 @@ class OptimizerClient:
                     h,
                     Rpc.OPT_APPLY,
                     jp.OptApply(
-                        job=job_id, step=step, lr=lr, clip_coef=clip, force=not r.complete, save=save
+                        job=job_id,
+                        step=step,
+                        lr=lr,
+                        clip_coef=clip,
+                        force=not r.complete,
+                        save=save,
+                        keep=keep,
+                        mark=mark,
                     ),
                     timeout=self.step_timeout_s,
                     idempotent=True,  # a host re-applying an applied step answers with the earlier result
@@ -214,6 +230,25 @@ class OptimizerClient:
             for h, res in zip(hosts, applied, strict=True)
         ]
         return Applied(grad_norm, clip, counters)
+
+    async def rollback(self, job_id: str, hosts: list[str], step: int) -> bool:
+        """Every host back to the state after `step` (the stores' count): the step after it, applied
+        with `keep`, is undone, or every step since the mark when `step` is the marked one. Returns
+        whether any host undid a step."""
+        replies = await asyncio.gather(
+            *(
+                jp.call(
+                    self.t,
+                    h,
+                    Rpc.OPT_ROLLBACK,
+                    jp.OptRollback(job=job_id, step=step),
+                    timeout=self.step_timeout_s,
+                    idempotent=True,  # a second rollback to the same step answers undone=False
+                )
+                for h in hosts
+            )
+        )
+        return any(r.undone for r in replies)
 
     async def pull(
         self, job_id: str, hosts: list[str], host_of: dict[str, str] | None, specs: dict[str, dict[str, Any]]

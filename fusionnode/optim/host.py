@@ -31,10 +31,11 @@ from typing import Any, Protocol
 import torch
 
 from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
+from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.host_rounds import READY_POLL_S, HostRounds, _data_bytes
 from fusionnode.optim.optimizers import job_optimizer_config
 from fusionnode.optim.rounds import RoundCombiner, RoundUpdate
-from fusionnode.optim.store import Contributor, ExpectedContributions, ParameterStore
+from fusionnode.optim.store import ParameterStore, StepOrderError
 from fusionnode.security.guard import BanList, GuardConfig, NormBound
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_SHARDS_PER_DRIVER
 from fusionnode.sync import SyncConfig
@@ -182,6 +183,7 @@ class OptimizerHostService(HostRounds):
             Rpc.OPT_RELEASE: self.rpc_release,
             Rpc.OPT_REPLAN: self.rpc_replan,
             Rpc.OPT_ROUND_PULL: self.rpc_round_pull,
+            Rpc.OPT_ROLLBACK: self.rpc_rollback,
         }.items():
             jp.serve(transport, name, fn)
         transport.on_data(TensorKind.PUSH, self._on_push)
@@ -434,7 +436,8 @@ class OptimizerHostService(HostRounds):
             return False
         digest = digest_encoded(msg.tensors)
         step = int(msg.meta.get("step", -1))
-        for old in [s for s in shard.push_digests if s <= shard.store.applied_step]:
+        # the last applied step's stay: its checks run while the next step pushes
+        for old in [s for s in shard.push_digests if s < shard.store.applied_step]:
             del shard.push_digests[old]
         shard.push_digests.setdefault(step, {}).setdefault(key, {})[next(iter(msg.tensors))] = digest
         return True
@@ -458,7 +461,15 @@ class OptimizerHostService(HostRounds):
         shard = self._shard(req.job, sender)
         step = req.step
         res = await asyncio.to_thread(
-            shard.store.apply, step, req.lr, force=req.force, clip_coef=req.clip_coef
+            functools.partial(
+                shard.store.apply,
+                step,
+                req.lr,
+                force=req.force,
+                clip_coef=req.clip_coef,
+                keep=req.keep,
+                mark=req.mark,
+            )
         )
         if (req.save or (shard.save_every and step % shard.save_every == 0)) and res.applied:
             try:
@@ -510,6 +521,18 @@ class OptimizerHostService(HostRounds):
     def _bytes(self, shard: HostedShard) -> dict[str, int]:
         """Cumulative bytes of the job this host received (its data messages) and sent."""
         return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}
+
+    async def rpc_rollback(self, req: jp.OptRollback, sender: str) -> jp.OptRollbackReply:
+        """Undoes the last applied step (kept by `opt.apply` with `keep`): a spot-check found a lie in
+        it, so the driver replays it without the liar."""
+        shard = self._shard(req.job, sender)
+        try:
+            undone = await asyncio.to_thread(shard.store.rollback, req.step)
+        except StepOrderError as exc:
+            raise JobError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        for s in [s for s in shard.push_digests if s > req.step]:
+            del shard.push_digests[s]
+        return jp.OptRollbackReply(applied_step=shard.store.applied_step, undone=undone)
 
     async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:
         """The driver adopted a new plan: new contributors (and the peers allowed to push for them);

@@ -15,8 +15,8 @@ import torch
 
 from fusionnode.errors import FusionNodeError
 from fusionnode.optim.checkpoint import save_shard
+from fusionnode.optim.contributions import ExpectedContributions
 from fusionnode.optim.rounds import RoundError
-from fusionnode.optim.store import ExpectedContributions
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, JobError, TensorKind
 from fusionnode.wire.messages import TensorMessage

@@ -57,7 +57,9 @@ import torch
 from torch import Tensor
 
 from fusionnode.errors import ConfigError, FusionNodeError
+from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.optimizers import FlatOptimizer, OptimizerConfig
+from fusionnode.optim.snapshot import keep_state, restore_state
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ COUNTER_NAMES = (
     "forced",
     "empty_steps",  # forced steps that had no contribution at all
     "dropped_partial",  # (name, replica) pairs left out of a forced step as incomplete
+    "rolled_back",  # applied steps undone (a spot-check caught a worker lying in them)
 )
 
 
@@ -95,49 +98,6 @@ class StepNotReadyError(FusionNodeError, LookupError):
 
 class UnknownParameterError(FusionNodeError, KeyError):
     """A parameter name this store does not hold."""
-
-
-@dataclass(frozen=True)
-class Contributor:
-    """One planned contributor: its data-parallel replica and that replica's planned samples per step."""
-
-    replica: str
-    samples: int
-
-
-def contributor_key(replica: int | str, stage: int | str) -> str:
-    """Conventional contributor key for a (replica, stage) pair: "r{replica}/s{stage}"."""
-    return f"r{replica}/s{stage}"
-
-
-@dataclass(frozen=True)
-class ExpectedContributions:
-    """For each parameter name, the contributors expected every step: {name: {key: Contributor}}."""
-
-    by_name: Mapping[str, Mapping[str, Contributor]]
-
-    def __post_init__(self) -> None:
-        frozen: dict[str, Mapping[str, Contributor]] = {}
-        for name, contribs in self.by_name.items():
-            if not contribs:
-                raise ConfigError(f"parameter {name!r} has no expected contributor")
-            per_replica: dict[str, int] = {}
-            for key, c in contribs.items():
-                if c.samples < 1:
-                    raise ConfigError(f"contributor {key!r} of {name!r} plans {c.samples} samples (< 1)")
-                if per_replica.setdefault(c.replica, c.samples) != c.samples:
-                    raise ConfigError(
-                        f"contributors of replica {c.replica!r} for {name!r} plan different samples"
-                    )
-            frozen[name] = MappingProxyType(dict(contribs))
-        object.__setattr__(self, "by_name", MappingProxyType(frozen))
-
-    @classmethod
-    def same_for_all(
-        cls, names: Iterable[str], contributors: Mapping[str, Contributor]
-    ) -> ExpectedContributions:
-        """Every name expects the same contributors (e.g. one stage's params, R replicas)."""
-        return cls({n: dict(contributors) for n in names})
 
 
 @dataclass(frozen=True)
@@ -236,6 +196,8 @@ class ParameterStore:
         self._pending: dict[int, _Pending] = {}
         self._results: OrderedDict[int, ApplyResult] = OrderedDict()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
+        self._previous: dict[str, Any] | None = None  # kept states (snapshot.py): `keep` and
+        self._marked: dict[str, Any] | None = None  # `mark` of apply(), for rollback()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -380,14 +342,21 @@ class ParameterStore:
             return FlatOptimizer.grad_sq_norm(pend.mean)
 
     def apply(
-        self, step: int, lr: float | None = None, *, force: bool = False, clip_coef: float | None = None
+        self,
+        step: int,
+        lr: float | None = None,
+        *,
+        force: bool = False,
+        clip_coef: float | None = None,
+        keep: bool = False,
+        mark: bool = False,
     ) -> ApplyResult:
         """Apply `step` once: when all contributions arrived, or with what arrived when `force`.
 
         Returns applied=False (and the missing contributors) when not ready and not forced.
         Re-applying an applied step returns the earlier result. A forced step with no
         contribution at all advances `applied_step` without updating anything.
-        Raises StepOrderError for a step beyond applied_step + 1.
+        Raises StepOrderError for a step beyond applied_step + 1. `keep`|`mark`: see `rollback`.
         """
         with self._apply_lock:
             with self._lock:
@@ -412,6 +381,10 @@ class ParameterStore:
                     )
                 self._pending.pop(step, None)
                 self._applying = step
+            kept = keep_state(self._opt, self._applied_step, self._previous) if keep else None
+            self._previous = kept
+            if mark:
+                self._marked = keep_state(self._opt, self._applied_step, self._marked)
             try:
                 result = self._apply_pending(
                     step, pend, lr, force=force and not complete, clip_coef=clip_coef
@@ -528,6 +501,27 @@ class ParameterStore:
         if dropped:
             logger.info("re-plan: dropped the pending contributions of steps %s", dropped)
         return dropped
+
+    def rollback(self, step: int) -> bool:
+        """Back to the state after `step` kept by `apply(step + 1, keep|mark)` (`keep`: until the next
+        step; `mark`: until the next mark), pending pushes dropped; whether a step was undone.
+        StepOrderError when the store cannot go back to `step`."""
+        with self._apply_lock:
+            with self._lock:
+                applied = self._applied_step
+                self._pending.clear()
+            prev = self._previous if applied == step + 1 else None
+            kept = [k for k in (prev, self._marked) if k is not None and k["applied_step"] == step]
+            if applied == step:
+                return False
+            if not kept:
+                raise StepOrderError(f"cannot roll back to step {step} (applied {applied}): not kept")
+            restore_state(self._opt, kept[0])
+            self._previous = None
+            with self._lock:
+                self._applied_step = step
+                self._counters["rolled_back"] += applied - step
+            return True
 
     def update_masters(self, fn: Callable[[dict[str, Tensor]], Any], applied_step: int | None = None) -> Any:
         """Runs `fn` on the fp32 masters (updated in place) under the apply lock: the outer step of a

@@ -66,6 +66,7 @@ class StageJob:
         self.params: dict[str, torch.nn.Parameter] = {}
         self.busy = asyncio.Lock()
         self.ledger: Any = None  # verify.Ledger of the last step run with verification on
+        self.ledgers: dict[int, Any] = {}  # step -> its Ledger, the last KEPT_LEDGERS steps (audits)
         self.last_step = -1
         self.step_now = -1
         self.micro_batches_now = 0

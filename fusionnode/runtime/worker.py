@@ -54,6 +54,7 @@ from fusionnode.wire.messages import TensorMessage
 logger = logging.getLogger(__name__)
 
 MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator slack
+KEPT_LEDGERS = 2  # steps whose messages a worker keeps for audits (the driver checks one while the next runs)
 
 
 class WorkerService(HostLink):
@@ -320,6 +321,9 @@ class WorkerService(HostLink):
             sj.ledger = None
             if req.verify:  # commitments in the report, messages kept for the driver's checks
                 sj.ledger = await self._open_ledger(sj, req.step, req.micro_batches)
+                sj.ledgers[req.step] = sj.ledger  # the driver checks a step while the next one runs
+                for old in sorted(sj.ledgers)[:-KEPT_LEDGERS]:
+                    del sj.ledgers[old]
             task = asyncio.ensure_future(
                 self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
             )
@@ -362,7 +366,7 @@ class WorkerService(HostLink):
 
         sj = self._get(req, sender)
         step, mbs = req.step, req.mbs
-        led = sj.ledger
+        led = sj.ledgers.get(step)
         if led is None or led.step != step:
             raise JobError(ErrorCode.NOT_HELD, f"stage {sj.stage} kept no messages of step {step!r}")
         if not all(0 <= mb < led.micro_batches for mb in mbs):
@@ -370,7 +374,9 @@ class WorkerService(HostLink):
                 ErrorCode.BAD_REQUEST, f"mbs must be micro-batch indices below {led.micro_batches}"
             )
         grads = None
-        if req.grads:
+        if req.grads and led.pushed:  # with offload: what it pushed (its .grad may be the next step's)
+            grads = dict(led.pushed)
+        elif req.grads:
             grads = {
                 n: tensor_message(
                     TensorKind.AUDIT, {}, {n: p.grad if p.grad is not None else torch.zeros_like(p)}

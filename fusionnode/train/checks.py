@@ -2,10 +2,23 @@
 
 `job_policy` resolves `--verify-policy` / `--verify-rate` for a job (off with a notice when its links
 are lossy); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
-and target it sends), `prefetch` (once the stages run) and `check` (after the stages reported,
-before the optimizer): a caught worker is out of the job (`caught` event, `run.gone`) and the step
-fails with `bad_tensor` blaming it, so recovery bans it, drops the step's contributions and replays
-the step on a new plan; a dispute nobody can be blamed for replays the step with the same peers.
+and target it sends), `prefetch` (once the stages run), then after the stages reported:
+
+- with offload (`deferred`): `launch` before the optimizer (the draw, the checked stages'
+  parameters); the audits run in the background while the next step runs, which waits for them
+  before its own update (`settle`: the workers keep two steps' messages); the recomputes run on in
+  the daemon's low-priority check process, up to MAX_LAG steps behind. The optimizer hosts keep the
+  state at the start of the plan (`opt.apply` with `mark`, renewed every MARK_EVERY steps, after
+  every earlier step was judged). A lie found raises `Rollback` for the lied step: the hosts go back
+  to the mark (`opt.rollback`: every step the liar computed since is undone), the liar is banned,
+  and the job replays from the mark on a new plan; nothing of the liar's stays in the model, and
+  honest steps are applied exactly as without checks;
+- without offload: `check` before the optimizer, on the critical path (the workers update their
+  own parameters at commit, which cannot be rolled back).
+
+A caught worker is out of the job (`caught` event, `run.gone`) and the step fails with `bad_tensor`
+blaming it, so recovery bans it, drops the step's contributions and replays the step on a new plan;
+a dispute nobody can be blamed for replays the step with the same peers.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any
 
 import torch
@@ -70,10 +84,68 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
     return StageModule.from_description(description, params, device="cpu")
 
 
-def start(transport: Any, job_id: str, policy: Any, timeout_s: float) -> Any:
+MAX_LAG = 8  # checked steps whose recomputes may still run while the job goes on
+CHECK_NICE = 10  # the check process's niceness: its recomputes take the cores the stages leave idle
+_child_modules: dict[tuple[str, int], Any] = {}  # in the check process: (job, stage) -> its module
+
+
+def _child_init() -> None:
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.nice(CHECK_NICE)
+
+
+def _child_ready() -> bool:
+    from fusionnode.runtime.stage import StageModule  # noqa: F401 - imported once, before the first check
+
+    return True
+
+
+def _child_check(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor], *rest: Any) -> str:
+    """In the check process: `check_stage_work` with the stage's module kept across steps."""
+    from fusionnode.verify.verifier import check_stage_work
+
+    for key in [k for k in _child_modules if k[0] != job_id]:  # another job's modules
+        del _child_modules[key]
+    module = _child_modules.get((job_id, a["stage"]))
+    if module is None:  # a stage id names one stage of one plan: its description does not change
+        module = _child_modules[(job_id, a["stage"])] = _cpu_stage(a["description"], dict(mine))
+    else:
+        module.load_state(mine)
+    return check_stage_work(module, a, mine, *rest)
+
+
+class CheckProcess:
+    """One process of this daemon (spawned at its first checked job, at low priority) that runs the
+    checks' recomputes: on a thread of the daemon they would hold its GIL against the driver's own
+    stage and optimizer host (latency on every step), and compete at the same priority for cores."""
+
+    _pool: Any = None
+
+    def __init__(self, job_id: str) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self.job_id = job_id
+        if CheckProcess._pool is None:
+            CheckProcess._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init
+            )
+            CheckProcess._pool.submit(_child_ready)  # starts it (and imports torch) now
+
+    async def __call__(self, a: Any, mine: Any, *rest: Any) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, dict(a), mine, *rest)
+
+
+def start(transport: Any, job_id: str, policy: Any, timeout_s: float, elsewhere: bool = True) -> Any:
+    """The job's Verifier; `elsewhere`: its recomputes in the daemon's check process."""
     from fusionnode.verify.verifier import Verifier
 
-    return Verifier(transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage)
+    run_elsewhere = CheckProcess(job_id) if elsewhere and policy.on else None
+    return Verifier(
+        transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage, run_elsewhere=run_elsewhere
+    )
 
 
 def _as_map(a: StageAssignment) -> dict[str, Any]:
@@ -101,6 +173,9 @@ class StepChecks:
         self.membership = membership
         self.timeout_s = step_timeout_s
         self.last: dict[str, Any] | None = None  # what the last step's checks covered (its record)
+        self.auditing: tuple[int, asyncio.Future] | None = None  # (step, its audits running)
+        self.lagging: list[tuple[int, Any]] = []  # (step, Verdict) audited, recomputes maybe running
+        self.wait_s = 0.0  # time steps waited for a background check to end (on the critical path)
 
     def before_step(self) -> None:
         self.v.start_step()
@@ -149,22 +224,91 @@ class StepChecks:
                 out.setdefault(contributor, {}).update(names)
         return out
 
-    async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
-        """Checks the step; raises `failed` (StepFailed) when a worker is caught or a dispute stands."""
-        stages = [_as_map(a) for a in run.stage_args]
+    async def _device_kinds(self, stages: list[dict[str, Any]]) -> None:
         if any(s["peer"] not in self.v.device_kinds for s in stages):
             with contextlib.suppress(FusionNodeError, OSError, asyncio.TimeoutError):
                 self.v.device_kinds = {p.peer_id: p.device.kind for p in await self.membership.peers()}
-        verdict = await self.v.check(
+
+    async def _prepare(self, job: Any, run: Any, step: int, reports: list[Any]) -> Any:
+        stages = [_as_map(a) for a in run.stage_args]
+        await self._device_kinds(stages)
+        prep = await self.v.prepare(
             step,
             stages,
             [r.to_wire() for r in reports],
             self._micro_batches(job),
             lambda s: self._params(job, run, s),
             check_grads=True,
-            pushed_for=(lambda st: self._pushed(job, st)) if job.offload else None,
         )
-        self.last = {"checked": {str(k): v for k, v in verdict.plan.items()}, "grads": verdict.grads}
+        self.last = {
+            "step": step,
+            "checked": {str(k): v for k, v in prep.verdict.plan.items()},
+            "grads": prep.verdict.grads,
+        }
+        return prep
+
+    def _finish(self, job: Any, prep: Any, lag: bool = False) -> Any:
+        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None, lag=lag)
+
+    async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
+        """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
+        stands (the path without offload: the workers apply their own updates, nothing to roll back)."""
+        prep = await self._prepare(job, run, step, reports)
+        await self.judge(job, run, step, await self._finish(job, prep), failed)
+
+    def deferred(self, job: Any) -> bool:
+        """Whether this job's steps are checked while the next step runs (off the critical path): with
+        offload, where the optimizer hosts keep the state before the last step and can roll it back."""
+        return bool(job.offload) and not job.sync.rounds
+
+    async def launch(self, job: Any, run: Any, step: int, reports: list[Any]) -> None:
+        """Before the step's update: the draw and the checked stages' parameters; the audits then run
+        in the background while the next step does, and the recomputes after them, for as long as
+        they take (`settle` collects their verdicts)."""
+        prep = await self._prepare(job, run, step, reports)
+        self.auditing = (step, asyncio.ensure_future(self._finish(job, prep, lag=True)))
+
+    def busy(self) -> bool:
+        return self.auditing is not None or bool(self.lagging)
+
+    async def settle(self, everything: bool = False) -> tuple[int, Any] | None:
+        """(step, verdict) of the first checked step found wrong, None when none is: waits for the
+        last step's audits (the workers keep two steps), judges the steps whose recomputes ended,
+        and waits for the oldest while more than MAX_LAG steps are unjudged; with `everything`,
+        for all of them (before a new mark, a checkpoint, a re-plan or the end of the job)."""
+        t0 = time.perf_counter()
+        try:
+            if self.auditing is not None:
+                step, task = self.auditing
+                self.auditing = None
+                self.lagging.append((step, await task))
+            while self.lagging:
+                step, verdict = self.lagging[0]
+                if not (everything or verdict.done or len(self.lagging) > MAX_LAG):
+                    break
+                self.lagging.pop(0)
+                await self.v.conclude(verdict)
+                if not verdict.ok:
+                    self.cancel()  # the steps after it are undone with it
+                    return step, verdict
+            return None
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def cancel(self) -> None:
+        """Forgets the checks still running (the steps they check are undone, or the hosts were
+        restored from a checkpoint and the steps after it run again)."""
+        if self.auditing is not None:
+            self.auditing[1].cancel()
+            self.auditing = None
+        for _step, verdict in self.lagging:
+            for _a, f in verdict.later:
+                f.cancel()
+        self.lagging = []
+
+    async def judge(self, job: Any, run: Any, step: int, verdict: Any, failed: type) -> None:
+        """Nothing when the step's checks passed; else the caught peers are out of the job (`caught`
+        event, `run.gone`) and `failed(step, ...)` (StepFailed or its Rollback) is raised, blaming them."""
         if verdict.ok:
             return
         for peer, why in sorted(verdict.caught.items()):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,10 @@ from fusionnode.train.placement import (
     crossing_names,
     layout,
 )
-from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, Bans, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
-from fusionnode.train.step import HostFailed, StepFailed, Stepper, step_loss
+from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
 from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,12 @@ class Driver:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
         verify_policy, verify_off = checks.job_policy(params, self.config, spec)
+        if params.get("debug_forget_bans"):  # `bench verify`'s seeded runs: each starts with no bans
+            from fusionnode.runtime.hooks import DEBUG_ENV
+
+            if os.environ.get(DEBUG_ENV) != "1":
+                raise ConfigError("debug_forget_bans needs a daemon started with --debug")
+            self.book.bans = Bans()
         replicas = len(shares) if shares else int(params.get("replicas") or 1)
         if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
             raise ConfigError(f"job {spec.job_id} is already running on this driver")
@@ -361,6 +368,8 @@ class Driver:
                 result["verify"] = {
                     **v.policy.to_dict(),
                     **v.totals,
+                    "deferred": run.checks.deferred(job),
+                    "wait_s": run.checks.wait_s,
                     "commitment": v.selector.commitment,
                     "secret": v.selector.reveal(),
                 }
@@ -392,6 +401,8 @@ class Driver:
         finally:
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
+            if run.checks is not None:  # a cancelled or failed job: its checks still running
+                run.checks.cancel()
 
     async def _steps(self, job: Job, run: Run, source: Any, start_step: int) -> None:
         from fusionnode.train.spec import lr_at
@@ -401,7 +412,13 @@ class Driver:
         tokens_total, time_total = 0, 0.0
         step = start_step
         failures_in_a_row = 0
-        while step < spec.steps:
+        while step < spec.steps or (run.checks is not None and run.checks.busy()):
+            if step >= spec.steps:  # the last step's checks, still running in the background
+                rollback = await self.recovery.settle(job, run)
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self.recovery.roll_back(job, run, source, rollback)
+                continue
             t0 = time.perf_counter()
             lr = lr_at(step, spec)
             wire0 = self.t.bytes_sent.get(jid, 0)
@@ -411,13 +428,23 @@ class Driver:
                 failures_in_a_row += 1
                 if failures_in_a_row > MAX_REPLAYS:
                     raise PlanError(f"step {step}: optimizer hosts keep failing: {fail.summary()}") from None
+                if run.checks is not None:  # the hosts restore a checkpoint: the steps after it rerun
+                    run.checks.cancel()
+                    run.mark = None
                 resume_at = await self.recovery.recover_hosts(job, run, step, fail)
                 if job.sync.rounds:
-                    resume_at = await self._round_restart(job, run, step, [resume_at])
+                    resume_at = await self.recovery.round_restart(job, run, step, [resume_at])
                 step = resume_at
                 continue
             except StepFailed as fail:
                 failures_in_a_row += 1
+                if not isinstance(fail, Rollback):  # the previous step's checks first: a lie there wins
+                    fail = await self.recovery.settle(job, run) or fail
+                if isinstance(fail, Rollback):
+                    if failures_in_a_row > MAX_REPLAYS:
+                        raise PlanError(f"step {fail.step}: {fail.summary()}") from None
+                    step = await self.recovery.roll_back(job, run, source, fail)
+                    continue
                 if not job.offload:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
@@ -429,7 +456,7 @@ class Driver:
                     ) from None
                 await self.recovery.recover(job, run, source, step, fail)
                 if job.sync.rounds:
-                    step = await self._round_restart(job, run, step, job.hosts_applied)
+                    step = await self.recovery.round_restart(job, run, step, job.hosts_applied)
                 continue
             failures_in_a_row = 0
             step_time = time.perf_counter() - t0
@@ -488,10 +515,15 @@ class Driver:
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
                 await self.recovery.recover(job, run, source, step, late)
                 if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
-                    step = await self._round_restart(job, run, step - 1, job.hosts_applied)
+                    step = await self.recovery.round_restart(job, run, step - 1, job.hosts_applied)
                 continue
             due = job.sync.checkpoint_due(step, spec.save_every) if job.sync.rounds else save_at(spec, step)
             if spec.save_dir and due and step < spec.steps:
+                rollback = await self.recovery.settle(job, run)  # a checkpoint holds checked steps only
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self.recovery.roll_back(job, run, source, rollback)
+                    continue
                 try:
                     await asyncio.to_thread(
                         save_job,
@@ -509,6 +541,11 @@ class Driver:
                 and step < spec.steps
                 and run.steps_on_plan >= run.rebalance_every
             ):
+                rollback = await self.recovery.settle(job, run)  # a re-plan starts a new mark
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self.recovery.roll_back(job, run, source, rollback)
+                    continue
                 await self.recovery.maybe_rebalance(job, run, step)
 
     async def _feedback(self, job: Job, run: Run) -> dict[int, dict[str, torch.Tensor]] | None:
@@ -516,34 +553,6 @@ class Driver:
         if job.sync.mode != "sparseloco":
             return None
         return await self.placement.fetch_feedback(job, run.stage_args)
-
-    async def _round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
-        """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
-        (every round they closed, each once); the job goes on from the first step of the round they
-        have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
-        round's start), with new inner optimizer state. Returns that step."""
-        if len(set(applied)) != 1:
-            raise PlanError(
-                f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "
-                "a stage died while sending its round; restart with --resume from the last checkpoint"
-            )
-        h = job.sync.inner_steps
-        if applied[0] % h:
-            raise PlanError(f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {h})")
-        job.rounds_closed = applied[0] // h
-        restart = min(applied[0], job.spec.steps)
-        job.step = restart
-        await run.event(
-            job,
-            "recovered",
-            step=failed_at,
-            role="rounds",
-            replay_from=restart,
-            rounds_applied=job.rounds_closed,
-            reason=f"round {job.rounds_closed} is redone from its start on the new plan (rounds "
-            f"0..{job.rounds_closed - 1} were applied once)",
-        )
-        return restart
 
     async def _finish(
         self,

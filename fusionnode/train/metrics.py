@@ -36,6 +36,7 @@ EVENT_KINDS = frozenset(
         "verify",  # the job's work is spot-checked: policy, rate, commitment to the check secret
         "caught",  # a worker failed a spot-check: banned from the job, its step replayed
         "dispute",  # two neighbours' commitments disagree and neither failed its check: step replayed
+        "rollback",  # a spot-check run while the next step did found a lie: the hosts undid that step
         "notice",  # the driver did other than asked, and says what (fewer stages, no rebalancing)
         "rebalance_check",  # what a straggler check saw: predicted gain, measured noise, decision
     }

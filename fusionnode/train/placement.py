@@ -234,7 +234,7 @@ def layout(
 
 
 def expected(job: Job, stage_args: list[StageAssignment]) -> dict[str, dict[str, dict[str, Any]]]:
-    from fusionnode.optim.store import contributor_key
+    from fusionnode.optim.contributions import contributor_key
 
     expected: dict[str, dict[str, dict[str, Any]]] = {}
     for a in stage_args:
@@ -410,7 +410,7 @@ class Placement:
         link_options: dict[str, Any] | None = None,
     ) -> list[StageAssignment]:
         from fusionnode.graph.portable import describe_stage
-        from fusionnode.optim.store import contributor_key
+        from fusionnode.optim.contributions import contributor_key
 
         graph = traced.graph
         spec = job.spec

@@ -21,7 +21,7 @@ from fusionnode.optim.client import OptimizerClient
 from fusionnode.train.checkpoint import checkpoint_feedback, load_resume, read_resume, save_job
 from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected, layout
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
-from fusionnode.train.step import StepFailed
+from fusionnode.train.step import Rollback, StepFailed
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
 
@@ -391,3 +391,69 @@ class Recovery:
             await self.adopt(
                 job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts, shares_=d.shares
             )
+
+    async def round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
+        """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
+        (every round they closed, each once); the job goes on from the first step of the round they
+        have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
+        round's start), with new inner optimizer state. Returns that step."""
+        if len(set(applied)) != 1:
+            raise PlanError(
+                f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "
+                "a stage died while sending its round; restart with --resume from the last checkpoint"
+            )
+        h = job.sync.inner_steps
+        if applied[0] % h:
+            raise PlanError(f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {h})")
+        job.rounds_closed = applied[0] // h
+        restart = min(applied[0], job.spec.steps)
+        job.step = restart
+        await run.event(
+            job,
+            "recovered",
+            step=failed_at,
+            role="rounds",
+            replay_from=restart,
+            rounds_applied=job.rounds_closed,
+            reason=f"round {job.rounds_closed} is redone from its start on the new plan (rounds "
+            f"0..{job.rounds_closed - 1} were applied once)",
+        )
+        return restart
+
+    async def settle(self, job: Job, run: Run) -> Rollback | None:
+        """Waits for every check still running in the background; the Rollback to do when one caught
+        a lie, else None."""
+        if run.checks is None:
+            return None
+        settled = await run.checks.settle(everything=True)
+        if settled is None:
+            return None
+        try:
+            await run.checks.judge(job, run, settled[0], settled[1], Rollback)
+        except Rollback as rollback:
+            return rollback
+        return None
+
+    async def roll_back(self, job: Job, run: Run, source: Any, fail: Rollback) -> int:
+        """Undoes every step since the hosts' mark (the plan's start, or its last renewal): the liar's
+        earlier, unchecked steps may hold lies too; bans the liar, re-plans; returns the step to
+        replay from."""
+        step = fail.step
+        if run.mark is not None and run.mark[0] <= step:  # the hosts' mark: renewed only once all
+            step = run.mark[0]  # the steps before it were judged, so the lie is after it
+        await self.hosts.rollback(job.spec.job_id, job.hosts, step)  # the stores count from 1
+        job.history[:] = [r for r in job.history if r["step"] < step]
+        job.step = step
+        await run.event(
+            job,
+            "rollback",
+            peer=None,
+            step=step,
+            lied_step=fail.step,
+            reason=(
+                f"a spot-check found a lie in step {fail.step}: the optimizer hosts undid steps "
+                f"{step}..{fail.step} (the liar's steps since the plan's start or its last mark); replaying"
+            ),
+        )
+        await self.recover(job, run, source, step, fail)
+        return step

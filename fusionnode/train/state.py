@@ -165,6 +165,9 @@ class Run:
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
     trigger: Trigger = dataclasses.field(default_factory=Trigger)  # rebalancing's noise-aware trigger
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
+    # (step, plan version) whose starting state the optimizer hosts keep as the mark (checked jobs):
+    # a liar caught later in the same plan has every step since undone (train/checks.py)
+    mark: tuple[int, int] | None = None
 
     @property
     def bans(self) -> Bans:

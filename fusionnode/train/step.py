@@ -31,6 +31,7 @@ from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment, StepRe
 
 logger = logging.getLogger(__name__)
 
+MARK_EVERY = 100  # steps: a checked job's hosts keep the state at the start of its plan, renewed this often
 FAILURE_GRACE_S = 0.5  # seconds to let other calls of a failing step report before cancelling them
 
 
@@ -55,6 +56,12 @@ class StepFailed(FusionNodeError):
         if self.unreachable:
             parts.append(f"unreachable: {[p[:12] for p in self.unreachable]}")
         return "; ".join(parts)
+
+
+class Rollback(StepFailed):
+    """A spot-check that ran while the next step did found a lie in `step`, already applied: the
+    optimizer hosts undo it (they kept the state before it), the liar is banned, and the job replays
+    from `step` on a new plan (train/checks.py)."""
 
 
 class HostFailed(StepFailed):
@@ -156,7 +163,19 @@ class Stepper:
         reports = [results[("step", a.stage)] for a in stage_args]
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
-        if checks is not None:  # before the optimizer: nothing of a caught worker's step is applied
+        keep = mark = False
+        if checks is not None and checks.deferred(job):
+            # earlier steps' checks ran while this step did: a lie there rolls back to the mark; this
+            # step's checks then start (the draw, the parameters it computed with) and run on while
+            # the next steps do; the hosts keep the state at the plan's start (the mark)
+            mark = run.mark is None or run.mark[1] != job.plan_version or step - run.mark[0] >= MARK_EVERY
+            settled = await checks.settle(everything=mark)  # no unjudged step before a new mark
+            if settled is not None:
+                await checks.judge(job, run, settled[0], settled[1], Rollback)
+            await checks.launch(job, run, step, reports)
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
+        elif checks is not None:  # before the optimizer: nothing of a caught worker's step is applied
             await checks.check(job, run, step, reports, StepFailed)
             phases["verify_s"] = time.perf_counter() - t_phase
             t_phase = time.perf_counter()
@@ -179,8 +198,17 @@ class Stepper:
         elif job.offload:
             try:
                 applied = await self.hosts.apply(
-                    jid, job.hosts, step + 1, lr, spec.grad_clip, save_at(spec, step + 1)
+                    jid,
+                    job.hosts,
+                    step + 1,
+                    lr,
+                    spec.grad_clip,
+                    save_at(spec, step + 1),
+                    keep=keep,
+                    mark=mark,
                 )  # the stores count steps from 1
+                if mark:
+                    run.mark = (step, job.plan_version)
                 grad_norm, job.host_counters = applied.grad_norm, applied.counters
             except (TimeoutError, FusionNodeError, OSError) as exc:
                 dead, _leaving = await self.placement.probe(list(job.hosts))

@@ -1,7 +1,7 @@
 """A worker's record of one step's micro-batches: the messages it received and sent, and their digests.
 
-With verification on, a worker keeps its last step's messages (as encoded on the wire) until the next
-step starts, so that the driver can ask for a checked micro-batch's inputs and outputs; the digests
+With verification on, a worker keeps its last two steps' messages (as encoded on the wire: the driver
+checks a step while the next one runs), so that the driver can ask for a checked micro-batch's inputs and outputs; the digests
 go into the step's report (its commitments). Parts of a micro-batch:
 
 - ``in``: the stage's input (``input`` tokens from the driver or ``act`` from the previous stage),
@@ -46,6 +46,9 @@ class Ledger:
         self.autocast = autocast  # whether it computes under bf16 autocast
         self.messages: dict[tuple[int, str], TensorMessage] = {}
         self.digests: dict[tuple[int, str], str] = {}
+        # with offload, the parameter gradients pushed to the optimizer hosts (as sent): what a
+        # gradient check is shown, even once the next step has begun accumulating new ones
+        self.pushed: dict[str, EncodedTensor] = {}
 
     def record(self, mb: int, part: str, msg: TensorMessage, digest: str | None = None) -> str:
         """Keeps `msg` as micro-batch `mb`'s `part`; returns its digest."""

@@ -14,16 +14,20 @@ optimizer, the driver:
    from the committed one,
 4. recomputes each checked micro-batch (recompute.recompute) and compares (compare.py).
 
-A peer whose check fails is named in the returned verdict; the driver bans it, drops the step's
-contributions and replays the step under a new plan (train/driver.py).
+A peer whose check fails is named in the returned verdict; the driver bans it and replays the step
+under a new plan, after undoing what was applied (train/checks.py). `prepare` (1-2) must run before
+the step's update; `finish` (3-4) may run while later steps do, and with `lag` leaves the recomputes
+running for `conclude`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import BrokenExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,10 +57,35 @@ class Verdict:
     plan: dict[int, list[int]] = field(default_factory=dict)  # stage -> micro-batches checked
     grads: list[int] = field(default_factory=list)  # stages whose parameter gradients were checked
     seconds: float = 0.0  # time the checks took
+    # recomputes still running (`Verifier.finish` with `lag`): (stage, future of '' or why not)
+    later: list[tuple[Mapping[str, Any], asyncio.Future]] = field(default_factory=list)
+    open_disputes: list[tuple[int, int, int, str]] = field(default_factory=list)  # judged at the end
+    stage_args: Sequence[Mapping[str, Any]] = ()
+
+    @property
+    def done(self) -> bool:
+        """Whether every recompute of it has ended (`Verifier.conclude` then does not wait)."""
+        return all(f.done() for _, f in self.later)
 
     @property
     def ok(self) -> bool:
         return not self.caught and not self.disputes
+
+
+@dataclass
+class Prepared:
+    """A step's checks once `Verifier.prepare` ran (before the step's update), for `Verifier.finish`."""
+
+    step: int
+    stage_args: Sequence[Mapping[str, Any]]
+    micro_batches: Callable[[Mapping[str, Any]], int]
+    verdict: Verdict
+    todo: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], list[int]]]
+    grad_checked: set[int]
+    disputes: list[tuple[int, int, int, str]]
+    params: dict[str, torch.Tensor]
+    t0: float
+    prepare_s: float
 
 
 def chain_disputes(
@@ -157,6 +186,46 @@ def check_micro_batch(
     return out
 
 
+def check_stage_work(
+    module: Any,
+    a: Mapping[str, Any],
+    mine: Mapping[str, torch.Tensor],
+    parts_of: Mapping[int, Mapping[str, Mapping[str, torch.Tensor]]],
+    mbs: list[int],
+    losses: Sequence[float],
+    m: int,
+    rel_tol: float,
+    shown: Mapping[str, torch.Tensor] | None,
+    step: int,
+) -> str:
+    """Pure: recomputes the checked micro-batches of stage `a` with `module` (its parameters
+    `mine` loaded) and, when `shown`, compares the accumulated parameter gradients; '' when every
+    one matches, else why not."""
+    for p in module.parameters():  # the micro-batches below accumulate from zero
+        p.grad = None
+    for mb in mbs:
+        loss = losses[mb] if mb < len(losses) else None
+        bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
+        if bad:
+            return (
+                f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
+                f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
+            )
+    if shown is not None:
+        trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+        named = module.named_stage_parameters()
+        want = {
+            n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n])) for n in trained
+        }
+        bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
+        if bad:
+            return (
+                f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
+                + "; ".join(str(x) for x in bad[:3])
+            )
+    return ""
+
+
 class Verifier:
     """Spot-checks a job's steps (see the module docstring); one per running job."""
 
@@ -170,13 +239,18 @@ class Verifier:
         build_stage: Callable[[dict[str, Any], dict[str, torch.Tensor]], Any],
         selector: CheckSelector | None = None,
         rel_tol: float = CPU_REL_TOL,
+        run_elsewhere: Callable[..., Awaitable[str]] | None = None,
     ) -> None:
-        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule)."""
+        """`build_stage(description, params)`: the stage's module on CPU (runtime.stage.StageModule);
+        `run_elsewhere(a, params, parts, mbs, losses, m, rel_tol, shown, step)`: runs
+        `check_stage_work` elsewhere (another process) instead of on a thread of this one."""
         self.t = transport
         self.job_id = job_id
         self.policy = policy
         self.selector = selector or CheckSelector.fresh()
         self.build_stage = build_stage
+        self.run_elsewhere = run_elsewhere
+        self._thread_lock = threading.Lock()
         self._modules: dict[int, Any] = {}  # stage -> its module, kept across steps (new values loaded)
         self.timeout_s = timeout_s
         self.rel_tol = rel_tol
@@ -188,7 +262,7 @@ class Verifier:
             "checked": 0,
             "caught": 0,
             "disputes": 0,
-            "seconds": 0.0,  # the checks' time on the step's critical path, of which:
+            "seconds": 0.0,  # the checks' time (with offload mostly while later steps run), of which:
             "params_s": 0.0,  # waiting for the checked stages' parameters (prefetched during the step)
             "pushed_s": 0.0,  # waiting for the hosts' digests of the pushed gradients
             "audit_s": 0.0,  # the audits (summed over stages checked in parallel)
@@ -251,11 +325,28 @@ class Verifier:
         """With `check_grads`, a stage drawn for a gradient check (micro-batch -1 of the selector) has
         every micro-batch recomputed and its accumulated parameter gradients compared with those it
         shows; `pushed_for(step)` gives the optimizer hosts' digests of what each contributor pushed
-        (contributor -> name -> digest; None without offload), which what it shows must match."""
+        (contributor -> name -> digest; None without offload), which what it shows must match.
+        `prepare` + `finish` in one (the driver splits them to check a step while the next runs)."""
+        prep = await self.prepare(step, stage_args, reports, micro_batches, params_for, check_grads)
+        return await self.finish(prep, pushed_for)
+
+    async def prepare(
+        self,
+        step: int,
+        stage_args: Sequence[Mapping[str, Any]],
+        reports: Sequence[Mapping[str, Any]],
+        micro_batches: Callable[[Mapping[str, Any]], int],
+        params_for: Callable[[list[Mapping[str, Any]]], Awaitable[dict[str, torch.Tensor]]],
+        check_grads: bool = False,
+    ) -> Prepared:
+        """What must happen before the step's update is applied: the link cross-check, the draw, and
+        the checked stages' parameters (the values the stages computed with, which the optimizer
+        hosts overwrite when they apply the step). Takes this step's `fed` digests and prefetch."""
         t0 = time.perf_counter()
         verdict = Verdict()
+        fed, self.fed = self.fed, {}
         commits = [r.get("verify") for r in reports]
-        bad, disputes = chain_disputes(stage_args, commits, self.fed, micro_batches)
+        bad, disputes = chain_disputes(stage_args, commits, fed, micro_batches)
         verdict.caught.update(bad)
         forced: dict[int, set[int]] = {}
         for s, o, mb, _what in disputes:
@@ -278,17 +369,36 @@ class Verifier:
                 todo.append((a, r, c, sorted(mbs)))
         verdict.plan = {a["stage"]: mbs for a, _, _, mbs in todo}
         verdict.grads = sorted(grad_checked)
-        pushed_task = (
-            asyncio.ensure_future(pushed_for(step)) if grad_checked and pushed_for is not None else None
-        )
-        pushed = None
+        params: dict[str, torch.Tensor] = {}
         if todo:
             t1 = time.perf_counter()
             params = await self._params([a for a, _, _, _ in todo], params_for)
             self.totals["params_s"] += time.perf_counter() - t1
-            if pushed_task is not None:  # the hosts' digests, asked while the parameters came
+        else:
+            self.start_step()  # drops an unused prefetch
+        return Prepared(
+            step, stage_args, micro_batches, verdict, todo, grad_checked, disputes, params, t0,
+            time.perf_counter() - t0,
+        )  # fmt: skip
+
+    async def finish(
+        self,
+        prep: Prepared,
+        pushed_for: Callable[[int], Awaitable[dict[str, dict[str, str]]]] | None = None,
+        lag: bool = False,
+    ) -> Verdict:
+        """The audits, recomputes and comparisons of a prepared step (they read only what the
+        workers kept and the parameters fetched: they may run while the next step does). With
+        `lag` it returns once the audits are done (what the workers keep for two steps only), the
+        recomputes left running in `verdict.later`: `conclude` judges them."""
+        t0 = time.perf_counter()
+        step, stage_args, verdict, todo = prep.step, prep.stage_args, prep.verdict, prep.todo
+        micro_batches, grad_checked = prep.micro_batches, prep.grad_checked
+        pushed = None
+        if todo:
+            if grad_checked and pushed_for is not None:
                 t1 = time.perf_counter()
-                pushed = await pushed_task
+                pushed = await pushed_for(step)
                 self.totals["pushed_s"] += time.perf_counter() - t1
             results = await asyncio.gather(
                 *(
@@ -298,10 +408,11 @@ class Verifier:
                         r,
                         c,
                         mbs,
-                        params,
+                        prep.params,
                         micro_batches(a),
                         a["stage"] in grad_checked,
                         pushed,
+                        defer=True,
                     )
                     for a, r, c, mbs in todo
                 ),
@@ -312,14 +423,35 @@ class Verifier:
                     if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
                         raise res
                     verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+                elif isinstance(res, asyncio.Future):
+                    verdict.later.append((a, res))
                 elif res:
                     verdict.caught[a["peer"]] = res
                 verdict.checked += len(mbs)
-        caught_stages = {a["stage"] for a in stage_args if a["peer"] in verdict.caught}
-        for s, o, mb, what in disputes:
+        verdict.open_disputes, verdict.stage_args = list(prep.disputes), stage_args
+        verdict.seconds = prep.prepare_s + time.perf_counter() - t0
+        if not lag:
+            await self.conclude(verdict)
+        return verdict
+
+    async def conclude(self, verdict: Verdict) -> Verdict:
+        """Waits for a verdict's recomputes and judges them (and the disputes); counts it."""
+        t0 = time.perf_counter()
+        later, verdict.later = verdict.later, []
+        results = await asyncio.gather(*(f for _, f in later), return_exceptions=True)
+        for (a, _), res in zip(later, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                    raise res
+                verdict.caught[a["peer"]] = f"verification of stage {a['stage']}: {res}"
+            elif res:
+                verdict.caught[a["peer"]] = res
+        caught_stages = {a["stage"] for a in verdict.stage_args if a["peer"] in verdict.caught}
+        for s, o, mb, what in verdict.open_disputes:
             if s not in caught_stages and o not in caught_stages:
                 verdict.disputes.append(f"stage {s} -> {o if o >= 0 else 'driver'}, micro-batch {mb}: {what}")
-        verdict.seconds = time.perf_counter() - t0
+        verdict.open_disputes = []
+        verdict.seconds += time.perf_counter() - t0
         self.totals["steps"] += 1
         self.totals["checked"] += verdict.checked
         self.totals["caught"] += len(verdict.caught)
@@ -361,8 +493,10 @@ class Verifier:
         m: int,
         grads: bool = False,
         pushed: Mapping[str, Mapping[str, str]] | None = None,
-    ) -> str:
-        """'' when every checked micro-batch of stage `a` matches, else why not."""
+        defer: bool = False,
+    ) -> str | asyncio.Future:
+        """'' when every checked micro-batch of stage `a` matches, else why not; with `defer`, once
+        the audit passed, a future of that (the recompute, left running)."""
         rel_tol = self.tolerance(a["peer"], commit)
         mine = {n: params[n] for n in a["param_specs"]}
         if not a.get("offload") and digest_tensors(mine) != commit["params"]:
@@ -394,72 +528,80 @@ class Verifier:
                 (AUDIT_KIND, self.job_id, step, idx, a["stage"]), self.timeout_s, sender=a["peer"]
             )
             chunks.append(msg.tensors)
-        try:
-            shown_parts = unpack_audit(chunks)
-        except ValueError as exc:
-            return f"stage {a['stage']} answered the audit with {exc}"
-        parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        for mb in mbs:
-            want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
-            if sorted(listed.get(str(mb)) or []) != sorted(want):
-                return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
-            parts_of[mb] = {}
-            for part in want:
-                tensors = shown_parts.get((mb, part), {})
-                if digest_encoded(tensors) != commit["mbs"][mb][part]:
-                    return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
-                parts_of[mb][part] = decode_shown(tensors, None, src)
-        losses = report.get("losses") or []
-        shown: dict[str, torch.Tensor] | None = None
-        if grads:
-            grads_enc = shown_parts.get((-1, GRADS), {})
-            trained = set(a["param_specs"]) - set(a.get("frozen") or [])
-            if set(grads_enc) != trained:
-                return f"stage {a['stage']} did not show its parameter gradients"
-            shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
-            contributor = (a.get("offload") or {}).get("contributor")
-            if pushed is not None and contributor is not None:
-                mine_pushed = pushed.get(contributor, {})
-                for name, g in shown.items():
-                    if mine_pushed.get(name) != digest_tensors({name: g}):
-                        return (
-                            f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
-                            f"than the one it holds (or none with its commitment) at step {step}"
-                        )
 
-        def run() -> str:
-            module = self._module(a, mine)
-            for p in module.parameters():  # the micro-batches below accumulate from zero
-                p.grad = None
+        def examine() -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
+            """The shown tensors against their commitments, decoded (hashing: on a thread)."""
+            try:
+                shown_parts = unpack_audit(chunks)
+            except ValueError as exc:
+                return f"stage {a['stage']} answered the audit with {exc}"
+            parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
             for mb in mbs:
-                loss = losses[mb] if mb < len(losses) else None
-                bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
-                if bad:
-                    return (
-                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
-                        f"micro-batch {mb}: " + "; ".join(str(x) for x in bad[:3])
-                    )
-            if shown is not None:
+                want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
+                if sorted(listed.get(str(mb)) or []) != sorted(want):
+                    return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
+                parts_of[mb] = {}
+                for part in want:
+                    tensors = shown_parts.get((mb, part), {})
+                    if digest_encoded(tensors) != commit["mbs"][mb][part]:
+                        return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
+                    parts_of[mb][part] = decode_shown(tensors, None, src)
+            shown: dict[str, torch.Tensor] | None = None
+            if grads:
+                grads_enc = shown_parts.get((-1, GRADS), {})
                 trained = set(a["param_specs"]) - set(a.get("frozen") or [])
-                named = module.named_stage_parameters()
-                want = {
-                    n: (named[n].grad if named[n].grad is not None else torch.zeros_like(named[n]))
-                    for n in trained
-                }
-                bad = compare_tensors(shown, want, rel_tol, "parameter gradient")
-                if bad:
-                    return (
-                        f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a gradient check at step {step}: "
-                        + "; ".join(str(x) for x in bad[:3])
-                    )
-            return ""
+                if set(grads_enc) != trained:
+                    return f"stage {a['stage']} did not show its parameter gradients"
+                shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
+                contributor = (a.get("offload") or {}).get("contributor")
+                if pushed is not None and contributor is not None:
+                    mine_pushed = pushed.get(contributor, {})
+                    for name, g in shown.items():
+                        if mine_pushed.get(name) != digest_tensors({name: g}):
+                            return (
+                                f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
+                                f"than the one it holds (or none with its commitment) at step {step}"
+                            )
+            return parts_of, shown
 
+        examined = await asyncio.to_thread(examine)
+        if isinstance(examined, str):
+            return examined
+        parts_of, shown = examined
+        losses = report.get("losses") or []
         self.totals["audit_s"] += time.perf_counter() - t1
         t1 = time.perf_counter()
+        job = (a, mine, parts_of, mbs, losses, m, rel_tol, shown, step)
+        if defer:
+            return asyncio.ensure_future(self._recompute(job))
+        return await self._recompute(job)
+
+    async def _recompute(self, job: tuple) -> str:
+        a, mine = job[0], job[1]
+        t1 = time.perf_counter()
         try:
+            if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
+                try:
+                    return await self.run_elsewhere(*job)
+                except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
+                    logger.warning("the check process failed (%s); checking on a thread instead", exc)
+                    self.run_elsewhere = None
+
+            def run() -> str:
+                with self._thread_lock:  # one module per stage: recomputes of two steps take turns
+                    return check_stage_work(self._module(a, mine), *job)
+
             return await asyncio.to_thread(run)
         finally:
             self.totals["recompute_s"] += time.perf_counter() - t1
 
 
-__all__ = ["AUDIT_RPC", "Verdict", "Verifier", "chain_disputes", "check_micro_batch"]
+__all__ = [
+    "AUDIT_RPC",
+    "Prepared",
+    "Verdict",
+    "Verifier",
+    "chain_disputes",
+    "check_micro_batch",
+    "check_stage_work",
+]

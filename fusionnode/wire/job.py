@@ -57,6 +57,7 @@ class Rpc:
     OPT_REPLAN: Final = "opt.replan"
     OPT_RELEASE: Final = "opt.release"
     OPT_ROUND_PULL: Final = "opt.round_pull"  # --sync rounds: a closed round's update (ROUNDS.md)
+    OPT_ROLLBACK: Final = "opt.rollback"  # undo the last applied step (a spot-check caught a lie in it)
     DATA_OPEN: Final = "data.open"  # opens a data stream (transport level: SPEC section 8)
     ALL: ClassVar[frozenset[str]]
 
@@ -434,6 +435,8 @@ class OptApply(JobMessage):
     force: bool = False
     clip_coef: float = 1.0
     save: bool = False
+    keep: bool = False  # keep the state before this step, so that opt.rollback can undo it
+    mark: bool = False  # also keep it as the mark: opt.rollback to it undoes every step since
 
 
 @message
@@ -485,6 +488,21 @@ class OptReplan(JobMessage):
 class OptReplanReply(JobMessage):
     applied_step: int
     dropped: list[int]  # steps whose pending contributions were dropped
+
+
+@message
+class OptRollback(JobMessage):
+    """`opt.rollback`: back to the state after `step` (the store's count), undoing the one applied
+    step kept by `opt.apply` with `keep`; pending contributions are dropped."""
+
+    job: str
+    step: int
+
+
+@message
+class OptRollbackReply(JobMessage):
+    applied_step: int
+    undone: bool  # whether a step was undone (False: the shard had not applied it)
 
 
 @message
@@ -549,6 +567,7 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.OPT_REPLAN, OptReplan, OptReplanReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_RELEASE, OptRelease, ReleaseReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_ROUND_PULL, OptRoundPull, CountReply, "the plan's workers", (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
+        RpcSpec(Rpc.OPT_ROLLBACK, OptRollback, OptRollbackReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
     )
 }  # fmt: skip
 MESSAGE_TYPES: tuple[type, ...] = tuple(
