@@ -259,7 +259,7 @@ def test_a_flood_of_silent_connections_is_capped_and_then_cleared():
 
 
 def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
-    from fusionnode.runtime.direct import READ_BUFFERS, READ_BYTES, READ_HIGH_WATER
+    from fusionnode.runtime.direct import READ_AHEAD
 
     key, pid = _key()
     other_key, other_id = _key()
@@ -267,7 +267,8 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
     async def go():
         held = []
 
-        async def idle(_info, reader, writer):  # accepts and never reads
+        async def idle(_info, reader, writer):  # reads one byte, then nothing more
+            assert await reader.read(1) == b"\0"
             held.append(reader)
             await asyncio.sleep(30)
 
@@ -287,7 +288,7 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
             await asyncio.sleep(3)
             assert not task.done()  # the sender is held back
             await _wait(lambda: bool(held))
-            assert len(held[0]._buffer) <= READ_HIGH_WATER + READ_BUFFERS * READ_BYTES, len(held[0]._buffer)
+            assert held[0].buffered() < READ_AHEAD, held[0].buffered()  # what that one read brought
             task.cancel()
             w.close()
         finally:
@@ -312,3 +313,95 @@ def test_a_slow_probed_link_keeps_libp2p(tmp_path, caplog):
             await _close(a, b)
 
     asyncio.run(go())
+
+
+async def _pair(handler):
+    """A listener with `handler` and a dialer's (reader, writer) to it, on loopback."""
+    key, pid = _key()
+    other_key, other_id = _key()
+    listener = DirectPath(key, pid, host="127.0.0.1")
+    await listener.start(handler)
+    dialer = DirectPath(other_key, other_id, host="127.0.0.1")
+    reader, writer = await dialer.dial(pid, [direct_addr("127.0.0.1", listener.port)])
+    return listener, reader, writer
+
+
+def test_frames_of_every_size_arrive_whole_and_a_cut_frame_is_truncated():
+    """The reader thread fills a frame's payload straight into the frame: small and multi-MiB frames,
+    headers split across TLS records, back to back; a stream cut mid-frame is a truncated frame."""
+    from fusionnode.errors import ProtocolError
+    from fusionnode.wire.stream import read_message, write_message
+
+    sizes = [1, 5000, 3 << 18, 7, 1 << 20, 0, 123457]
+    got: list = []
+    errors: list = []
+
+    async def go():
+        async def receive(_info, reader, writer):
+            try:
+                for _ in sizes:
+                    got.append(await read_message(reader))
+                await read_message(reader)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+            writer.close()
+
+        listener, _r, w = await _pair(receive)
+        try:
+            for i, n in enumerate(sizes):
+                await write_message(w, _sized(i, n), chunk_bytes=4093)  # odd chunks: records split headers
+            frame = b"".join(bytes(p) for p in _frame_parts(_sized(99, 1 << 20)))
+            w.write(frame[: len(frame) // 2])  # then the sender goes away mid-frame
+            await w.drain()
+            w.close()
+            await _wait(lambda: bool(errors), 20)
+        finally:
+            listener.close()
+
+    asyncio.run(go())
+    assert [int(m.meta["step"]) for m in got] == list(range(len(sizes)))
+    for i, (m, n) in enumerate(zip(got, sizes, strict=True)):
+        assert torch.equal(m.decode_tensors()["x"], _sized(i, n).decode_tensors()["x"])
+    assert "truncated" in errors[0], errors
+
+
+def _sized(step: int, n: int) -> TensorMessage:
+    return TensorMessage.from_tensors(
+        "activation", {"step": step}, {"x": torch.arange(n, dtype=torch.float32) * (step + 1)}
+    )
+
+
+def _frame_parts(msg: TensorMessage) -> list:
+    from fusionnode.wire.messages import frame_parts
+
+    return frame_parts(msg)
+
+
+def test_a_read_that_times_out_loses_no_bytes():
+    """wait_for on a read (the preamble's and acknowledgements' timeouts) cancels it while the reader
+    thread waits: what arrives later is still read, in order."""
+    seen: list[bytes] = []
+
+    async def go():
+        ready = asyncio.Event()
+
+        async def receive(_info, reader, writer):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.readexactly(8), 0.2)  # nothing sent yet
+            ready.set()
+            seen.append(await reader.readexactly(8))
+            seen.append(await reader.read(100))
+            writer.close()
+
+        listener, _r, w = await _pair(receive)
+        try:
+            await asyncio.wait_for(ready.wait(), 10)
+            w.write(b"12345678abc")
+            await w.drain()
+            await _wait(lambda: len(seen) == 2)
+            w.close()
+        finally:
+            listener.close()
+
+    asyncio.run(go())
+    assert seen == [b"12345678", b"abc"]

@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import statistics
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -56,7 +57,7 @@ SIZES_MIB = (1, 4, 16, 64)  # tensor payload sizes of the codec benchmark
 QUICK_SIZES_MIB = (1, 4, 16)
 REPEATS = 7  # timed runs per codec measurement (best of)
 QUICK_REPEATS = 3
-STREAM_MIB = 64  # bytes per stream transfer (MiB)
+STREAM_MIB = (4, 16, 64)  # sizes of one stream transfer (MiB)
 QUICK_STREAM_MIB = 16
 STREAM_REPEATS = 5  # timed transfers per stream measurement (median)
 QUICK_STREAM_REPEATS = 2
@@ -127,30 +128,42 @@ def bench_codec(sizes_mib: tuple[int, ...], repeats: int) -> list[dict[str, Any]
 
 Opener = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+COUNT = struct.Struct(">I")  # the sender's first bytes on a stream: how many transfers follow
+MODES = ("cold", "steady")
 
 
 def _receiver(total: int, framed: bool, limits: Limits) -> Handler:
+    """Reads the transfer count, then each transfer (`total` raw bytes or one frame) and acknowledges
+    it with one byte."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            if framed:
-                await read_message(reader, limits)
-            else:
-                left = total
-                while left:
-                    chunk = await reader.read(min(left, 1 << 20))
-                    if not chunk:
-                        raise ConnectionError(f"stream ended {left} bytes early")
-                    left -= len(chunk)
-            writer.write(b"k")
-            await writer.drain()
+            (count,) = COUNT.unpack(await reader.readexactly(COUNT.size))
+            for _ in range(count):
+                if framed:
+                    await read_message(reader, limits)
+                else:
+                    left = total
+                    while left:
+                        chunk = await reader.read(min(left, 1 << 20))
+                        if not chunk:
+                            raise ConnectionError(f"stream ended {left} bytes early")
+                        left -= len(chunk)
+                writer.write(b"k")
+                await writer.drain()
         finally:
             writer.close()
 
     return handle
 
 
-async def _send(open_stream: Opener, total: int, chunk: int, msg: TensorMessage | None) -> float:
-    reader, writer = await open_stream()
+async def _transfer(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    total: int,
+    chunk: int,
+    msg: TensorMessage | None,
+) -> float:
     payload = memoryview(bytes(chunk))
     start = time.perf_counter()
     if msg is not None:
@@ -161,27 +174,64 @@ async def _send(open_stream: Opener, total: int, chunk: int, msg: TensorMessage 
             await writer.drain()
     if await reader.readexactly(1) != b"k":
         raise ConnectionError("bad acknowledgement")
-    elapsed = time.perf_counter() - start
-    writer.close()
-    return elapsed
+    return time.perf_counter() - start
 
 
 async def _measure(
-    open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None
-) -> float:
+    open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None, mode: str
+) -> tuple[float, float]:
+    """(MiB/s, CPU ms per MiB): median of `repeats` transfers after one warm-up. `cold`: each on a
+    fresh stream (opening it is not timed, but the new connection's first bytes are); `steady`: all on
+    one stream, as the Transport keeps its data stream to a peer open."""
     times = []
     cpu0 = 0.0
+    streams = []
+    if mode == "steady":
+        reader, writer = await open_stream()
+        writer.write(COUNT.pack(repeats + 1))
+        streams = [(reader, writer)] * (repeats + 1)
     for i in range(repeats + 1):  # first run warms up
         if i == 1:
             cpu0 = time.process_time()
-        times.append(await asyncio.wait_for(_send(open_stream, total, chunk, msg), TRANSFER_TIMEOUT))
+        if mode == "cold":
+            reader, writer = await open_stream()
+            writer.write(COUNT.pack(1))
+        else:
+            reader, writer = streams[i]
+        times.append(await asyncio.wait_for(_transfer(reader, writer, total, chunk, msg), TRANSFER_TIMEOUT))
+        if mode == "cold":
+            writer.close()
+    if mode == "steady":
+        writer.close()
     # CPU seconds this process spent (every thread, both ends of the stream) per MiB: unlike the
     # throughput, not skewed by other processes competing for the cores (p2pd's own CPU is not in it)
-    LAST_CPU_MS_PER_MIB[0] = (time.process_time() - cpu0) * 1e3 / (total / MIB * repeats)
-    return total / MIB / statistics.median(times[1:])
+    cpu = (time.process_time() - cpu0) * 1e3 / (total / MIB * repeats)
+    return total / MIB / statistics.median(times[1:]), cpu
 
 
-LAST_CPU_MS_PER_MIB = [0.0]  # of the latest `_measure`
+async def _rows(
+    transport: str,
+    open_for: Callable[[bool], Opener],
+    total: int,
+    chunk: int,
+    repeats: int,
+    msg: TensorMessage,
+) -> list[dict[str, Any]]:
+    rows = []
+    for framed in (False, True):
+        for mode in MODES:
+            rate, cpu = await _measure(open_for(framed), total, chunk, repeats, msg if framed else None, mode)
+            rows.append(
+                {
+                    "transport": transport,
+                    "payload": "framed" if framed else "raw",
+                    "mode": mode,
+                    "size_mib": total // MIB,
+                    "mib_s": rate,
+                    "cpu_ms_per_mib": cpu,
+                }
+            )
+    return rows
 
 
 async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
@@ -190,35 +240,25 @@ async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: 
     msg = TensorMessage.from_tensors("activation", {"step": 0}, {"x": torch.zeros(total // 4)})
     frame_bytes = len(encode_message(msg, limits=limits))
     rows: list[dict[str, Any]] = []
-    for framed in (False, True):
-        handler = _receiver(frame_bytes if framed else total, framed, limits)
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            rate = await _measure(
-                lambda port=port: asyncio.open_connection("127.0.0.1", port),
-                total,
-                chunk,
-                repeats,
-                msg if framed else None,
-            )
-        finally:
-            server.close()
-            await server.wait_closed()
-        rows.append(
-            {
-                "transport": "tcp",
-                "payload": "framed" if framed else "raw",
-                "mib_s": rate,
-                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
-            }
-        )
+    async with contextlib.AsyncExitStack() as stack:
+        ports = {}
+        for framed in (False, True):
+            handler = _receiver(frame_bytes if framed else total, framed, limits)
+            server = await asyncio.start_server(handler, "127.0.0.1", 0)
+            stack.push_async_callback(server.wait_closed)
+            stack.callback(server.close)
+            ports[framed] = server.sockets[0].getsockname()[1]
+
+        def tcp(framed: bool) -> Opener:
+            return lambda: asyncio.open_connection("127.0.0.1", ports[framed])
+
+        rows += await _rows("tcp", tcp, total, chunk, repeats, msg)
     rows += await _bench_direct(total, chunk, repeats, msg, frame_bytes, limits)
     if with_p2p:
         rows += await _bench_p2p(total, chunk, repeats, msg, frame_bytes, limits)
-    tcp = {r["payload"]: r["mib_s"] for r in rows if r["transport"] == "tcp"}
+    tcp_rate = {(r["payload"], r["mode"]): r["mib_s"] for r in rows if r["transport"] == "tcp"}
     for row in rows:
-        row["ratio_to_tcp"] = row["mib_s"] / tcp[row["payload"]]
+        row["ratio_to_tcp"] = row["mib_s"] / tcp_rate[row["payload"], row["mode"]]
     return rows
 
 
@@ -233,35 +273,23 @@ async def _bench_direct(
 
     keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
     ids = [peer_id_from_public_key(k.public_key()).to_base58() for k in keys]
-    rows = []
-    for framed in (False, True):
-        receive = _receiver(frame_bytes if framed else total, framed, limits)
+    dialer = DirectPath(keys[1], ids[1], host="127.0.0.1")
+    async with contextlib.AsyncExitStack() as stack:
+        ports = {}
+        for framed in (False, True):
+            receive = _receiver(frame_bytes if framed else total, framed, limits)
 
-        async def handler(_info: Any, reader: Any, writer: Any, receive=receive) -> None:
-            await receive(reader, writer)
+            async def handler(_info: Any, reader: Any, writer: Any, receive: Handler = receive) -> None:
+                await receive(reader, writer)
 
-        listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
-        dialer = DirectPath(keys[1], ids[1], host="127.0.0.1")
-        port = await listener.start(handler)
-        try:
-            rate = await _measure(
-                lambda port=port, dialer=dialer: dialer.dial(ids[0], [direct_addr("127.0.0.1", port)]),
-                total,
-                chunk,
-                repeats,
-                msg if framed else None,
-            )
-        finally:
-            listener.close()
-        rows.append(
-            {
-                "transport": "direct",
-                "payload": "framed" if framed else "raw",
-                "mib_s": rate,
-                "cpu_ms_per_mib": LAST_CPU_MS_PER_MIB[0],
-            }
-        )
-    return rows
+            listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
+            ports[framed] = await listener.start(handler)
+            stack.callback(listener.close)
+
+        def direct(framed: bool) -> Opener:
+            return lambda: dialer.dial(ids[0], [direct_addr("127.0.0.1", ports[framed])])
+
+        return await _rows("direct", direct, total, chunk, repeats, msg)
 
 
 async def _bench_p2p(
@@ -270,7 +298,6 @@ async def _bench_p2p(
     from fusionnode.config import LOCAL_ONLY
     from fusionnode.swarm.libp2p import create_p2p
 
-    rows = []
     loopback = ["/ip4/127.0.0.1/tcp/0"]
     async with contextlib.AsyncExitStack() as stack:
         p2p_a = await create_p2p(loopback, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
@@ -278,23 +305,31 @@ async def _bench_p2p(
         maddrs = await p2p_a.get_visible_maddrs()
         p2p_b = await create_p2p(loopback, maddrs, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
         stack.push_async_callback(p2p_b.shutdown)
+        names = {}
         for framed in (False, True):
-            name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
+            name = names[framed] = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
             receive = _receiver(frame_bytes if framed else total, framed, limits)
 
             async def handler(
-                _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, receive=receive
+                _info: Any,
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                receive: Handler = receive,
             ) -> None:
                 await receive(reader, writer)
 
             await p2p_a.add_binary_stream_handler(name, handler)
 
-            async def open_stream(name: str = name) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-                _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, name)
+        def libp2p(framed: bool) -> Opener:
+            async def open_stream() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, names[framed])
                 return reader, writer
 
-            rate = await _measure(open_stream, total, chunk, repeats, msg if framed else None)
-            rows.append({"transport": "libp2p", "payload": "framed" if framed else "raw", "mib_s": rate})
+            return open_stream
+
+        rows = await _rows("libp2p", libp2p, total, chunk, repeats, msg)
+    for row in rows:
+        row.pop("cpu_ms_per_mib")  # most of libp2p's work is in the p2pd processes, not counted here
     return rows
 
 
@@ -302,6 +337,13 @@ async def _bench_p2p(
 
 
 def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, Any]]) -> None:
+    if codec_rows:
+        _print_codec(codec_rows)
+    if stream_rows:
+        _print_streams(stream_rows)
+
+
+def _print_codec(codec_rows: list[dict[str, Any]]) -> None:
     print("wire codec, one float32 tensor: MiB/s, best of runs; ratio = memcpy time / our time")
     print(
         f"{'size':>6} {'memcpy':>7} | {'enc_t':>7} {'ratio':>5} {'dec_t':>7} {'ratio':>5} |"
@@ -318,14 +360,33 @@ def _print_tables(codec_rows: list[dict[str, Any]], stream_rows: list[dict[str, 
     print("  enc_msg/dec_msg: encode_tensor+encode_message -> bytes / decode_message(bytes)+decode_tensor")
     print("  send/recv: encode_tensor+frame_parts as write_message sends it / decode of the writable frame")
     print("  read_message yields (zero-copy); the pair ratios use the sum of both times")
-    if stream_rows:
-        print("streams on loopback, MiB/s (median)")
-        print(f"{'transport':>9} {'payload':>8} {'MiB/s':>9} {'vs tcp':>7} {'cpu ms/MiB':>10}")
-        for r in stream_rows:
-            ratio = f"{r['ratio_to_tcp']:.2f}" if "ratio_to_tcp" in r else "-"
-            cpu = f"{r['cpu_ms_per_mib']:.2f}" if "cpu_ms_per_mib" in r else "-"
-            print(f"{r['transport']:>9} {r['payload']:>8} {r['mib_s']:>9.0f} {ratio:>7} {cpu:>10}")
-        print("  cpu ms/MiB: this process's CPU (both ends, all threads) per MiB; p2pd's is not counted")
+
+
+def _print_streams(rows: list[dict[str, Any]]) -> None:
+    by = {(r["size_mib"], r["payload"], r["mode"], r["transport"]): r for r in rows}
+    keys = sorted({(r["size_mib"], r["payload"], r["mode"]) for r in rows})
+    others = [t for t in ("direct", "libp2p") if any(r["transport"] == t for r in rows)]
+    print("streams on loopback: MiB/s (median of transfers) and ratio to plain TCP in the same run")
+    head = f"{'size':>6} {'payload':>7} {'mode':>6} {'tcp':>7} {'cpu':>5}"
+    for t in others:
+        head += f" | {t:>7} {'ratio':>5}" + (f" {'cpu':>5}" if t == "direct" else "")
+    print(head)
+    for size, payload, mode in keys:
+        tcp = by[size, payload, mode, "tcp"]
+        line = f"{size:>4}Mi {payload:>7} {mode:>6} {tcp['mib_s']:>7.0f} {tcp['cpu_ms_per_mib']:>5.2f}"
+        for t in others:
+            r = by.get((size, payload, mode, t))
+            if r is None:
+                line += f" | {'-':>7} {'-':>5}" + (f" {'-':>5}" if t == "direct" else "")
+                continue
+            line += f" | {r['mib_s']:>7.0f} {r['ratio_to_tcp']:>5.2f}"
+            if t == "direct":
+                line += f" {r['cpu_ms_per_mib']:>5.2f}"
+        print(line)
+    print("  cold: every transfer on a fresh connection/stream (opening it untimed; its first bytes timed);")
+    print("  steady: all transfers on one open stream, as the Transport keeps its data stream to a peer")
+    print("  cpu: this process's CPU ms per MiB (both ends, all threads); p2pd's own CPU is not counted")
+    print("  tcp: asyncio sockets on 127.0.0.1; direct: TCP + TLS 1.3 with both identities checked")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,8 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--no-p2p", action="store_true", help="skip the hivemind libp2p streams")
     parser.add_argument("--no-streams", action="store_true", help="only the codec")
+    parser.add_argument("--no-codec", action="store_true", help="only the streams")
     parser.add_argument(
-        "--stream-mib", type=int, default=None, help=f"MiB per transfer (default {STREAM_MIB})"
+        "--stream-mib",
+        default=None,
+        help="MiB per transfer, one size or a comma-separated list (default "
+        + ",".join(map(str, STREAM_MIB))
+        + f"; --quick: {QUICK_STREAM_MIB})",
     )
     parser.add_argument(
         "--chunk-kib", type=int, default=CHUNK_KIB, help="stream write size in KiB (default %(default)s)"
@@ -345,17 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.chunk_kib < 1:
         parser.error("--chunk-kib must be >= 1")
-    if args.stream_mib is not None and args.stream_mib < 1:
-        parser.error("--stream-mib must be >= 1")
+    stream_mib = (QUICK_STREAM_MIB,) if args.quick else STREAM_MIB
+    if args.stream_mib is not None:
+        try:
+            stream_mib = tuple(int(x) for x in args.stream_mib.split(","))
+        except ValueError:
+            parser.error(f"--stream-mib: not a list of whole numbers: {args.stream_mib!r}")
+        if not stream_mib or min(stream_mib) < 1:
+            parser.error("--stream-mib must be >= 1")
 
     torch.set_num_threads(1)
     sizes = QUICK_SIZES_MIB if args.quick else SIZES_MIB
-    codec_rows = bench_codec(sizes, QUICK_REPEATS if args.quick else REPEATS)
+    codec_rows = [] if args.no_codec else bench_codec(sizes, QUICK_REPEATS if args.quick else REPEATS)
     stream_rows: list[dict[str, Any]] = []
     if not args.no_streams:
-        stream_mib = args.stream_mib or (QUICK_STREAM_MIB if args.quick else STREAM_MIB)
         repeats = QUICK_STREAM_REPEATS if args.quick else STREAM_REPEATS
-        stream_rows = asyncio.run(bench_streams(stream_mib, args.chunk_kib, repeats, not args.no_p2p))
+        for mib in stream_mib:
+            stream_rows += asyncio.run(bench_streams(mib, args.chunk_kib, repeats, not args.no_p2p))
     if args.json:
         json.dump(
             {

@@ -18,7 +18,8 @@ An outsider that connects gets a nonce and nothing else; a wrong signature, an o
 silence past `HELLO_TIMEOUT_S` closes the connection (tests/test_direct.py).
 
 I/O: the TLS socket is blocking and driven by two threads per connection (OpenSSL releases the GIL
-while it encrypts and decrypts), presented to the Transport as an asyncio reader/writer pair.
+while it encrypts and decrypts), presented to the Transport as an asyncio reader/writer pair whose
+threads meet the event loop once per message (a frame's payload is read straight into the frame).
 """
 
 from __future__ import annotations
@@ -55,9 +56,8 @@ DIAL_TIMEOUT_S = 3.0  # seconds to connect and authenticate before falling back 
 RETRY_AFTER_S = 300.0  # seconds a peer whose direct dial failed stays on libp2p
 MAX_PENDING_HANDSHAKES = 64  # inbound connections still in their handshake; more are closed at once
 HIGH_WATER = 8 << 20  # bytes queued for the writer thread before drain() waits
-READ_BYTES = 1 << 20  # bytes the reader thread hands over at most at a time
-READ_BUFFERS = 4  # buffers of READ_BYTES per connection the reader thread fills in turn
-READ_HIGH_WATER = 8 << 20  # bytes received but not yet read before the reader thread stops reading
+LOW_WATER = 4 << 20  # a waiting drain() resumes once the queue is down to this
+READ_AHEAD = 256 << 10  # bytes the reader thread may read past what was asked (read(), frame headers)
 _LEN = struct.Struct(">H")
 
 
@@ -256,6 +256,13 @@ def accept_blocking(ident: DirectIdentity, raw: socket.socket) -> tuple[ssl.SSLS
 
 
 # ---- asyncio face of a blocking TLS socket ------------------------------------------------------------
+#
+# The loop thread and the two I/O threads meet once per message, not once per TLS record: the reader
+# thread reads only what the loop asks for, and a frame's payload straight into the frame's own
+# buffer (`readinto_exactly`, used by wire.stream.read_message); the writer thread sends whole queued
+# buffers and wakes the loop only when the queue runs dry or falls below LOW_WATER. OpenSSL releases
+# the GIL while it encrypts, decrypts and waits, so the threads run beside the loop instead of taking
+# turns with it (the profile in issue 22: a wake-up per 16 KiB record cost more than TLS itself).
 
 
 class _Writer:
@@ -288,6 +295,8 @@ class _Writer:
             self._cv.notify()
 
     async def drain(self) -> None:
+        """Returns at once while at most HIGH_WATER bytes wait for the thread; above that, once the
+        thread has sent all but LOW_WATER of them (one wake-up per few MiB, not per write)."""
         while True:
             if self._error is not None:
                 raise ConnectionResetError(f"direct connection broke: {self._error!r}")
@@ -299,10 +308,11 @@ class _Writer:
             await fut
 
     def _wake(self) -> None:
-        for fut in self._waiters:
+        with self._cv:
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
-        self._waiters.clear()
 
     def _run(self) -> None:
         while True:
@@ -323,9 +333,8 @@ class _Writer:
                     self._loop.call_soon_threadsafe(self._wake)
                 break
             with self._cv:
-                before = self._pending
                 self._pending -= len(view)
-                wake = before > HIGH_WATER >= self._pending or not self._queue
+                wake = bool(self._waiters) and (self._pending <= LOW_WATER or not self._queue)
             if wake:
                 with contextlib.suppress(RuntimeError):
                     self._loop.call_soon_threadsafe(self._wake)
@@ -346,6 +355,180 @@ class _Writer:
         return self._sock.getpeername() if name == "peername" else default
 
 
+class _Reader:
+    """asyncio.StreamReader's subset the Transport and read_message use (readexactly, read, at_eof) plus
+    `readinto_exactly`, reading through a thread that reads only on request: a receiver that does
+    not read holds no more than its last read asked for plus READ_AHEAD bytes (TCP's window then
+    holds the sender back, the flow control asyncio's own transports have)."""
+
+    def __init__(self, sock: ssl.SSLSocket, loop: asyncio.AbstractEventLoop, on_close: Callable[[], None]):
+        self._sock = sock
+        self._loop = loop
+        self._on_close = on_close
+        self._buf = bytearray()  # received, not yet consumed
+        self._eof = False
+        self._broken: str | None = None  # why no read can continue (a cancelled read into a caller's buffer)
+        self._busy: asyncio.Future | None = None  # the request the thread is working on
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._requests: queue.SimpleQueue[tuple[memoryview, int, asyncio.Future] | None] = queue.SimpleQueue()
+        self._scratch = bytearray()  # the thread's target for reads into our own buffer (sized on use)
+        self._thread = threading.Thread(target=self._run, name="direct-reader", daemon=True)
+        self._thread.start()
+
+    # -- thread side
+    def _run(self) -> None:
+        try:
+            while True:
+                req = self._requests.get()
+                if req is None:
+                    break
+                view, need, fut = req
+                n, error = 0, None
+                try:
+                    while n < need:
+                        got = self._sock.recv_into(view[n:])
+                        if not got:
+                            break
+                        n += got
+                    # what has already arrived, without waiting: the rest of a decrypted record or
+                    # more records in the socket (for read(n) and look-ahead past a frame header)
+                    while n < len(view) and (
+                        self._sock.pending() or select.select([self._sock], [], [], 0)[0]
+                    ):
+                        got = self._sock.recv_into(view[n:])
+                        if not got:
+                            break
+                        n += got
+                except (OSError, ValueError) as exc:
+                    error = exc
+                try:
+                    self._loop.call_soon_threadsafe(self._done, fut, n, n < need, error)
+                except RuntimeError:  # the loop is gone
+                    break
+                if n < need:
+                    break
+        finally:
+            with self._lock:
+                self._stopped = True
+            self._on_close()
+
+    def stop(self) -> None:
+        """No more reads (the connection is closing): the thread ends after the request in hand."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._requests.put(None)
+
+    # -- loop side
+    def _done(self, fut: asyncio.Future, n: int, eof: bool, error: BaseException | None) -> None:
+        if eof:
+            self._eof = True
+        if not fut.done():
+            fut.set_result((n, error))
+
+    async def _idle(self) -> None:
+        while self._busy is not None:  # a read cancelled earlier is still in the thread's hands
+            await asyncio.shield(self._busy)
+
+    async def _request(self, view: memoryview, need: int, own: bool) -> int:
+        """The thread reads at least `need` bytes (fewer at the end of the stream) into `view`, part of
+        our scratch buffer when `own`, else the caller's."""
+        await self._idle()
+        if self._eof or self._broken:
+            return 0
+        fut = self._loop.create_future()
+        with self._lock:
+            if self._stopped:
+                self._eof = True
+                return 0
+            self._requests.put((view, need, fut))
+        self._busy = fut
+        try:
+            n, _error = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if own:  # what the thread reads is kept for the next read
+                scratch = self._scratch
+                fut.add_done_callback(lambda f: self._keep(scratch, f.result()[0]))
+            else:  # the bytes land in a buffer nobody will read: the stream is cut mid-frame
+                self._broken = "a read into a frame was cancelled"
+            fut.add_done_callback(lambda _f: setattr(self, "_busy", None))
+            raise
+        self._busy = None
+        return n
+
+    def _keep(self, scratch: bytearray, n: int) -> None:
+        self._buf += memoryview(scratch)[:n]
+
+    async def _fill(self, need: int, limit: int) -> None:
+        """At least `need` more bytes into our buffer (fewer at the end), up to `limit` at once."""
+        await self._idle()
+        if limit > len(self._scratch):
+            self._scratch = bytearray(limit)
+        scratch = self._scratch
+        n = await self._request(memoryview(scratch)[:limit], need, own=True)
+        self._keep(scratch, n)
+
+    def _check(self) -> None:
+        if self._broken:
+            raise ConnectionResetError(f"direct connection unusable: {self._broken}")
+
+    async def readexactly(self, n: int) -> bytes:
+        self._check()
+        await self._idle()
+        while len(self._buf) < n:
+            if self._eof:
+                partial = bytes(self._buf)
+                self._buf.clear()
+                raise asyncio.IncompleteReadError(partial, n)
+            await self._fill(n - len(self._buf), max(n - len(self._buf), READ_AHEAD))
+            self._check()
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        return data
+
+    async def read(self, n: int = -1) -> bytes:
+        self._check()
+        if n == 0:
+            return b""
+        await self._idle()
+        if not self._buf and not self._eof:
+            limit = READ_AHEAD if n < 0 else n
+            await self._fill(1, limit)
+            self._check()
+        if n < 0 or n >= len(self._buf):
+            data = bytes(self._buf)
+            self._buf.clear()
+        else:
+            data = bytes(self._buf[:n])
+            del self._buf[:n]
+        return data
+
+    async def readinto_exactly(self, view: memoryview) -> None:
+        """Fills `view` (a frame's payload area) completely: what is buffered first, the rest read by
+        the thread straight into it, one hand-over for the whole of it. IncompleteReadError at the
+        end of the stream."""
+        self._check()
+        await self._idle()
+        view = view.cast("B")
+        have = min(len(self._buf), len(view))
+        view[:have] = memoryview(self._buf)[:have]
+        del self._buf[:have]
+        pos = have
+        while pos < len(view):
+            if self._eof:
+                raise asyncio.IncompleteReadError(b"", len(view) - pos)
+            pos += await self._request(view[pos:], len(view) - pos, own=False)
+            self._check()
+
+    def at_eof(self) -> bool:
+        return self._eof and not self._buf
+
+    def buffered(self) -> int:
+        """Bytes received and not yet consumed."""
+        return len(self._buf)
+
+
 class DirectConnection:
     """One authenticated TLS connection as an asyncio (reader, writer) pair."""
 
@@ -353,66 +536,16 @@ class DirectConnection:
         self.sock = sock
         self.peer_id = peer_id
         self.loop = loop
-        self.reader = asyncio.StreamReader(limit=2**31 - 1, loop=loop)
         self._done = 0
         self._lock = threading.Lock()
-        self.writer = _Writer(sock, loop, self._half_closed)
-        self._reader_done = False
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._made = 0  # buffers the reader thread has allocated (on demand, at most READ_BUFFERS)
-        self._thread = threading.Thread(target=self._read, name="direct-reader", daemon=True)
-        self._thread.start()
+        self.writer = _Writer(sock, loop, self._writer_done)
+        self.reader = _Reader(sock, loop, self._half_closed)
 
-    def _read(self) -> None:
-        """Fills one of a few buffers per hand-over; the loop feeds it to the reader (one copy, the
-        StreamReader's own) and gives it back."""
-        try:
-            while True:
-                buf = self._next_buffer()
-                view = memoryview(buf)
-                n = self.sock.recv_into(view, READ_BYTES)
-                if not n:
-                    break
-                while n < READ_BYTES and (self.sock.pending() or select.select([self.sock], [], [], 0)[0]):
-                    got = self.sock.recv_into(view[n:], READ_BYTES - n)
-                    if not got:
-                        break
-                    n += got
-                self.loop.call_soon_threadsafe(self._feed, buf, n)
-        except (OSError, ValueError, RuntimeError):
-            pass
-        finally:
-            self._reader_done = True
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.reader.feed_eof)
-            self._half_closed()
-
-    def _next_buffer(self) -> bytearray:
-        """A free buffer, a new one while fewer than READ_BUFFERS exist, else the next given back: a
-        connection allocates (and the kernel zeroes) only the buffers its traffic needs, in the reader
-        thread rather than on the event loop when the connection is accepted."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            if self._made < READ_BUFFERS:
-                self._made += 1
-                return bytearray(READ_BYTES)
-            return self._free.get()
-
-    def _feed(self, buf: bytearray, n: int) -> None:
-        self.reader.feed_data(memoryview(buf)[:n])
-        self._give_back(buf)
-
-    def _give_back(self, buf: bytearray) -> None:
-        """Back to the reader thread once what the reader holds unread is under READ_HIGH_WATER: with
-        every buffer out the thread stops reading, TCP's window fills and the sender waits (the
-        flow control asyncio's own transports have; a sender cannot make us buffer without bound)."""
-        if self._reader_done:
-            return  # nobody reads into it any more
-        if len(self.reader._buffer) > READ_HIGH_WATER and not self.writer.is_closing():
-            self.loop.call_later(0.001, self._give_back, buf)
-            return
-        self._free.put(buf)
+    def _writer_done(self) -> None:
+        self._half_closed()
+        reader = getattr(self, "reader", None)
+        if reader is not None:
+            reader.stop()
 
     def _half_closed(self) -> None:
         with self._lock:
