@@ -46,6 +46,41 @@ def test_peer_cluster_keeps_bandwidth_and_drops_latency():
     assert load_cluster_dict({**doc, "step_overhead_ms": 40}).step_overhead_s == pytest.approx(0.04)
 
 
+def test_link_paths_say_which_path_each_link_took_during_a_run():
+    import numpy as np
+
+    bw = np.array([[0, 1e9, 8e6], [1e9, 0, 8e6], [8e6, 8e6, 0]])
+    before = {(0, 1): {"direct": 100}, (1, 2): {"libp2p": 50}}
+    after = {
+        (0, 1): {"direct": 300},  # 200 more bytes direct on a 1 Gbit/s link
+        (1, 2): {"libp2p": 50},  # idle during the run: not listed
+        (2, 0): {"libp2p": 70, "direct": 5},  # a slow link that (wrongly) also went direct
+    }
+    rows = testbed.link_paths(before, after, bw, ["p0", "p1", "p2"])
+    assert rows == [
+        {
+            "from": "p0",
+            "to": "p1",
+            "bandwidth_bps": 1e9,
+            "path": "direct",
+            "bytes": {"direct": 200},
+            "expected": "direct",
+        },
+        {
+            "from": "p2",
+            "to": "p0",
+            "bandwidth_bps": 8e6,
+            "path": "direct+libp2p",
+            "bytes": {"libp2p": 70, "direct": 5},
+            "expected": "libp2p",
+        },
+    ]
+    line = testbed.paths_line(rows)
+    assert line.startswith("direct 1 (1000 Mbit/s), direct+libp2p 1 (8 Mbit/s)")
+    assert "OFF THE RULE: p2->p0 direct+libp2p (expected libp2p)" in line
+    assert testbed.paths_line([]) == "no link carried tensors"
+
+
 def test_measured_speed_is_positive_and_plausible():
     v = testbed.measured_speed(32, batch=2, repeats=2)
     assert 1e-4 < v < 100  # TFLOP/s of one CPU thread on gpt2-tiny
@@ -148,4 +183,11 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
     assert hosts and all(h["rounds_closed"] == 1 and h["received_bytes"] > 0 for h in hosts)
     assert all(h["rounds_closed"] == 0 for h in runs[-1]["steps"][-2]["optimizer_hosts"])
     assert len(runs[2]["plan"]["stages"]) == 1  # the overhead is measured on one peer, no link in the way
+    # the path each link's tensors took, measured per run: every link of this cluster is 1 Gbit/s,
+    # so the direct path; the printed table says so too
+    for name, r in rows.items():
+        assert r["paths"], name
+        assert {p["path"] for p in r["paths"]} == {"direct"}, r["paths"]
+        assert all(p["expected"] == "direct" and p["bytes"]["direct"] > 0 for p in r["paths"])
+    assert "paths, baseline: direct" in text
     assert all("phases" in s for r in runs for s in r["steps"])

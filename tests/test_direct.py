@@ -405,3 +405,39 @@ def test_a_read_that_times_out_loses_no_bytes():
 
     asyncio.run(go())
     assert seen == [b"12345678", b"abc"]
+
+
+def test_a_link_known_to_be_slow_keeps_libp2p_and_each_path_is_counted(tmp_path):
+    """The rule for links nobody probed: a rate limit we apply (user-space testbed) or a bandwidth we
+    were told (set_link_limits' `declared`, a testbed shaped by tc) under DIRECT_MIN_BPS keeps libp2p;
+    a fast one goes direct; the bytes each path carried are counted per peer (`path_bytes`)."""
+    from fusionnode.runtime.transport import DIRECT_MIN_BPS
+
+    async def go():
+        a = await _peer(tmp_path, "a")
+        b = await _peer(tmp_path, "b", initial=await a.p2p.get_visible_maddrs())
+        try:
+            a.t.direct_book = lambda pid: [b.addr] if pid == b.id else []
+            a.t.set_rate_limit(b.id, 8e6)  # capped at 8 Mbit/s
+            assert a.t.known_bps(b.id) == pytest.approx(8e6)
+            await a.t.send(b.id, _msg(0))
+            await _wait(lambda: len(b.got) == 1)
+            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
+            a.t.set_rate_limit(b.id, None)
+            a.t.declared_bps[b.id] = 10e6  # told: a 10 Mbit/s link
+            a.t._drop_out(b.id)
+            await a.t.send(b.id, _msg(1))
+            await _wait(lambda: len(b.got) == 2)
+            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
+            a.t.declared_bps[b.id] = 2 * DIRECT_MIN_BPS  # a fast link
+            a.t._drop_out(b.id)
+            await a.t.send(b.id, _msg(2))
+            await _wait(lambda: len(b.got) == 3)
+            assert a.t.paths[b.id] == "direct" and b.direct.connections == 1
+            carried = a.t.security_status()["path_bytes"][b.id]
+            assert set(carried) == {"libp2p", "direct"}
+            assert carried["libp2p"] > carried["direct"] > 4096 * 4  # two messages, then one
+        finally:
+            await _close(a, b)
+
+    asyncio.run(go())

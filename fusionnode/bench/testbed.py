@@ -23,6 +23,13 @@ measure what the planner cannot know from the cluster file: each peer's achieved
 the runtime's fixed cost per step in each mode (RPC rounds through p2pd, the hosts' optimizer). The
 cluster document every configuration is planned with carries them (`step_overhead_ms`).
 
+Paths. Each configuration's row lists the path every link's tensor bytes took during its run
+(`paths`: direct, libp2p or relayed, from the daemons' per-path byte counters) next to the path the
+runtime's rule picks for that link: direct for links of DIRECT_MIN_BPS (200 Mbit/s) and more, libp2p
+for slower ones (the testbed has no relays). The daemons know the links' bandwidth from the
+user-space limits, or, with netns, from `set_link_limits`' `declared` (tc shapes the links and the
+testbed runs without probes).
+
 Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
 under four configurations, one after the other on the same peers:
   1. baseline:  even split of the layers over the devices, no compression, local optimizer
@@ -231,6 +238,37 @@ class Testbed:
 
         asyncio.run(go())
 
+    def declare_links(self, bandwidth_bps: Any) -> None:
+        """netns: tells every peer its links' bandwidth (tc shapes them, the daemons do not know it and
+        the testbed runs without probes): the runtime's rule keeps links slower than DIRECT_MIN_BPS on
+        libp2p and moves the others to the direct path."""
+        from fusionnode import control
+
+        async def go() -> None:
+            for i in range(self.n):
+                declared = {self.peer_ids[j]: float(bandwidth_bps[i, j]) for j in range(self.n) if j != i}
+                await control.call(self.controls[i], "set_link_limits", {"declared": declared})
+
+        asyncio.run(go())
+
+    def path_bytes(self) -> dict[tuple[int, int], dict[str, int]]:
+        """(i, j) -> {path: bytes} device i has written to device j's data streams so far, per path
+        (direct, libp2p, relayed), from each daemon's status."""
+        from fusionnode import control
+
+        index = {pid: j for j, pid in enumerate(self.peer_ids)}
+
+        async def go() -> dict[tuple[int, int], dict[str, int]]:
+            out: dict[tuple[int, int], dict[str, int]] = {}
+            for i in range(self.n):
+                status = await control.call(self.controls[i], "status", {})
+                for peer, by_path in (status.get("security", {}).get("path_bytes") or {}).items():
+                    if peer in index:
+                        out[i, index[peer]] = {k: int(v) for k, v in by_path.items()}
+            return out
+
+        return asyncio.run(go())
+
     def tx_bytes(self) -> list[int] | None:
         """netns: bytes each device has sent on its emulated links so far (None on loopback)."""
         if self.network != "netns":
@@ -255,6 +293,59 @@ class Testbed:
             os.killpg(self._proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(180)  # testbed.sh stops every daemon, then deletes the namespaces
+
+
+def link_paths(
+    before: dict[tuple[int, int], dict[str, int]],
+    after: dict[tuple[int, int], dict[str, int]],
+    bandwidth_bps: Any,
+    names: list[str],
+) -> list[dict[str, Any]]:
+    """The path each link's tensor bytes took during one run (the difference of two `path_bytes`
+    snapshots), with the path the runtime's rule should pick for that link's bandwidth: direct at
+    DIRECT_MIN_BPS and above, libp2p below (the testbed has no relayed links)."""
+    from fusionnode.runtime.transport import DIRECT_MIN_BPS
+
+    rows = []
+    for (i, j), now in sorted(after.items()):
+        was = before.get((i, j), {})
+        moved = {p: n - was.get(p, 0) for p, n in now.items() if n - was.get(p, 0) > 0}
+        if not moved:
+            continue
+        bps = float(bandwidth_bps[i, j])
+        rows.append(
+            {
+                "from": names[i],
+                "to": names[j],
+                "bandwidth_bps": bps,
+                "path": "+".join(sorted(moved)),
+                "bytes": moved,
+                "expected": "direct" if bps >= DIRECT_MIN_BPS else "libp2p",
+            }
+        )
+    return rows
+
+
+def paths_line(paths: list[dict[str, Any]]) -> str:
+    """'direct 4 (1 Gbit/s), libp2p 2 (8-10 Mbit/s)' and the links off the rule, if any."""
+    groups: dict[str, list[float]] = {}
+    for p in paths:
+        groups.setdefault(p["path"], []).append(p["bandwidth_bps"])
+    parts = []
+    for path, bws in sorted(groups.items()):
+        lo, hi = min(bws) / 1e6, max(bws) / 1e6
+        span = f"{lo:.0f} Mbit/s" if lo == hi else f"{lo:.0f}-{hi:.0f} Mbit/s"
+        parts.append(f"{path} {len(bws)} ({span})")
+    off = [
+        f"{p['from']}->{p['to']} {p['path']} (expected {p['expected']})"
+        for p in paths
+        if p["path"] != p["expected"]
+    ]
+    return (
+        ", ".join(parts) + (f"; OFF THE RULE: {', '.join(off)}" if off else "")
+        if parts
+        else "no link carried tensors"
+    )
 
 
 def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
@@ -441,6 +532,8 @@ def bench_cluster(
         bed.start()
         if network == "userspace":
             bed.limit_links(c.bandwidth_bps)
+        else:
+            bed.declare_links(c.bandwidth_bps)
         # emulated device speeds: the fastest at this machine's fair share of a core / headroom
         fastest = max(d.tflops for d in c.devices)
         top = args.machine_tflops * min(1.0, (os.cpu_count() or 1) / n) / args.headroom
@@ -518,6 +611,7 @@ def bench_cluster(
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
             planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
             tx0 = bed.tx_bytes()
+            paths0 = bed.path_bytes()
             run = run_config(
                 bed.controls[0],
                 job(args.steps, compress, fields),
@@ -525,6 +619,10 @@ def bench_cluster(
             )
             tx1 = bed.tx_bytes()
             rows.append(summarize(name, run, args.warmup))
+            rows[-1]["paths"] = link_paths(
+                paths0, bed.path_bytes(), c.bandwidth_bps, [d.id for d in c.devices]
+            )
+            print(f"[{c.name}] {name}: links {paths_line(rows[-1]['paths'])}", file=sys.stderr, flush=True)
             record(name, run)
             comparison.append(fusionnode_row(name, run, bed.peer_ids, args, tx0, tx1, {**params, **fields}))
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
@@ -615,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         if res["rows"]:
             print_table(res)
+            for row in res["rows"]:
+                print(f"  paths, {row['config']}: {paths_line(row.get('paths') or [])}")
         if res["comparison"]["rows"]:
             compare.print_comparison(res["cluster"], res["network"], res["comparison"])
     (out / "results.json").write_text(

@@ -13,13 +13,19 @@ Method
    `enc_msg` keeps two big buffers alive at once and, with glibc, pays fresh page faults on every
    run (the freed pair goes back to the OS), which is why it trails `send`.
    Ratios are memcpy time / codec time: 1.0 means as fast as one plain copy.
-2. Streams. Send --stream-mib MiB in --chunk-kib writes (drain after each) and wait for a one-byte
-   acknowledgement, over (a) a plain asyncio TCP socket on 127.0.0.1 and (b) a hivemind libp2p
-   binary stream between two local P2P daemons, (c) the direct path (runtime/direct.py: TCP + TLS
-   1.3, both peer identities checked, two I/O threads per connection); each as raw bytes and as one
-   framed TensorMessage
-   (write_message / read_message). Each transfer runs on a fresh stream; median of STREAM_REPEATS
-   after one warm-up transfer.
+2. Streams. For each --stream-mib size (default 4, 16, 64 MiB) send that many bytes in --chunk-kib
+   writes (drain after each) and wait for a one-byte acknowledgement, over (a) a plain asyncio TCP
+   socket on 127.0.0.1 (the reference), (b) the direct path (runtime/direct.py: TCP + TLS 1.3, both
+   peer identities checked, an I/O thread per direction on each end) and (c) a hivemind libp2p
+   binary stream between two local P2P daemons; each as raw bytes and as one framed TensorMessage
+   (write_message / read_message), and in two modes: `cold`, every transfer on a fresh stream
+   (opening it is not timed; the new connection's first bytes are), and `steady`, every transfer
+   on one stream kept open, as the Transport keeps its data stream to a peer. Median of
+   STREAM_REPEATS transfers after one warm-up; the ratio is to TCP in the same mode, same run.
+   Sender and receiver of every transport run in this one process (p2pd in its own), on one event
+   loop: TCP does its I/O on that loop's thread, the direct path in its threads (which is how the
+   runtime runs it), so on a loaded machine its share of the CPU differs from TCP's; the `cpu`
+   column (this process's CPU per MiB, all threads) is the figure other load skews least.
 """
 
 from __future__ import annotations
