@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,14 +134,20 @@ def test_bad_arguments_are_refused(capsys):
 @pytest.mark.e2e
 def test_testbed_runs_on_loopback(tmp_path, capsys):
     """The whole benchmark, small: 4 real peers, user-space links, calibration, three configurations
-    (one of them a --sync round mode: 2 replicas x 2 stages, its one round closed at the last step)."""
+    (one of them a --sync round mode: 2 replicas x 2 stages, its one round closed at the last step).
+    The cluster is testbed-4-slow-compute with its p1-p2 link slowed to 50 Mbit/s: that link keeps
+    libp2p, the 1 Gbit/s ones go direct, and the results say which path each link took."""
     out = tmp_path / "out"
+    doc = json.loads(Path(testbed.resolve_cluster_path("testbed-4-slow-compute")).read_text())
+    doc["links"]["pairs"] = [{"a": "p1", "b": "p2", "bandwidth_gbps": 0.05, "latency_ms": 0.5}]
+    cluster = tmp_path / "slow-link.json"
+    cluster.write_text(json.dumps(doc))
     rc = testbed.main(
         [
             "--network",
             "userspace",
             "--cluster",
-            "testbed-4-slow-compute",
+            str(cluster),
             "--steps",
             "4",
             "--warmup",
@@ -183,11 +190,15 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
     assert hosts and all(h["rounds_closed"] == 1 and h["received_bytes"] > 0 for h in hosts)
     assert all(h["rounds_closed"] == 0 for h in runs[-1]["steps"][-2]["optimizer_hosts"])
     assert len(runs[2]["plan"]["stages"]) == 1  # the overhead is measured on one peer, no link in the way
-    # the path each link's tensors took, measured per run: every link of this cluster is 1 Gbit/s,
-    # so the direct path; the printed table says so too
+    # the path each link's tensors took, measured per run: direct on the 1 Gbit/s links, libp2p on
+    # the 50 Mbit/s one, which the baseline's even split p0 -> p1 -> p2 -> p3 crosses both ways
     for name, r in rows.items():
         assert r["paths"], name
-        assert {p["path"] for p in r["paths"]} == {"direct"}, r["paths"]
-        assert all(p["expected"] == "direct" and p["bytes"]["direct"] > 0 for p in r["paths"])
-    assert "paths, baseline: direct" in text
+        assert all(p["path"] == p["expected"] and sum(p["bytes"].values()) > 0 for p in r["paths"]), r[
+            "paths"
+        ]
+    base = {(p["from"], p["to"]): p["path"] for p in rows["baseline"]["paths"]}
+    assert base[("p1", "p2")] == base[("p2", "p1")] == "libp2p", base
+    assert base[("p0", "p1")] == base[("p2", "p3")] == "direct", base
+    assert "paths, baseline: direct" in text and "libp2p 2 (50 Mbit/s)" in text
     assert all("phases" in s for r in runs for s in r["steps"])
