@@ -20,8 +20,10 @@ Method
    binary stream between two local P2P daemons; each as raw bytes and as one framed TensorMessage
    (write_message / read_message), and in two modes: `cold`, every transfer on a fresh stream
    (opening it is not timed; the new connection's first bytes are), and `steady`, every transfer
-   on one stream kept open, as the Transport keeps its data stream to a peer. Median of
-   STREAM_REPEATS transfers after one warm-up; the ratio is to TCP in the same mode, same run.
+   on one stream kept open, as the Transport keeps its data stream to a peer. The transports take
+   turns transfer by transfer (in a rotating order), so load from other processes falls on all of
+   them alike; median of STREAM_REPEATS transfers each after one warm-up; the ratio is to TCP in the
+   same mode and run.
    Sender and receiver of every transport run in this one process (p2pd in its own), on one event
    loop: TCP does its I/O on that loop's thread, the direct path in its threads (which is how the
    runtime runs it), so on a loaded machine its share of the CPU differs from TCP's; the `cpu`
@@ -65,7 +67,7 @@ REPEATS = 7  # timed runs per codec measurement (best of)
 QUICK_REPEATS = 3
 STREAM_MIB = (4, 16, 64)  # sizes of one stream transfer (MiB)
 QUICK_STREAM_MIB = 16
-STREAM_REPEATS = 5  # timed transfers per stream measurement (median)
+STREAM_REPEATS = 5  # timed transfers per stream measurement (median; more below 16 MiB)
 QUICK_STREAM_REPEATS = 2
 CHUNK_KIB = 1024  # write size on streams (KiB)
 P2P_STARTUP_TIMEOUT = 30.0  # seconds for a p2pd daemon to start
@@ -183,94 +185,100 @@ async def _transfer(
     return time.perf_counter() - start
 
 
-async def _measure(
-    open_stream: Opener, total: int, chunk: int, repeats: int, msg: TensorMessage | None, mode: str
-) -> tuple[float, float]:
-    """(MiB/s, CPU ms per MiB): median of `repeats` transfers after one warm-up. `cold`: each on a
-    fresh stream (opening it is not timed, but the new connection's first bytes are); `steady`: all on
-    one stream, as the Transport keeps its data stream to a peer open."""
-    times = []
-    cpu0 = 0.0
-    streams = []
-    if mode == "steady":
-        reader, writer = await open_stream()
-        writer.write(COUNT.pack(repeats + 1))
-        streams = [(reader, writer)] * (repeats + 1)
-    for i in range(repeats + 1):  # first run warms up
-        if i == 1:
-            cpu0 = time.process_time()
-        if mode == "cold":
-            reader, writer = await open_stream()
-            writer.write(COUNT.pack(1))
-        else:
-            reader, writer = streams[i]
-        times.append(await asyncio.wait_for(_transfer(reader, writer, total, chunk, msg), TRANSFER_TIMEOUT))
-        if mode == "cold":
+class _Series:
+    """One transport's transfers in one mode: `cold`, each on a fresh stream (opening it is not
+    timed; the new connection's first bytes are); `steady`, all on one stream kept open, as the
+    Transport keeps its data stream to a peer."""
+
+    def __init__(self, open_stream: Opener, mode: str, count: int):
+        self.open_stream, self.mode, self.count = open_stream, mode, count
+        self.stream: tuple[Any, Any] | None = None
+        self.times: list[float] = []
+        self.cpu = 0.0  # CPU seconds of this process during the timed transfers (and cold opens)
+
+    async def one(self, total: int, chunk: int, msg: TensorMessage | None, timed: bool) -> None:
+        cpu0 = time.process_time()
+        if self.stream is None:
+            self.stream = await self.open_stream()
+            self.stream[1].write(COUNT.pack(1 if self.mode == "cold" else self.count))
+        reader, writer = self.stream
+        dt = await asyncio.wait_for(_transfer(reader, writer, total, chunk, msg), TRANSFER_TIMEOUT)
+        if self.mode == "cold":
             writer.close()
-    if mode == "steady":
-        writer.close()
-    # CPU seconds this process spent (every thread, both ends of the stream) per MiB: unlike the
-    # throughput, not skewed by other processes competing for the cores (p2pd's own CPU is not in it)
-    cpu = (time.process_time() - cpu0) * 1e3 / (total / MIB * repeats)
-    return total / MIB / statistics.median(times[1:]), cpu
+            self.stream = None
+        if timed:
+            self.times.append(dt)
+            self.cpu += time.process_time() - cpu0
 
-
-async def _rows(
-    transport: str,
-    open_for: Callable[[bool], Opener],
-    total: int,
-    chunk: int,
-    repeats: int,
-    msg: TensorMessage,
-) -> list[dict[str, Any]]:
-    rows = []
-    for framed in (False, True):
-        for mode in MODES:
-            rate, cpu = await _measure(open_for(framed), total, chunk, repeats, msg if framed else None, mode)
-            rows.append(
-                {
-                    "transport": transport,
-                    "payload": "framed" if framed else "raw",
-                    "mode": mode,
-                    "size_mib": total // MIB,
-                    "mib_s": rate,
-                    "cpu_ms_per_mib": cpu,
-                }
-            )
-    return rows
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream[1].close()
+            self.stream = None
 
 
 async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
+    """Every transport's transfers interleaved (tcp, direct, libp2p, then the next round in another
+    order), so that load from other processes falls on all of them alike; median of `repeats`
+    transfers per transport after one warm-up each."""
     total, chunk = total_mib * MIB, chunk_kib * 1024
     limits = Limits(max_frame_bytes=total + MIB, max_tensor_elements=total // 4)
     msg = TensorMessage.from_tensors("activation", {"step": 0}, {"x": torch.zeros(total // 4)})
     frame_bytes = len(encode_message(msg, limits=limits))
+    handlers = {
+        framed: _receiver(frame_bytes if framed else total, framed, limits) for framed in (False, True)
+    }
     rows: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
-        ports = {}
+        openers = {
+            "tcp": await _tcp_openers(stack, handlers),
+            "direct": await _direct_openers(stack, handlers),
+        }
+        if with_p2p:
+            openers["libp2p"] = await _p2p_openers(stack, handlers)
+        names = list(openers)
         for framed in (False, True):
-            handler = _receiver(frame_bytes if framed else total, framed, limits)
-            server = await asyncio.start_server(handler, "127.0.0.1", 0)
-            stack.push_async_callback(server.wait_closed)
-            stack.callback(server.close)
-            ports[framed] = server.sockets[0].getsockname()[1]
-
-        def tcp(framed: bool) -> Opener:
-            return lambda: asyncio.open_connection("127.0.0.1", ports[framed])
-
-        rows += await _rows("tcp", tcp, total, chunk, repeats, msg)
-    rows += await _bench_direct(total, chunk, repeats, msg, frame_bytes, limits)
-    if with_p2p:
-        rows += await _bench_p2p(total, chunk, repeats, msg, frame_bytes, limits)
-    tcp_rate = {(r["payload"], r["mode"]): r["mib_s"] for r in rows if r["transport"] == "tcp"}
-    for row in rows:
-        row["ratio_to_tcp"] = row["mib_s"] / tcp_rate[row["payload"], row["mode"]]
+            for mode in MODES:
+                series = {t: _Series(openers[t][framed], mode, repeats + 1) for t in names}
+                try:
+                    for i in range(repeats + 1):  # the first round warms up
+                        for t in names[i % len(names) :] + names[: i % len(names)]:
+                            await series[t].one(total, chunk, msg if framed else None, timed=i > 0)
+                finally:
+                    for s in series.values():
+                        s.close()
+                tcp_rate = total / MIB / statistics.median(series["tcp"].times)
+                for t in names:
+                    s = series[t]
+                    rate = total / MIB / statistics.median(s.times)
+                    row = {
+                        "transport": t,
+                        "payload": "framed" if framed else "raw",
+                        "mode": mode,
+                        "size_mib": total_mib,
+                        "mib_s": rate,
+                        "ratio_to_tcp": rate / tcp_rate,
+                    }
+                    if t != "libp2p":  # most of libp2p's work is in the p2pd processes, not counted here
+                        row["cpu_ms_per_mib"] = s.cpu * 1e3 / (total / MIB * repeats)
+                    rows.append(row)
     return rows
 
 
-async def _bench_direct(
-    total: int, chunk: int, repeats: int, msg: TensorMessage, frame_bytes: int, limits: Limits
-) -> list[dict[str, Any]]:
+async def _tcp_openers(stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]) -> dict[bool, Opener]:
+    """Plain asyncio TCP on 127.0.0.1: the reference."""
+    openers = {}
+    for framed, handler in handlers.items():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        stack.push_async_callback(server.wait_closed)
+        stack.callback(server.close)
+        port = server.sockets[0].getsockname()[1]
+        openers[framed] = lambda port=port: asyncio.open_connection("127.0.0.1", port)
+    return openers
+
+
+async def _direct_openers(
+    stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]
+) -> dict[bool, Opener]:
     """The direct path (runtime/direct.py): TCP + TLS 1.3 with both identities checked, on loopback."""
     from cryptography.hazmat.primitives.asymmetric import rsa
 
@@ -280,63 +288,47 @@ async def _bench_direct(
     keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
     ids = [peer_id_from_public_key(k.public_key()).to_base58() for k in keys]
     dialer = DirectPath(keys[1], ids[1], host="127.0.0.1")
-    async with contextlib.AsyncExitStack() as stack:
-        ports = {}
-        for framed in (False, True):
-            receive = _receiver(frame_bytes if framed else total, framed, limits)
+    openers = {}
+    for framed, receive in handlers.items():
 
-            async def handler(_info: Any, reader: Any, writer: Any, receive: Handler = receive) -> None:
-                await receive(reader, writer)
+        async def handler(_info: Any, reader: Any, writer: Any, receive: Handler = receive) -> None:
+            await receive(reader, writer)
 
-            listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
-            ports[framed] = await listener.start(handler)
-            stack.callback(listener.close)
-
-        def direct(framed: bool) -> Opener:
-            return lambda: dialer.dial(ids[0], [direct_addr("127.0.0.1", ports[framed])])
-
-        return await _rows("direct", direct, total, chunk, repeats, msg)
+        listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
+        port = await listener.start(handler)
+        stack.callback(listener.close)
+        openers[framed] = lambda port=port: dialer.dial(ids[0], [direct_addr("127.0.0.1", port)])
+    return openers
 
 
-async def _bench_p2p(
-    total: int, chunk: int, repeats: int, msg: TensorMessage, frame_bytes: int, limits: Limits
-) -> list[dict[str, Any]]:
+async def _p2p_openers(stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]) -> dict[bool, Opener]:
+    """A hivemind libp2p binary stream between two local p2pd daemons."""
     from fusionnode.config import LOCAL_ONLY
     from fusionnode.swarm.libp2p import create_p2p
 
     loopback = ["/ip4/127.0.0.1/tcp/0"]
-    async with contextlib.AsyncExitStack() as stack:
-        p2p_a = await create_p2p(loopback, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
-        stack.push_async_callback(p2p_a.shutdown)
-        maddrs = await p2p_a.get_visible_maddrs()
-        p2p_b = await create_p2p(loopback, maddrs, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
-        stack.push_async_callback(p2p_b.shutdown)
-        names = {}
-        for framed in (False, True):
-            name = names[framed] = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
-            receive = _receiver(frame_bytes if framed else total, framed, limits)
+    p2p_a = await create_p2p(loopback, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
+    stack.push_async_callback(p2p_a.shutdown)
+    maddrs = await p2p_a.get_visible_maddrs()
+    p2p_b = await create_p2p(loopback, maddrs, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
+    stack.push_async_callback(p2p_b.shutdown)
+    openers = {}
+    for framed, receive in handlers.items():
+        name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
 
-            async def handler(
-                _info: Any,
-                reader: asyncio.StreamReader,
-                writer: asyncio.StreamWriter,
-                receive: Handler = receive,
-            ) -> None:
-                await receive(reader, writer)
+        async def handler(
+            _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, receive: Handler = receive
+        ) -> None:
+            await receive(reader, writer)
 
-            await p2p_a.add_binary_stream_handler(name, handler)
+        await p2p_a.add_binary_stream_handler(name, handler)
 
-        def libp2p(framed: bool) -> Opener:
-            async def open_stream() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-                _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, names[framed])
-                return reader, writer
+        async def open_stream(name: str = name) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, name)
+            return reader, writer
 
-            return open_stream
-
-        rows = await _rows("libp2p", libp2p, total, chunk, repeats, msg)
-    for row in rows:
-        row.pop("cpu_ms_per_mib")  # most of libp2p's work is in the p2pd processes, not counted here
-    return rows
+        openers[framed] = open_stream
+    return openers
 
 
 # ---------------------------------------------------------------- CLI
@@ -431,8 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     codec_rows = [] if args.no_codec else bench_codec(sizes, QUICK_REPEATS if args.quick else REPEATS)
     stream_rows: list[dict[str, Any]] = []
     if not args.no_streams:
-        repeats = QUICK_STREAM_REPEATS if args.quick else STREAM_REPEATS
         for mib in stream_mib:
+            # small transfers take a few ms each: more of them, for a median that means something
+            repeats = QUICK_STREAM_REPEATS if args.quick else max(STREAM_REPEATS, 64 // mib)
             stream_rows += asyncio.run(bench_streams(mib, args.chunk_kib, repeats, not args.no_p2p))
     if args.json:
         json.dump(
