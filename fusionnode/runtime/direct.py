@@ -58,6 +58,8 @@ MAX_PENDING_HANDSHAKES = 64  # inbound connections still in their handshake; mor
 HIGH_WATER = 8 << 20  # bytes queued for the writer thread before drain() waits
 LOW_WATER = 4 << 20  # a waiting drain() resumes once the queue is down to this
 READ_AHEAD = 256 << 10  # bytes the reader thread may read past what was asked (read(), frame headers)
+RECORD = 16 << 10  # a full TLS record's plaintext: data arriving in these is a bulk transfer
+LINGER_S = 0.0005  # read(n) during a bulk transfer waits this long for more before handing over
 _LEN = struct.Struct(">H")
 
 
@@ -371,7 +373,9 @@ class _Reader:
         self._busy: asyncio.Future | None = None  # the request the thread is working on
         self._lock = threading.Lock()
         self._stopped = False
-        self._requests: queue.SimpleQueue[tuple[memoryview, int, asyncio.Future] | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[memoryview, int, bool, asyncio.Future] | None] = (
+            queue.SimpleQueue()
+        )
         self._scratch = bytearray()  # the thread's target for reads into our own buffer (sized on use)
         self._thread = threading.Thread(target=self._run, name="direct-reader", daemon=True)
         self._thread.start()
@@ -383,7 +387,7 @@ class _Reader:
                 req = self._requests.get()
                 if req is None:
                     break
-                view, need, fut = req
+                view, need, linger, fut = req
                 n, error = 0, None
                 try:
                     while n < need:
@@ -391,10 +395,13 @@ class _Reader:
                         if not got:
                             break
                         n += got
-                    # what has already arrived, without waiting: the rest of a decrypted record or
-                    # more records in the socket (for read(n) and look-ahead past a frame header)
+                    # what has already arrived: the rest of a decrypted record or more records in
+                    # the socket (look-ahead past a frame header, read(n)); for read(n) while a bulk
+                    # transfer streams in (full records), what arrives within LINGER_S as well, so
+                    # that the loop is woken per READ_AHEAD-sized piece rather than per record
                     while n < len(view) and (
-                        self._sock.pending() or select.select([self._sock], [], [], 0)[0]
+                        self._sock.pending()
+                        or select.select([self._sock], [], [], LINGER_S if linger and n >= RECORD else 0)[0]
                     ):
                         got = self._sock.recv_into(view[n:])
                         if not got:
@@ -431,7 +438,7 @@ class _Reader:
         while self._busy is not None:  # a read cancelled earlier is still in the thread's hands
             await asyncio.shield(self._busy)
 
-    async def _request(self, view: memoryview, need: int, own: bool) -> int:
+    async def _request(self, view: memoryview, need: int, own: bool, linger: bool = False) -> int:
         """The thread reads at least `need` bytes (fewer at the end of the stream) into `view`, part of
         our scratch buffer when `own`, else the caller's."""
         await self._idle()
@@ -442,7 +449,7 @@ class _Reader:
             if self._stopped:
                 self._eof = True
                 return 0
-            self._requests.put((view, need, fut))
+            self._requests.put((view, need, linger, fut))
         self._busy = fut
         try:
             n, _error = await asyncio.shield(fut)
@@ -460,13 +467,13 @@ class _Reader:
     def _keep(self, scratch: bytearray, n: int) -> None:
         self._buf += memoryview(scratch)[:n]
 
-    async def _fill(self, need: int, limit: int) -> None:
+    async def _fill(self, need: int, limit: int, linger: bool = False) -> None:
         """At least `need` more bytes into our buffer (fewer at the end), up to `limit` at once."""
         await self._idle()
         if limit > len(self._scratch):
             self._scratch = bytearray(limit)
         scratch = self._scratch
-        n = await self._request(memoryview(scratch)[:limit], need, own=True)
+        n = await self._request(memoryview(scratch)[:limit], need, own=True, linger=linger)
         self._keep(scratch, n)
 
     def _check(self) -> None:
@@ -492,10 +499,13 @@ class _Reader:
         if n == 0:
             return b""
         await self._idle()
-        if not self._buf and not self._eof:
-            limit = READ_AHEAD if n < 0 else n
-            await self._fill(1, limit)
+        if not self._buf and not self._eof:  # straight from the thread's buffer: one copy
+            limit = READ_AHEAD if n < 0 else min(n, 4 * READ_AHEAD)
+            if limit > len(self._scratch):
+                self._scratch = bytearray(limit)
+            got = await self._request(memoryview(self._scratch)[:limit], 1, own=True, linger=True)
             self._check()
+            return bytes(memoryview(self._scratch)[:got])
         if n < 0 or n >= len(self._buf):
             data = bytes(self._buf)
             self._buf.clear()
