@@ -259,7 +259,7 @@ def test_a_flood_of_silent_connections_is_capped_and_then_cleared():
 
 
 def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
-    from fusionnode.runtime.direct import READ_AHEAD
+    from fusionnode.runtime.direct_io import READ_AHEAD
 
     key, pid = _key()
     other_key, other_id = _key()
