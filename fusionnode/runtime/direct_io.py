@@ -139,9 +139,9 @@ class _Reader:
         self._busy: asyncio.Future | None = None  # the request the thread is working on
         self._lock = threading.Lock()
         self._stopped = False
-        self._requests: queue.SimpleQueue[tuple[memoryview, int, bool, asyncio.Future] | None] = (
-            queue.SimpleQueue()
-        )
+        self._requests: queue.SimpleQueue[
+            tuple[memoryview, int, bool, memoryview | None, asyncio.Future] | None
+        ] = queue.SimpleQueue()
         self._scratch = bytearray()  # the thread's target for reads into our own buffer (sized on use)
         self._thread = threading.Thread(target=self._run, name="direct-reader", daemon=True)
         self._thread.start()
@@ -153,8 +153,8 @@ class _Reader:
                 req = self._requests.get()
                 if req is None:
                     break
-                view, need, linger, fut = req
-                n, error = 0, None
+                view, need, linger, ahead, fut = req
+                n, m, error = 0, 0, None
                 try:
                     while n < need:
                         got = self._sock.recv_into(view[n:])
@@ -173,10 +173,22 @@ class _Reader:
                         if not got:
                             break
                         n += got
+                    # after a frame's payload: what has arrived of the next frame (its header, as a
+                    # rule), so that reading it takes no further hand-over
+                    while (
+                        ahead is not None
+                        and n == need
+                        and m < len(ahead)
+                        and (self._sock.pending() or select.select([self._sock], [], [], 0)[0])
+                    ):
+                        got = self._sock.recv_into(ahead[m:])
+                        if not got:
+                            break
+                        m += got
                 except (OSError, ValueError) as exc:
                     error = exc
                 try:
-                    self._loop.call_soon_threadsafe(self._done, fut, n, n < need, error)
+                    self._loop.call_soon_threadsafe(self._done, fut, n, n < need, error, ahead, m)
                 except RuntimeError:  # the loop is gone
                     break
                 if n < need:
@@ -194,9 +206,19 @@ class _Reader:
                 self._requests.put(None)
 
     # -- loop side
-    def _done(self, fut: asyncio.Future, n: int, eof: bool, error: BaseException | None) -> None:
+    def _done(
+        self,
+        fut: asyncio.Future,
+        n: int,
+        eof: bool,
+        error: BaseException | None,
+        ahead: memoryview | None = None,
+        m: int = 0,
+    ) -> None:
         if eof:
             self._eof = True
+        if m and ahead is not None:  # read past a payload: the next bytes of the stream
+            self._buf += ahead[:m]
         if not fut.done():
             fut.set_result((n, error))
 
@@ -204,7 +226,9 @@ class _Reader:
         while self._busy is not None:  # a read cancelled earlier is still in the thread's hands
             await asyncio.shield(self._busy)
 
-    async def _request(self, view: memoryview, need: int, own: bool, linger: bool = False) -> int:
+    async def _request(
+        self, view: memoryview, need: int, own: bool, linger: bool = False, ahead: memoryview | None = None
+    ) -> int:
         """The thread reads at least `need` bytes (fewer at the end of the stream) into `view`, part of
         our scratch buffer when `own`, else the caller's."""
         await self._idle()
@@ -215,7 +239,7 @@ class _Reader:
             if self._stopped:
                 self._eof = True
                 return 0
-            self._requests.put((view, need, linger, fut))
+            self._requests.put((view, need, linger, ahead, fut))
         self._busy = fut
         try:
             n, _error = await asyncio.shield(fut)
@@ -294,7 +318,10 @@ class _Reader:
         while pos < len(view):
             if self._eof:
                 raise asyncio.IncompleteReadError(b"", len(view) - pos)
-            pos += await self._request(view[pos:], len(view) - pos, own=False)
+            if len(self._scratch) < READ_AHEAD:
+                self._scratch = bytearray(READ_AHEAD)
+            ahead = memoryview(self._scratch)[:READ_AHEAD]
+            pos += await self._request(view[pos:], len(view) - pos, own=False, ahead=ahead)
             self._check()
 
     def at_eof(self) -> bool:
