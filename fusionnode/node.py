@@ -439,15 +439,26 @@ class Node:
             self.worker.undrain()
 
     async def _rpc_set_link_limits(self, params: dict, emit) -> dict:
-        """User-space bandwidth caps on this peer's tensor streams, per destination peer (bits/s; 0 = none).
+        """User-space bandwidth caps on this peer's tensor streams, per destination peer (bits/s; 0 = none),
+        and `declared`: link bandwidths this peer is told but does not enforce (links shaped by tc), which
+        the direct path's rule uses where no probe measured the link.
 
-        Local control only: for testbeds where network namespaces and tc are not available."""
+        Local control only: for testbeds."""
         limits = params.get("limits") or {}
-        if not isinstance(limits, dict):
-            raise ConfigError("limits must map peer ids to bits per second")
+        declared = params.get("declared") or {}
+        if not isinstance(limits, dict) or not isinstance(declared, dict):
+            raise ConfigError("limits and declared must map peer ids to bits per second")
         for peer, bps in limits.items():
             self.transport.set_rate_limit(str(peer), float(bps) if bps else None)
-        return {"limited": len([v for v in limits.values() if v])}
+        for peer, bps in declared.items():  # shaped outside the daemon (tc): only told, not enforced
+            if bps:
+                self.transport.declared_bps[str(peer)] = float(bps)
+            else:
+                self.transport.declared_bps.pop(str(peer), None)
+        return {
+            "limited": len([v for v in limits.values() if v]),
+            "declared": len(self.transport.declared_bps),
+        }
 
     async def _rpc_train(self, params: dict, emit) -> dict:
         from fusionnode.train.spec import JobSpec

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,41 @@ def test_peer_cluster_keeps_bandwidth_and_drops_latency():
     assert float(c.latency_s.max()) == 0.0  # the testbed does not emulate latency: not told to the planner
     assert c.step_overhead_s == 0.0
     assert load_cluster_dict({**doc, "step_overhead_ms": 40}).step_overhead_s == pytest.approx(0.04)
+
+
+def test_link_paths_say_which_path_each_link_took_during_a_run():
+    import numpy as np
+
+    bw = np.array([[0, 1e9, 8e6], [1e9, 0, 8e6], [8e6, 8e6, 0]])
+    before = {(0, 1): {"direct": 100}, (1, 2): {"libp2p": 50}}
+    after = {
+        (0, 1): {"direct": 300},  # 200 more bytes direct on a 1 Gbit/s link
+        (1, 2): {"libp2p": 50},  # idle during the run: not listed
+        (2, 0): {"libp2p": 70, "direct": 5},  # a slow link that (wrongly) also went direct
+    }
+    rows = testbed.link_paths(before, after, bw, ["p0", "p1", "p2"])
+    assert rows == [
+        {
+            "from": "p0",
+            "to": "p1",
+            "bandwidth_bps": 1e9,
+            "path": "direct",
+            "bytes": {"direct": 200},
+            "expected": "direct",
+        },
+        {
+            "from": "p2",
+            "to": "p0",
+            "bandwidth_bps": 8e6,
+            "path": "direct+libp2p",
+            "bytes": {"libp2p": 70, "direct": 5},
+            "expected": "libp2p",
+        },
+    ]
+    line = testbed.paths_line(rows)
+    assert line.startswith("direct 1 (1000 Mbit/s), direct+libp2p 1 (8 Mbit/s)")
+    assert "OFF THE RULE: p2->p0 direct+libp2p (expected libp2p)" in line
+    assert testbed.paths_line([]) == "no link carried tensors"
 
 
 def test_measured_speed_is_positive_and_plausible():
@@ -98,14 +134,20 @@ def test_bad_arguments_are_refused(capsys):
 @pytest.mark.e2e
 def test_testbed_runs_on_loopback(tmp_path, capsys):
     """The whole benchmark, small: 4 real peers, user-space links, calibration, three configurations
-    (one of them a --sync round mode: 2 replicas x 2 stages, its one round closed at the last step)."""
+    (one of them a --sync round mode: 2 replicas x 2 stages, its one round closed at the last step).
+    The cluster is testbed-4-slow-compute with its p1-p2 link slowed to 50 Mbit/s: that link keeps
+    libp2p, the 1 Gbit/s ones go direct, and the results say which path each link took."""
     out = tmp_path / "out"
+    doc = json.loads(Path(testbed.resolve_cluster_path("testbed-4-slow-compute")).read_text())
+    doc["links"]["pairs"] = [{"a": "p1", "b": "p2", "bandwidth_gbps": 0.05, "latency_ms": 0.5}]
+    cluster = tmp_path / "slow-link.json"
+    cluster.write_text(json.dumps(doc))
     rc = testbed.main(
         [
             "--network",
             "userspace",
             "--cluster",
-            "testbed-4-slow-compute",
+            str(cluster),
             "--steps",
             "4",
             "--warmup",
@@ -148,4 +190,15 @@ def test_testbed_runs_on_loopback(tmp_path, capsys):
     assert hosts and all(h["rounds_closed"] == 1 and h["received_bytes"] > 0 for h in hosts)
     assert all(h["rounds_closed"] == 0 for h in runs[-1]["steps"][-2]["optimizer_hosts"])
     assert len(runs[2]["plan"]["stages"]) == 1  # the overhead is measured on one peer, no link in the way
+    # the path each link's tensors took, measured per run: direct on the 1 Gbit/s links, libp2p on
+    # the 50 Mbit/s one, which the baseline's even split p0 -> p1 -> p2 -> p3 crosses both ways
+    for name, r in rows.items():
+        assert r["paths"], name
+        assert all(p["path"] == p["expected"] and sum(p["bytes"].values()) > 0 for p in r["paths"]), r[
+            "paths"
+        ]
+    base = {(p["from"], p["to"]): p["path"] for p in rows["baseline"]["paths"]}
+    assert base[("p1", "p2")] == base[("p2", "p1")] == "libp2p", base
+    assert base[("p0", "p1")] == base[("p2", "p3")] == "direct", base
+    assert "paths, baseline: direct" in text and "libp2p 2 (50 Mbit/s)" in text
     assert all("phases" in s for r in runs for s in r["steps"])

@@ -259,7 +259,7 @@ def test_a_flood_of_silent_connections_is_capped_and_then_cleared():
 
 
 def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
-    from fusionnode.runtime.direct import READ_BUFFERS, READ_BYTES, READ_HIGH_WATER
+    from fusionnode.runtime.direct_io import READ_AHEAD
 
     key, pid = _key()
     other_key, other_id = _key()
@@ -267,7 +267,8 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
     async def go():
         held = []
 
-        async def idle(_info, reader, writer):  # accepts and never reads
+        async def idle(_info, reader, writer):  # reads one byte, then nothing more
+            assert await reader.read(1) == b"\0"
             held.append(reader)
             await asyncio.sleep(30)
 
@@ -287,7 +288,7 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
             await asyncio.sleep(3)
             assert not task.done()  # the sender is held back
             await _wait(lambda: bool(held))
-            assert len(held[0]._buffer) <= READ_HIGH_WATER + READ_BUFFERS * READ_BYTES, len(held[0]._buffer)
+            assert held[0].buffered() < READ_AHEAD, held[0].buffered()  # what that one read brought
             task.cancel()
             w.close()
         finally:
@@ -308,6 +309,134 @@ def test_a_slow_probed_link_keeps_libp2p(tmp_path, caplog):
             await _wait(lambda: len(b.got) == 1)
             assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
             assert not [r for r in caplog.records if "direct path" in r.getMessage()]  # not a failure
+        finally:
+            await _close(a, b)
+
+    asyncio.run(go())
+
+
+async def _pair(handler):
+    """A listener with `handler` and a dialer's (reader, writer) to it, on loopback."""
+    key, pid = _key()
+    other_key, other_id = _key()
+    listener = DirectPath(key, pid, host="127.0.0.1")
+    await listener.start(handler)
+    dialer = DirectPath(other_key, other_id, host="127.0.0.1")
+    reader, writer = await dialer.dial(pid, [direct_addr("127.0.0.1", listener.port)])
+    return listener, reader, writer
+
+
+def test_frames_of_every_size_arrive_whole_and_a_cut_frame_is_truncated():
+    """The reader thread fills a frame's payload straight into the frame: small and multi-MiB frames,
+    headers split across TLS records, back to back; a stream cut mid-frame is a truncated frame."""
+    from fusionnode.errors import ProtocolError
+    from fusionnode.wire.stream import read_message, write_message
+
+    sizes = [1, 5000, 3 << 18, 7, 1 << 20, 0, 123457]
+    got: list = []
+    errors: list = []
+
+    async def go():
+        async def receive(_info, reader, writer):
+            try:
+                for _ in sizes:
+                    got.append(await read_message(reader))
+                await read_message(reader)
+            except ProtocolError as exc:
+                errors.append(str(exc))
+            writer.close()
+
+        listener, _r, w = await _pair(receive)
+        try:
+            for i, n in enumerate(sizes):
+                await write_message(w, _sized(i, n), chunk_bytes=4093)  # odd chunks: records split headers
+            frame = b"".join(bytes(p) for p in _frame_parts(_sized(99, 1 << 20)))
+            w.write(frame[: len(frame) // 2])  # then the sender goes away mid-frame
+            await w.drain()
+            w.close()
+            await _wait(lambda: bool(errors), 20)
+        finally:
+            listener.close()
+
+    asyncio.run(go())
+    assert [int(m.meta["step"]) for m in got] == list(range(len(sizes)))
+    for i, (m, n) in enumerate(zip(got, sizes, strict=True)):
+        assert torch.equal(m.decode_tensors()["x"], _sized(i, n).decode_tensors()["x"])
+    assert "truncated" in errors[0], errors
+
+
+def _sized(step: int, n: int) -> TensorMessage:
+    return TensorMessage.from_tensors(
+        "activation", {"step": step}, {"x": torch.arange(n, dtype=torch.float32) * (step + 1)}
+    )
+
+
+def _frame_parts(msg: TensorMessage) -> list:
+    from fusionnode.wire.messages import frame_parts
+
+    return frame_parts(msg)
+
+
+def test_a_read_that_times_out_loses_no_bytes():
+    """wait_for on a read (the preamble's and acknowledgements' timeouts) cancels it while the reader
+    thread waits: what arrives later is still read, in order."""
+    seen: list[bytes] = []
+
+    async def go():
+        ready = asyncio.Event()
+
+        async def receive(_info, reader, writer):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(reader.readexactly(8), 0.2)  # nothing sent yet
+            ready.set()
+            seen.append(await reader.readexactly(8))
+            seen.append(await reader.read(100))
+            writer.close()
+
+        listener, _r, w = await _pair(receive)
+        try:
+            await asyncio.wait_for(ready.wait(), 10)
+            w.write(b"12345678abc")
+            await w.drain()
+            await _wait(lambda: len(seen) == 2)
+            w.close()
+        finally:
+            listener.close()
+
+    asyncio.run(go())
+    assert seen == [b"12345678", b"abc"]
+
+
+def test_a_link_known_to_be_slow_keeps_libp2p_and_each_path_is_counted(tmp_path):
+    """The rule for links nobody probed: a rate limit we apply (user-space testbed) or a bandwidth we
+    were told (set_link_limits' `declared`, a testbed shaped by tc) under DIRECT_MIN_BPS keeps libp2p;
+    a fast one goes direct; the bytes each path carried are counted per peer (`path_bytes`)."""
+    from fusionnode.runtime.transport import DIRECT_MIN_BPS
+
+    async def go():
+        a = await _peer(tmp_path, "a")
+        b = await _peer(tmp_path, "b", initial=await a.p2p.get_visible_maddrs())
+        try:
+            a.t.direct_book = lambda pid: [b.addr] if pid == b.id else []
+            a.t.set_rate_limit(b.id, 8e6)  # capped at 8 Mbit/s
+            assert a.t.known_bps(b.id) == pytest.approx(8e6)
+            await a.t.send(b.id, _msg(0))
+            await _wait(lambda: len(b.got) == 1)
+            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
+            a.t.set_rate_limit(b.id, None)
+            a.t.declared_bps[b.id] = 10e6  # told: a 10 Mbit/s link
+            a.t._drop_out(b.id)
+            await a.t.send(b.id, _msg(1))
+            await _wait(lambda: len(b.got) == 2)
+            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
+            a.t.declared_bps[b.id] = 2 * DIRECT_MIN_BPS  # a fast link
+            a.t._drop_out(b.id)
+            await a.t.send(b.id, _msg(2))
+            await _wait(lambda: len(b.got) == 3)
+            assert a.t.paths[b.id] == "direct" and b.direct.connections == 1
+            carried = a.t.security_status()["path_bytes"][b.id]
+            assert set(carried) == {"libp2p", "direct"}
+            assert carried["libp2p"] > carried["direct"] > 4096 * 4  # two messages, then one
         finally:
             await _close(a, b)
 

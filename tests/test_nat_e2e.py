@@ -172,10 +172,12 @@ def test_a_peer_behind_nat_is_a_middle_stage_through_a_relay(tmp_path):
         )
         assert dials >= 1, (status_a["reachability"], status_b["reachability"])
         # the direct fast path where a dial can reach: A -> the relay (public); libp2p through the relay
-        # between the two NATs, after one logged failed direct dial (private addresses)
+        # between the two NATs ("relayed"), never direct
         paths_a = status_a["security"]["paths"]
         print("A's paths", paths_a, file=sys.stderr)
-        assert paths_a.get(ready["b"]["peer_id"]) == "libp2p", paths_a
+        assert paths_a.get(ready["b"]["peer_id"]) == "relayed", paths_a  # libp2p through the relay
+        carried = status_a["security"]["path_bytes"][ready["b"]["peer_id"]]
+        assert carried.get("relayed", 0) > 0 and "direct" not in carried, carried
         status_r = asyncio.run(control.call(sock["relay"], "status"))
         print(
             "paths R, A, B",

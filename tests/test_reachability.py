@@ -138,6 +138,46 @@ def test_unreachable_and_refusing_relays_are_logged_once_and_a_working_one_serve
     asyncio.run(go())
 
 
+def test_a_relay_that_refuses_the_reservation_is_logged_once_and_skipped(caplog):
+    """A real libp2p peer that speaks the relay protocol and answers RESERVE with RESERVATION_REFUSED
+    (its hop handler is ours: the shipped p2pd cannot be told to refuse): logged once with the
+    relay's reason, no circuit address from it; the working relay serves."""
+    from fusionnode.swarm.reachability import HOP_PROTOCOL
+
+    async def go():
+        relay = await create_p2p(LOOPBACK, options=RELAY)
+        refuser = await create_p2p(LOOPBACK, options=LOCAL_ONLY)
+        nat = await create_p2p(LOOPBACK, options=LOCAL_ONLY)
+        asked = []
+
+        async def refuse(_info, reader, writer):
+            asked.append(await reader.readexactly(3))  # HopMessage{type: RESERVE}
+            writer.write(b"\x05\x08\x02\x28\xc8\x01")  # HopMessage{type: STATUS, status: 200}
+            await writer.drain()
+            writer.close()
+
+        await refuser.add_binary_stream_handler(HOP_PROTOCOL, refuse)
+        try:
+            good = str((await relay.get_visible_maddrs())[0])
+            refusing = str((await refuser.get_visible_maddrs())[0])
+            me = nat.peer_id.to_base58()
+            reach = Reachability(Verdict("nat", "dial-back"), relays=[refusing, good], peer_id=me)
+            with caplog.at_level(logging.WARNING, logger="fusionnode.swarm.reachability"):
+                await reach.keep_reservations(nat)
+                reach.reservations.clear()  # renewals: the refusing relay is asked again, not logged again
+                await reach.keep_reservations(nat)
+            assert asked == [b"\x02\x08\x00"] * 2
+            msgs = [r.getMessage() for r in caplog.records if "no slot on relay" in r.getMessage()]
+            assert len(msgs) == 1 and "refused a slot: RESERVATION_REFUSED" in msgs[0], msgs
+            assert list(reach.reservations) == [good] and reach.state == "relayed"
+            assert reach.circuit_addrs == circuit_addrs([good], me)
+        finally:
+            for p in (relay, refuser, nat):
+                await p.shutdown()
+
+    asyncio.run(go())
+
+
 def test_a_peer_reached_through_its_relay_over_loopback():
     """A peer that listens on nothing (so only its relay slot reaches it) is dialed through the relay:
     the live connection is a /p2p-circuit one."""

@@ -23,6 +23,13 @@ measure what the planner cannot know from the cluster file: each peer's achieved
 the runtime's fixed cost per step in each mode (RPC rounds through p2pd, the hosts' optimizer). The
 cluster document every configuration is planned with carries them (`step_overhead_ms`).
 
+Paths. Each configuration's row lists the path every link's tensor bytes took during its run
+(`paths`: direct, libp2p or relayed, from the daemons' per-path byte counters) next to the path the
+runtime's rule picks for that link: direct for links of DIRECT_MIN_BPS (200 Mbit/s) and more, libp2p
+for slower ones (the testbed has no relays). The daemons know the links' bandwidth from the
+user-space limits, or, with netns, from `set_link_limits`' `declared` (tc shapes the links and the
+testbed runs without probes).
+
 Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
 under four configurations, one after the other on the same peers:
   1. baseline:  even split of the layers over the devices, no compression, local optimizer
@@ -52,13 +59,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -75,12 +78,10 @@ from fusionnode.bench.systems import (
     run_hivemind,
     system_names,
 )
+from fusionnode.bench.testbed_net import Testbed, link_paths, netns_available, paths_line
 from fusionnode.plan.estimator import DEFAULT_EFFICIENCY
 
 DEFAULT_CLUSTERS = ("testbed-4-mixed", "testbed-6-two-sites", "testbed-4-slow-compute", "home-volunteers-4")
-
-
-TESTBED_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "testbed.sh"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -142,119 +143,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="directory for results.json (the table), runs.json (every step) and testbed.png (default %(default)s)",
     )
     return p.parse_args(argv)
-
-
-def netns_available() -> tuple[bool, str]:
-    if os.geteuid() != 0:
-        return False, "not root"
-    if not (shutil.which("ip") and shutil.which("tc")):
-        return False, "iproute2 (ip, tc) missing"
-    name = f"fnprobe{os.getpid()}"
-    ok = subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode == 0
-    if ok:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        return True, ""
-    return False, "`ip netns add` failed (no CAP_SYS_ADMIN?)"
-
-
-class Testbed:
-    """Peers on an emulated network; `controls[i]` is device i's control socket."""
-
-    def __init__(self, cluster_path: Path, network: str, workdir: Path, n: int):
-        self.cluster_path = cluster_path
-        self.network = network
-        self.workdir = workdir
-        self.n = n
-        self.peer_ids: list[str] = []
-        self.controls: list[Path] = []
-        self.netns: list[str] = []  # netns: device i's namespace
-        self.links: list[dict[str, Any]] = []  # netns: {"a", "b", "addr_a", "addr_b", ...} per link
-        self._proc: subprocess.Popen | None = None
-        self._swarm: Any = None
-
-    def start(self) -> None:
-        from fusionnode.config import LOCAL_JOIN_FLAGS
-
-        # no port mapping, AutoNAT or relay service: the peers reach only the testbed's own addresses
-        join_flags = ["--heartbeat", "2", "--record-ttl", "8", "--no-probe", "--debug", *LOCAL_JOIN_FLAGS]
-        if self.network == "netns":
-            self._proc = subprocess.Popen(
-                [
-                    "bash",
-                    str(TESTBED_SCRIPT),
-                    str(self.cluster_path),
-                    "--workdir",
-                    str(self.workdir),
-                    "--",
-                    *join_flags,
-                ],
-                stdout=subprocess.PIPE,
-                stderr=open(self.workdir / "testbed.log", "ab"),  # noqa: SIM115
-                start_new_session=True,
-            )
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                line = self._proc.stdout.readline().decode()
-                if line.startswith("TESTBED READY "):
-                    info = json.loads(line[len("TESTBED READY ") :])
-                    self.peer_ids = [p["peer_id"] for p in info["peers"]]
-                    self.netns = [d["netns"] for d in info["devices"]]
-                    self.links = info["links"]
-                    self.controls = [Path(self.workdir) / f"peer{i}" / "control.sock" for i in range(self.n)]
-                    return
-                if not line and self._proc.poll() is not None:
-                    break
-            raise RuntimeError(f"the netns testbed did not come up; see {self.workdir / 'testbed.log'}")
-        from fusionnode.localswarm import LocalSwarm
-
-        self._swarm = LocalSwarm(self.workdir, self.n, log=None)
-        self._swarm.extra_args = join_flags
-        self._swarm.start()
-        asyncio.run(self._swarm.wait_connected())
-        self.peer_ids = [r["peer_id"] for r in self._swarm.ready]
-        self.controls = [self._swarm.control(i) for i in range(self.n)]
-
-    def pace(self, tflops: list[float]) -> None:
-        """Emulated device speeds: peer i computes at tflops[i] (forward-FLOP rate) through the
-        worker's `--debug` pacing hook, read from <state dir>/debug_pace before each step."""
-        for i, speed in enumerate(tflops):
-            (Path(self.workdir) / f"peer{i}" / "debug_pace").write_text(f"{speed:.6g}\n")
-
-    def limit_links(self, bandwidth_bps: Any) -> None:
-        """userspace: every peer caps its tensor streams to each other peer at the link's bandwidth."""
-        from fusionnode import control
-
-        async def go() -> None:
-            for i in range(self.n):
-                limits = {self.peer_ids[j]: float(bandwidth_bps[i, j]) for j in range(self.n) if j != i}
-                await control.call(self.controls[i], "set_link_limits", {"limits": limits})
-
-        asyncio.run(go())
-
-    def tx_bytes(self) -> list[int] | None:
-        """netns: bytes each device has sent on its emulated links so far (None on loopback)."""
-        if self.network != "netns":
-            return None
-        from fusionnode.bench.compare import netdev_tx
-
-        return [netdev_tx(ns) for ns in self.netns]
-
-    def address(self, i: int, j: int) -> str:
-        """netns: device i's address on its link to device j."""
-        for link in self.links:
-            if (link["a"], link["b"]) == (i, j):
-                return link["addr_a"]
-            if (link["a"], link["b"]) == (j, i):
-                return link["addr_b"]
-        raise KeyError(f"no link between devices {i} and {j}")
-
-    def stop(self) -> None:
-        if self._swarm is not None:
-            self._swarm.stop()
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(180)  # testbed.sh stops every daemon, then deletes the namespaces
 
 
 def peer_cluster(cluster_path: Path, peer_ids: list[str], tflops: list[float]) -> dict[str, Any]:
@@ -445,6 +333,8 @@ def bench_cluster(
         bed.start()
         if network == "userspace":
             bed.limit_links(c.bandwidth_bps)
+        else:
+            bed.declare_links(c.bandwidth_bps)
         # emulated device speeds: the fastest at this machine's fair share of a core / headroom
         fastest = max(d.tflops for d in c.devices)
         top = args.machine_tflops * min(1.0, (os.cpu_count() or 1) / n) / args.headroom
@@ -522,6 +412,7 @@ def bench_cluster(
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
             planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
             tx0 = bed.tx_bytes()
+            paths0 = bed.path_bytes()
             run = run_config(
                 bed.controls[0],
                 job(args.steps, compress, fields),
@@ -529,6 +420,10 @@ def bench_cluster(
             )
             tx1 = bed.tx_bytes()
             rows.append(summarize(name, run, args.warmup))
+            rows[-1]["paths"] = link_paths(
+                paths0, bed.path_bytes(), c.bandwidth_bps, [d.id for d in c.devices]
+            )
+            print(f"[{c.name}] {name}: links {paths_line(rows[-1]['paths'])}", file=sys.stderr, flush=True)
             record(name, run)
             comparison.append(fusionnode_row(name, run, bed.peer_ids, args, tx0, tx1, {**params, **fields}))
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
@@ -619,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     for res in results:
         if res["rows"]:
             print_table(res)
+            for row in res["rows"]:
+                print(f"  paths, {row['config']}: {paths_line(row.get('paths') or [])}")
         if res["comparison"]["rows"]:
             compare.print_comparison(res["cluster"], res["network"], res["comparison"])
     (out / "results.json").write_text(

@@ -17,8 +17,10 @@ Authentication, keyed to the libp2p identities:
 An outsider that connects gets a nonce and nothing else; a wrong signature, an oversized hello or
 silence past `HELLO_TIMEOUT_S` closes the connection (tests/test_direct.py).
 
-I/O: the TLS socket is blocking and driven by two threads per connection (OpenSSL releases the GIL
-while it encrypts and decrypts), presented to the Transport as an asyncio reader/writer pair.
+I/O (runtime/direct_io.py): the TLS socket is blocking and driven by two threads per connection
+(OpenSSL releases the GIL while it encrypts and decrypts), presented to the Transport as an asyncio
+reader/writer pair whose threads meet the event loop once per message (a frame's payload is read
+straight into the frame).
 """
 
 from __future__ import annotations
@@ -29,20 +31,18 @@ import datetime
 import hashlib
 import logging
 import os
-import queue
-import select
 import socket
 import ssl
 import struct
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fusionnode.errors import PeerError
+from fusionnode.runtime.direct_io import DirectConnection
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,6 @@ HELLO_TIMEOUT_S = 5.0  # seconds for a dialer to finish the handshake and its he
 DIAL_TIMEOUT_S = 3.0  # seconds to connect and authenticate before falling back to libp2p
 RETRY_AFTER_S = 300.0  # seconds a peer whose direct dial failed stays on libp2p
 MAX_PENDING_HANDSHAKES = 64  # inbound connections still in their handshake; more are closed at once
-HIGH_WATER = 8 << 20  # bytes queued for the writer thread before drain() waits
-READ_BYTES = 1 << 20  # bytes the reader thread hands over at most at a time
-READ_BUFFERS = 4  # buffers of READ_BYTES per connection the reader thread fills in turn
-READ_HIGH_WATER = 8 << 20  # bytes received but not yet read before the reader thread stops reading
 _LEN = struct.Struct(">H")
 
 
@@ -253,177 +249,6 @@ def accept_blocking(ident: DirectIdentity, raw: socket.socket) -> tuple[ssl.SSLS
     except BaseException:
         sock.close()
         raise
-
-
-# ---- asyncio face of a blocking TLS socket ------------------------------------------------------------
-
-
-class _Writer:
-    """asyncio.StreamWriter's subset the Transport uses, writing through a thread."""
-
-    def __init__(self, sock: ssl.SSLSocket, loop: asyncio.AbstractEventLoop, on_close: Callable[[], None]):
-        self._sock = sock
-        self._loop = loop
-        self._queue: deque[Any] = deque()
-        self._cv = threading.Condition()
-        self._pending = 0
-        self._waiters: list[asyncio.Future] = []
-        self._error: BaseException | None = None
-        self._closed = False
-        self._on_close = on_close
-        self._thread = threading.Thread(target=self._run, name="direct-writer", daemon=True)
-        self._thread.start()
-
-    def write(self, data: Any) -> None:
-        if self._error is not None:
-            raise ConnectionResetError(f"direct connection broke: {self._error!r}")
-        if self._closed:
-            raise ConnectionResetError("direct connection closed")
-        view = memoryview(data).cast("B")
-        if not len(view):
-            return
-        with self._cv:
-            self._queue.append(view)
-            self._pending += len(view)
-            self._cv.notify()
-
-    async def drain(self) -> None:
-        while True:
-            if self._error is not None:
-                raise ConnectionResetError(f"direct connection broke: {self._error!r}")
-            with self._cv:
-                if self._pending <= HIGH_WATER or self._closed:
-                    return
-                fut = self._loop.create_future()
-                self._waiters.append(fut)
-            await fut
-
-    def _wake(self) -> None:
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_result(None)
-        self._waiters.clear()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    break
-                view = self._queue.popleft()
-            try:
-                self._sock.sendall(view)
-            except BaseException as exc:  # the peer went away: every later write fails
-                self._error = exc
-                with self._cv:
-                    self._queue.clear()
-                    self._pending = 0
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._wake)
-                break
-            with self._cv:
-                before = self._pending
-                self._pending -= len(view)
-                wake = before > HIGH_WATER >= self._pending or not self._queue
-            if wake:
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(self._wake)
-        self._on_close()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-
-    def is_closing(self) -> bool:
-        return self._closed or self._error is not None
-
-    async def wait_closed(self) -> None:
-        await asyncio.to_thread(self._thread.join, 10)
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._sock.getpeername() if name == "peername" else default
-
-
-class DirectConnection:
-    """One authenticated TLS connection as an asyncio (reader, writer) pair."""
-
-    def __init__(self, sock: ssl.SSLSocket, peer_id: str, loop: asyncio.AbstractEventLoop):
-        self.sock = sock
-        self.peer_id = peer_id
-        self.loop = loop
-        self.reader = asyncio.StreamReader(limit=2**31 - 1, loop=loop)
-        self._done = 0
-        self._lock = threading.Lock()
-        self.writer = _Writer(sock, loop, self._half_closed)
-        self._reader_done = False
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        self._made = 0  # buffers the reader thread has allocated (on demand, at most READ_BUFFERS)
-        self._thread = threading.Thread(target=self._read, name="direct-reader", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        """Fills one of a few buffers per hand-over; the loop feeds it to the reader (one copy, the
-        StreamReader's own) and gives it back."""
-        try:
-            while True:
-                buf = self._next_buffer()
-                view = memoryview(buf)
-                n = self.sock.recv_into(view, READ_BYTES)
-                if not n:
-                    break
-                while n < READ_BYTES and (self.sock.pending() or select.select([self.sock], [], [], 0)[0]):
-                    got = self.sock.recv_into(view[n:], READ_BYTES - n)
-                    if not got:
-                        break
-                    n += got
-                self.loop.call_soon_threadsafe(self._feed, buf, n)
-        except (OSError, ValueError, RuntimeError):
-            pass
-        finally:
-            self._reader_done = True
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.reader.feed_eof)
-            self._half_closed()
-
-    def _next_buffer(self) -> bytearray:
-        """A free buffer, a new one while fewer than READ_BUFFERS exist, else the next given back: a
-        connection allocates (and the kernel zeroes) only the buffers its traffic needs, in the reader
-        thread rather than on the event loop when the connection is accepted."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            if self._made < READ_BUFFERS:
-                self._made += 1
-                return bytearray(READ_BYTES)
-            return self._free.get()
-
-    def _feed(self, buf: bytearray, n: int) -> None:
-        self.reader.feed_data(memoryview(buf)[:n])
-        self._give_back(buf)
-
-    def _give_back(self, buf: bytearray) -> None:
-        """Back to the reader thread once what the reader holds unread is under READ_HIGH_WATER: with
-        every buffer out the thread stops reading, TCP's window fills and the sender waits (the
-        flow control asyncio's own transports have; a sender cannot make us buffer without bound)."""
-        if self._reader_done:
-            return  # nobody reads into it any more
-        if len(self.reader._buffer) > READ_HIGH_WATER and not self.writer.is_closing():
-            self.loop.call_later(0.001, self._give_back, buf)
-            return
-        self._free.put(buf)
-
-    def _half_closed(self) -> None:
-        with self._lock:
-            self._done += 1
-            last = self._done == 2
-        if last or self.writer.is_closing():
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
-        if last:
-            with contextlib.suppress(OSError):
-                self.sock.close()
 
 
 @dataclass

@@ -63,7 +63,8 @@ RpcHandler = Callable[[dict[str, Any], str], Awaitable[dict[str, Any]]]
 DataHandler = Callable[[TensorMessage, str], None]
 
 
-DIRECT_MIN_BPS = 200e6  # bits/s: links probed slower than this keep libp2p for their data streams
+DIRECT_MIN_BPS = 200e6  # bits/s: links known to be slower than this keep libp2p for their data streams
+PATHS = ("direct", "libp2p", "relayed")  # a data stream's path: TCP + TLS, p2pd, p2pd over a relay
 UNANSWERED = "call unanswered"  # in the error of a call whose stream closed before its reply
 
 
@@ -114,7 +115,11 @@ class Transport:
         self.reach: Any = None  # swarm/reachability.py Reachability: dials peers behind NAT via relays
         self.direct: Any = None  # runtime/direct.py DirectPath: data streams over TCP + TLS when it can
         self.direct_book: Callable[[str], list[str]] | None = None  # peer id -> its direct addresses
-        self.paths: dict[str, str] = {}  # per peer id: "direct" or "libp2p", the last data stream's path
+        self.paths: dict[str, str] = {}  # per peer id: the last data stream's path (PATHS)
+        self.path_bytes: dict[str, dict[str, int]] = defaultdict(
+            lambda: defaultdict(int)
+        )  # peer -> path -> bytes
+        self.declared_bps: dict[str, float] = {}  # per peer id: link bandwidth we were told (not measured)
         self.link_bps: Callable[[str], float | None] | None = None  # peer id -> probed bits/s, if known
         self.direct_min_bps = DIRECT_MIN_BPS  # slower probed links keep libp2p (nothing to gain)
 
@@ -340,6 +345,9 @@ class Transport:
         else:
             n = await write_message(writer, signed)
         self.bytes_sent_to[peer_id] += n
+        self.path_bytes[peer_id][self.paths.get(peer_id, "libp2p")] += n
+        if len(self.path_bytes) > 4096:
+            self.path_bytes.pop(next(iter(self.path_bytes)))
         return n
 
     def _drop_out(self, peer_id: str) -> None:
@@ -374,7 +382,9 @@ class Transport:
                 )
             except Exception as exc:
                 raise PeerError(f"cannot open a data stream to {peer_id[:12]}…: {exc}") from exc
-            self.paths[peer_id] = "libp2p"
+            self.paths[peer_id] = (
+                "relayed" if self.reach is not None and self.reach.is_relayed(peer_id) else "libp2p"
+            )
         await self._write_preamble(writer, peer_id, PROTO_DATA)
         pending = self._unacked[peer_id]
         while pending and pending[0][2] >= MAX_RESENDS:  # the oldest were written the most often
@@ -402,6 +412,18 @@ class Transport:
             entry[2] += 1
         return reader, writer
 
+    def known_bps(self, peer_id: str) -> float | None:
+        """The link's bandwidth to `peer_id` in bits/s as far as we know it: probed, else declared to us
+        (set_link_limits' `declared`), and never above a rate limit we apply to it ourselves; None when
+        nothing is known (the direct path is then tried)."""
+        bps = self.link_bps(peer_id) if self.link_bps is not None else None
+        if bps is None:
+            bps = self.declared_bps.get(peer_id)
+        bucket = self.rate_limits.get(peer_id) or self.egress_limit
+        if bucket is not None:
+            bps = min(bps, bucket.rate * 8) if bps is not None else bucket.rate * 8
+        return bps
+
     async def _open_direct(self, peer_id: str) -> tuple[Any, Any] | None:
         """A data stream to `peer_id` over the direct path when both ends have one and it is not a
         relayed peer; None (libp2p then) when it cannot be had. A failed dial is logged once with its
@@ -411,10 +433,10 @@ class Transport:
         if self.direct is None or self.direct_book is None:
             return None
         if self.reach is not None and self.reach.is_relayed(peer_id):
-            return None
-        bps = self.link_bps(peer_id) if self.link_bps is not None else None
+            return None  # never direct over a relay: the peer cannot be dialled directly
+        bps = self.known_bps(peer_id)
         if bps is not None and bps < self.direct_min_bps:
-            return None
+            return None  # a slow link: nothing to gain off libp2p
         failed = self.direct.failed.get(peer_id)
         if failed is not None and time.monotonic() - failed[0] < RETRY_AFTER_S:
             return None
@@ -592,4 +614,5 @@ class Transport:
             "mailbox": self.mailbox.status(),
             "direct": self.direct.status() if self.direct is not None else None,
             "paths": dict(list(self.paths.items())[:256]),
+            "path_bytes": {p: dict(v) for p, v in list(self.path_bytes.items())[:256]},
         }

@@ -95,6 +95,15 @@ async def _read_frame(
     pos = HEADER_LEN
     view[pos : pos + meta_len] = envelope
     pos += meta_len
+    readinto = getattr(reader, "readinto_exactly", None)  # the direct path's reader: one hand-over
+    if readinto is not None and pos < len(frame):
+        try:
+            await readinto(view[pos:])
+        except asyncio.IncompleteReadError as exc:
+            raise ProtocolError(
+                f"truncated frame: stream ended after {len(frame) - exc.expected} of {len(frame)} bytes"
+            ) from None
+        pos = len(frame)
     while pos < len(frame):
         chunk = await reader.read(min(len(frame) - pos, READ_CHUNK_BYTES))
         if not chunk:

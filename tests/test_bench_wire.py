@@ -1,0 +1,35 @@
+"""`fusionnode bench wire`'s stream part: every transport in both modes with its ratio to TCP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusionnode.bench import wire
+
+
+def test_streams_report_direct_against_tcp_per_size_cold_and_steady(capsys):
+    assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1,2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["streams"]
+    keys = {(r["transport"], r["size_mib"], r["payload"], r["mode"]) for r in rows}
+    assert keys == {
+        (t, s, p, m) for t in ("tcp", "direct") for s in (1, 2) for p in ("raw", "framed") for m in wire.MODES
+    }
+    for r in rows:
+        assert r["mib_s"] > 0 and r["cpu_ms_per_mib"] > 0
+        if r["transport"] == "tcp":
+            assert r["ratio_to_tcp"] == 1.0
+
+
+def test_the_table_names_the_ratio_per_size(capsys):
+    assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio" in out and "steady" in out and "cold" in out and " 1Mi " in out
+
+
+@pytest.mark.parametrize("bad", ["0", "4,x", ""])
+def test_a_bad_size_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        wire.main(["--no-codec", "--stream-mib", bad])
+    assert exc.value.code == 2
