@@ -80,6 +80,9 @@ def _quantise(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     hi = torch.where(high, mag, torch.zeros_like(mag)).sum(dim=1) / n_high.clamp(min=1)
     lo_sum = torch.where(high, torch.zeros_like(mag), mag).sum(dim=1)
     lo = torch.where(n_low > 0, lo_sum / n_low.clamp(min=1), hi)
+    # equal magnitudes can round their float32 mean above every one of them: no value is "high";
+    # then hi takes lo (no code uses it) so that lo <= hi holds, as the decoder checks
+    hi = torch.where(n_high > 0, hi, lo)
     codes = (vals < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
     return lo, hi, codes
 
