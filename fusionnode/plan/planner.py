@@ -44,6 +44,7 @@ from fusionnode.plan.evaluate import (
 )
 from fusionnode.plan.hosts import HOST_COUNT_MULTIPLIERS, choose_hosts, host_sets
 from fusionnode.plan.plan import Plan
+from fusionnode.plan.syncprice import SyncPrice
 
 log = logging.getLogger(__name__)
 
@@ -208,11 +209,14 @@ def plan(
     compress: bool = True,
     with_anchors: bool = True,
     keep_floor: float = K_MIN,
+    sync: SyncPrice | None = None,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
     `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py);
-    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on."""
+    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
+    `sync`: how the replicas' data-parallel sync is paid (every step by default, or per round of
+    H steps under --sync diloco|sparseloco: plan/syncprice.py)."""
     t0 = time.perf_counter()
     ctx = make_context(
         graph,
@@ -225,6 +229,7 @@ def plan(
         max_blocks,
         compress,
         keep_floor,
+        sync,
     )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers

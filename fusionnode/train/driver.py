@@ -35,7 +35,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import ROUND_PLANNERS, SyncConfig
 from fusionnode.train import checks
 from fusionnode.train.checkpoint import job_secret, load_resume, read_resume, save_at, save_job
 from fusionnode.train.placement import (
@@ -124,6 +124,11 @@ class Driver:
         job.sync = SyncConfig.from_dict(params.get("sync"))
         if job.sync.rounds and (params.get("resume") or int(params.get("rebalance_every") or 0) > 0):
             raise ConfigError(f"--sync {job.sync.mode} does not resume or rebalance yet")
+        if job.sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
+            raise ConfigError(
+                f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "
+                f"--sync {job.sync.mode}; use --planner fusion or simple"
+            )
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job

@@ -23,7 +23,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
-from fusionnode.sync import state_copies
+from fusionnode.sync import SyncConfig, state_copies
 from fusionnode.train.rebalance import PeerBook, planning_tflops
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.wire import job as jp
@@ -202,7 +202,9 @@ def layout(
             f"batch shares {shares} must be {replicas} positive numbers summing to the batch "
             f"size {spec.batch_size}"
         )
-    bad = [n for n in shares if n % spec.micro_batches]
+    # a pipeline of one stage (a pure data-parallel replica) has no bubble to fill: its share may be
+    # any size, run in the most equal micro-batches that divide it (at most the job's count)
+    bad = [n for n in shares if n % spec.micro_batches and n_stages > 1]
     if bad:
         raise ConfigError(f"batch shares {bad} do not split into {spec.micro_batches} equal micro-batches")
     if bounds is None:
@@ -224,7 +226,7 @@ def layout(
                 workers[r * n_stages : (r + 1) * n_stages],
                 bounds,
                 int(shares[r]),
-                spec.micro_batches,
+                _divisor_at_most(int(shares[r]), spec.micro_batches),
                 first,
             )
         )
@@ -347,6 +349,7 @@ class Placement:
         from fusionnode.plan.baselines import even_plan, memory_plan
         from fusionnode.plan.cluster import load_cluster_dict
         from fusionnode.plan.planner import plan as make_plan
+        from fusionnode.plan.syncprice import SyncPrice
 
         hosts = await self.candidates(params.get("optimizer_peers"), "optimizer") if offload else []
         doc = params.get("cluster") or cluster_from_records(
@@ -363,6 +366,11 @@ class Placement:
             "offload": offload,
             "compress": spec.compress == "adatopk",  # the plan may count on AdaTopK only when it runs
         }
+        # the planner prices a round mode's sync once per H steps (sync_from_args lets only it and
+        # simple run one); the baselines price it every step
+        price = SyncPrice.from_dict(SyncConfig.from_dict(params.get("sync")).price())
+        if strategy == "fusion":
+            kwargs["sync"] = price
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
         p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
         pipelines, first = [], 0
@@ -381,7 +389,7 @@ class Placement:
             from fusionnode.plan.simulator import simulate
 
             try:
-                simulated = (await asyncio.to_thread(simulate, graph, cluster, p)).step_time_s
+                simulated = (await asyncio.to_thread(simulate, graph, cluster, p, None, price)).step_time_s
             except Exception as exc:  # a second opinion only: never fail the job over it
                 logger.warning("simulating the plan failed: %s", exc)
         prediction = {
@@ -389,6 +397,7 @@ class Placement:
             "step_time_s": pred.step_time_s if pred else None,
             "tokens_per_s": pred.tokens_per_s if pred else None,
             "simulated_step_time_s": simulated,
+            "sync": price.to_dict(),
         }
         return pipelines, plan_hosts, prediction
 
