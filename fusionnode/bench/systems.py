@@ -24,7 +24,7 @@ CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 # one set of options, fixed before any run and used for every criterion, taken from `fusionnode
 # bench sync` (notes of issue 19): H = 10; SparseLoCo keeps 1/16 of each chunk of 256 (ctopk2);
 # DiLoCo uses the averaged outer step (outer lr 1, momentum 0), since the paper's Nesterov 0.7/0.9
-# ended 20% worse than `--sync step` there (2 replicas, 30 rounds). Round modes need `--planner
+# ended 20% worse than `--sync step` there (2 replicas, 30 rounds). These two use `--planner
 # simple` (the replicas the user gives) and optimizer hosts: 2 replicas x 2 stages on the 4 devices.
 SYNC_INNER_STEPS = 10
 SYNC_LAYOUT: dict[str, Any] = {"planner": "simple", "offload": "on", "replicas": 2, "stages": 2}
