@@ -97,6 +97,24 @@ class SyncConfig:
         """Elements kept per full chunk: ceil(density * chunk), at least 1."""
         return max(1, min(self.chunk, math.ceil(self.topk_density * self.chunk - 1e-9)))
 
+    @property
+    def wire_ratio(self) -> float:
+        """Bytes a round's pseudo-gradient takes on the wire per float32 byte of the parameters,
+        for the planner's price of a round (plan/syncprice.py): raw 1, fp16 1/2, q8 about 1/4 (one
+        float32 scale per row left out), ctopk2 per chunk 8 bytes of scales plus k positions (u8 up
+        to chunks of 256, else u16) and k 2-bit values."""
+        if self.codec == "ctopk2":
+            k = self.k_per_chunk
+            width = 1 if self.chunk <= 256 else 2
+            return min(1.0, (8 + k * width + k / 4) / (4 * self.chunk))
+        return {"raw": 1.0, "fp16": 0.5, "q8": 0.25}[self.codec]
+
+    def price(self) -> dict[str, Any]:
+        """The planner's price of this sync (plan/syncprice.SyncPrice's fields)."""
+        if not self.rounds:
+            return {"mode": "step", "inner_steps": 1, "wire_ratio": 1.0}
+        return {"mode": self.mode, "inner_steps": self.inner_steps, "wire_ratio": self.wire_ratio}
+
     def round_closes(self, step: int, total_steps: int) -> bool:
         """Whether the round containing `step` ends after it (every H steps, and at the last step)."""
         return (step + 1) % self.inner_steps == 0 or step + 1 == total_steps
@@ -125,7 +143,10 @@ class SyncConfig:
         return cls(**raw)
 
 
-ROUND_PLANNERS = ("simple",)  # planners whose layout honours rounds: the replicas the user gives
+# planners whose layout honours rounds: simple (the replicas the user gives) and fusion (it prices
+# the replicas' sync per round, amortised over H: plan/syncprice.py); even and memory, the baselines,
+# price the sync every step
+ROUND_PLANNERS = ("simple", "fusion")
 
 
 def add_sync_args(p: argparse.ArgumentParser) -> None:
@@ -209,7 +230,7 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
         if planner not in ROUND_PLANNERS:
             raise ConfigError(
                 f"--planner {planner} prices data-parallel sync every step and cannot honour --sync {mode}; "
-                "use --planner simple with --replicas or --shares"
+                "use --planner fusion, or --planner simple with --replicas or --shares"
             )
         if getattr(args, "offload", "auto") == "off":
             raise ConfigError(f"--sync {mode} closes rounds on the optimizer hosts: use --offload on or auto")

@@ -125,20 +125,39 @@ def _rows():
     return base, hm
 
 
-def test_target_is_the_baseline_final_loss_unless_given(capsys, tmp_path):
+def test_target_is_a_loss_every_hivemind_system_reaches_unless_given(capsys, tmp_path):
     base, hm = _rows()
     assert base["final_loss"] == pytest.approx(3.0) and base["tokens_per_s"] == pytest.approx(1024)
-    comp = compare.finish([base, hm], None)
-    assert comp["target_loss"] == pytest.approx(3.0) and "baseline" in comp["target_source"]
-    assert base["time_to_target_s"] == 8.0  # the baseline reaches its own final mean at its last step
+    # hivemind ran: the highest of its systems' final 3-step means (4.0), so every one reaches it
+    both = compare.finish([dict(base), dict(hm)], None)
+    assert both["target_loss"] == pytest.approx(4.0) and "hivemind-avg" in both["target_source"]
+    assert [r["time_to_target_s"] for r in both["rows"]] == [6.0, 40.0]
+    assert both["speedups"] == [
+        {
+            "system": "baseline",
+            "versus": "hivemind-avg",
+            "times_sooner": pytest.approx(40 / 6),
+            "at_least": False,
+        }
+    ]
+    # no hivemind: the baseline's own final mean
+    alone = compare.finish([dict(base)], None)
+    assert alone["target_loss"] == pytest.approx(3.0) and "baseline" in alone["target_source"]
+    assert alone["rows"][0]["time_to_target_s"] == 8.0  # its final mean, at its last step
+    comp = compare.finish([base, hm], 3.0)
+    assert comp["target_source"] == "--target-loss"
     assert hm["time_to_target_s"] is None  # hivemind's 3-step mean ends at 4.0
+    # a hivemind system that never reached the target: a lower bound, its whole run (40 s) over 8 s
+    assert comp["speedups"] == [
+        {"system": "baseline", "versus": "hivemind-avg", "times_sooner": pytest.approx(5.0), "at_least": True}
+    ]
     comp2 = compare.finish([dict(base), dict(hm)], 4.5)
-    assert comp2["target_source"] == "--target-loss"
     assert comp2["rows"][1]["time_to_target_s"] == 30.0  # mean of 5.0, 4.5, 4.0
 
     compare.print_comparison("home", "netns", comp)
     out = capsys.readouterr().out
     assert "not reached" in out and "matchmaking_time=5.0" in out and "50% 90%" in out
+    assert "baseline reached the target at least 5.0x sooner than hivemind-avg" in out
     res = [{"cluster": "home", "network": "netns", "comparison": comp}]
     compare.write_curves_csv(res, tmp_path / "curves.csv")
     lines = (tmp_path / "curves.csv").read_text().splitlines()
@@ -173,9 +192,9 @@ def test_sync_configurations_are_jobs_the_train_command_accepts():
     from fusionnode.sync import SyncConfig, sync_from_args
 
     names = [c[0] for c in systems.SYNC_CONFIGS]
-    assert names == ["fusionnode-diloco", "fusionnode-sparseloco"]
+    assert names == ["fusionnode-diloco", "fusionnode-sparseloco", "fusionnode-dp"]
     assert set(systems.system_names()) >= {"baseline", "fusionnode", *names, *systems.HIVEMIND_SYSTEMS}
-    for name, options, compress, fields in systems.SYNC_CONFIGS:
+    for name, options, compress, fields in systems.SYNC_CONFIGS[:2]:
         sync = SyncConfig.from_dict(options["sync"])  # what the driver reads from params["sync"]
         assert sync.rounds and sync.inner_steps == systems.SYNC_INNER_STEPS == 10
         assert name == f"fusionnode-{sync.mode}" and compress == "none" and fields == {}
@@ -196,7 +215,7 @@ def test_sync_configurations_are_jobs_the_train_command_accepts():
         assert sync_from_args(args) == sync
         # 2 replicas x 2 stages fit every bundled testbed (4 or more devices)
         assert options["replicas"] * options["stages"] == 4
-    diloco, sparse = (SyncConfig.from_dict(c[1]["sync"]) for c in systems.SYNC_CONFIGS)
+    diloco, sparse = (SyncConfig.from_dict(c[1]["sync"]) for c in systems.SYNC_CONFIGS[:2])
     # the settings `fusionnode bench sync` found good, fixed before the run
     assert (diloco.outer_lr, diloco.outer_momentum) == (1.0, 0.0)
     assert (sparse.topk_density, sparse.chunk, sparse.codec) == (1 / 16, 256, "ctopk2")
@@ -209,6 +228,52 @@ def test_sync_configurations_are_jobs_the_train_command_accepts():
         "planner": "fusion",
         "offload": "on",
     }
+
+
+def test_data_parallel_configuration_shares_the_batch_by_speed():
+    import argparse
+
+    from fusionnode.sync import SyncConfig, sync_from_args
+
+    # each next sample to the replica that would finish soonest: the slowest replica's time is least
+    # 6/10 = 0.6, 5/7 = 0.71, 3/5 = 0.6, 2/3 = 0.67: 84% balance (7, 4, 3, 2 is 1% faster, 82%)
+    assert systems.speed_shares(16, [10, 7, 5, 3]) == [6, 5, 3, 2]
+    assert systems.speed_shares(25, [10, 7, 5, 3]) == [10, 7, 5, 3]
+    assert systems.speed_shares(32, [10, 7, 5, 3]) == [13, 9, 6, 4]
+    assert systems.speed_shares(4, [1, 1, 1, 1]) == [1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        systems.speed_shares(3, [1, 1, 1, 1])
+    name, options, compress, fields = systems.SYNC_CONFIGS[-1]
+    assert name == systems.DP_NAME and compress == "none" and fields == {}
+    got = systems.resolve_options(options, 16, [3.6, 2.5, 1.8, 1.1])
+    assert got["shares"] == [7, 4, 3, 2] and got["optimizer_hosts"] == 4 and got["stages"] == 1
+    assert options["shares"] == "speed"  # the fixed configuration is not changed by a testbed
+    assert systems.resolve_options({"planner": "fusion"}, 16, [1.0]) == {"planner": "fusion"}
+    sync = SyncConfig.from_dict(options["sync"])
+    assert (sync.mode, sync.inner_steps, sync.codec, sync.topk_density, sync.chunk) == (
+        "sparseloco",
+        5,
+        "ctopk2",
+        1 / 16,
+        256,
+    )
+    args = argparse.Namespace(
+        sync=sync.mode,
+        inner_steps=sync.inner_steps,
+        outer_lr=sync.outer_lr,
+        outer_momentum=sync.outer_momentum,
+        sync_codec=sync.codec,
+        topk_density=sync.topk_density,
+        topk_chunk=sync.chunk,
+        ef_decay=sync.ef_decay,
+        planner=options["planner"],
+        offload=options["offload"],
+        rebalance_every=0,
+    )
+    assert sync_from_args(args) == sync
+    line = systems.settings_of(got)
+    assert line["shares"] == [7, 4, 3, 2] and line["H"] == 5 and line["density"] == "1/16"
+    assert "one replica per device" in line["why"]
 
 
 def _p2pd_cmdlines() -> list[list[str]]:
@@ -265,8 +330,10 @@ def test_hivemind_peers_train_on_loopback(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # four systems on the netns testbed: 5-7 min on 2 loaded cores
 def test_netns_comparison_end_to_end(tmp_path, capsys):
-    """The comparison on the netns testbed, small: the baseline and both hivemind modes."""
+    """The comparison on the netns testbed, small: the baseline, FusionNode's data-parallel
+    configuration and both hivemind modes."""
     ok, why = testbed.netns_available()
     if not ok:
         pytest.skip(f"network namespaces unavailable: {why}")
@@ -275,7 +342,7 @@ def test_netns_comparison_end_to_end(tmp_path, capsys):
         [
             *("--network", "netns", "--cluster", "home-volunteers-4", "--steps", "4", "--warmup", "1"),
             *("--calibration-steps", "0", "--batch-size", "8", "--seq-len", "32", "--out", str(out)),
-            *("--configs", "baseline,hivemind-avg,hivemind-local"),
+            *("--configs", "baseline,fusionnode-dp,hivemind-avg,hivemind-local"),
         ]
     )
     assert rc == 0
@@ -283,8 +350,12 @@ def test_netns_comparison_end_to_end(tmp_path, capsys):
     assert "time to loss" in text and "hivemind-local" in text
     res = json.loads((out / "results.json").read_text())["results"][0]
     rows = {r["system"]: r for r in res["comparison"]["rows"]}
-    assert set(rows) == {"baseline", "hivemind-avg", "hivemind-local"}
-    assert res["comparison"]["target_loss"] == pytest.approx(rows["baseline"]["final_loss"])
+    assert set(rows) == {"baseline", "fusionnode-dp", "hivemind-avg", "hivemind-local"}
+    worst = max(rows["hivemind-avg"]["final_loss"], rows["hivemind-local"]["final_loss"])
+    assert res["comparison"]["target_loss"] == pytest.approx(worst)  # every hivemind mode reaches it
+    # one replica per device, by speed (0.2/0.14/0.1/0.06 TFLOP/s), every device computing
+    assert rows["fusionnode-dp"]["settings"]["shares"] == systems.speed_shares(8, [10, 7, 5, 3])
+    assert all(u > 0 for u in rows["fusionnode-dp"]["utilisation"])
     for r in rows.values():
         assert r["bytes_sent"] > 100_000  # every system's traffic crossed the emulated links
         assert len(r["curve"]) == 4 and r["tokens_per_s"] > 0 and math.isfinite(r["val_loss"])

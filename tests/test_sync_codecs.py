@@ -68,6 +68,30 @@ def test_round_trip_keeps_density_and_signs() -> None:
     assert ctopk2_payload_bytes(8 * 4096, 4096, 64) == 8 * 152
 
 
+def test_selection_is_the_stable_sorts_top_k() -> None:
+    # the encoder's top-k (no sort) keeps what a stable descending sort keeps: ties to the lower index
+    from fusionnode.compress.pseudograd import _select
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(-3, 4, (64, 37), generator=gen).float()  # many ties, zeros, signs
+    for k in (1, 5, 20, 36, 37):
+        order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+        idx, vals = _select(rows, k)
+        assert torch.equal(idx, order.sort(dim=1).values)
+        assert torch.equal(vals, rows.gather(1, idx))
+
+
+def test_equal_magnitudes_decode() -> None:
+    # seven kept values of 0.1: their float32 mean rounds above 0.1, so none is "high"; the encoder
+    # must still write lo <= hi (it wrote hi = 0 and the decoder refused its own peer's message)
+    x = torch.zeros(256)
+    x[:7] = 0.1
+    enc = CTOPK2.encode(x, chunk=256, k=7)
+    out = CTOPK2.decode(enc, 256)
+    assert torch.equal(out != 0, x != 0)
+    assert torch.allclose(out, x, rtol=1e-6, atol=0)
+
+
 def test_encode_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="non-finite"):
         CTOPK2.encode(torch.tensor([1.0, float("nan")]), chunk=2, k=1)

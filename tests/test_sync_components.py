@@ -52,3 +52,46 @@ def test_two_replicas_of_two_stages_follow_the_local_reference(tmp_path, sync, t
         assert Rpc.OPT_APPLY not in calls
     for pid in s.workers:
         assert s.net.peers[pid].calls.count(Rpc.JOB_COMMIT) == spec.steps
+
+
+def test_the_fusion_planner_lays_out_replicas_for_a_round_mode(tmp_path):
+    # `--planner fusion --sync sparseloco`: the planner prices the replicas' sync once per round of
+    # H steps (plan/syncprice.py), so over 20 Mbit/s links it runs data-parallel replicas
+    spec = small_spec(steps=4, micro_batches=2)
+    s = Swarm(tmp_path, workers=4, hosts=1)
+    n = len(s.ids)
+    cluster = {
+        "version": 1,
+        "name": "slow-homes",
+        "devices": [
+            {"id": pid, "tflops": 0.05, "memory_gb": 4.0, "roles": ["worker"] if i < 4 else ["optimizer"]}
+            for i, pid in enumerate(s.ids)
+        ],
+        "links": {
+            "matrix": {
+                "bandwidth_gbps": [[1.0 if i == j else 0.02 for j in range(n)] for i in range(n)],
+                "latency_ms": [[0.0] * n for _ in range(n)],
+            }
+        },
+    }
+    sync = SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 16, chunk=256)
+    params = {
+        "spec": spec.to_dict(),
+        "planner": "fusion",
+        "offload": "on",
+        "cluster": cluster,
+        "sync": sync.to_dict(),
+    }
+    asyncio.run(s.driver.run_job(params, s.emit))
+    plan = next(e for e in s.events if e["type"] == "plan")
+    assert plan["planner"] == "fusion"
+    assert plan["prediction"]["sync"] == {
+        "mode": "sparseloco",
+        "inner_steps": 2,
+        "wire_ratio": sync.wire_ratio,
+    }
+    # replicas across the slow links (priced every step, the same cluster gets one pipeline of 8)
+    assert len({st["replica"] for st in plan["stages"]}) > 1
+    steps = s.steps()
+    assert len(steps) == spec.steps and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps)
+    assert all(h["rounds_closed"] == 2 for h in steps[-1]["optimizer_hosts"])

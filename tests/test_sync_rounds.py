@@ -115,7 +115,7 @@ def test_two_replica_rounds_differ_from_step_and_count_bytes() -> None:
         (["--sync", "diloco", "--sync-codec", "gzip"], "--sync-codec 'gzip'"),
         (["--sync", "sparseloco", "--sync-codec", "q8"], "--sync-codec 'q8'"),
         (["--sync", "diloco", "--shares", "0,4"], "--shares: every share must be at least 1"),
-        (["--sync", "diloco", "--planner", "fusion"], "--planner fusion"),
+        (["--sync", "diloco", "--planner", "even"], "--planner even"),
         (["--sync", "sparseloco", "--offload", "off"], "--offload"),
         (["--sync", "step", "--inner-steps", "4"], "--inner-steps 4"),
         (["--sync", "sparseloco", "--topk-density", "0"], "--topk-density"),

@@ -148,10 +148,19 @@ def row(
 
 
 def choose_target(rows: list[dict[str, Any]], target: float | None) -> tuple[float | None, str]:
-    """The target loss and where it came from: `target` if given, else the baseline's final
-    running mean (the loss the baseline reaches), else the first FusionNode row's."""
+    """The target loss and where it came from: `target` if given; else, when hivemind ran, the
+    highest final running mean among hivemind's systems (a loss every baseline a user would run
+    reaches, so that each speed-up against them is a measured ratio); else FusionNode's baseline's
+    final running mean, else the first FusionNode row's."""
     if target is not None:
         return target, "--target-loss"
+    hivemind = [r for r in rows if r["kind"] == "hivemind" and r["curve"]]
+    if hivemind:
+        worst = max(hivemind, key=lambda r: r["final_loss"])
+        names = " and ".join(r["system"] for r in hivemind)
+        return worst["final_loss"], (
+            f"the highest final {WINDOW}-step mean loss of {names} ({worst['system']}'s): every one reaches it"
+        )
     for name in ("baseline",):
         r = next((r for r in rows if r["system"] == name and r["curve"]), None)
         if r is not None:
@@ -167,7 +176,37 @@ def finish(rows: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
     value, source = choose_target(rows, target)
     for r in rows:
         r["time_to_target_s"] = time_to_target(r["curve"], value) if value is not None else None
-    return {"target_loss": value, "target_source": source, "window": WINDOW, "rows": rows}
+    return {
+        "target_loss": value,
+        "target_source": source,
+        "window": WINDOW,
+        "rows": rows,
+        "speedups": speedups(rows),
+    }
+
+
+def speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per FusionNode row that reached the target and hivemind row: how many times sooner it did
+    (hivemind's time / FusionNode's). A hivemind system that never reached the target gives a lower
+    bound: its whole wall-clock time over FusionNode's time (`at_least`)."""
+    out = []
+    for f in rows:
+        if f["kind"] != "fusionnode" or f["time_to_target_s"] is None:
+            continue
+        for h in rows:
+            if h["kind"] != "hivemind":
+                continue
+            reached = h["time_to_target_s"] is not None
+            theirs = h["time_to_target_s"] if reached else h["wall_s"]
+            out.append(
+                {
+                    "system": f["system"],
+                    "versus": h["system"],
+                    "times_sooner": theirs / max(f["time_to_target_s"], 1e-9),
+                    "at_least": not reached,
+                }
+            )
+    return out
 
 
 def print_comparison(cluster: str, network: str, comp: dict[str, Any]) -> None:
@@ -208,6 +247,12 @@ def print_comparison(cluster: str, network: str, comp: dict[str, Any]) -> None:
         ),
         right=(1, 2, 3, 4, 5, 6),
     )
+    for x in comp.get("speedups", []):
+        print(
+            f"  {x['system']} reached the target {'at least ' if x['at_least'] else ''}"
+            f"{x['times_sooner']:.1f}x sooner than {x['versus']}"
+            + (f" ({x['versus']} never reached it: its whole run)" if x["at_least"] else "")
+        )
     for r in comp["rows"]:
         if r["settings"]:
             print(f"  {r['system']}: " + ", ".join(f"{k}={v}" for k, v in r["settings"].items()))

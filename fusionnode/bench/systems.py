@@ -24,7 +24,7 @@ CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 # one set of options, fixed before any run and used for every criterion, taken from `fusionnode
 # bench sync` (notes of issue 19): H = 10; SparseLoCo keeps 1/16 of each chunk of 256 (ctopk2);
 # DiLoCo uses the averaged outer step (outer lr 1, momentum 0), since the paper's Nesterov 0.7/0.9
-# ended 20% worse than `--sync step` there (2 replicas, 30 rounds). Round modes need `--planner
+# ended 20% worse than `--sync step` there (2 replicas, 30 rounds). These two use `--planner
 # simple` (the replicas the user gives) and optimizer hosts: 2 replicas x 2 stages on the 4 devices.
 SYNC_INNER_STEPS = 10
 SYNC_LAYOUT: dict[str, Any] = {"planner": "simple", "offload": "on", "replicas": 2, "stages": 2}
@@ -40,6 +40,29 @@ SYNC_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
     (f"fusionnode-{mode}", {**SYNC_LAYOUT, "sync": settings}, "none", {})
     for mode, settings in SYNC_SETTINGS.items()
 ]
+# FusionNode's best configuration on slow links (issue 19's speed and utilisation criteria), fixed
+# before the run: pure data parallelism, one replica of the whole model per device (gpt2-tiny fits
+# every device), so no activation crosses a slow link; each replica's share of the batch
+# proportional to its device's speed (`speed_shares`: every replica's step takes about the same
+# time); every device hosts a shard of the outer step, so a round's bytes spread over all of a
+# replica's links; SparseLoCo rounds of H = 5 steps (1/16 of each chunk of 256, 2-bit values,
+# error feedback, averaged outer step): tens of KB per replica and round, so a round costs little
+# beside 5 steps. Chosen from the in-process reference of the testbed's job (`train --local
+# --replicas 4 --shares 7,4,3,2`, gpt2-tiny, batch 16 x 128, 60 steps): final 3-step mean
+# training loss / validation loss: --sync step 2.754 / 2.733, sparseloco H=5 2.796 / 2.714,
+# diloco q8 H=5 2.810 / 2.779, sparseloco H=10 2.906 / 2.844. (At 30 steps, with 20 of warm-up,
+# no round mode but H <= 2 reaches the loss hivemind ends at: the comparison runs 60 steps.)
+# "shares": "speed" and "optimizer_hosts": "all" are resolved per testbed by `resolve_options`.
+DP_NAME = "fusionnode-dp"
+DP_SYNC = SyncConfig(mode="sparseloco", inner_steps=5, topk_density=1 / 16, chunk=256)
+DP_OPTIONS: dict[str, Any] = {
+    "planner": "simple",
+    "offload": "on",
+    "stages": 1,
+    "shares": "speed",
+    "optimizer_hosts": "all",
+}
+SYNC_CONFIGS.append((DP_NAME, {**DP_OPTIONS, "sync": DP_SYNC.to_dict()}, "none", {}))
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 
@@ -63,6 +86,56 @@ SYNC_WHY = {
     "in `fusionnode bench sync`",
     "sparseloco": "top-k 1/16 per chunk of 256, 2-bit values, error feedback; plain averaged outer step",
 }
+DP_WHY = (
+    "one replica per device, batch shares proportional to device speed (no activations on the slow "
+    "links), every device an optimizer host; SparseLoCo H=5 (1/16 of chunks of 256): the in-process "
+    "reference's best round mode at 60 steps"
+)
+
+
+def speed_shares(batch: int, speeds: list[float]) -> list[int]:
+    """Samples per replica summing to `batch`, at least one each, that balance the replicas' compute
+    times (share / speed): first the shares that minimise the slowest replica's time (each next
+    sample to the replica that would finish soonest with it), then single samples moved between
+    replicas while that raises the least busy replica's share of the step (its time over the
+    slowest's, what utilisation measures) by more than it slows the step."""
+    n = len(speeds)
+    if batch < n:
+        raise ValueError(f"a batch of {batch} cannot give each of {n} replicas a sample")
+    shares = [1] * n
+    for _ in range(batch - n):
+        i = min(range(n), key=lambda r: ((shares[r] + 1) / speeds[r], r))
+        shares[i] += 1
+
+    def score(sh: list[int]) -> float:
+        times = [x / v for x, v in zip(sh, speeds, strict=True)]
+        return min(times) / max(times) - 0.5 * max(times) / best_step  # balance, less half the slow-down
+
+    best_step = max(x / v for x, v in zip(shares, speeds, strict=True))
+    improved = True
+    while improved:
+        improved = False
+        for a in range(n):
+            for b in range(n):
+                if a == b or shares[a] <= 1:
+                    continue
+                trial = list(shares)
+                trial[a] -= 1
+                trial[b] += 1
+                if score(trial) > score(shares) + 1e-12:
+                    shares, improved = trial, True
+    return shares
+
+
+def resolve_options(options: dict[str, Any], batch: int, speeds: list[float]) -> dict[str, Any]:
+    """A configuration's train options for a testbed of devices of `speeds`: "shares": "speed" becomes
+    `speed_shares` (one replica per device), "optimizer_hosts": "all" every device."""
+    out = dict(options)
+    if out.get("shares") == "speed":
+        out["shares"] = speed_shares(batch, speeds)
+    if out.get("optimizer_hosts") == "all":
+        out["optimizer_hosts"] = len(speeds)
+    return out
 
 
 def settings_of(options: dict[str, Any]) -> dict[str, Any]:
@@ -80,7 +153,7 @@ def settings_of(options: dict[str, Any]) -> dict[str, Any]:
             out.update(
                 density=f"1/{round(1 / sync['topk_density'])}", chunk=sync["chunk"], ef_decay=sync["ef_decay"]
             )
-        out["why"] = SYNC_WHY[sync["mode"]]
+        out["why"] = DP_WHY if options.get("stages") == 1 else SYNC_WHY[sync["mode"]]
     return out
 
 

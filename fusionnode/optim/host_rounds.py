@@ -138,10 +138,12 @@ class HostRounds:
             raise JobError(
                 ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
             )
+        # one message for all the names (diloco's u), or one per replica (sparseloco): a message per
+        # name and replica cost a round of several hosts more than a second on a loaded machine
         if update.mode == "diloco":
-            series = [({name: update.updates[name]}, None) for name in names]
+            series = [({name: update.updates[name] for name in names}, None)]
         else:
-            series = [({name: encs[name]}, w) for w, encs in update.relayed for name in names]
+            series = [({name: encs[name] for name in names}, w) for w, encs in update.relayed]
         for idx, (tensors, weight) in enumerate(series):
             meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
             if weight is not None:

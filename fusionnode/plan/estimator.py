@@ -48,6 +48,7 @@ import numpy as np
 from fusionnode.errors import ConfigError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.syncprice import EVERY_STEP, SyncPrice
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ class Estimator:
         step_overhead_s: float | None = None,
         compress: bool = True,
         keep_floor: float = K_MIN,
+        sync: SyncPrice | None = None,
     ):
         if not 0 < efficiency <= 1:
             raise ConfigError(f"efficiency must be in (0, 1], got {efficiency}")
@@ -211,6 +213,7 @@ class Estimator:
         self.cluster = cluster
         self.efficiency = efficiency
         self.offload = offload
+        self.sync = sync or EVERY_STEP  # how the data-parallel sync is paid: every step, or per round
         self._calib = np.ones(cluster.size)
         self._speed = np.array([d.tflops * 1e12 * efficiency for d in cluster.devices])
         self._cap = np.array([d.memory_bytes * USABLE_MEMORY_FRACTION for d in cluster.devices])
@@ -338,20 +341,22 @@ class Estimator:
         multi: bool,
         outside_bw_bps: float = math.inf,
     ) -> float:
-        """Push grads + pull params of one stage (see the module docstring)."""
+        """Push grads + pull params of one stage (see the module docstring); under a round sync
+        mode, the round's pseudo-gradient up and update down, per step (plan/syncprice.py)."""
         if param_bytes <= 0:
             return 0.0
+        nbytes = self.sync.round_bytes(param_bytes)
         if self.offload:
             t = 0.0
             for h, share in hosts:
                 if h == device or share <= 0:
                     continue
                 bw, lat = self.link(device, h)
-                t += 2.0 * link_time(param_bytes * share, bw, lat)
-            return t
+                t += 2.0 * link_time(nbytes * share, bw, lat)
+            return self.sync.per_step(t)
         if not multi:
             return 0.0
-        return 2.0 * (param_bytes * 2 * 8.0 / outside_bw_bps)
+        return self.sync.per_step(2.0 * (nbytes * 2 * 8.0 / outside_bw_bps))
 
     def outside_bandwidth(self, pipeline_devices: Sequence[int], workers: Sequence[int]) -> np.ndarray:
         """For offload off: each device's slowest link to a worker outside its pipeline."""
@@ -375,5 +380,6 @@ class Estimator:
             host_bw = (
                 dev.uplink_gbps * 1e9 if dev.uplink_gbps > 0 else (float(row.max()) if len(row) else math.inf)
             )
-            worst = max(worst, 2.0 * total_param_bytes * share * pipelines * 8.0 / host_bw)
-        return worst
+            round_bytes = self.sync.round_bytes(total_param_bytes * share)
+            worst = max(worst, 2.0 * round_bytes * pipelines * 8.0 / host_bw)
+        return self.sync.per_step(worst)

@@ -37,6 +37,7 @@ from fusionnode.plan.split import (
     refine_split,
     split_dp,
 )
+from fusionnode.plan.syncprice import SyncPrice, amortised_sync_s
 
 SYNC_CAP_FRACTIONS = (0.75, 0.5, 0.25)  # sync caps (x the fastest split's sync) the DP is re-run with
 SMALL_CLUSTER = 8  # up to this many workers: DP at every micro-batch size, then local search
@@ -137,7 +138,7 @@ class Context:
                     continue
                 mask = np.arange(n) != h
                 fixed[mask] += 2.0 * lat[mask, h]
-                per_byte[mask] += 2.0 * share * 8.0 / bw[mask, h]
+                per_byte[mask] += 2.0 * share * 8.0 * self.est.sync.wire_ratio / bw[mask, h]
             self._host_terms = (key, fixed, per_byte)
         return self._host_terms[1], self._host_terms[2]
 
@@ -151,10 +152,11 @@ class Context:
                 for d, p, o in zip(cost.devices, cost.param_bytes, outside, strict=True)
             )
         fixed, per_byte = terms
-        return max(
+        round_s = max(
             (float(fixed[d] + p * per_byte[d]) if p > 0 else 0.0)
             for d, p in zip(cost.devices, cost.param_bytes, strict=True)
         )
+        return amortised_sync_s(round_s, self.est.sync)
 
     def sync_variants(self, base: PipelineCost, multi: bool) -> list[PipelineCost]:
         """Splits that trade a slower bottleneck for a shorter sync: the DP re-run with every
@@ -387,6 +389,7 @@ def make_context(
     max_blocks: int,
     compress: bool = True,
     keep_floor: float = K_MIN,
+    sync: SyncPrice | None = None,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
     est = estimator or Estimator(
@@ -395,6 +398,7 @@ def make_context(
         offload=offload,
         compress=compress,
         keep_floor=keep_floor,
+        sync=sync,
     )
     chain = Chain.from_graph(graph, fence.coarsen(graph, max_blocks))
     workers = worker_indices(cluster)
@@ -471,9 +475,16 @@ def build_plan(graph: OpGraph, ctx: Context, ev: Evaluated, seq_len: int | None,
     return p
 
 
-def evaluate_plan(graph: OpGraph, cluster: Cluster, p: Plan, estimator: Estimator | None = None) -> float:
-    """The cost model's step time for an existing plan, with the plan's own keep-ratios."""
-    est = estimator or Estimator(cluster, offload=p.offload)
+def evaluate_plan(
+    graph: OpGraph,
+    cluster: Cluster,
+    p: Plan,
+    estimator: Estimator | None = None,
+    sync: SyncPrice | None = None,
+) -> float:
+    """The cost model's step time for an existing plan, with the plan's own keep-ratios (and the
+    data-parallel sync priced by `sync`, every step by default)."""
+    est = estimator or Estimator(cluster, offload=p.offload, sync=sync)
     bounds = sorted({0, graph.num_nodes} | {s.lo for pl in p.pipelines for s in pl.stages})
     chain = Chain.from_graph(graph, bounds)
     pos = {b: i for i, b in enumerate(bounds)}

@@ -44,6 +44,7 @@ from fusionnode.plan.evaluate import (
 )
 from fusionnode.plan.hosts import HOST_COUNT_MULTIPLIERS, choose_hosts, host_sets
 from fusionnode.plan.plan import Plan
+from fusionnode.plan.syncprice import SyncPrice
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ def plan(
     with_anchors: bool = True,
     keep_floor: float = K_MIN,
     robust: bool = True,
+    sync: SyncPrice | None = None,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
@@ -216,7 +218,9 @@ def plan(
     `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
     `robust`: on clusters above SMALL_CLUSTER (and up to anchors.DTFM_MAX_WORKERS) workers, choose
     the candidate with the best worse ratio under the simulator and DT-FM's cost model
-    (anchors.robust_choice), else the fastest simulated."""
+    (anchors.robust_choice), else the fastest simulated;
+    `sync`: how the replicas' data-parallel sync is paid (every step by default, or per round of
+    H steps under --sync diloco|sparseloco: plan/syncprice.py)."""
     t0 = time.perf_counter()
     ctx = make_context(
         graph,
@@ -229,6 +233,7 @@ def plan(
         max_blocks,
         compress,
         keep_floor,
+        sync,
     )
     est, chain = ctx.est, ctx.chain
     workers = ctx.workers

@@ -27,6 +27,7 @@ from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import Q8_WIRE_FACTOR, Chain, Estimator, wire_bytes
 from fusionnode.plan.plan import Plan
+from fusionnode.plan.syncprice import SyncPrice
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,18 @@ def simulate_pipeline(
     return finish, busy, lbusy
 
 
-def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator | None = None) -> SimResult:
-    """Simulate one step of `plan`; returns the step time and per-resource busy times."""
-    est = estimator or Estimator(cluster, offload=plan.offload)
+def simulate(
+    graph: OpGraph,
+    cluster: Cluster,
+    plan: Plan,
+    estimator: Estimator | None = None,
+    sync: SyncPrice | None = None,
+) -> SimResult:
+    """Simulate one step of `plan`; returns the step time and per-resource busy times. Under a
+    round sync mode (`sync`, or the estimator's) the optimizer hosts' links carry a round's
+    pseudo-gradients and updates, and each stage's part of it counts 1/H per step."""
+    est = estimator or Estimator(cluster, offload=plan.offload, sync=sync)
+    price = est.sync
     bounds = sorted({0, graph.num_nodes} | {s.lo for pl in plan.pipelines for s in pl.stages})
     chain = Chain.from_graph(graph, bounds)
     pos = {b: i for i, b in enumerate(bounds)}
@@ -219,11 +229,11 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
             for h, share in hosts:  # a stage pushes to (and pulls from) all its hosts at once
                 if h == d or share <= 0 or p <= 0:
                     continue
-                nbytes = p * share
+                nbytes = price.round_bytes(p * share)
                 bw, la = est.link(d, h)
-                own = 2.0 * (la + nbytes * 8.0 / bw)
+                own = price.per_step(2.0 * (la + nbytes * 8.0 / bw))
                 start = max(ready, host_free[h])
-                host_free[h] = start + 2.0 * nbytes * 8.0 / host_bw[h]
+                host_free[h] = start + price.per_step(2.0 * nbytes * 8.0 / host_bw[h])
                 t = max(t, start + own, host_free[h])
             done_at[d] = t
         for p_i, pl in enumerate(plan.pipelines):

@@ -108,29 +108,26 @@ class StageRounds:
                 counted[host][1] += sum(len(pack_encoded(e)) for e in msg.tensors.values())
                 got.append(msg)
             update = RoundUpdate(round_id, mode, outer_lr)
+            # diloco: one message holding u of every name; sparseloco: one message per replica
+            # holding its pseudo-gradient of every name, its weight in the meta
             if mode == "diloco":
-                if res.count != len(names):
-                    raise PeerError(
-                        f"round {round_id}: host {host[:12]} sent {res.count} updates for {len(names)} names"
-                    )
-                for msg in got:
-                    update.updates.update(msg.tensors)
+                if res.count != 1:
+                    raise PeerError(f"round {round_id}: host {host[:12]} sent {res.count} updates, not 1")
+                update.updates.update(got[0].tensors)
             else:
-                if res.count % len(names):
-                    raise PeerError(
-                        f"round {round_id}: host {host[:12]} sent {res.count} messages for {len(names)} names"
-                    )
-                for r in range(res.count // len(names)):
-                    part = got[r * len(names) : (r + 1) * len(names)]
-                    weight = part[0].meta.get("weight")
+                if res.count < 1:
+                    raise PeerError(f"round {round_id}: host {host[:12]} relayed no replica's message")
+                for msg in got:
+                    weight = msg.meta.get("weight")
                     if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
                         raise PeerError(
                             f"round {round_id}: host {host[:12]} sent a bad weight {weight!r:.40}"
                         )
-                    encs_r: dict[str, Any] = {}
-                    for msg in part:
-                        encs_r.update(msg.tensors)
-                    update.relayed.append((float(weight), encs_r))
+                    if set(msg.tensors) != set(names):
+                        raise PeerError(
+                            f"round {round_id}: host {host[:12]} relayed a message without every name"
+                        )
+                    update.relayed.append((float(weight), dict(msg.tensors)))
             if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
                 raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
             await loop.run_in_executor(

@@ -36,7 +36,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import ROUND_PLANNERS, SyncConfig
 from fusionnode.train import checks
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
@@ -51,8 +51,6 @@ from fusionnode.train.placement import (
     STAGE_ID_STRIDE,
     Placement,
     balanced_bounds,
-    cluster_from_records,
-    cluster_links,
     crossing_names,
     layout,
 )
@@ -60,6 +58,7 @@ from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, Bans, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
+from fusionnode.train.swarm_cluster import cluster_from_records, cluster_links
 from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
@@ -148,6 +147,11 @@ class Driver:
         job.sync = SyncConfig.from_dict(params.get("sync"))
         if job.sync.rounds and int(params.get("rebalance_every") or 0) > 0:
             raise ConfigError(f"--rebalance-every: --sync {job.sync.mode} does not rebalance yet")
+        if job.sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
+            raise ConfigError(
+                f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "
+                f"--sync {job.sync.mode}; use --planner fusion or simple"
+            )
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job

@@ -24,9 +24,10 @@ from fusionnode.optim.client import OptimizerClient
 from fusionnode.optim.rounds import contributing_names
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
-from fusionnode.sync import state_copies
-from fusionnode.train.rebalance import PeerBook, planning_tflops
+from fusionnode.sync import SyncConfig, state_copies
+from fusionnode.train.rebalance import PeerBook
 from fusionnode.train.state import Job, Pipeline
+from fusionnode.train.swarm_cluster import cluster_from_records, symmetric_links
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import Rpc, StageAssignment, TensorKind
@@ -37,7 +38,6 @@ ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
 PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
-DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link nobody probed yet
 PLANNERS = ("simple", "fusion", "even", "memory")
 
 
@@ -76,101 +76,6 @@ def tensor_spec(graph: Any, name: str) -> dict[str, Any]:
     raise PlanError(f"tensor {name!r} is not in the OP-DAG")
 
 
-def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
-    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link, bounded by what probes measured
-    (SECURITY.md, attack 8): where both ends report it, the smaller bandwidth and the larger RTT, so
-    one peer cannot advertise a link faster than the probe of the peer at its other end measured it;
-    a link only one end reports is at most the fastest link that both of its ends measured (or
-    DEFAULT_UNMEASURED_GBPS when no link is measured from both ends)."""
-    out: dict[tuple[str, str], tuple[float, float]] = {}
-    ends: dict[tuple[str, str], set[str]] = {}
-    for rec in records:
-        for other, m in (rec.links or {}).items():
-            if m.bandwidth_bps <= 0 or other == rec.peer_id:
-                continue
-            key = (rec.peer_id, other) if rec.peer_id < other else (other, rec.peer_id)
-            bps, rtt = float(m.bandwidth_bps), float(m.rtt_s)
-            if key in out:
-                bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
-            out[key] = out[key[::-1]] = (bps, rtt)
-            ends.setdefault(key, set()).add(rec.peer_id)
-    both = [out[k][0] for k, e in ends.items() if len(e) == 2]
-    cap = max(both) if both else DEFAULT_UNMEASURED_GBPS * 1e9
-    for key, e in ends.items():
-        if len(e) < 2 and out[key][0] > cap:
-            out[key] = out[key[::-1]] = (cap, out[key][1])
-    return out
-
-
-def cluster_from_records(
-    records: list[Any],
-    workers: list[str],
-    hosts: list[str],
-    measured: dict[str, float] | None = None,
-) -> dict[str, Any]:
-    """A cluster document (protocol/CLUSTER.md) of live peers: TFLOPS, offered memory, probed links.
-
-    TFLOPS are the peers' advertised figures only as far as `rebalance.planning_tflops` allows:
-    replaced by `measured` speeds (the driver's table of stage times, any job, any layout) and
-    otherwise capped relative to them; links are bounded by the probes (`symmetric_links`)."""
-    devices, pairs, seen = [], [], set()
-    by_id = {r.peer_id: r for r in records}
-    ids = list(dict.fromkeys([*workers, *hosts]))
-    tflops = planning_tflops(
-        {pid: max(float(by_id[pid].device.tflops_fp32), 1e-4) for pid in ids},
-        {p: v for p, v in (measured or {}).items() if p in ids},
-    )
-    for pid in dict.fromkeys([*workers, *hosts]):
-        rec = by_id[pid]
-        roles = [
-            r
-            for r in ("worker", "optimizer")
-            if (r == "worker" and pid in workers) or (r == "optimizer" and pid in hosts)
-        ]
-        devices.append(
-            {
-                "id": pid,
-                "tflops": max(tflops[pid], 1e-4),
-                "memory_gb": rec.capacity_bytes / 1e9,
-                "roles": roles,
-            }
-        )
-    measured = symmetric_links(records)
-    relayed = {  # links through a circuit relay (issue 22): priced by their measured bandwidth, flagged
-        frozenset((r.peer_id, o))
-        for r in records
-        for o, m in (r.links or {}).items()
-        if getattr(m, "relayed", False)
-    }
-    for (a, b), (bps, rtt_s) in sorted(measured.items()):
-        if a < b and a in by_id and b in by_id and (a, b) not in seen:
-            seen.add((a, b))
-            pair = {"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0}
-            if frozenset((a, b)) in relayed:
-                pair["relayed"] = True
-            pairs.append(pair)
-    return {
-        "version": 1,
-        "name": "swarm",
-        "devices": devices,
-        "links": {
-            "inter_site": {"bandwidth_gbps": DEFAULT_UNMEASURED_GBPS, "latency_ms": 1.0},
-            "pairs": pairs,
-        },
-    }
-
-
-def cluster_links(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
-    """(from, to) -> bits/s of every device pair of a cluster document (what a testbed emulates)."""
-    from fusionnode.plan.cluster import load_cluster_dict
-
-    c = load_cluster_dict(doc, "cluster")
-    ids = [d.id for d in c.devices]
-    return {
-        (a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j
-    }
-
-
 def _divisor_at_most(n: int, m: int) -> int:
     return next(k for k in range(min(m, n), 0, -1) if n % k == 0)
 
@@ -203,7 +108,9 @@ def layout(
             f"batch shares {shares} must be {replicas} positive numbers summing to the batch "
             f"size {spec.batch_size}"
         )
-    bad = [n for n in shares if n % spec.micro_batches]
+    # a pipeline of one stage (a pure data-parallel replica) has no bubble to fill: its share may be
+    # any size, run in the most equal micro-batches that divide it (at most the job's count)
+    bad = [n for n in shares if n % spec.micro_batches and n_stages > 1]
     if bad:
         raise ConfigError(f"batch shares {bad} do not split into {spec.micro_batches} equal micro-batches")
     if bounds is None:
@@ -225,7 +132,7 @@ def layout(
                 workers[r * n_stages : (r + 1) * n_stages],
                 bounds,
                 int(shares[r]),
-                spec.micro_batches,
+                _divisor_at_most(int(shares[r]), spec.micro_batches),
                 first,
             )
         )
@@ -348,6 +255,7 @@ class Placement:
         from fusionnode.plan.baselines import even_plan, memory_plan
         from fusionnode.plan.cluster import load_cluster_dict
         from fusionnode.plan.planner import plan as make_plan
+        from fusionnode.plan.syncprice import SyncPrice
 
         hosts = await self.candidates(params.get("optimizer_peers"), "optimizer") if offload else []
         doc = params.get("cluster") or cluster_from_records(
@@ -364,6 +272,11 @@ class Placement:
             "offload": offload,
             "compress": spec.compress == "adatopk",  # the plan may count on AdaTopK only when it runs
         }
+        # the planner prices a round mode's sync once per H steps (sync_from_args lets only it and
+        # simple run one); the baselines price it every step
+        price = SyncPrice.from_dict(SyncConfig.from_dict(params.get("sync")).price())
+        if strategy == "fusion":
+            kwargs["sync"] = price
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
         p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
         pipelines, first = [], 0
@@ -382,7 +295,7 @@ class Placement:
             from fusionnode.plan.simulator import simulate
 
             try:
-                simulated = (await asyncio.to_thread(simulate, graph, cluster, p)).step_time_s
+                simulated = (await asyncio.to_thread(simulate, graph, cluster, p, None, price)).step_time_s
             except Exception as exc:  # a second opinion only: never fail the job over it
                 logger.warning("simulating the plan failed: %s", exc)
         prediction = {
@@ -390,6 +303,7 @@ class Placement:
             "step_time_s": pred.step_time_s if pred else None,
             "tokens_per_s": pred.tokens_per_s if pred else None,
             "simulated_step_time_s": simulated,
+            "sync": price.to_dict(),
         }
         return pipelines, plan_hosts, prediction
 

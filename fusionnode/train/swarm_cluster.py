@@ -1,0 +1,105 @@
+"""The swarm as the planner sees it: a cluster document built from the peers' DHT records (their
+advertised device figures, bounded by what this driver measured) and the links they probed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusionnode.train.rebalance import planning_tflops
+
+DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link nobody probed yet
+
+
+def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    """(a, b) and (b, a) -> (bits/s, rtt s) of each probed link, bounded by what probes measured
+    (SECURITY.md, attack 8): where both ends report it, the smaller bandwidth and the larger RTT, so
+    one peer cannot advertise a link faster than the probe of the peer at its other end measured it;
+    a link only one end reports is at most the fastest link that both of its ends measured (or
+    DEFAULT_UNMEASURED_GBPS when no link is measured from both ends)."""
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    ends: dict[tuple[str, str], set[str]] = {}
+    for rec in records:
+        for other, m in (rec.links or {}).items():
+            if m.bandwidth_bps <= 0 or other == rec.peer_id:
+                continue
+            key = (rec.peer_id, other) if rec.peer_id < other else (other, rec.peer_id)
+            bps, rtt = float(m.bandwidth_bps), float(m.rtt_s)
+            if key in out:
+                bps, rtt = min(bps, out[key][0]), max(rtt, out[key][1])
+            out[key] = out[key[::-1]] = (bps, rtt)
+            ends.setdefault(key, set()).add(rec.peer_id)
+    both = [out[k][0] for k, e in ends.items() if len(e) == 2]
+    cap = max(both) if both else DEFAULT_UNMEASURED_GBPS * 1e9
+    for key, e in ends.items():
+        if len(e) < 2 and out[key][0] > cap:
+            out[key] = out[key[::-1]] = (cap, out[key][1])
+    return out
+
+
+def cluster_from_records(
+    records: list[Any],
+    workers: list[str],
+    hosts: list[str],
+    measured: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A cluster document (protocol/CLUSTER.md) of live peers: TFLOPS, offered memory, probed links.
+
+    TFLOPS are the peers' advertised figures only as far as `rebalance.planning_tflops` allows:
+    replaced by `measured` speeds (the driver's table of stage times, any job, any layout) and
+    otherwise capped relative to them; links are bounded by the probes (`symmetric_links`)."""
+    devices, pairs, seen = [], [], set()
+    by_id = {r.peer_id: r for r in records}
+    ids = list(dict.fromkeys([*workers, *hosts]))
+    tflops = planning_tflops(
+        {pid: max(float(by_id[pid].device.tflops_fp32), 1e-4) for pid in ids},
+        {p: v for p, v in (measured or {}).items() if p in ids},
+    )
+    for pid in dict.fromkeys([*workers, *hosts]):
+        rec = by_id[pid]
+        roles = [
+            r
+            for r in ("worker", "optimizer")
+            if (r == "worker" and pid in workers) or (r == "optimizer" and pid in hosts)
+        ]
+        devices.append(
+            {
+                "id": pid,
+                "tflops": max(tflops[pid], 1e-4),
+                "memory_gb": rec.capacity_bytes / 1e9,
+                "roles": roles,
+            }
+        )
+    measured = symmetric_links(records)
+    relayed = {  # links through a circuit relay (issue 22): priced by their measured bandwidth, flagged
+        frozenset((r.peer_id, o))
+        for r in records
+        for o, m in (r.links or {}).items()
+        if getattr(m, "relayed", False)
+    }
+    for (a, b), (bps, rtt_s) in sorted(measured.items()):
+        if a < b and a in by_id and b in by_id and (a, b) not in seen:
+            seen.add((a, b))
+            pair = {"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0}
+            if frozenset((a, b)) in relayed:
+                pair["relayed"] = True
+            pairs.append(pair)
+    return {
+        "version": 1,
+        "name": "swarm",
+        "devices": devices,
+        "links": {
+            "inter_site": {"bandwidth_gbps": DEFAULT_UNMEASURED_GBPS, "latency_ms": 1.0},
+            "pairs": pairs,
+        },
+    }
+
+
+def cluster_links(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """(from, to) -> bits/s of every device pair of a cluster document (what a testbed emulates)."""
+    from fusionnode.plan.cluster import load_cluster_dict
+
+    c = load_cluster_dict(doc, "cluster")
+    ids = [d.id for d in c.devices]
+    return {
+        (a, b): float(c.bandwidth_bps[i, j]) for i, a in enumerate(ids) for j, b in enumerate(ids) if i != j
+    }
