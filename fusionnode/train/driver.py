@@ -10,7 +10,10 @@ Optimizer, two ways (the same math):
 - local (``offload off``, one pipeline): each worker applies AdamW to its own
   parameters; gradients of parameters two stages share (tied weights) are summed
   by the driver first, and the global gradient norm is clipped exactly.
-- offloaded (``offload on``; required with several pipelines): workers push
+- replicated (``offload off``, several pipelines): as local, after each stage has averaged its
+  gradients with the replicas holding the same layers by ring all-reduce (runtime/allreduce.py);
+  tied weights' gradients are summed by the driver, each replica's weighted by its batch share.
+- offloaded (``offload on``): workers push
   gradients to optimizer hosts during backward, the hosts aggregate the replicas
   and apply the step, workers pull the new parameters (prefetched).
 
@@ -149,12 +152,15 @@ class Driver:
             hosts_available = bool(
                 await self.placement.candidates(params.get("optimizer_peers"), "optimizer")
             )
+            # several pipelines without hosts average their gradients by ring all-reduce among the
+            # replicas of each stage (runtime/allreduce.py); the --sync round modes need hosts
             job.offload = offload_choice == "on" or (
-                offload_choice == "auto" and (replicas > 1 or hosts_available)
+                offload_choice == "auto" and (hosts_available or (replicas > 1 and job.sync.rounds))
             )
-            if replicas > 1 and not job.offload:
+            if replicas > 1 and not job.offload and job.sync.rounds:
                 raise ConfigError(
-                    "several pipelines synchronise through optimizer hosts: use --offload on|auto"
+                    f"several pipelines under --sync {job.sync.mode} synchronise through optimizer hosts: "
+                    "use --offload on|auto"
                 )
             workers = await self.placement.candidates(params.get("peers"), "worker")
             if not workers:
@@ -211,9 +217,10 @@ class Driver:
                     job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
                         strategy, spec, traced.graph, workers, params, job.offload, seq_len
                     )
-                    if len(job.pipelines) > 1 and not job.offload:
+                    if len(job.pipelines) > 1 and not job.offload and job.sync.rounds:
                         raise ConfigError(
-                            "the plan has several pipelines: they need optimizer hosts (--offload)"
+                            f"the plan has several pipelines: under --sync {job.sync.mode} they need "
+                            "optimizer hosts (--offload)"
                         )
                 if job.offload:
                     shards = shard({n: t for n, t in full.items() if n not in job.frozen}, job.hosts)

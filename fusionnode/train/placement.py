@@ -21,6 +21,7 @@ import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
+from fusionnode.runtime.allreduce import allreduce_rings
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.sync import state_copies
@@ -414,6 +415,7 @@ class Placement:
         graph = traced.graph
         spec = job.spec
         args: list[StageAssignment] = []
+        descs_of, params_of, shared_of = [], [], []
         for pipe in job.pipelines:
             n = len(pipe.peers)
             descs = [describe_stage(traced, pipe.bounds[i], pipe.bounds[i + 1]) for i in range(n)]
@@ -422,7 +424,20 @@ class Placement:
             for names in stage_params:
                 for name in names:
                     counts[name] = counts.get(name, 0) + 1
-            shared = {k for k, v in counts.items() if v > 1}
+            descs_of.append(descs)
+            params_of.append(stage_params)
+            shared_of.append({k for k, v in counts.items() if v > 1})
+        rings: dict[int, list[dict[str, Any]]] = {}
+        if not host_of and len(job.pipelines) > 1 and not job.sync.rounds:
+            # offload off: names several stages of a pipeline hold (tied weights) go through the driver in
+            # every replica; the others are averaged by ring all-reduce among the stages holding them
+            job_shared = set().union(*shared_of)
+            shared_of = [job_shared] * len(job.pipelines)
+            rings = allreduce_rings(job.pipelines, params_of, job_shared | set(job.frozen))
+        for pipe, descs, stage_params, shared in zip(
+            job.pipelines, descs_of, params_of, shared_of, strict=True
+        ):
+            n = len(pipe.peers)
             for i, d in enumerate(descs):
                 lo, hi = pipe.bounds[i], pipe.bounds[i + 1]
                 gid = pipe.first_stage + i
@@ -480,6 +495,7 @@ class Placement:
                     bw_prev=(links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
                     offload=offload,
                     sync=job.sync.to_dict() if job.sync.rounds else None,  # issue 19
+                    allreduce=rings.get(gid),
                 )
                 args.append(a)
         return args
