@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fusionnode.errors import PlanError
+from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
@@ -41,6 +41,7 @@ from fusionnode.plan.evaluate import (
     evaluate_config,
     make_context,
     pipe_time,
+    ring_variant,
 )
 from fusionnode.plan.hosts import HOST_COUNT_MULTIPLIERS, choose_hosts, host_sets
 from fusionnode.plan.plan import Plan
@@ -208,11 +209,20 @@ def plan(
     compress: bool = True,
     with_anchors: bool = True,
     keep_floor: float = K_MIN,
+    dp_sync: str | None = None,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
     `with_anchors`: also consider every even grid and DT-FM's layout (plan/anchors.py);
-    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on."""
+    `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
+    `dp_sync`: how the pipelines synchronise: "hosts" (optimizer hosts; the default with `offload`),
+    "ring" (ring all-reduce among the replicas of each stage; the default without) or "auto" (with
+    `offload`: the plan takes the ring wherever it is faster than the hosts; `Plan.dp_sync` says which)."""
+    dp_sync = dp_sync or ("hosts" if offload else "ring")
+    if dp_sync not in ("hosts", "ring", "auto") or (dp_sync == "ring") == offload:
+        raise ConfigError(
+            f"dp_sync {dp_sync!r} with offload {offload}: hosts|auto need offload, ring does not"
+        )
     t0 = time.perf_counter()
     ctx = make_context(
         graph,
@@ -272,6 +282,8 @@ def plan(
         from fusionnode.plan.anchors import by_simulation
 
         best = by_simulation(graph, ctx, [best, *shortlist])
+    if dp_sync != "hosts":
+        best = choose_dp_sync(ctx, best, shortlist, keep_hosts=dp_sync == "auto")
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
@@ -318,6 +330,19 @@ def _constructive(ctx: Context, levels: list, counts: list[int], keep: int) -> l
         if len(out) >= keep:
             break
     return out
+
+
+def choose_dp_sync(ctx: Context, best: Evaluated, others: Sequence[Evaluated], keep_hosts: bool) -> Evaluated:
+    """The data-parallel sync priced both ways: `best` and `others` (the anchors and grids it was chosen
+    among) with a ring all-reduce among the replicas of each stage (evaluate.ring_variant); the
+    fastest of those, or `best` as it is when `keep_hosts` and its optimizer hosts are faster."""
+    rings = [r for r in (ring_variant(ctx, e) for e in [best, *others]) if r is not None]
+    pick = min(rings, key=lambda e: e.step_s, default=None)
+    if pick is None:
+        return best
+    if keep_hosts:
+        return pick if pick.step_s < best.step_s * (1 - 1e-9) else best
+    return pick
 
 
 def _best_hosts(ctx: Context, ev: Evaluated) -> Evaluated:

@@ -214,9 +214,26 @@ class Driver:
                         if params.get("resume"):
                             job.hosts = await self._holders(job, job.hosts, params)
                 else:
-                    job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
-                        strategy, spec, traced.graph, workers, params, job.offload, seq_len
+                    # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
+                    # among the replicas and the job follows its choice (no hosts where they do not pay);
+                    # rebalancing and the round modes need the hosts
+                    auto = (
+                        offload_choice == "auto"
+                        and job.offload
+                        and not job.sync.rounds
+                        and not int(params.get("rebalance_every") or 0)
                     )
+                    job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
+                        strategy,
+                        spec,
+                        traced.graph,
+                        workers,
+                        params,
+                        job.offload,
+                        seq_len,
+                        dp_sync="auto" if auto else None,
+                    )
+                    job.offload = prediction.get("dp_sync", "hosts" if job.offload else "ring") == "hosts"
                     if len(job.pipelines) > 1 and not job.offload and job.sync.rounds:
                         raise ConfigError(
                             f"the plan has several pipelines: under --sync {job.sync.mode} they need "

@@ -343,8 +343,11 @@ class Placement:
         params: dict[str, Any],
         offload: bool,
         seq_len: int,
+        dp_sync: str | None = None,
     ) -> tuple[list[Pipeline], list[str], dict[str, Any]]:
-        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines."""
+        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines.
+        `dp_sync` "auto" (with `offload`): the planner prices optimizer hosts against a ring all-reduce
+        among the replicas and the plan says which (prediction["dp_sync"]; no hosts for a ring)."""
         from fusionnode.plan.baselines import even_plan, memory_plan
         from fusionnode.plan.cluster import load_cluster_dict
         from fusionnode.plan.planner import plan as make_plan
@@ -364,8 +367,11 @@ class Placement:
             "offload": offload,
             "compress": spec.compress == "adatopk",  # the plan may count on AdaTopK only when it runs
         }
+        if strategy == "fusion" and dp_sync is not None:
+            kwargs["dp_sync"] = dp_sync
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
         p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
+        offload = p.dp_sync == "hosts"
         pipelines, first = [], 0
         for r, pp in enumerate(p.pipelines):
             peers = [st.devices[0] for st in pp.stages]
@@ -390,6 +396,7 @@ class Placement:
             "step_time_s": pred.step_time_s if pred else None,
             "tokens_per_s": pred.tokens_per_s if pred else None,
             "simulated_step_time_s": simulated,
+            "dp_sync": p.dp_sync,
         }
         return pipelines, plan_hosts, prediction
 
