@@ -225,3 +225,29 @@ def _typed(handler):
         return (await handler(spec.request.from_wire(args), sender)).to_wire()
 
     return typed
+
+
+def test_a_planned_job_follows_the_plans_choice_of_a_ring_over_far_hosts(tmp_path):
+    """`--planner fusion --offload auto` with an optimizer host behind a slow link: the plan prices
+    the hosts against a ring all-reduce among the replicas, takes the ring, and the job runs without
+    hosts and follows the single-process loss."""
+    spec = small_spec(steps=3, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4, hosts=1)
+    n = len(s.ids)
+    bw = [[10.0] * n for _ in range(n)]
+    for i in range(4):
+        bw[i][4] = bw[4][i] = 0.001
+    devices = [{"id": p, "tflops": 0.002, "memory_gb": 1, "roles": ["worker"]} for p in s.ids[:4]]
+    devices.append({"id": s.ids[4], "tflops": 1, "memory_gb": 1, "roles": ["optimizer"], "ram_gb": 8})
+    doc = {"name": "far-host", "devices": devices, "links": {"matrix": {"bandwidth_gbps": bw}}}
+    params = {"spec": spec.to_dict(), "planner": "fusion", "offload": "auto", "cluster": doc}
+    res = asyncio.run(s.driver.run_job(params, s.emit))
+    plan = next(e for e in s.events if e["type"] == "plan")
+    assert plan["prediction"]["dp_sync"] == "ring" and not plan["offload"] and plan["optimizer_hosts"] == []
+    assert len({st["replica"] for st in plan["stages"]}) > 1, plan["stages"]
+    assert res["offload"] is False
+    ref = train_local(spec).losses
+    got = [e["loss"] for e in s.steps()]
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) < 1e-5, f"step {i}: swarm {a:.7f} vs local {b:.7f}"
+    assert Rpc.OPT_INIT not in s.net.peers[s.ids[4]].calls
