@@ -70,6 +70,7 @@ def by_simulation(graph: OpGraph, ctx: Context, candidates: list[Evaluated]) -> 
             ev.shares,
             tuple(o.cost.split for o in ev.choices),
             tuple(o.u for o in ev.choices),
+            ev.dp_sync,
         )
         if key in seen:
             continue

@@ -54,6 +54,9 @@ LOCAL_SEARCH_MOVES = 3000  # most candidate moves evaluated by the local search
 LOCAL_SEARCH_STARTS = 3  # local search from this many of the best constructed configurations
 
 
+RING_SIMULATED = 6  # ring variants the planner simulates against its choice on large clusters
+
+
 def _pipeline_counts(n_workers: int, min_stages: int, blocks: int) -> list[int]:
     hi = max(1, n_workers // max(1, min_stages))
     lo = max(1, -(-n_workers // blocks)) if n_workers > blocks else 1
@@ -283,7 +286,7 @@ def plan(
 
         best = by_simulation(graph, ctx, [best, *shortlist])
     if dp_sync != "hosts":
-        best = choose_dp_sync(ctx, best, shortlist, keep_hosts=dp_sync == "auto")
+        best = choose_dp_sync(graph, ctx, best, shortlist, keep_hosts=dp_sync == "auto", simulated=not small)
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
@@ -332,17 +335,30 @@ def _constructive(ctx: Context, levels: list, counts: list[int], keep: int) -> l
     return out
 
 
-def choose_dp_sync(ctx: Context, best: Evaluated, others: Sequence[Evaluated], keep_hosts: bool) -> Evaluated:
+def choose_dp_sync(
+    graph: OpGraph,
+    ctx: Context,
+    best: Evaluated,
+    others: Sequence[Evaluated],
+    keep_hosts: bool,
+    simulated: bool,
+) -> Evaluated:
     """The data-parallel sync priced both ways: `best` and `others` (the anchors and grids it was chosen
     among) with a ring all-reduce among the replicas of each stage (evaluate.ring_variant); the
-    fastest of those, or `best` as it is when `keep_hosts` and its optimizer hosts are faster."""
-    rings = [r for r in (ring_variant(ctx, e) for e in [best, *others]) if r is not None]
-    pick = min(rings, key=lambda e: e.step_s, default=None)
-    if pick is None:
+    fastest of those, or `best` as it is when `keep_hosts` and its optimizer hosts are faster. Fastest
+    by the closed form, or with `simulated` by the event simulator among the RING_SIMULATED fastest
+    rings by the closed form (as the hosts' choice was made on large clusters)."""
+    rings = sorted(
+        (r for r in (ring_variant(ctx, e) for e in [best, *others]) if r is not None), key=lambda e: e.step_s
+    )
+    if not rings:
         return best
-    if keep_hosts:
-        return pick if pick.step_s < best.step_s * (1 - 1e-9) else best
-    return pick
+    pool = ([best] if keep_hosts else []) + rings[: RING_SIMULATED if simulated else 1]
+    if simulated:
+        from fusionnode.plan.anchors import by_simulation
+
+        return by_simulation(graph, ctx, pool)
+    return min(pool, key=lambda e: e.step_s)
 
 
 def _best_hosts(ctx: Context, ev: Evaluated) -> Evaluated:

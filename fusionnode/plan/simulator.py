@@ -196,13 +196,13 @@ def simulate(graph: OpGraph, cluster: Cluster, plan: Plan, estimator: Estimator 
         lbusy_all.append(tuple(lbusy))
         pipe_finish.append(max(finish))
         params = [float(chain.params[split[k + 1]] - chain.params[split[k]]) for k in range(s)]
-        if est.offload:
-            for k in range(s):
-                pending.append((finish[k], devs[k], params[k]))
-            sync_finish.append(math.nan)
-        elif ring:
+        if ring:  # whatever the estimator's offload says: the plan's replicas sync by ring
             layout.append((devs, split))
             stage_done.append(list(finish))
+            sync_finish.append(math.nan)
+        elif est.offload:
+            for k in range(s):
+                pending.append((finish[k], devs[k], params[k]))
             sync_finish.append(math.nan)
         else:
             outside = est.outside_bandwidth(devs, workers)
