@@ -251,3 +251,24 @@ def test_a_planned_job_follows_the_plans_choice_of_a_ring_over_far_hosts(tmp_pat
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert abs(a - b) < 1e-5, f"step {i}: swarm {a:.7f} vs local {b:.7f}"
     assert Rpc.OPT_INIT not in s.net.peers[s.ids[4]].calls
+
+
+def test_rings_join_the_stages_holding_the_same_parameters_even_when_cuts_differ():
+    from fusionnode.runtime.allreduce import allreduce_rings
+    from fusionnode.train.state import Pipeline
+
+    # pipeline 0: [a b | c d], pipeline 1: [a | b c d]; tied "e" goes through the driver
+    p0 = Pipeline(0, ["P0", "P1"], [0, 2, 4], 2, 1, 0)
+    p1 = Pipeline(1, ["P2", "P3"], [0, 1, 4], 6, 1, 2)
+    params_of = [[["a", "b", "e"], ["c", "d", "e"]], [["a", "e"], ["b", "c", "d", "e"]]]
+    rings = allreduce_rings([p0, p1], params_of, {"e"})
+    got = {st: [(r["member_stages"], r["names"]) for r in rs] for st, rs in rings.items()}
+    assert got == {
+        0: [([0, 2], ["a"]), ([0, 3], ["b"])],
+        2: [([0, 2], ["a"])],
+        3: [([0, 3], ["b"]), ([1, 3], ["c", "d"])],
+        1: [([1, 3], ["c", "d"])],
+    }
+    ring = AllReduceRing.from_wire(rings[1][0])
+    assert ring.members == ["P1", "P3"] and ring.weights == [0.25, 0.75]
+    assert len({r["id"] for rs in rings.values() for r in rs}) == 3
