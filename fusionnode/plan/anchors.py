@@ -22,7 +22,7 @@ import math
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, grid
 from fusionnode.plan.dtfm_cost import dtfm_step_time
-from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config
+from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config, ring_variant
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -33,15 +33,22 @@ SIMULATED = 3  # anchors the planner simulates against its own choice
 SHALLOW = 2  # and even grids the fastest under DT-FM's cost model (which favours short pipelines)
 
 
-def anchors(ctx: Context, with_dtfm: bool = True) -> list[Evaluated]:
-    """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layout, fastest first."""
-    out = grid.even_grids(ctx)
+def anchors(ctx: Context, with_dtfm: bool = True, ring: bool = False) -> list[Evaluated]:
+    """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layout, fastest first.
+    With `ring`, DT-FM's layout also for the shape of the grid that is fastest with a ring all-reduce."""
+    grids = grid.even_grids(ctx)
+    out = list(grids)
     for ev in list(out[:GRIDS_RESPLIT]):
         re = evaluate_config(ctx, ev.pipelines)
         if re is not None:
             out.append(re)
-    if with_dtfm and out and len(ctx.workers) <= DTFM_MAX_WORKERS:
-        replicas, stages = grid.grid_shape(out[0])
+    shapes = [grid.grid_shape(out[0])] if out else []
+    if ring and out:
+        rings = [r for r in (ring_variant(ctx, g) for g in grids) if r is not None]
+        if rings:
+            shape = grid.grid_shape(min(rings, key=lambda e: e.step_s))
+            shapes += [shape] if shape not in shapes else []
+    for replicas, stages in shapes if with_dtfm and len(ctx.workers) <= DTFM_MAX_WORKERS else []:
         if stages > 1 or replicas > 1:
             _, ev = dtfm.dtfm_search(
                 ctx, replicas, stages, population=dtfm.PLANNER_POPULATION, trials=dtfm.PLANNER_TRIALS

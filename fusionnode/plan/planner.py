@@ -261,16 +261,20 @@ def plan(
             if best is None or ev.step_s < best.step_s:
                 best = ev
     shortlist: list[Evaluated] = []
+    ring_pool: list[Evaluated] = []
     if with_anchors:  # even grids and DT-FM's layout: the plan must be at least as fast
         from fusionnode.plan.anchors import SIMULATED, anchors, shallow_grids
         from fusionnode.plan.grid import even_grids
 
         ctx.hosts, ctx._host_terms = list(candidates[0]), None
-        shortlist = anchors(ctx)
+        shortlist = anchors(ctx, ring=dp_sync != "hosts")
+        ring_pool = list(shortlist)  # every anchor, priced with a ring all-reduce as well (dp_sync)
         if shortlist and (best is None or shortlist[0].step_s < best.step_s):
             best = shortlist[0]
         if not small:  # candidates to simulate against the choice
-            shortlist = shortlist[:SIMULATED] + even_grids(ctx)[:SIMULATED] + shallow_grids(graph, ctx)
+            shallow = shallow_grids(graph, ctx)
+            shortlist = shortlist[:SIMULATED] + even_grids(ctx)[:SIMULATED] + shallow
+            ring_pool += shallow
     if best is None:
         raise PlanError(
             f"no pipeline of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}: "
@@ -286,7 +290,7 @@ def plan(
 
         best = by_simulation(graph, ctx, [best, *shortlist])
     if dp_sync != "hosts":
-        best = choose_dp_sync(graph, ctx, best, shortlist, keep_hosts=dp_sync == "auto", simulated=not small)
+        best = choose_dp_sync(graph, ctx, best, ring_pool, keep_hosts=dp_sync == "auto", simulated=not small)
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
