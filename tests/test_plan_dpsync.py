@@ -59,7 +59,9 @@ def test_auto_takes_the_ring_where_the_hosts_are_far_and_the_hosts_where_they_pa
     hosts = plan(g, far, 256, compress=False)
     auto = plan(g, far, 256, compress=False, dp_sync="auto")
     assert hosts.dp_sync == "hosts" and hosts.optimizer_hosts
-    assert auto.dp_sync == "ring" and not auto.offload and not auto.optimizer_hosts and len(auto.pipelines) > 1
+    assert (
+        auto.dp_sync == "ring" and not auto.offload and not auto.optimizer_hosts and len(auto.pipelines) > 1
+    )
     assert auto.prediction.step_time_s < hosts.prediction.step_time_s
     assert evaluate_plan(g, far, auto) == pytest.approx(auto.prediction.step_time_s, rel=1e-6)
     assert simulate(g, far, auto).step_time_s < simulate(g, far, hosts).step_time_s
