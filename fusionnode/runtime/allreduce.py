@@ -137,7 +137,8 @@ class StageRing:
         batch shares) and writes the result into each parameter's .grad; returns the bytes sent."""
         ps = [params[n] for n in self.ring.names]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-        flat = flatten(grads).mul_(self.weight)
+        # off the event loop: a stage's gradients can be hundreds of MB
+        flat = await asyncio.to_thread(lambda: flatten(grads).mul_(self.weight))
 
         async def send(mb: int, chunk: torch.Tensor) -> int:
             meta = {"job": self.job, "step": step, "mb": mb, "stage": self.next_stage}
@@ -170,8 +171,16 @@ class StageRing:
             return got["g"]
 
         sent = await ring_allreduce(flat, self.ring.id, self.k, self.i, send, recv)
-        for p, g in zip(ps, unflatten(flat, grads), strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+
+        def write_back() -> None:
+            with torch.no_grad():
+                for p, g in zip(ps, unflatten(flat, grads), strict=True):
+                    if p.grad is not None:  # in place: no second copy of the gradients
+                        p.grad.copy_(g)
+                    else:
+                        p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+
+        await asyncio.to_thread(write_back)
         return sent
 
 
