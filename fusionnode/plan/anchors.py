@@ -35,10 +35,11 @@ import dataclasses
 import logging
 import math
 
+from fusionnode.errors import PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, grid
 from fusionnode.plan.dtfm_cost import dtfm_step_time
-from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config
+from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config, ring_variant
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def _key(ev: Evaluated) -> tuple:
         tuple(o.cost.split for o in ev.choices),
         tuple(o.u for o in ev.choices),
         ev.hosts,
+        ev.dp_sync,
     )
 
 
@@ -80,10 +82,13 @@ def grids_by_dtfm(graph: OpGraph, ctx: Context, grids: list[Evaluated]) -> list[
     return scored
 
 
-def anchors(ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None) -> list[Evaluated]:
+def anchors(
+    ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None, ring: bool = False
+) -> list[Evaluated]:
     """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layouts, fastest first
-    by the closed form. DT-FM runs for the best grid's shape under the closed form and, given the
-    graph, for the best grid's shape under DT-FM's cost model."""
+    by the closed form. DT-FM runs for the best grid's shape under the closed form, given the
+    graph, for the best grid's shape under DT-FM's cost model and, with `ring`, for the shape of the
+    grid that is fastest with a ring all-reduce (evaluate.ring_variant)."""
     grids = grid.even_grids(ctx)
     out = list(grids)
     for ev in list(out[:GRIDS_RESPLIT]):
@@ -100,6 +105,10 @@ def anchors(ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None) 
             balanced = sorted(by_dtfm, key=lambda x: max(x[1].step_s / c0, x[0] / d0))
             for _, ev in balanced[:BALANCED_SHAPES]:
                 shapes.setdefault(grid.grid_shape(ev), budget)
+        if ring:
+            rings = [r for r in (ring_variant(ctx, g) for g in grids) if r is not None]
+            if rings:
+                shapes.setdefault(grid.grid_shape(min(rings, key=lambda e: e.step_s)), budget)
         for (replicas, stages), (population, trials) in shapes.items():
             if stages == 1 and replicas == 1:
                 continue
@@ -141,32 +150,50 @@ class Scored:
 
 
 def robust_choice(
-    graph: OpGraph, ctx: Context, own: list[Evaluated], found: list[Evaluated]
+    graph: OpGraph, ctx: Context, own: list[Evaluated], found: list[Evaluated], dp_sync: str = "hosts"
 ) -> tuple[Evaluated, dict]:
     """The candidate with the smallest worse ratio to the best under the simulator and under
     DT-FM's model (module docstring). `own`: the planner's configurations (its choice first);
-    `found`: the anchors. Returns (choice, figures for the log)."""
+    `found`: the anchors. `dp_sync` (planner.plan's): "hosts" scores the candidates as priced;
+    "ring" their ring all-reduce variants (evaluate.ring_variant) instead; "auto" both, so the
+    choice also picks how the pipelines synchronise. Returns (choice, figures for the log)."""
     pool: dict[tuple, Scored] = {}
 
-    def add(ev: Evaluated) -> Scored:
-        k = _key(ev)
-        if k not in pool:
-            pool[k] = Scored(ev, dtfm_of(graph, ctx, ev))
-        return pool[k]
+    def variants(ev: Evaluated) -> list[Evaluated]:
+        if dp_sync == "hosts" or ev.dp_sync == "ring" or len(ev.pipelines) < 2:
+            return [ev]
+        r = ring_variant(ctx, ev)
+        if dp_sync == "ring":
+            return [r] if r is not None else []
+        return [ev] if r is None else [ev, r]
+
+    def add(ev: Evaluated) -> list[Scored]:
+        out = []
+        for v in variants(ev):
+            k = _key(v)
+            if k not in pool:
+                pool[k] = Scored(v, dtfm_of(graph, ctx, v))
+            out.append(pool[k])
+        return out
 
     grids = grid.even_grids(ctx)
     shortlist: dict[tuple, Scored] = {}
     for ev in [*own, *found[:SIMULATED]]:
-        s = add(ev)
-        shortlist[_key(ev)] = s
+        for s in add(ev):
+            shortlist[_key(s.ev)] = s
     for ev in found:
         add(ev)
-    grid_scored = [add(ev) for ev in grids]
-    for s in grid_scored[:GRID_SHORTLIST] + sorted(grid_scored, key=lambda s: s.dtfm_s)[:GRID_SHORTLIST]:
+    grid_scored = [s for ev in grids for s in add(ev)]
+    by_closed = sorted(grid_scored, key=lambda s: s.ev.step_s)
+    by_dtfm = sorted(grid_scored, key=lambda s: s.dtfm_s)
+    for s in by_closed[:GRID_SHORTLIST] + by_dtfm[:GRID_SHORTLIST]:
         shortlist[_key(s.ev)] = s
     for ev in found:  # DT-FM's layouts are not grids of the cluster's order: all of them
         if not any(ev.pipelines == g.pipelines for g in grids):
-            shortlist[_key(ev)] = pool[_key(ev)]
+            for s in add(ev):
+                shortlist[_key(s.ev)] = s
+    if not pool:
+        raise PlanError(f"no candidate fits with dp_sync {dp_sync!r}")
     closed_best = min(s.ev.step_s for s in pool.values())
     dtfm_best = min(s.dtfm_s for s in pool.values())
     balanced = sorted(pool.values(), key=lambda s: max(s.ev.step_s / closed_best, s.dtfm_s / dtfm_best))

@@ -218,6 +218,7 @@ class WorkerService(HostLink):
         sj = StageJob(a, need, lease_s=lease_s)
         self.jobs[key] = sj
         peers = {sj.driver, sj.prev, sj.next, *(sj.offload.hosts.values() if sj.offload else ())}
+        peers |= {m for ring in sj.rings for m in ring.members}  # offload off: the other replicas
         self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
         if self.on_jobs_changed:
             self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
@@ -359,9 +360,13 @@ class WorkerService(HostLink):
             )
         grads = None
         if req.grads:
+            # with a ring all-reduce: this stage's own gradients, as they were before the averaging
+            own = led.own_grads or {}
             grads = {
                 n: tensor_message(
-                    TensorKind.AUDIT, {}, {n: p.grad if p.grad is not None else torch.zeros_like(p)}
+                    TensorKind.AUDIT,
+                    {},
+                    {n: own.get(n, p.grad if p.grad is not None else torch.zeros_like(p))},
                 ).tensors[n]
                 for n, p in sj.params.items()
             }
@@ -576,6 +581,10 @@ class WorkerService(HostLink):
                 pushes, sj.push_tasks = sj.push_tasks, []
                 optimizer_bytes += sum(await asyncio.gather(*pushes))
             sent_bytes += optimizer_bytes
+        ring_share: dict[str, float] = {}  # each replica reports 1/k of a ring's squared norm
+        if sj.rings and not sj.offload and not sj.sync.rounds:
+            sent_bytes += await self._allreduce(sj, step)
+            ring_share = {n: 1.0 / len(r.members) for r in sj.rings for n in r.names}
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
         shared = [] if sj.offload and not sj.sync.rounds else sorted(sj.shared_names & set(sj.params))
@@ -590,12 +599,11 @@ class WorkerService(HostLink):
                     TensorKind.SHARED_GRAD, {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g
                 ),
             )
-        sq = FlatOptimizer.grad_sq_norm(
-            {
-                n: p.grad.detach()
-                for n, p in sj.params.items()
-                if n not in sj.shared_names and p.grad is not None
-            }
+        own = [n for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None]
+        sq = sum(
+            FlatOptimizer.grad_sq_norm({n: sj.params[n].grad.detach() for n in own if ring_share.get(n) == w})
+            * (w or 1.0)
+            for w in {ring_share.get(n) for n in own}
         )
         return jp.StepReport(
             step=step,
@@ -610,6 +618,12 @@ class WorkerService(HostLink):
             links={"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
             verify=ledger.commitments() if ledger is not None else None,
         )
+
+    async def _allreduce(self, sj: StageJob, step: int) -> int:
+        """Averages the stage's gradients with the other replicas (runtime/allreduce.py)."""
+        from fusionnode.runtime.allreduce import reduce_stage
+
+        return await reduce_stage(sj, step, self.t, self.config.step_timeout_s)
 
     @staticmethod
     def _record_received(ledger: Any, kind: str, mb: int, msg: TensorMessage, src: str) -> None:

@@ -46,6 +46,9 @@ class Ledger:
         self.autocast = autocast  # whether it computes under bf16 autocast
         self.messages: dict[tuple[int, str], TensorMessage] = {}
         self.digests: dict[tuple[int, str], str] = {}
+        # offload off, several pipelines: the stage's own gradients before the ring all-reduce averaged
+        # them with the other replicas' (runtime/allreduce.py); what `job.audit` shows with grads
+        self.own_grads: dict[str, Any] | None = None
 
     def record(self, mb: int, part: str, msg: TensorMessage, digest: str | None = None) -> str:
         """Keeps `msg` as micro-batch `mb`'s `part`; returns its digest."""

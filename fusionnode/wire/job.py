@@ -83,6 +83,7 @@ class TensorKind:
     AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
     PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
     ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
+    ALLREDUCE: Final = "allreduce"  # stage -> next member of its ring: a chunk of gradients, mb = ring_mb()
     ALL: ClassVar[frozenset[str]]
 
 
@@ -124,6 +125,42 @@ class Offload(JobMessage):
     samples: int  # samples this stage's pipeline contributes per step
 
 
+MAX_RING_ID = (1 << 20) - 1  # ring ids of a job fit the top bits of an `allreduce` message's mb
+
+
+@message
+class AllReduceRing(JobMessage):
+    """A ring all-reduce of gradients among the stages (one per pipeline) that hold the same
+    parameters, when the optimizer runs on the workers (offload off) with several pipelines."""
+
+    id: int  # the ring's number in the job, in [0, MAX_RING_ID]
+    members: list[str]  # peer of each member, in ring order (member i sends to member i + 1)
+    member_stages: list[int]  # the members' global stage ids, in the same order
+    weights: list[float]  # each member's share of the batch (samples / batch size); they sum to 1
+    names: list[str]  # the parameters reduced, flattened in this order
+
+    def __post_init__(self) -> None:
+        k = len(self.members)
+        if not 0 <= self.id <= MAX_RING_ID:
+            raise _bad(f"ring id must be in [0, {MAX_RING_ID}], got {self.id}")
+        if k < 2 or len(self.member_stages) != k or len(self.weights) != k:
+            raise _bad(f"a ring needs >= 2 members, with one stage and one weight each (got {k})")
+        if len(set(self.member_stages)) != k:
+            raise _bad("a ring's member stages must be distinct")
+        if not all(math.isfinite(w) and w > 0 for w in self.weights) or abs(sum(self.weights) - 1) > 1e-6:
+            raise _bad(f"ring weights must be positive and sum to 1, got {self.weights!r:.80}")
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise _bad("a ring reduces a non-empty list of distinct parameter names")
+
+
+def ring_mb(ring: int, phase: int, hop: int, piece: int) -> int:
+    """The `mb` of an `allreduce` message: ring id, phase (0 reduce-scatter, 1 all-gather), hop and
+    piece (the chunk of the hop's segment) packed into one key below 2^61."""
+    if not (0 <= ring <= MAX_RING_ID and phase in (0, 1) and 0 <= hop < 1 << 19 and 0 <= piece < 1 << 20):
+        raise ValueError(f"ring message index out of range: {(ring, phase, hop, piece)}")
+    return (ring << 40) | (phase << 39) | (hop << 20) | piece
+
+
 @message
 class StageAssignment(JobMessage):
     """`job.assign`: a stage proposal (driver -> worker)."""
@@ -156,6 +193,7 @@ class StageAssignment(JobMessage):
     bw_prev: float | None = None
     offload: dict[str, Any] | None = None  # Offload.to_wire(), when hosts run the optimizer
     sync: dict[str, Any] | None = None  # --sync diloco|sparseloco: SyncConfig.to_dict() (protocol/ROUNDS.md)
+    allreduce: list[dict[str, Any]] | None = None  # AllReduceRing.to_wire() of each ring this stage is in
 
     def __post_init__(self) -> None:
         if self.need_bytes < 0:
@@ -169,6 +207,10 @@ class StageAssignment(JobMessage):
                 raise _bad(f"a link bandwidth must be a positive number, got {bw!r}")
         if self.offload is not None:
             Offload.from_wire(self.offload)
+        if self.allreduce is not None:  # (a worker ignores them when `offload` is set)
+            ids = [AllReduceRing.from_wire(r).id for r in self.allreduce]
+            if len(set(ids)) != len(ids):
+                raise _bad("a stage's rings must have distinct ids")
 
     @property
     def position(self) -> int:
@@ -177,6 +219,10 @@ class StageAssignment(JobMessage):
     @property
     def offload_plan(self) -> Offload | None:
         return None if self.offload is None else Offload.from_wire(self.offload)
+
+    @property
+    def rings(self) -> list[AllReduceRing]:
+        return [AllReduceRing.from_wire(r) for r in self.allreduce or ()]
 
 
 @message
@@ -519,7 +565,8 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.JOB_START, StageRef, StartReply, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.BAD_TENSOR, _E.DEADLINE)),
         RpcSpec(Rpc.JOB_STEP, StepRequest, StepReport, "the stage's driver",
-                (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE)),
+                (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE,
+                 _E.RING_BROKEN)),
         RpcSpec(Rpc.JOB_STEP_RESULT, StepRequest, StepReport, "the stage's driver (the job.step request again: its recall)",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.ABORTED, _E.NO_REPORT)),
         RpcSpec(Rpc.JOB_COMMIT, CommitRequest, CommitReply, "the stage's driver",
@@ -545,7 +592,9 @@ RPCS: dict[str, RpcSpec] = {
     )
 }  # fmt: skip
 MESSAGE_TYPES: tuple[type, ...] = tuple(
-    dict.fromkeys([Offload, *(s.request for s in RPCS.values()), *(s.reply for s in RPCS.values())])
+    dict.fromkeys(
+        [Offload, AllReduceRing, *(s.request for s in RPCS.values()), *(s.reply for s in RPCS.values())]
+    )
 )
 
 
@@ -582,6 +631,7 @@ def serve(transport: Any, method: str, handler: Handler) -> None:
 
 __all__ = [
     "RPCS",
+    "AllReduceRing",
     "ErrorCode",
     "Failure",
     "JobError",
