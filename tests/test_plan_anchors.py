@@ -204,3 +204,42 @@ def test_simulate_scores_a_given_plan_and_refuses_bad_ones(tmp_path, capsys):
     refused(uncovered, "stages end at node")
     refused(too_big, "GB usable")
     assert len(stages) >= 1
+
+
+def _two_sites_far_host(n: int = 16) -> dict:
+    """_two_sites' workers plus one optimizer-only host behind a slow link to every worker."""
+    d = _two_sites(n)
+    d["devices"] = [{**dev, "roles": ["worker"]} for dev in d["devices"]]
+    d["devices"].append(
+        {"id": "host", "tflops": 1, "memory_gb": 4, "roles": ["optimizer"], "ram_gb": 64, "site": "h"}
+    )
+    return d
+
+
+def test_robust_choice_scores_ring_variants_under_dp_sync_auto():
+    """With dp_sync auto the robust choice weighs every candidate priced with optimizer hosts AND
+    with a ring all-reduce (evaluate.ring_variant): where the host is far the plan takes a ring, and
+    no grid, priced either way, is faster than the plan under both models."""
+    from fusionnode.plan.anchors import GRID_SHORTLIST, dtfm_of, robust_choice, sim_of
+    from fusionnode.plan.evaluate import ring_variant
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster_dict(_two_sites_far_host())
+    hosts = plan(g, c, 32, compress=False, dp_sync="hosts")
+    auto = plan(g, c, 32, compress=False, dp_sync="auto")
+    assert auto.dp_sync == "ring" and not auto.optimizer_hosts and len(auto.pipelines) > 1
+    ctx = make_context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
+    ps, pd = sim_of_plan(g, c, auto, ctx), dtfm_step_time(g, c, auto, ctx.est).step_s
+    assert ps < sim_of_plan(g, c, hosts, ctx)
+    grids = grid.even_grids(ctx)
+    variants = [v for ev in grids for v in (ev, ring_variant(ctx, ev)) if v is not None]
+    listed = sorted(variants, key=lambda v: v.step_s)[:GRID_SHORTLIST]
+    listed += sorted(variants, key=lambda v: dtfm_of(g, ctx, v))[:GRID_SHORTLIST]
+    for ev in listed:
+        gs, gd = sim_of(g, ctx, ev), dtfm_of(g, ctx, ev)
+        assert not (gs < ps * (1 - 1e-9) and gd < pd * (1 - 1e-9)), (ev.dp_sync, gs, gd, ps, pd)
+    # "ring": only ring variants are candidates; "hosts": none
+    pick, _ = robust_choice(g, ctx, [grids[0]], [], "ring")
+    assert pick.dp_sync == "ring" and not pick.hosts
+    pick, _ = robust_choice(g, ctx, [grids[0]], [], "hosts")
+    assert pick.dp_sync != "ring"
