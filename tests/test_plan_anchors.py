@@ -243,3 +243,44 @@ def test_robust_choice_scores_ring_variants_under_dp_sync_auto():
     assert pick.dp_sync == "ring" and not pick.hosts
     pick, _ = robust_choice(g, ctx, [grids[0]], [], "hosts")
     assert pick.dp_sync != "ring"
+
+
+def test_with_shares_reprices_like_the_closed_form_and_the_ring():
+    """evaluate.with_shares at a configuration's own shares is the closed form's price (hosts and
+    ring), and the batch must stay whole."""
+    from fusionnode.plan.evaluate import evaluate_config, ring_variant, with_shares
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster("two-universities")
+    ctx = make_context(g, c, 256, None, True, None, None, fence.MAX_BLOCKS, False)
+    ev = next(
+        e for e in (evaluate_config(ctx, g.pipelines) for g in grid.even_grids(ctx)) if len(e.pipelines) > 1
+    )
+    assert with_shares(ctx, ev, ev.shares).step_s == pytest.approx(ev.step_s, rel=1e-9)
+    ring = ring_variant(ctx, ev)
+    assert with_shares(ctx, ring, ring.shares).step_s == pytest.approx(ring.step_s, rel=1e-9)
+    moved = list(ev.shares)
+    moved[0], moved[1] = moved[0] + 8, moved[1] - 8
+    assert with_shares(ctx, ring, moved) == ring_variant(ctx, with_shares(ctx, ev, moved))
+    assert with_shares(ctx, ev, [*ev.shares[:-1], ev.shares[-1] + 1]) is None  # not the batch
+
+
+def test_share_tuning_moves_shares_without_slowing_either_model(monkeypatch):
+    """On two universities of unlike GPUs the closed form's shares are not the best under the
+    simulator and DT-FM's model: the robust choice moves samples between its pipelines, and the
+    pick is no slower under either model than without the moves."""
+    from fusionnode.plan import anchors
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster("two-universities")
+    ctx = make_context(g, c, 256, None, True, None, None, fence.MAX_BLOCKS, False)
+    grids = grid.even_grids(ctx)
+    tuned, fig = anchors.robust_choice(g, ctx, grids[:2], [], "auto")
+    monkeypatch.setattr(anchors, "SHARE_TRIES", 0)
+    plain, fig0 = anchors.robust_choice(g, ctx, grids[:2], [], "auto")
+    assert fig0["share_moves"] == 0 and fig["share_moves"] > 0
+    assert tuned.pipelines == plain.pipelines and tuned.shares != plain.shares
+    assert sum(tuned.shares) == 256
+    assert fig["sim_s"] <= fig0["sim_s"] and fig["dtfm_s"] <= fig0["dtfm_s"]
+    assert fig["sim_s"] < fig0["sim_s"] or fig["dtfm_s"] < fig0["dtfm_s"]
+    assert anchors.sim_of(g, ctx, tuned) == pytest.approx(fig["sim_s"])

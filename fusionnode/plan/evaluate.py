@@ -369,6 +369,23 @@ def ring_variant(ctx: Context, ev: Evaluated) -> Evaluated | None:
     )
 
 
+def with_shares(ctx: Context, ev: Evaluated, shares: Sequence[int]) -> Evaluated | None:
+    """`ev`'s pipelines, splits, micro-batch sizes and sync with other batch shares (summing to the
+    batch, each at least one sample), re-priced by the closed form; None where a share is not
+    allowed (ctx.micro_batches fixes the micro-batch count, a share of zero)."""
+    shares = tuple(int(x) for x in shares)
+    if len(shares) != len(ev.pipelines) or sum(shares) != ctx.batch or min(shares) < 1:
+        return None
+    if ctx.micro_batches is not None:
+        return None
+    moved = dataclasses.replace(ev, shares=shares)
+    if ev.dp_sync == "ring":
+        return ring_variant(ctx, moved)
+    times = [o.time(x) for o, x in zip(ev.choices, shares, strict=True)]
+    bound = ctx.est.host_bound(float(ctx.chain.params[-1]), list(ev.hosts), len(shares))
+    return dataclasses.replace(moved, step_s=max(max(times), bound) + ctx.est.step_overhead_s)
+
+
 def worker_indices(cluster: Cluster) -> list[int]:
     return [i for i, d in enumerate(cluster.devices) if d.is_worker]
 
