@@ -26,7 +26,13 @@ takes the candidate whose worse ratio is smallest (ties: the faster simulated). 
 * every DT-FM layout found;
 * the BALANCED candidates with the smallest worse ratio of closed form and DT-FM's model.
 
-Every candidate is scored under DT-FM's model (cheap); only the shortlist is simulated.
+Every candidate is scored under DT-FM's model (cheap); only the shortlist is simulated. With the
+planner's dp_sync "auto" every candidate also comes priced with a ring all-reduce among the replicas
+of each stage (evaluate.ring_variant; "ring": only so), so the choice also picks how the pipelines
+synchronise: DT-FM's model prices DP as a ring whatever a plan records, and with the ring priced the
+two models agree on DT-FM's settings. Last, the pick's batch shares are moved between its pipelines
+(`_tune_shares`) while neither model gets slower and the worse ratio improves: the closed form
+balances shares by its own pipeline times, which on unlike devices neither model shares.
 """
 
 from __future__ import annotations
