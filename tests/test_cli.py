@@ -109,7 +109,11 @@ def test_bad_options_are_refused_before_anything_starts_with_the_subcommands_usa
         ("train", ["--config", str(tmp_path / "c.toml")], "unknown compression 'gzip'"),
         ("train", ["--steps", "0"], "--steps: expected an integer >= 1"),
         ("train", ["--offload", "off", "--rebalance-every", "2"], "--rebalance-every moves stages"),
-        ("train", ["--offload", "off", "--replicas", "2"], "several pipelines"),
+        (
+            "train",
+            ["--offload", "off", "--replicas", "2", "--sync", "diloco"],
+            "closes rounds on the optimizer",
+        ),
         ("demo", ["--peers", "0"], "--peers: expected an integer >= 1"),
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], "expected a number >= 0"),
     ):

@@ -265,3 +265,34 @@ def test_two_replicas_with_different_shares_equal_one_pipeline(swarm, tmp_path):
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_dashboard_follows_a_job_live_and_its_buttons_act(swarm, tmp_path):
     live_dashboard_and_actions(swarm, tmp_path)  # last: it pauses and resumes the first peer
+
+
+@pytest.mark.slow
+def test_two_pipelines_without_hosts_follow_local_on_real_daemons(tmp_path):
+    """Four `fusionnode join` daemons on loopback: 2 pipelines x 2 stages, `--offload off`, gradients
+    averaged by ring all-reduce between the replicas of each stage (runtime/allreduce.py). The loss
+    follows `--local` (one process, fp32) within 1e-5 and both replicas hold the same parameters."""
+    (tmp_path / "swarm").mkdir()
+    s = LocalSwarm(tmp_path / "swarm", 4, log=sys.stderr)
+    try:
+        s.start()
+        asyncio.run(s.wait_connected())
+        spec = small_spec(steps=5, batch_size=8, micro_batches=2, grad_clip=1.0, compress="none")
+        res, events = run_job(
+            s,
+            spec.replace(save_dir=str(tmp_path / "ring"), save_every=0),
+            offload="off",
+            stages=2,
+            replicas=2,
+        )
+    finally:
+        s.stop()
+    plan = next(e for e in events if e["type"] == "plan")
+    assert not plan["offload"] and plan["optimizer_hosts"] == []
+    assert {st["replica"] for st in plan["stages"]} == {0, 1}
+    got = [e["loss"] for e in events if e["type"] == "step"]
+    ref = train_local(spec).losses
+    assert len(got) == len(ref) == spec.steps
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) < 1e-5, f"step {i}: swarm {a:.7f} vs local {b:.7f}"
+    assert res["val_loss"] > 0

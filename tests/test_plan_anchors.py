@@ -204,3 +204,83 @@ def test_simulate_scores_a_given_plan_and_refuses_bad_ones(tmp_path, capsys):
     refused(uncovered, "stages end at node")
     refused(too_big, "GB usable")
     assert len(stages) >= 1
+
+
+def _two_sites_far_host(n: int = 16) -> dict:
+    """_two_sites' workers plus one optimizer-only host behind a slow link to every worker."""
+    d = _two_sites(n)
+    d["devices"] = [{**dev, "roles": ["worker"]} for dev in d["devices"]]
+    d["devices"].append(
+        {"id": "host", "tflops": 1, "memory_gb": 4, "roles": ["optimizer"], "ram_gb": 64, "site": "h"}
+    )
+    return d
+
+
+def test_robust_choice_scores_ring_variants_under_dp_sync_auto():
+    """With dp_sync auto the robust choice weighs every candidate priced with optimizer hosts AND
+    with a ring all-reduce (evaluate.ring_variant): where the host is far the plan takes a ring, and
+    no grid, priced either way, is faster than the plan under both models."""
+    from fusionnode.plan.anchors import GRID_SHORTLIST, dtfm_of, robust_choice, sim_of
+    from fusionnode.plan.evaluate import ring_variant
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster_dict(_two_sites_far_host())
+    hosts = plan(g, c, 32, compress=False, dp_sync="hosts")
+    auto = plan(g, c, 32, compress=False, dp_sync="auto")
+    assert auto.dp_sync == "ring" and not auto.optimizer_hosts and len(auto.pipelines) > 1
+    ctx = make_context(g, c, 32, None, True, None, None, fence.MAX_BLOCKS, False)
+    ps, pd = sim_of_plan(g, c, auto, ctx), dtfm_step_time(g, c, auto, ctx.est).step_s
+    assert ps < sim_of_plan(g, c, hosts, ctx)
+    grids = grid.even_grids(ctx)
+    variants = [v for ev in grids for v in (ev, ring_variant(ctx, ev)) if v is not None]
+    listed = sorted(variants, key=lambda v: v.step_s)[:GRID_SHORTLIST]
+    listed += sorted(variants, key=lambda v: dtfm_of(g, ctx, v))[:GRID_SHORTLIST]
+    for ev in listed:
+        gs, gd = sim_of(g, ctx, ev), dtfm_of(g, ctx, ev)
+        assert not (gs < ps * (1 - 1e-9) and gd < pd * (1 - 1e-9)), (ev.dp_sync, gs, gd, ps, pd)
+    # "ring": only ring variants are candidates; "hosts": none
+    pick, _ = robust_choice(g, ctx, [grids[0]], [], "ring")
+    assert pick.dp_sync == "ring" and not pick.hosts
+    pick, _ = robust_choice(g, ctx, [grids[0]], [], "hosts")
+    assert pick.dp_sync != "ring"
+
+
+def test_with_shares_reprices_like_the_closed_form_and_the_ring():
+    """evaluate.with_shares at a configuration's own shares is the closed form's price (hosts and
+    ring), and the batch must stay whole."""
+    from fusionnode.plan.evaluate import evaluate_config, ring_variant, with_shares
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster("two-universities")
+    ctx = make_context(g, c, 256, None, True, None, None, fence.MAX_BLOCKS, False)
+    ev = next(
+        e for e in (evaluate_config(ctx, g.pipelines) for g in grid.even_grids(ctx)) if len(e.pipelines) > 1
+    )
+    assert with_shares(ctx, ev, ev.shares).step_s == pytest.approx(ev.step_s, rel=1e-9)
+    ring = ring_variant(ctx, ev)
+    assert with_shares(ctx, ring, ring.shares).step_s == pytest.approx(ring.step_s, rel=1e-9)
+    moved = list(ev.shares)
+    moved[0], moved[1] = moved[0] + 8, moved[1] - 8
+    assert with_shares(ctx, ring, moved) == ring_variant(ctx, with_shares(ctx, ev, moved))
+    assert with_shares(ctx, ev, [*ev.shares[:-1], ev.shares[-1] + 1]) is None  # not the batch
+
+
+def test_share_tuning_moves_shares_without_slowing_either_model(monkeypatch):
+    """On two universities of unlike GPUs the closed form's shares are not the best under the
+    simulator and DT-FM's model: the robust choice moves samples between its pipelines, and the
+    pick is no slower under either model than without the moves."""
+    from fusionnode.plan import anchors
+
+    g = gpt2_like_graph(12, 128, 32)
+    c = load_cluster("two-universities")
+    ctx = make_context(g, c, 256, None, True, None, None, fence.MAX_BLOCKS, False)
+    grids = grid.even_grids(ctx)
+    tuned, fig = anchors.robust_choice(g, ctx, grids[:2], [], "auto")
+    monkeypatch.setattr(anchors, "SHARE_TRIES", 0)
+    plain, fig0 = anchors.robust_choice(g, ctx, grids[:2], [], "auto")
+    assert fig0["share_moves"] == 0 and fig["share_moves"] > 0
+    assert tuned.pipelines == plain.pipelines and tuned.shares != plain.shares
+    assert sum(tuned.shares) == 256
+    assert fig["sim_s"] <= fig0["sim_s"] and fig["dtfm_s"] <= fig0["dtfm_s"]
+    assert fig["sim_s"] < fig0["sim_s"] or fig["dtfm_s"] < fig0["dtfm_s"]
+    assert anchors.sim_of(g, ctx, tuned) == pytest.approx(fig["sim_s"])

@@ -21,6 +21,13 @@ SECRET = "s" * 32
 SPECS = {"w": {"shape": [2, 3], "dtype": "float32"}}
 EXPECTED = {"w": {"r0/s0": {"replica": 0, "samples": 4, "peer": PEER}}}
 OFFLOAD = {"hosts": {"w": PEER}, "host_index": {"w": 0}, "contributor": "r0/s0", "samples": 4}
+RING = {
+    "id": 3,
+    "members": [PEER, PEER + "2"],
+    "member_stages": [1, 3],
+    "weights": [0.5, 0.5],
+    "names": ["w"],
+}
 
 # values a field must have to pass its message's own checks (by field name)
 OVERRIDES: dict[str, Any] = {
@@ -29,6 +36,10 @@ OVERRIDES: dict[str, Any] = {
     "send_specs": SPECS,
     "expected": EXPECTED,
     "offload": OFFLOAD,
+    "allreduce": [RING],
+    "members": RING["members"],
+    "member_stages": RING["member_stages"],
+    "weights": RING["weights"],
     "secret": SECRET,
     "what": "grads",
     "lease_s": 30.0,

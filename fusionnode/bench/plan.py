@@ -234,6 +234,7 @@ def _versus(args: argparse.Namespace, graph: OpGraph) -> list[dict]:
     kw = {
         "population": args.dtfm_population or dtfm.POPULATION,
         "trials": dtfm.TRIALS if args.dtfm_trials is None else args.dtfm_trials,
+        "dp_sync": args.dp_sync,
     }
     rows = []
     for name in names:
@@ -271,6 +272,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--dtfm-population", type=int, default=None, help="DT-FM's population (default: its published 100)"
+    )
+    ap.add_argument(
+        "--dp-sync",
+        choices=("auto", "hosts"),
+        default="auto",
+        help="data-parallel sync of the versus placements: 'auto' (optimizer hosts or a ring all-reduce "
+        "among the replicas, the faster per plan; the default) or 'hosts' only",
     )
     ap.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = ap.parse_args(argv)

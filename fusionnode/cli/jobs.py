@@ -71,7 +71,8 @@ def add_train_command(sub: Any) -> None:
         "--replicas",
         type=int_at_least(1),
         default=1,
-        help="data-parallel pipelines; they synchronise through optimizer hosts (default %(default)s)",
+        help="data-parallel pipelines; they synchronise through optimizer hosts, or with --offload off "
+        "by ring all-reduce between the replicas of each stage (default %(default)s)",
     )
     p.add_argument(
         "--shares",
@@ -333,8 +334,6 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "--rebalance-every moves stages between workers, which needs the optimizer state on "
             "optimizer hosts: use --offload on (or auto), or leave --rebalance-every out"
         )
-    if args.offload == "off" and (args.replicas > 1 or args.shares):
-        parser.error("several pipelines synchronise through optimizer hosts: use --offload on (or auto)")
     try:
         sync = sync_from_args(args)
     except FusionNodeError as exc:

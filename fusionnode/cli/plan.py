@@ -87,9 +87,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the model's)")
     parser.add_argument(
         "--offload",
-        choices=("on", "off"),
+        choices=("on", "off", "auto"),
         default="on",
-        help="optimizer state on optimizer hosts (on) or on the workers (off) (default %(default)s)",
+        help="optimizer state on optimizer hosts (on), or on the workers with the pipelines' gradients "
+        "averaged by ring all-reduce among the replicas of each stage (off), or whichever is faster for "
+        "the plan (auto: hosts only where they pay) (default %(default)s)",
     )
     parser.add_argument(
         "--compress",
@@ -187,7 +189,14 @@ def swarm_cluster(state_dir: Path | None) -> Cluster:
 
 def format_plan(p: Plan) -> str:
     """A human-readable table of a plan."""
-    lines = [f"plan for {p.model} on {p.cluster}: batch {p.batch_size}, seq {p.seq_len}, offload {p.offload}"]
+    lines = [
+        f"plan for {p.model} on {p.cluster}: batch {p.batch_size}, seq {p.seq_len}, offload {p.offload}"
+        + (
+            ", replicas synchronise by ring all-reduce"
+            if p.dp_sync == "ring" and len(p.pipelines) > 1
+            else ""
+        )
+    ]
     if p.prediction is not None:
         lines.append(
             f"predicted step {p.prediction.step_time_s:.3f} s, {p.prediction.tokens_per_s:,.0f} tokens/s"
@@ -226,10 +235,11 @@ def run_plan(args: argparse.Namespace) -> int:
             args.batch_size,
             micro_batches=args.micro_batches,
             seq_len=args.seq_len,
-            offload=args.offload == "on",
+            offload=args.offload != "off",
             compress=args.compress == "adatopk",
             keep_floor=PLAN_KEEP_FLOOR,
             sync=price,
+            dp_sync="auto" if args.offload == "auto" else None,
         )
         result = simulate(graph, cluster, p, sync=price)
         sim = result.step_time_s
@@ -292,7 +302,8 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     from fusionnode.plan.evaluate import build_plan, evaluate_plan, make_context
 
     compress = args.compress == "adatopk"
-    kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload == "on"}
+    kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload != "off"}
+    dp_sync = "auto" if args.offload == "auto" else None
     price = _sync_price(args)  # every layout is priced under the same sync
     out: dict = {
         "model": graph.model_name,
@@ -335,7 +346,9 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     makers = [
         (
             "plan",
-            lambda *a, **k: make_plan(*a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR, sync=price),
+            lambda *a, **k: make_plan(
+                *a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR, sync=price, dp_sync=dp_sync
+            ),
         ),
         ("grid", make_grid),
         ("dtfm", make_dtfm),

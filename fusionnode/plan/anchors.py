@@ -26,7 +26,13 @@ takes the candidate whose worse ratio is smallest (ties: the faster simulated). 
 * every DT-FM layout found;
 * the BALANCED candidates with the smallest worse ratio of closed form and DT-FM's model.
 
-Every candidate is scored under DT-FM's model (cheap); only the shortlist is simulated.
+Every candidate is scored under DT-FM's model (cheap); only the shortlist is simulated. With the
+planner's dp_sync "auto" every candidate also comes priced with a ring all-reduce among the replicas
+of each stage (evaluate.ring_variant; "ring": only so), so the choice also picks how the pipelines
+synchronise: DT-FM's model prices DP as a ring whatever a plan records, and with the ring priced the
+two models agree on DT-FM's settings. Last, the pick's batch shares are moved between its pipelines
+(`_tune_shares`) while neither model gets slower and the worse ratio improves: the closed form
+balances shares by its own pipeline times, which on unlike devices neither model shares.
 """
 
 from __future__ import annotations
@@ -35,10 +41,18 @@ import dataclasses
 import logging
 import math
 
+from fusionnode.errors import PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import dtfm, grid
 from fusionnode.plan.dtfm_cost import dtfm_step_time
-from fusionnode.plan.evaluate import Context, Evaluated, build_plan, evaluate_config
+from fusionnode.plan.evaluate import (
+    Context,
+    Evaluated,
+    build_plan,
+    evaluate_config,
+    ring_variant,
+    with_shares,
+)
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -51,6 +65,8 @@ BALANCED = 6  # and candidates with the best worse ratio of closed form and DT-F
 BALANCED_SHAPES = 2  # DT-FM also runs for the shapes of the grids with the best such ratio
 DTFM_POPULATION = 20  # DT-FM's budget for the shape DT-FM's model rates best (on DT-FM's settings
 DTFM_TRIALS = 200  # it finds the same layouts as the published 100 x 4,900: bench plan)
+SHARE_STEP = 4  # micro-batches moved between two pipelines at a time by the robust choice's share tuning
+SHARE_TRIES = 12  # and the most share moves it scores (each: one simulation, one DT-FM model run)
 
 
 def _key(ev: Evaluated) -> tuple:
@@ -60,6 +76,7 @@ def _key(ev: Evaluated) -> tuple:
         tuple(o.cost.split for o in ev.choices),
         tuple(o.u for o in ev.choices),
         ev.hosts,
+        ev.dp_sync,
     )
 
 
@@ -80,10 +97,13 @@ def grids_by_dtfm(graph: OpGraph, ctx: Context, grids: list[Evaluated]) -> list[
     return scored
 
 
-def anchors(ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None) -> list[Evaluated]:
+def anchors(
+    ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None, ring: bool = False
+) -> list[Evaluated]:
     """Even grids (as is, and the best GRIDS_RESPLIT re-split) and DT-FM's layouts, fastest first
-    by the closed form. DT-FM runs for the best grid's shape under the closed form and, given the
-    graph, for the best grid's shape under DT-FM's cost model."""
+    by the closed form. DT-FM runs for the best grid's shape under the closed form, given the
+    graph, for the best grid's shape under DT-FM's cost model and, with `ring`, for the shape of the
+    grid that is fastest with a ring all-reduce (evaluate.ring_variant)."""
     grids = grid.even_grids(ctx)
     out = list(grids)
     for ev in list(out[:GRIDS_RESPLIT]):
@@ -100,6 +120,10 @@ def anchors(ctx: Context, with_dtfm: bool = True, graph: OpGraph | None = None) 
             balanced = sorted(by_dtfm, key=lambda x: max(x[1].step_s / c0, x[0] / d0))
             for _, ev in balanced[:BALANCED_SHAPES]:
                 shapes.setdefault(grid.grid_shape(ev), budget)
+        if ring:
+            rings = [r for r in (ring_variant(ctx, g) for g in grids) if r is not None]
+            if rings:
+                shapes.setdefault(grid.grid_shape(min(rings, key=lambda e: e.step_s)), budget)
         for (replicas, stages), (population, trials) in shapes.items():
             if stages == 1 and replicas == 1:
                 continue
@@ -141,32 +165,50 @@ class Scored:
 
 
 def robust_choice(
-    graph: OpGraph, ctx: Context, own: list[Evaluated], found: list[Evaluated]
+    graph: OpGraph, ctx: Context, own: list[Evaluated], found: list[Evaluated], dp_sync: str = "hosts"
 ) -> tuple[Evaluated, dict]:
     """The candidate with the smallest worse ratio to the best under the simulator and under
     DT-FM's model (module docstring). `own`: the planner's configurations (its choice first);
-    `found`: the anchors. Returns (choice, figures for the log)."""
+    `found`: the anchors. `dp_sync` (planner.plan's): "hosts" scores the candidates as priced;
+    "ring" their ring all-reduce variants (evaluate.ring_variant) instead; "auto" both, so the
+    choice also picks how the pipelines synchronise. Returns (choice, figures for the log)."""
     pool: dict[tuple, Scored] = {}
 
-    def add(ev: Evaluated) -> Scored:
-        k = _key(ev)
-        if k not in pool:
-            pool[k] = Scored(ev, dtfm_of(graph, ctx, ev))
-        return pool[k]
+    def variants(ev: Evaluated) -> list[Evaluated]:
+        if dp_sync == "hosts" or ev.dp_sync == "ring" or len(ev.pipelines) < 2:
+            return [ev]
+        r = ring_variant(ctx, ev)
+        if dp_sync == "ring":
+            return [r] if r is not None else []
+        return [ev] if r is None else [ev, r]
+
+    def add(ev: Evaluated) -> list[Scored]:
+        out = []
+        for v in variants(ev):
+            k = _key(v)
+            if k not in pool:
+                pool[k] = Scored(v, dtfm_of(graph, ctx, v))
+            out.append(pool[k])
+        return out
 
     grids = grid.even_grids(ctx)
     shortlist: dict[tuple, Scored] = {}
     for ev in [*own, *found[:SIMULATED]]:
-        s = add(ev)
-        shortlist[_key(ev)] = s
+        for s in add(ev):
+            shortlist[_key(s.ev)] = s
     for ev in found:
         add(ev)
-    grid_scored = [add(ev) for ev in grids]
-    for s in grid_scored[:GRID_SHORTLIST] + sorted(grid_scored, key=lambda s: s.dtfm_s)[:GRID_SHORTLIST]:
+    grid_scored = [s for ev in grids for s in add(ev)]
+    by_closed = sorted(grid_scored, key=lambda s: s.ev.step_s)
+    by_dtfm = sorted(grid_scored, key=lambda s: s.dtfm_s)
+    for s in by_closed[:GRID_SHORTLIST] + by_dtfm[:GRID_SHORTLIST]:
         shortlist[_key(s.ev)] = s
     for ev in found:  # DT-FM's layouts are not grids of the cluster's order: all of them
         if not any(ev.pipelines == g.pipelines for g in grids):
-            shortlist[_key(ev)] = pool[_key(ev)]
+            for s in add(ev):
+                shortlist[_key(s.ev)] = s
+    if not pool:
+        raise PlanError(f"no candidate fits with dp_sync {dp_sync!r}")
     closed_best = min(s.ev.step_s for s in pool.values())
     dtfm_best = min(s.dtfm_s for s in pool.values())
     balanced = sorted(pool.values(), key=lambda s: max(s.ev.step_s / closed_best, s.dtfm_s / dtfm_best))
@@ -180,6 +222,9 @@ def robust_choice(
         return (max(s.sim_s / sim_best, s.dtfm_s / dtfm_best), s.sim_s)
 
     pick = min(shortlist.values(), key=worst)
+    pick, tuned = _tune_shares(
+        graph, ctx, pick, lambda s: (max(s.sim_s / sim_best, s.dtfm_s / dtfm_best), s.sim_s)
+    )
     if log.isEnabledFor(logging.DEBUG):
         for s in sorted(shortlist.values(), key=worst):
             log.debug(
@@ -200,5 +245,39 @@ def robust_choice(
         "dtfm_s": pick.dtfm_s,
         "sim_ratio": pick.sim_s / sim_best,
         "dtfm_ratio": pick.dtfm_s / dtfm_best,
+        "share_moves": tuned,
     }
     return pick.ev, figures
+
+
+def _tune_shares(graph: OpGraph, ctx: Context, pick: Scored, key) -> tuple[Scored, int]:
+    """Move batch shares between the pick's pipelines, SHARE_STEP micro-batches at a time, while
+    `key` (the robust choice's: worse ratio, then simulated seconds) improves and neither model's
+    seconds grow (so the pick never gets slower under either); at most SHARE_TRIES
+    candidates scored. The closed form balances shares by its own pipeline times; the simulator and
+    DT-FM's model (which charges a pipeline's boundaries its whole share) can disagree with it, most
+    on pipelines of unlike devices. Returns (the best found, how many moves were taken)."""
+    n = len(pick.ev.pipelines)
+    if n < 2:
+        return pick, 0
+    best, moves, tries = pick, 0, 0
+    improved = True
+    while improved and tries < SHARE_TRIES:
+        improved = False
+        for i in range(n):
+            for j in range(n):
+                if i == j or tries >= SHARE_TRIES:
+                    continue
+                step = SHARE_STEP * max(best.ev.choices[i].u, best.ev.choices[j].u)
+                shares = list(best.ev.shares)
+                shares[i] += step
+                shares[j] -= step
+                ev = with_shares(ctx, best.ev, shares)
+                if ev is None:
+                    continue
+                tries += 1
+                cand = Scored(ev, dtfm_of(graph, ctx, ev), sim_of(graph, ctx, ev))
+                no_worse = cand.sim_s <= best.sim_s * (1 + 1e-9) and cand.dtfm_s <= best.dtfm_s * (1 + 1e-9)
+                if no_worse and key(cand) < key(best):
+                    best, moves, improved = cand, moves + 1, True
+    return best, moves

@@ -8,6 +8,7 @@ reference) prices through here, with plan/estimator.py's cost model."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -19,6 +20,7 @@ from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.dpsync import ring_sync_s
 from fusionnode.plan.estimator import (
     DEFAULT_EFFICIENCY,
     K_MIN,
@@ -268,6 +270,7 @@ class Evaluated:
     shares: tuple[int, ...]
     choices: tuple[Option, ...]
     hosts: tuple[tuple[int, float], ...]
+    dp_sync: str = ""  # "ring": priced by `ring_variant` (the optimizer on the workers); else the estimator's
 
 
 def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evaluated | None:
@@ -340,6 +343,49 @@ def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evalu
         choices=tuple(choices),
         hosts=tuple(ctx.hosts),
     )
+
+
+def ring_variant(ctx: Context, ev: Evaluated) -> Evaluated | None:
+    """`ev`'s pipelines, shares and splits with the optimizer on the workers and the data-parallel sync
+    by ring all-reduce among the replicas of each stage (plan/dpsync.py) instead of optimizer hosts
+    (one pipeline: nothing to synchronise); None when the optimizer state does not fit the workers."""
+    local = copy.copy(ctx.est)  # the same calibration, with the optimizer state on the workers
+    local.offload = False
+    choices, times, layout = [], [], []
+    for devices, share, opt in zip(ev.pipelines, ev.shares, ev.choices, strict=True):
+        c = opt.cost
+        cost = local.evaluate(ctx.chain, c.devices, c.split, c.micro_batch_size, ratios=list(c.ratios))
+        if not cost.fits:
+            return None
+        choices.append(Option(cost, 0.0))
+        times.append(cost.pipeline_time(-(-share // c.micro_batch_size)))
+        layout.append((devices, c.split))
+    cl = ctx.est.cluster
+    sync = ring_sync_s(cl.bandwidth_bps, cl.latency_s, ctx.chain.params, layout)
+    return dataclasses.replace(
+        ev,
+        step_s=max(times) + sync + local.step_overhead_s,
+        choices=tuple(choices),
+        hosts=(),
+        dp_sync="ring",
+    )
+
+
+def with_shares(ctx: Context, ev: Evaluated, shares: Sequence[int]) -> Evaluated | None:
+    """`ev`'s pipelines, splits, micro-batch sizes and sync with other batch shares (summing to the
+    batch, each at least one sample), re-priced by the closed form; None where a share is not
+    allowed (ctx.micro_batches fixes the micro-batch count, a share of zero)."""
+    shares = tuple(int(x) for x in shares)
+    if len(shares) != len(ev.pipelines) or sum(shares) != ctx.batch or min(shares) < 1:
+        return None
+    if ctx.micro_batches is not None:
+        return None
+    moved = dataclasses.replace(ev, shares=shares)
+    if ev.dp_sync == "ring":
+        return ring_variant(ctx, moved)
+    times = [o.time(x) for o, x in zip(ev.choices, shares, strict=True)]
+    bound = ctx.est.host_bound(float(ctx.chain.params[-1]), list(ev.hosts), len(shares))
+    return dataclasses.replace(moved, step_s=max(max(times), bound) + ctx.est.step_overhead_s)
 
 
 def worker_indices(cluster: Cluster) -> list[int]:
@@ -461,7 +507,8 @@ def build_plan(graph: OpGraph, ctx: Context, ev: Evaluated, seq_len: int | None,
         seq_len=seq,
         num_nodes=graph.num_nodes,
         pipelines=tuple(pipes),
-        offload=ctx.est.offload,
+        offload=ctx.est.offload and ev.dp_sync != "ring",
+        dp_sync="ring" if ev.dp_sync == "ring" or not ctx.est.offload else "hosts",
         optimizer_hosts=hosts,
         prediction=Prediction(
             step_time_s=float(ev.step_s),
@@ -491,14 +538,19 @@ def evaluate_plan(
     hosts = [(cluster.index(h.device), h.share) for h in p.optimizer_hosts]
     workers = worker_indices(cluster)
     multi = len(p.pipelines) > 1
-    times = []
+    ring = p.dp_sync == "ring" and multi
+    times, layout = [], []
     for pl in p.pipelines:
         devs = [cluster.index(s.devices[0]) for s in pl.stages]
         split = [pos[s.lo] for s in pl.stages] + [chain.blocks]
         ratios = [s.keep_ratio for s in pl.stages]
         cost = est.evaluate(chain, devs, split, pl.micro_batch_size, ratios=ratios)
         ctx = Context(est, chain, p.batch_size, hosts, workers)
-        times.append(cost.pipeline_time(pl.micro_batches) + ctx.sync(cost, multi))
+        times.append(cost.pipeline_time(pl.micro_batches) + (0.0 if ring else ctx.sync(cost, multi)))
+        layout.append((devs, split))
+    if ring:  # the replicas' ring all-reduce (plan/dpsync.py) after the slowest pipeline
+        sync = ring_sync_s(cluster.bandwidth_bps, cluster.latency_s, chain.params, layout)
+        return max(times) + sync + est.step_overhead_s
     return (
         max(max(times), est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)))
         + est.step_overhead_s

@@ -11,6 +11,7 @@ from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 
 PLAN_FORMAT_VERSION = 1
+DP_SYNC_CHOICES = ("hosts", "ring")  # how a plan's replicas synchronise (Plan.dp_sync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +67,16 @@ class Plan:
     offload: bool = True
     optimizer_hosts: tuple[OptimizerHost, ...] = ()
     prediction: Prediction | None = None
+    # data-parallel sync: "hosts" (optimizer hosts; offload) or "ring" (ring all-reduce among the
+    # replicas of each stage, the optimizer on the workers: plan/dpsync.py); "" = as `offload` says
+    dp_sync: str = ""
     strategy: str = "fusion"  # "fusion" | "even" | "memory" | "contiguous" | "exhaustive"
     cluster: str = ""
     version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not self.dp_sync:
+            object.__setattr__(self, "dp_sync", "hosts" if self.offload else "ring")
 
     # ---- checks ------------------------------------------------------------------------------
     def validate(self, graph: OpGraph | None = None) -> None:
@@ -78,6 +86,10 @@ class Plan:
             raise PlanError(f"plan is for {self.num_nodes} nodes, graph has {graph.num_nodes}")
         if not self.pipelines:
             raise PlanError("plan has no pipeline")
+        if self.dp_sync not in DP_SYNC_CHOICES or (self.dp_sync == "ring") == self.offload:
+            raise PlanError(
+                f"dp_sync {self.dp_sync!r} with offload {self.offload}: 'hosts' goes with offload, 'ring' without"
+            )
         if sum(p.batch_share for p in self.pipelines) != self.batch_size:
             raise PlanError(
                 f"batch shares {[p.batch_share for p in self.pipelines]} do not add up to {self.batch_size}"
@@ -118,7 +130,17 @@ class Plan:
                 st["devices"] = list(st["devices"])
         for h in d["optimizer_hosts"]:
             h["param_names"] = list(h["param_names"])
-        order = ["version", "strategy", "model", "cluster", "batch_size", "seq_len", "num_nodes", "offload"]
+        order = [
+            "version",
+            "strategy",
+            "model",
+            "cluster",
+            "batch_size",
+            "seq_len",
+            "num_nodes",
+            "offload",
+            "dp_sync",
+        ]
         return {**{k: d[k] for k in order}, **{k: v for k, v in d.items() if k not in order}}
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -173,6 +195,7 @@ class Plan:
                 num_nodes=int(d["num_nodes"]),
                 pipelines=pipes,
                 offload=bool(d.get("offload", True)),
+                dp_sync=str(d.get("dp_sync", "")),
                 optimizer_hosts=hosts,
                 prediction=pred,
                 strategy=str(d.get("strategy", "fusion")),

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from fusionnode.errors import PlanError
+from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
@@ -41,6 +41,7 @@ from fusionnode.plan.evaluate import (
     evaluate_config,
     make_context,
     pipe_time,
+    ring_variant,
 )
 from fusionnode.plan.hosts import HOST_COUNT_MULTIPLIERS, choose_hosts, host_sets
 from fusionnode.plan.plan import Plan
@@ -52,6 +53,9 @@ MAX_PIPELINE_COUNTS = 8  # pipeline counts tried per grouping
 TRIM_SPEED_RATIO = 0.5  # only try dropping devices slower than this x the pipeline's fastest
 LOCAL_SEARCH_MOVES = 3000  # most candidate moves evaluated by the local search
 LOCAL_SEARCH_STARTS = 3  # local search from this many of the best constructed configurations
+
+
+RING_SIMULATED = 6  # ring variants the planner simulates against its choice on large clusters
 
 
 def _pipeline_counts(n_workers: int, min_stages: int, blocks: int) -> list[int]:
@@ -211,6 +215,7 @@ def plan(
     keep_floor: float = K_MIN,
     robust: bool = True,
     sync: SyncPrice | None = None,
+    dp_sync: str | None = None,
 ) -> Plan:
     """The best plan the search finds for training `graph` on `cluster` (raises PlanError if none fits).
     `compress`: whether the job compresses its links (AdaTopK), so the plan may count on it;
@@ -218,9 +223,18 @@ def plan(
     `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
     `robust`: on clusters above SMALL_CLUSTER (and up to anchors.DTFM_MAX_WORKERS) workers, choose
     the candidate with the best worse ratio under the simulator and DT-FM's cost model
-    (anchors.robust_choice), else the fastest simulated;
+    (anchors.robust_choice; with dp_sync "auto" or "ring" over the ring variants too), else the
+    fastest simulated;
     `sync`: how the replicas' data-parallel sync is paid (every step by default, or per round of
-    H steps under --sync diloco|sparseloco: plan/syncprice.py)."""
+    H steps under --sync diloco|sparseloco: plan/syncprice.py);
+    `dp_sync`: how the pipelines synchronise: "hosts" (optimizer hosts; the default with `offload`),
+    "ring" (ring all-reduce among the replicas of each stage; the default without) or "auto" (with
+    `offload`: the plan takes the ring wherever it is faster than the hosts; `Plan.dp_sync` says which)."""
+    dp_sync = dp_sync or ("hosts" if offload else "ring")
+    if dp_sync not in ("hosts", "ring", "auto") or (dp_sync == "ring") == offload:
+        raise ConfigError(
+            f"dp_sync {dp_sync!r} with offload {offload}: hosts|auto need offload, ring does not"
+        )
     t0 = time.perf_counter()
     ctx = make_context(
         graph,
@@ -265,7 +279,7 @@ def plan(
         from fusionnode.plan.anchors import anchors
 
         ctx.hosts, ctx._host_terms = list(candidates[0]), None
-        found_anchors = anchors(ctx, graph=None if small else graph)
+        found_anchors = anchors(ctx, graph=None if small else graph, ring=dp_sync != "hosts")
         if found_anchors and (best is None or found_anchors[0].step_s < best.step_s):
             best = found_anchors[0]
     if best is None:
@@ -286,11 +300,19 @@ def plan(
 
         ctx.hosts, ctx._host_terms = list(best.hosts), None
         if robust and len(workers) <= DTFM_MAX_WORKERS:
-            best, figures = robust_choice(graph, ctx, [best, *own], found_anchors)
+            best, figures = robust_choice(graph, ctx, [best, *own], found_anchors, dp_sync)
             log.info("robust choice: %s", {k: round(v, 3) for k, v in figures.items()})
         else:  # the simulator alone (DT-FM's model is too slow to score every grid of 1,000 workers)
             shortlist = [best, *found_anchors[:SIMULATED], *even_grids(ctx)[:SIMULATED]]
             best = by_simulation(graph, ctx, shortlist)
+            if dp_sync != "hosts":
+                best = choose_dp_sync(
+                    graph, ctx, best, found_anchors, keep_hosts=dp_sync == "auto", simulated=True
+                )
+    elif dp_sync != "hosts":
+        best = choose_dp_sync(
+            graph, ctx, best, found_anchors, keep_hosts=dp_sync == "auto", simulated=not small
+        )
     log.info(
         "planned %s on %s: %d pipelines, step %.3fs, %d split evaluations, %.2fs",
         graph.model_name,
@@ -346,6 +368,32 @@ def _constructive(
                 counts_seen.add(len(ev.pipelines))
                 out.append(ev)
     return out
+
+
+def choose_dp_sync(
+    graph: OpGraph,
+    ctx: Context,
+    best: Evaluated,
+    others: Sequence[Evaluated],
+    keep_hosts: bool,
+    simulated: bool,
+) -> Evaluated:
+    """The data-parallel sync priced both ways: `best` and `others` (the anchors and grids it was chosen
+    among) with a ring all-reduce among the replicas of each stage (evaluate.ring_variant); the
+    fastest of those, or `best` as it is when `keep_hosts` and its optimizer hosts are faster. Fastest
+    by the closed form, or with `simulated` by the event simulator among the RING_SIMULATED fastest
+    rings by the closed form (as the hosts' choice was made on large clusters)."""
+    rings = sorted(
+        (r for r in (ring_variant(ctx, e) for e in [best, *others]) if r is not None), key=lambda e: e.step_s
+    )
+    if not rings:
+        return best
+    pool = ([best] if keep_hosts else []) + rings[: RING_SIMULATED if simulated else 1]
+    if simulated:
+        from fusionnode.plan.anchors import by_simulation
+
+        return by_simulation(graph, ctx, pool)
+    return min(pool, key=lambda e: e.step_s)
 
 
 def _best_hosts(ctx: Context, ev: Evaluated) -> Evaluated:

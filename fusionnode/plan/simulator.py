@@ -8,7 +8,8 @@ time (FIFO by request time), forward activations one way and backward gradients 
 transfer occupies its direction for its serialisation time and arrives one latency later. The last micro-batch may be
 partial (its times scale with its size). After its last backward a stage pushes its gradients to
 every optimizer host and pulls the parameters back (to all hosts at once, as the runtime's push
-tasks do); each host's own link is a FIFO resource shared by all stages of all pipelines. Without offload, the data-parallel
+tasks do); each host's own link is a FIFO resource shared by all stages of all pipelines. With a ring plan (dp_sync "ring") each set of stages holding the same parameters all-reduces once
+its last member is done (plan/dpsync.py). Otherwise without offload, the data-parallel
 exchange of the estimator is used after the stage's last backward. Step time = the last finish,
 plus the estimator's fixed per-step overhead (the runtime's RPC rounds).
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.dpsync import ring_finish
 from fusionnode.plan.estimator import Q8_WIRE_FACTOR, Chain, Estimator, wire_bytes
 from fusionnode.plan.plan import Plan
 from fusionnode.plan.syncprice import SyncPrice
@@ -174,6 +176,8 @@ def simulate(
     multi = len(plan.pipelines) > 1
     pipe_finish, sync_finish, busy_all, lbusy_all = [], [], [], []
     pending: list[tuple[float, int, float]] = []  # (ready time, stage device, param bytes)
+    ring = plan.dp_sync == "ring" and multi
+    layout, stage_done = [], []  # for the replicas' ring all-reduce (plan/dpsync.py)
     for pl in plan.pipelines:
         devs = [cluster.index(st.devices[0]) for st in pl.stages]
         split = [pos[st.lo] for st in pl.stages] + [chain.blocks]
@@ -202,7 +206,11 @@ def simulate(
         lbusy_all.append(tuple(lbusy))
         pipe_finish.append(max(finish))
         params = [float(chain.params[split[k + 1]] - chain.params[split[k]]) for k in range(s)]
-        if est.offload:
+        if ring:  # whatever the estimator's offload says: the plan's replicas sync by ring
+            layout.append((devs, split))
+            stage_done.append(list(finish))
+            sync_finish.append(math.nan)
+        elif est.offload:
             for k in range(s):
                 pending.append((finish[k], devs[k], params[k]))
             sync_finish.append(math.nan)
@@ -239,6 +247,8 @@ def simulate(
         for p_i, pl in enumerate(plan.pipelines):
             s = len(pl.stages)
             sync_finish[p_i] = max(done_at[cluster.index(st.devices[0])] for st in pl.stages)
+    if ring:
+        sync_finish = ring_finish(cluster.bandwidth_bps, cluster.latency_s, chain.params, layout, stage_done)
     for p_i in range(len(sync_finish)):
         if math.isnan(sync_finish[p_i]):
             sync_finish[p_i] = pipe_finish[p_i]

@@ -52,6 +52,8 @@ class StageJob:
         self.offload: jp.Offload | None = a.offload_plan
         # --sync diloco|sparseloco (issue 19): a local inner optimizer, pseudo-gradients every round
         self.sync = SyncConfig.from_dict(a.sync)
+        # offload off with several pipelines: the rings that average gradients with the other replicas
+        self.rings: list[jp.AllReduceRing] = a.rings
         self.rounds: StageRounds | None = None
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None

@@ -37,6 +37,7 @@ import torch
 from fusionnode.compress.link import LinkCompressor
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.runtime.audit import StageAudit
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
 from fusionnode.runtime.offload import HostLink
 from fusionnode.runtime.rounds import StageRounds
@@ -57,7 +58,7 @@ MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator
 KEPT_LEDGERS = 2  # steps whose messages a worker keeps for audits (the driver checks one while the next runs)
 
 
-class WorkerService(HostLink):
+class WorkerService(StageAudit, HostLink):
     def __init__(
         self,
         transport: Transport,
@@ -219,6 +220,7 @@ class WorkerService(HostLink):
         sj = StageJob(a, need, lease_s=lease_s)
         self.jobs[key] = sj
         peers = {sj.driver, sj.prev, sj.next, *(sj.offload.hosts.values() if sj.offload else ())}
+        peers |= {m for ring in sj.rings for m in ring.members}  # offload off: the other replicas
         self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
         if self.on_jobs_changed:
             self.on_jobs_changed(sorted({j for j, _ in self.jobs}))
@@ -341,54 +343,6 @@ class WorkerService(HostLink):
                 )
             sj.last_report = (req.step, task.result())
             return sj.last_report[1]
-
-    def _liar(self) -> Any:
-        """The debug hook's liar (tests, `bench verify`; runtime/hooks.py), None in production."""
-        return getattr(self.hook, "liar", None)
-
-    async def _open_ledger(self, sj: StageJob, step: int, m: int) -> Any:
-        from fusionnode.verify.commitment import digest_tensors
-        from fusionnode.verify.ledger import Ledger
-
-        digest = None  # with offload the driver checks against the optimizer hosts' values
-        if not sj.offload:  # else only this worker holds them: it commits to them
-            named = sj.module.named_stage_parameters()
-            digest = await asyncio.get_running_loop().run_in_executor(
-                self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
-            )
-        return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
-
-    async def rpc_audit(self, req: jp.AuditRequest, sender: str) -> jp.AuditReply:
-        """Sends the driver the kept messages of the checked micro-batches of the last verified step,
-        and with ``grads`` the parameter gradients it pushed, packed into as few ``audit`` messages as
-        the wire limits allow (see fusionnode/verify/ledger.py)."""
-        from fusionnode.verify.ledger import AUDIT_KIND, pack_audit
-
-        sj = self._get(req, sender)
-        step, mbs = req.step, req.mbs
-        led = sj.ledgers.get(step)
-        if led is None or led.step != step:
-            raise JobError(ErrorCode.NOT_HELD, f"stage {sj.stage} kept no messages of step {step!r}")
-        if not all(0 <= mb < led.micro_batches for mb in mbs):
-            raise JobError(
-                ErrorCode.BAD_REQUEST, f"mbs must be micro-batch indices below {led.micro_batches}"
-            )
-        grads = None
-        if req.grads and led.pushed:  # with offload: what it pushed (its .grad may be the next step's)
-            grads = dict(led.pushed)
-        elif req.grads:
-            grads = {
-                n: tensor_message(
-                    TensorKind.AUDIT, {}, {n: p.grad if p.grad is not None else torch.zeros_like(p)}
-                ).tensors[n]
-                for n, p in sj.params.items()
-            }
-        parts = {str(mb): led.parts(mb) for mb in sorted(set(mbs))}
-        chunks = pack_audit(led, sorted(set(mbs)), grads)
-        for idx, tensors in enumerate(chunks):
-            meta = {"job": sj.job, "step": step, "mb": idx, "stage": sj.stage}
-            await self.t.send(sj.driver, TensorMessage(AUDIT_KIND, meta, tensors))
-        return jp.AuditReply(parts=parts, chunks=len(chunks))
 
     async def rpc_step_result(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
@@ -594,6 +548,10 @@ class WorkerService(HostLink):
                 pushes, sj.push_tasks = sj.push_tasks, []
                 optimizer_bytes += sum(await asyncio.gather(*pushes))
             sent_bytes += optimizer_bytes
+        ring_share: dict[str, float] = {}  # each replica reports 1/k of a ring's squared norm
+        if sj.rings and not sj.offload and not sj.sync.rounds:
+            sent_bytes += await self._allreduce(sj, step)
+            ring_share = {n: 1.0 / len(r.members) for r in sj.rings for n in r.names}
 
         # gradients of parameters other stages also hold (tied weights) go to the driver to be summed
         shared = [] if sj.offload and not sj.sync.rounds else sorted(sj.shared_names & set(sj.params))
@@ -608,12 +566,11 @@ class WorkerService(HostLink):
                     TensorKind.SHARED_GRAD, {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g
                 ),
             )
-        sq = FlatOptimizer.grad_sq_norm(
-            {
-                n: p.grad.detach()
-                for n, p in sj.params.items()
-                if n not in sj.shared_names and p.grad is not None
-            }
+        own = [n for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None]
+        sq = sum(
+            FlatOptimizer.grad_sq_norm({n: sj.params[n].grad.detach() for n in own if ring_share.get(n) == w})
+            * (w or 1.0)
+            for w in {ring_share.get(n) for n in own}
         )
         return jp.StepReport(
             step=step,
@@ -628,6 +585,12 @@ class WorkerService(HostLink):
             links={"fwd": sj.fwd.counters(), "bwd": sj.bwd.counters()},
             verify=ledger.commitments() if ledger is not None else None,
         )
+
+    async def _allreduce(self, sj: StageJob, step: int) -> int:
+        """Averages the stage's gradients with the other replicas (runtime/allreduce.py)."""
+        from fusionnode.runtime.allreduce import reduce_stage
+
+        return await reduce_stage(sj, step, self.t, self.config.step_timeout_s)
 
     @staticmethod
     def _record_received(ledger: Any, kind: str, mb: int, msg: TensorMessage, src: str) -> None:

@@ -10,7 +10,10 @@ Optimizer, two ways (the same math):
 - local (``offload off``, one pipeline): each worker applies AdamW to its own
   parameters; gradients of parameters two stages share (tied weights) are summed
   by the driver first, and the global gradient norm is clipped exactly.
-- offloaded (``offload on``; required with several pipelines): workers push
+- replicated (``offload off``, several pipelines): as local, after each stage has averaged its
+  gradients with the replicas holding the same layers by ring all-reduce (runtime/allreduce.py);
+  tied weights' gradients are summed by the driver, each replica's weighted by its batch share.
+- offloaded (``offload on``): workers push
   gradients to optimizer hosts during backward, the hosts aggregate the replicas
   and apply the step, workers pull the new parameters (prefetched).
 
@@ -177,12 +180,15 @@ class Driver:
             hosts_available = bool(
                 await self.placement.candidates(params.get("optimizer_peers"), "optimizer")
             )
+            # several pipelines without hosts average their gradients by ring all-reduce among the
+            # replicas of each stage (runtime/allreduce.py); the --sync round modes need hosts
             job.offload = offload_choice == "on" or (
-                offload_choice == "auto" and (replicas > 1 or hosts_available)
+                offload_choice == "auto" and (hosts_available or (replicas > 1 and job.sync.rounds))
             )
-            if replicas > 1 and not job.offload:
+            if replicas > 1 and not job.offload and job.sync.rounds:
                 raise ConfigError(
-                    "several pipelines synchronise through optimizer hosts: use --offload on|auto"
+                    f"several pipelines under --sync {job.sync.mode} synchronise through optimizer hosts: "
+                    "use --offload on|auto"
                 )
             workers = await self.placement.candidates(params.get("peers"), "worker")
             if not workers:
@@ -236,12 +242,30 @@ class Driver:
                         if params.get("resume"):
                             job.hosts = await self._holders(job, job.hosts, params)
                 else:
-                    job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
-                        strategy, spec, traced.graph, workers, params, job.offload, seq_len
+                    # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
+                    # among the replicas and the job follows its choice (no hosts where they do not pay);
+                    # rebalancing and the round modes need the hosts
+                    auto = (
+                        offload_choice == "auto"
+                        and job.offload
+                        and not job.sync.rounds
+                        and not int(params.get("rebalance_every") or 0)
                     )
-                    if len(job.pipelines) > 1 and not job.offload:
+                    job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
+                        strategy,
+                        spec,
+                        traced.graph,
+                        workers,
+                        params,
+                        job.offload,
+                        seq_len,
+                        dp_sync="auto" if auto else None,
+                    )
+                    job.offload = prediction.get("dp_sync", "hosts" if job.offload else "ring") == "hosts"
+                    if len(job.pipelines) > 1 and not job.offload and job.sync.rounds:
                         raise ConfigError(
-                            "the plan has several pipelines: they need optimizer hosts (--offload)"
+                            f"the plan has several pipelines: under --sync {job.sync.mode} they need "
+                            "optimizer hosts (--offload)"
                         )
                 if job.offload:
                     shards = shard({n: t for n, t in full.items() if n not in job.frozen}, job.hosts)
@@ -365,7 +389,7 @@ class Driver:
                 metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            feedback = await self._feedback(job, run) if spec.save_dir else None
+            feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
             result = await self._finish(job, model, final, source, metrics, feedback)
             if run.checks is not None:  # the checks' totals, and the secret their choices came from
                 v = run.checks.v
@@ -535,7 +559,7 @@ class Driver:
                         step,
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
-                        await self._feedback(job, run),
+                        await self.placement.fetch_feedback(job, run.stage_args),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
@@ -551,12 +575,6 @@ class Driver:
                     step = await self.recovery.roll_back(job, run, source, rollback)
                     continue
                 await self.recovery.maybe_rebalance(job, run, step)
-
-    async def _feedback(self, job: Job, run: Run) -> dict[int, dict[str, torch.Tensor]] | None:
-        """--sync sparseloco: the replicas' error feedback, for a checkpoint at a round boundary."""
-        if job.sync.mode != "sparseloco":
-            return None
-        return await self.placement.fetch_feedback(job, run.stage_args)
 
     async def _finish(
         self,

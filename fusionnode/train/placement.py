@@ -22,6 +22,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.optim.rounds import contributing_names
+from fusionnode.runtime.allreduce import allreduce_rings
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.sync import SyncConfig, state_copies
@@ -250,8 +251,11 @@ class Placement:
         params: dict[str, Any],
         offload: bool,
         seq_len: int,
+        dp_sync: str | None = None,
     ) -> tuple[list[Pipeline], list[str], dict[str, Any]]:
-        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines."""
+        """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines.
+        `dp_sync` "auto" (with `offload`): the planner prices optimizer hosts against a ring all-reduce
+        among the replicas and the plan says which (prediction["dp_sync"]; no hosts for a ring)."""
         from fusionnode.plan.baselines import even_plan, memory_plan
         from fusionnode.plan.cluster import load_cluster_dict
         from fusionnode.plan.planner import plan as make_plan
@@ -277,8 +281,11 @@ class Placement:
         price = SyncPrice.from_dict(SyncConfig.from_dict(params.get("sync")).price())
         if strategy == "fusion":
             kwargs["sync"] = price
+        if strategy == "fusion" and dp_sync is not None:
+            kwargs["dp_sync"] = dp_sync
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
         p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
+        offload = p.dp_sync == "hosts"
         pipelines, first = [], 0
         for r, pp in enumerate(p.pipelines):
             peers = [st.devices[0] for st in pp.stages]
@@ -304,6 +311,7 @@ class Placement:
             "tokens_per_s": pred.tokens_per_s if pred else None,
             "simulated_step_time_s": simulated,
             "sync": price.to_dict(),
+            "dp_sync": p.dp_sync,
         }
         return pipelines, plan_hosts, prediction
 
@@ -329,6 +337,7 @@ class Placement:
         graph = traced.graph
         spec = job.spec
         args: list[StageAssignment] = []
+        descs_of, params_of, shared_of = [], [], []
         for pipe in job.pipelines:
             n = len(pipe.peers)
             descs = [describe_stage(traced, pipe.bounds[i], pipe.bounds[i + 1]) for i in range(n)]
@@ -337,7 +346,20 @@ class Placement:
             for names in stage_params:
                 for name in names:
                     counts[name] = counts.get(name, 0) + 1
-            shared = {k for k, v in counts.items() if v > 1}
+            descs_of.append(descs)
+            params_of.append(stage_params)
+            shared_of.append({k for k, v in counts.items() if v > 1})
+        rings: dict[int, list[dict[str, Any]]] = {}
+        if not host_of and len(job.pipelines) > 1 and not job.sync.rounds:
+            # offload off: names several stages of a pipeline hold (tied weights) go through the driver in
+            # every replica; the others are averaged by ring all-reduce among the stages holding them
+            job_shared = set().union(*shared_of)
+            shared_of = [job_shared] * len(job.pipelines)
+            rings = allreduce_rings(job.pipelines, params_of, job_shared | set(job.frozen))
+        for pipe, descs, stage_params, shared in zip(
+            job.pipelines, descs_of, params_of, shared_of, strict=True
+        ):
+            n = len(pipe.peers)
             for i, d in enumerate(descs):
                 lo, hi = pipe.bounds[i], pipe.bounds[i + 1]
                 gid = pipe.first_stage + i
@@ -395,6 +417,7 @@ class Placement:
                     bw_prev=(links or {}).get((pipe.peers[i], pipe.peers[i - 1])) if i > 0 else None,
                     offload=offload,
                     sync=job.sync.to_dict() if job.sync.rounds else None,  # issue 19
+                    allreduce=rings.get(gid),
                 )
                 args.append(a)
         return args
@@ -482,8 +505,11 @@ class Placement:
 
     async def fetch_feedback(
         self, job: Job, stage_args: list[StageAssignment]
-    ) -> dict[int, dict[str, torch.Tensor]]:
-        """--sync sparseloco: every replica's error-feedback accumulators, by name (for a checkpoint)."""
+    ) -> dict[int, dict[str, torch.Tensor]] | None:
+        """--sync sparseloco: every replica's error-feedback accumulators, by name (for a checkpoint at
+        a round boundary); None in the other modes."""
+        if job.sync.mode != "sparseloco":
+            return None
 
         async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
             req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what="feedback")

@@ -351,7 +351,12 @@ class Stepper:
     async def sum_shared(
         self, job: Job, stage_args: list[StageAssignment], step: int
     ) -> dict[str, torch.Tensor]:
+        """The sum of the gradients of tied parameters over the stages holding them; over several
+        replicas (offload off, ring all-reduce) each replica's sum weighted by its share of the batch."""
         total: dict[str, torch.Tensor] = {}
+        replicas = {a.replica for a in stage_args}
+        samples = {p.replica: p.samples for p in job.pipelines}
+        batch = sum(samples[r] for r in replicas)
         for a in stage_args:
             if not a.shared_names:
                 continue
@@ -362,6 +367,8 @@ class Stepper:
             )
             got = decode_checked(msg, {k: a.param_specs[k] for k in a.shared_names}, None, src)
             for name, g in got.items():
+                if len(replicas) > 1:
+                    g = g * (samples[a.replica] / batch)
                 total[name] = total[name] + g if name in total else g.clone()
         return total
 

@@ -49,6 +49,9 @@ class Ledger:
         # with offload, the parameter gradients pushed to the optimizer hosts (as sent): what a
         # gradient check is shown, even once the next step has begun accumulating new ones
         self.pushed: dict[str, EncodedTensor] = {}
+        # offload off, several pipelines: the stage's own gradients before the ring all-reduce averaged
+        # them with the other replicas' (runtime/allreduce.py); what `job.audit` shows with grads
+        self.own_grads: dict[str, Any] | None = None
 
     def record(self, mb: int, part: str, msg: TensorMessage, digest: str | None = None) -> str:
         """Keeps `msg` as micro-batch `mb`'s `part`; returns its digest."""

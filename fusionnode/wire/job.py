@@ -18,19 +18,25 @@ the codes and `JobError`, which carries the code and the peer to blame, live in 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Final
 
+from fusionnode.wire.job_base import MAX_LEASE_S as MAX_LEASE_S
+from fusionnode.wire.job_base import MIN_LEASE_S as MIN_LEASE_S
+from fusionnode.wire.job_base import JobMessage as JobMessage
+from fusionnode.wire.job_base import Specs as Specs
+from fusionnode.wire.job_base import bad as _bad
 from fusionnode.wire.job_errors import ErrorCode as ErrorCode
 from fusionnode.wire.job_errors import Failure as Failure
 from fusionnode.wire.job_errors import JobError as JobError
 from fusionnode.wire.job_errors import error_result as error_result
 from fusionnode.wire.job_errors import remote_error as remote_error
-from fusionnode.wire.typed import FieldError, TypedMessage, message
-
-MAX_LEASE_S = 600.0  # seconds: longest lease a driver may ask a worker to hold a stage without renewal
-MIN_LEASE_S = 1.0  # seconds: shortest lease
+from fusionnode.wire.job_stage import MAX_RING_ID as MAX_RING_ID
+from fusionnode.wire.job_stage import AllReduceRing as AllReduceRing
+from fusionnode.wire.job_stage import Offload as Offload
+from fusionnode.wire.job_stage import StageAssignment as StageAssignment
+from fusionnode.wire.job_stage import ring_mb as ring_mb
+from fusionnode.wire.typed import message
 
 # ---------------------------------------------------------------- names
 
@@ -85,6 +91,7 @@ class TensorKind:
     PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
     ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
     FEEDBACK: Final = "error_feedback"  # sparseloco accumulators: `job.fetch`, or before `job.start`
+    ALLREDUCE: Final = "allreduce"  # stage -> next member of its ring: a chunk of gradients, mb = ring_mb()
     ALL: ClassVar[frozenset[str]]
 
 
@@ -99,90 +106,7 @@ FETCH_KIND: Final = {
 # ---------------------------------------------------------------- typed messages
 
 
-def _bad(what: str) -> JobError:
-    return JobError(ErrorCode.BAD_REQUEST, what)
-
-
-class JobMessage(TypedMessage):
-    """Base of the job's messages: a map that does not match is refused with `bad_request`."""
-
-    @classmethod
-    def from_wire(cls, args: Any) -> Any:
-        try:
-            return super().from_wire(args)
-        except FieldError as exc:
-            raise _bad(str(exc)) from None
-
-
-Specs = dict[str, dict[str, Any]]  # tensor name -> {"shape": [...], "dtype": "float32"}
-
-
-# ---- worker (job.*)
-
-
-@message
-class Offload(JobMessage):
-    """Where a stage's parameters live when the optimizer runs on optimizer hosts."""
-
-    hosts: dict[str, str]  # parameter name -> host peer id
-    host_index: dict[str, int]  # parameter name -> index of its host
-    contributor: str  # this stage's contributor key at the hosts
-    samples: int  # samples this stage's pipeline contributes per step
-
-
-@message
-class StageAssignment(JobMessage):
-    """`job.assign`: a stage proposal (driver -> worker)."""
-
-    job: str
-    stage: int  # global id of the stage among all pipelines of the job
-    num_stages: int  # stages in its pipeline
-    driver: str  # the job's driver (must be the caller)
-    description: dict[str, Any]  # the portable sub-DAG (protocol/SUBDAG.md)
-    param_specs: Specs
-    spec: dict[str, Any]  # the job spec (train/spec.py)
-    pos: int | None = None  # position in its pipeline (default: stage)
-    replica: int = 0
-    prev_stage: int | None = None  # default: stage - 1
-    next_stage: int | None = None  # default: stage + 1
-    peer: str = ""  # the assignee
-    prev: str = ""  # peer of the previous stage ("" for the first)
-    next: str = ""  # peer of the next stage ("" for the last)
-    recv_specs: Specs = dataclasses.field(default_factory=dict)
-    send_specs: Specs = dataclasses.field(default_factory=dict)
-    shared_names: list[str] = dataclasses.field(default_factory=list)
-    frozen: list[str] = dataclasses.field(default_factory=list)
-    need_bytes: int = 0  # bytes the driver estimates the stage takes
-    lease_s: float | None = None  # default: the worker's configured lease
-    lo: int = 0  # operators [lo, hi) of the job's OP-DAG
-    hi: int = 0
-    flops_per_sample: float = 0.0  # forward flops of one sample (emulated device speed in tests)
-    link_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    bw_next: float | None = None  # measured bandwidth to the next stage's peer, bit/s
-    bw_prev: float | None = None
-    offload: dict[str, Any] | None = None  # Offload.to_wire(), when hosts run the optimizer
-    sync: dict[str, Any] | None = None  # --sync diloco|sparseloco: SyncConfig.to_dict() (protocol/ROUNDS.md)
-
-    def __post_init__(self) -> None:
-        if self.need_bytes < 0:
-            raise _bad(f"need_bytes must be a non-negative integer, got {self.need_bytes!r:.40}")
-        if self.lease_s is not None and not MIN_LEASE_S <= self.lease_s <= MAX_LEASE_S:  # NaN fails too
-            raise _bad(f"lease_s must be in [{MIN_LEASE_S:g}, {MAX_LEASE_S:g}] seconds, got {self.lease_s!r}")
-        if self.num_stages < 1 or (self.pos is not None and not 0 <= self.pos < self.num_stages):
-            raise _bad(f"position {self.pos} of a pipeline of {self.num_stages} stages")
-        for bw in (self.bw_next, self.bw_prev):
-            if bw is not None and not (math.isfinite(bw) and bw > 0):
-                raise _bad(f"a link bandwidth must be a positive number, got {bw!r}")
-        if self.offload is not None:
-            Offload.from_wire(self.offload)
-
-    @property
-    def position(self) -> int:
-        return self.stage if self.pos is None else self.pos
-
-    @property
-    def offload_plan(self) -> Offload | None:
-        return None if self.offload is None else Offload.from_wire(self.offload)
+# ---- worker (job.*): StageAssignment and its parts are in wire/job_stage.py
 
 
 @message
@@ -544,7 +468,8 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.JOB_START, StageRef, StartReply, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.BAD_TENSOR, _E.DEADLINE)),
         RpcSpec(Rpc.JOB_STEP, StepRequest, StepReport, "the stage's driver",
-                (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE)),
+                (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE,
+                 _E.RING_BROKEN)),
         RpcSpec(Rpc.JOB_STEP_RESULT, StepRequest, StepReport, "the stage's driver (the job.step request again: its recall)",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.ABORTED, _E.NO_REPORT)),
         RpcSpec(Rpc.JOB_COMMIT, CommitRequest, CommitReply, "the stage's driver",
@@ -571,7 +496,9 @@ RPCS: dict[str, RpcSpec] = {
     )
 }  # fmt: skip
 MESSAGE_TYPES: tuple[type, ...] = tuple(
-    dict.fromkeys([Offload, *(s.request for s in RPCS.values()), *(s.reply for s in RPCS.values())])
+    dict.fromkeys(
+        [Offload, AllReduceRing, *(s.request for s in RPCS.values()), *(s.reply for s in RPCS.values())]
+    )
 )
 
 
@@ -608,6 +535,7 @@ def serve(transport: Any, method: str, handler: Handler) -> None:
 
 __all__ = [
     "RPCS",
+    "AllReduceRing",
     "ErrorCode",
     "Failure",
     "JobError",

@@ -28,6 +28,7 @@ class ErrorCode:
     NO_REPORT: Final = "no_report"  # `job.step_result` for a step this stage has no report of
     UNANSWERED: Final = "unanswered"  # the call's stream closed before its reply (transient)
     DEADLINE: Final = "deadline"  # a wait ran past its deadline
+    RING_BROKEN: Final = "ring_broken"  # a gradient all-reduce lost `blame`, the ring member it waited on
     FAILED: Final = "failed"  # anything else
     ALL: ClassVar[frozenset[str]]
 
