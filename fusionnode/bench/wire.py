@@ -264,7 +264,10 @@ class _Remote:
     async def info(self) -> dict[str, Any]:
         if not await asyncio.to_thread(self.conn.poll, P2P_STARTUP_TIMEOUT + 60):
             raise RuntimeError("the receiver process did not start")
-        status, info = self.conn.recv()
+        try:
+            status, info = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the receiver process exited (code {self.proc.exitcode})") from None
         if status != "ready":
             raise RuntimeError(f"the receiver process failed: {info}")
         return info
@@ -529,7 +532,9 @@ def _print_streams(rows: list[dict[str, Any]]) -> None:
     print("  cold: every transfer on a fresh connection/stream (opening it untimed; its first bytes timed);")
     print("  steady: all transfers on one open stream, as the Transport keeps its data stream to a peer")
     if remote:
-        print("  cpu / rcpu: CPU ms per MiB of the sending process / of the receiving process (spawned), over")
+        print(
+            "  cpu / rcpu: CPU ms per MiB of the sending process / of the receiving process (spawned), over"
+        )
         print("  each transfer (and cold opens), all threads; p2pd's own CPU is not counted")
     else:
         print("  cpu: this process's CPU ms per MiB (both ends, all threads); p2pd's own CPU is not counted")
