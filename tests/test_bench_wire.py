@@ -10,6 +10,7 @@ from fusionnode.bench import wire
 
 
 def test_streams_report_direct_against_tcp_per_size_cold_and_steady(capsys):
+    """Default: the receiving ends in a spawned process, whose CPU is reported beside the sender's."""
     assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1,2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["streams"]
     keys = {(r["transport"], r["size_mib"], r["payload"], r["mode"]) for r in rows}
@@ -17,15 +18,26 @@ def test_streams_report_direct_against_tcp_per_size_cold_and_steady(capsys):
         (t, s, p, m) for t in ("tcp", "direct") for s in (1, 2) for p in ("raw", "framed") for m in wire.MODES
     }
     for r in rows:
-        assert r["mib_s"] > 0 and r["cpu_ms_per_mib"] > 0
+        assert r["mib_s"] > 0 and r["cpu_ms_per_mib"] > 0 and r["recv_cpu_ms_per_mib"] > 0
+        assert r["processes"] == 2
         if r["transport"] == "tcp":
             assert r["ratio_to_tcp"] == 1.0
+
+
+def test_in_process_runs_both_ends_here(capsys):
+    assert (
+        wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1", "--in-process", "--json"]) == 0
+    )
+    rows = json.loads(capsys.readouterr().out)["streams"]
+    assert len(rows) == 2 * 2 * len(wire.MODES)
+    for r in rows:
+        assert r["processes"] == 1 and r["cpu_ms_per_mib"] > 0 and "recv_cpu_ms_per_mib" not in r
 
 
 def test_the_table_names_the_ratio_per_size(capsys):
     assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1"]) == 0
     out = capsys.readouterr().out
-    assert "ratio" in out and "steady" in out and "cold" in out and " 1Mi " in out
+    assert "ratio" in out and "steady" in out and "cold" in out and " 1Mi " in out and "rcpu" in out
 
 
 @pytest.mark.parametrize("bad", ["0", "4,x", ""])

@@ -24,10 +24,12 @@ Method
    turns transfer by transfer (in a rotating order), so load from other processes falls on all of
    them alike; median of STREAM_REPEATS transfers each after one warm-up; the ratio is to TCP in the
    same mode and run.
-   Sender and receiver of every transport run in this one process (p2pd in its own), on one event
-   loop: TCP does its I/O on that loop's thread, the direct path in its threads (which is how the
-   runtime runs it), so on a loaded machine its share of the CPU differs from TCP's; the `cpu`
-   column (this process's CPU per MiB, all threads) is the figure other load skews least.
+   The receiving ends of all transports run in a spawned child process (two peers are two
+   processes; --in-process: in this one, on this event loop, where the direct path's I/O threads on
+   both ends share one GIL), the sending ends here: TCP does its I/O on the event loop's thread, the
+   direct path in its threads (which is how the runtime runs it), so on a loaded machine its share
+   of the CPU differs from TCP's; the `cpu` columns (CPU per MiB, all threads, of the sender and of
+   the receiver) are the figures other load skews least.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import logging
 import statistics
 import struct
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,6 +76,7 @@ CHUNK_KIB = 1024  # write size on streams (KiB)
 P2P_STARTUP_TIMEOUT = 30.0  # seconds for a p2pd daemon to start
 TRANSFER_TIMEOUT = 120.0  # seconds for one stream transfer
 HANDLER_NAME = "fusionnode.bench.wire"
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 MIB = 1 << 20
 
 
@@ -190,13 +194,18 @@ class _Series:
     timed; the new connection's first bytes are); `steady`, all on one stream kept open, as the
     Transport keeps its data stream to a peer."""
 
-    def __init__(self, open_stream: Opener, mode: str, count: int):
+    def __init__(
+        self, open_stream: Opener, mode: str, count: int, remote_cpu: Callable[[], float] | None = None
+    ):
         self.open_stream, self.mode, self.count = open_stream, mode, count
+        self.remote_cpu = remote_cpu
         self.stream: tuple[Any, Any] | None = None
         self.times: list[float] = []
         self.cpu = 0.0  # CPU seconds of this process during the timed transfers (and cold opens)
+        self.recv_cpu = 0.0  # the same of the receiving process, where it is another one
 
     async def one(self, total: int, chunk: int, msg: TensorMessage | None, timed: bool) -> None:
+        rcpu0 = self.remote_cpu() if self.remote_cpu is not None else 0.0
         cpu0 = time.process_time()
         if self.stream is None:
             self.stream = await self.open_stream()
@@ -209,6 +218,8 @@ class _Series:
         if timed:
             self.times.append(dt)
             self.cpu += time.process_time() - cpu0
+            if self.remote_cpu is not None:
+                self.recv_cpu += self.remote_cpu() - rcpu0
 
     def close(self) -> None:
         if self.stream is not None:
@@ -216,29 +227,223 @@ class _Series:
             self.stream = None
 
 
-async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool) -> list[dict[str, Any]]:
+def _limits(total: int) -> Limits:
+    return Limits(max_frame_bytes=total + MIB, max_tensor_elements=total // 4)
+
+
+def _message(total: int) -> TensorMessage:
+    return TensorMessage.from_tensors("activation", {"step": 0}, {"x": torch.zeros(total // 4)})
+
+
+def _handlers(total: int) -> dict[str, dict[bool, Handler]]:
+    """The receiving ends, per transport and payload (framed or not)."""
+    limits = _limits(total)
+    frame_bytes = len(encode_message(_message(total), limits=limits))
+    return {
+        t: {framed: _receiver(frame_bytes if framed else total, framed, limits) for framed in (False, True)}
+        for t in ("tcp", "direct", "libp2p")
+    }
+
+
+class _Remote:
+    """The receiving ends in a spawned child process (as between two peers): it listens, reads and
+    acknowledges; `cpu()` asks it for its CPU seconds so far (all threads; answered by a thread of
+    its own, outside its event loop)."""
+
+    def __init__(self, total: int, key_pem: bytes, ids: list[str], with_p2p: bool):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_child_main, args=(child_conn, total, key_pem, ids, with_p2p), name="bench-wire-receiver"
+        )
+        self.proc.start()
+        child_conn.close()
+
+    async def info(self) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.conn.poll, P2P_STARTUP_TIMEOUT + 60):
+            raise RuntimeError("the receiver process did not start")
+        try:
+            status, info = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the receiver process exited (code {self.proc.exitcode})") from None
+        if status != "ready":
+            raise RuntimeError(f"the receiver process failed: {info}")
+        return info
+
+    def cpu(self) -> float:
+        self.conn.send(("cpu",))
+        return self.conn.recv()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(("stop",))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _child_main(conn: Any, total: int, key_pem: bytes, ids: list[str], with_p2p: bool) -> None:
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    torch.set_num_threads(1)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+
+        def answer() -> None:  # CPU time on request until told to stop (or the parent goes away)
+            with contextlib.suppress(EOFError, OSError):
+                while conn.recv()[0] == "cpu":
+                    conn.send(time.process_time())
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                key = load_pem_private_key(key_pem, None)
+                info = await _serve(stack, _handlers(total), key, ids[0], with_p2p)
+            except Exception as exc:
+                conn.send(("error", repr(exc)))
+                raise
+            conn.send(("ready", info))
+            threading.Thread(target=answer, name="bench-wire-cpu", daemon=True).start()
+            await stopped
+
+    try:
+        asyncio.run(serve())
+    finally:
+        conn.close()
+
+
+async def _serve(
+    stack: contextlib.AsyncExitStack,
+    handlers: dict[str, dict[bool, Handler]],
+    key: Any,
+    peer_id: str,
+    with_p2p: bool,
+) -> dict[str, Any]:
+    """Starts every receiving end; returns where to reach them (ports, libp2p addresses)."""
+    from fusionnode.runtime.direct import DirectPath
+
+    info: dict[str, Any] = {"tcp": {}, "direct": {}}
+    for framed, handler in handlers["tcp"].items():  # plain asyncio TCP on 127.0.0.1: the reference
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        stack.push_async_callback(server.wait_closed)
+        stack.callback(server.close)
+        info["tcp"][framed] = server.sockets[0].getsockname()[1]
+    for framed, receive in handlers["direct"].items():  # TCP + TLS 1.3, both identities checked
+
+        async def direct_handler(_info: Any, reader: Any, writer: Any, receive: Handler = receive) -> None:
+            await receive(reader, writer)
+
+        listener = DirectPath(key, peer_id, host="127.0.0.1")
+        info["direct"][framed] = await listener.start(direct_handler)
+        stack.callback(listener.close)
+    if with_p2p:  # a hivemind libp2p binary stream between two local p2pd daemons
+        from fusionnode.config import LOCAL_ONLY
+        from fusionnode.swarm.libp2p import create_p2p
+
+        p2p = await create_p2p(LOOPBACK, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
+        stack.push_async_callback(p2p.shutdown)
+        for framed, receive in handlers["libp2p"].items():
+
+            async def p2p_handler(
+                _info: Any,
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                receive: Handler = receive,
+            ) -> None:
+                await receive(reader, writer)
+
+            await p2p.add_binary_stream_handler(
+                f"{HANDLER_NAME}.{'framed' if framed else 'raw'}", p2p_handler
+            )
+        info["libp2p"] = {
+            "maddrs": [str(a) for a in await p2p.get_visible_maddrs()],
+            "peer_id": p2p.peer_id.to_base58(),
+        }
+    return info
+
+
+async def _openers(
+    stack: contextlib.AsyncExitStack, info: dict[str, Any], key: Any, ids: list[str]
+) -> dict[str, dict[bool, Opener]]:
+    """The sending ends, from where `_serve` said the receiving ends are."""
+    from fusionnode.runtime.direct import DirectPath, direct_addr
+
+    openers: dict[str, dict[bool, Opener]] = {
+        "tcp": {
+            framed: lambda port=port: asyncio.open_connection("127.0.0.1", port)
+            for framed, port in info["tcp"].items()
+        }
+    }
+    dialer = DirectPath(key, ids[1], host="127.0.0.1")
+    openers["direct"] = {
+        framed: lambda port=port: dialer.dial(ids[0], [direct_addr("127.0.0.1", port)])
+        for framed, port in info["direct"].items()
+    }
+    if "libp2p" in info:
+        from hivemind.p2p import PeerID
+
+        from fusionnode.config import LOCAL_ONLY
+        from fusionnode.swarm.libp2p import create_p2p
+
+        p2p = await create_p2p(
+            LOOPBACK, info["libp2p"]["maddrs"], options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT
+        )
+        stack.push_async_callback(p2p.shutdown)
+        peer = PeerID.from_base58(info["libp2p"]["peer_id"])
+
+        def p2p_opener(framed: bool) -> Opener:
+            async def open_stream() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+                name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
+                _, reader, writer = await p2p.call_binary_stream_handler(peer, name)
+                return reader, writer
+
+            return open_stream
+
+        openers["libp2p"] = {framed: p2p_opener(framed) for framed in (False, True)}
+    return openers
+
+
+async def bench_streams(
+    total_mib: int, chunk_kib: int, repeats: int, with_p2p: bool, in_process: bool = False
+) -> list[dict[str, Any]]:
     """Every transport's transfers interleaved (tcp, direct, libp2p, then the next round in another
     order), so that load from other processes falls on all of them alike; median of `repeats`
-    transfers per transport after one warm-up each."""
+    transfers per transport after one warm-up each. The receiving ends run in a spawned child process
+    (two peers are two processes), or with `in_process` in this one, on this event loop."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from fusionnode.swarm.identity import peer_id_from_public_key
+
     total, chunk = total_mib * MIB, chunk_kib * 1024
-    limits = Limits(max_frame_bytes=total + MIB, max_tensor_elements=total // 4)
-    msg = TensorMessage.from_tensors("activation", {"step": 0}, {"x": torch.zeros(total // 4)})
-    frame_bytes = len(encode_message(msg, limits=limits))
-    handlers = {
-        framed: _receiver(frame_bytes if framed else total, framed, limits) for framed in (False, True)
-    }
+    msg = _message(total)
+    keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
+    ids = [peer_id_from_public_key(k.public_key()).to_base58() for k in keys]
     rows: list[dict[str, Any]] = []
+    remote: _Remote | None = None
     async with contextlib.AsyncExitStack() as stack:
-        openers = {
-            "tcp": await _tcp_openers(stack, handlers),
-            "direct": await _direct_openers(stack, handlers),
-        }
-        if with_p2p:
-            openers["libp2p"] = await _p2p_openers(stack, handlers)
+        if in_process:
+            info = await _serve(stack, _handlers(total), keys[0], ids[0], with_p2p)
+        else:
+            pem = keys[0].private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+            remote = _Remote(total, pem, ids, with_p2p)
+            stack.callback(remote.stop)
+            info = await remote.info()
+        openers = await _openers(stack, info, keys[1], ids)
         names = list(openers)
         for framed in (False, True):
             for mode in MODES:
-                series = {t: _Series(openers[t][framed], mode, repeats + 1) for t in names}
+                remote_cpu = None if remote is None else remote.cpu
+                series = {t: _Series(openers[t][framed], mode, repeats + 1, remote_cpu) for t in names}
                 try:
                     for i in range(repeats + 1):  # the first round warms up
                         for t in names[i % len(names) :] + names[: i % len(names)]:
@@ -257,78 +462,14 @@ async def bench_streams(total_mib: int, chunk_kib: int, repeats: int, with_p2p: 
                         "size_mib": total_mib,
                         "mib_s": rate,
                         "ratio_to_tcp": rate / tcp_rate,
+                        "processes": 1 if in_process else 2,
                     }
                     if t != "libp2p":  # most of libp2p's work is in the p2pd processes, not counted here
                         row["cpu_ms_per_mib"] = s.cpu * 1e3 / (total / MIB * repeats)
+                    if remote is not None and t != "libp2p":
+                        row["recv_cpu_ms_per_mib"] = s.recv_cpu * 1e3 / (total / MIB * repeats)
                     rows.append(row)
     return rows
-
-
-async def _tcp_openers(stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]) -> dict[bool, Opener]:
-    """Plain asyncio TCP on 127.0.0.1: the reference."""
-    openers = {}
-    for framed, handler in handlers.items():
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        stack.push_async_callback(server.wait_closed)
-        stack.callback(server.close)
-        port = server.sockets[0].getsockname()[1]
-        openers[framed] = lambda port=port: asyncio.open_connection("127.0.0.1", port)
-    return openers
-
-
-async def _direct_openers(
-    stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]
-) -> dict[bool, Opener]:
-    """The direct path (runtime/direct.py): TCP + TLS 1.3 with both identities checked, on loopback."""
-    from cryptography.hazmat.primitives.asymmetric import rsa
-
-    from fusionnode.runtime.direct import DirectPath, direct_addr
-    from fusionnode.swarm.identity import peer_id_from_public_key
-
-    keys = [rsa.generate_private_key(public_exponent=65537, key_size=2048) for _ in range(2)]
-    ids = [peer_id_from_public_key(k.public_key()).to_base58() for k in keys]
-    dialer = DirectPath(keys[1], ids[1], host="127.0.0.1")
-    openers = {}
-    for framed, receive in handlers.items():
-
-        async def handler(_info: Any, reader: Any, writer: Any, receive: Handler = receive) -> None:
-            await receive(reader, writer)
-
-        listener = DirectPath(keys[0], ids[0], host="127.0.0.1")
-        port = await listener.start(handler)
-        stack.callback(listener.close)
-        openers[framed] = lambda port=port: dialer.dial(ids[0], [direct_addr("127.0.0.1", port)])
-    return openers
-
-
-async def _p2p_openers(stack: contextlib.AsyncExitStack, handlers: dict[bool, Handler]) -> dict[bool, Opener]:
-    """A hivemind libp2p binary stream between two local p2pd daemons."""
-    from fusionnode.config import LOCAL_ONLY
-    from fusionnode.swarm.libp2p import create_p2p
-
-    loopback = ["/ip4/127.0.0.1/tcp/0"]
-    p2p_a = await create_p2p(loopback, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
-    stack.push_async_callback(p2p_a.shutdown)
-    maddrs = await p2p_a.get_visible_maddrs()
-    p2p_b = await create_p2p(loopback, maddrs, options=LOCAL_ONLY, startup_timeout=P2P_STARTUP_TIMEOUT)
-    stack.push_async_callback(p2p_b.shutdown)
-    openers = {}
-    for framed, receive in handlers.items():
-        name = f"{HANDLER_NAME}.{'framed' if framed else 'raw'}"
-
-        async def handler(
-            _info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, receive: Handler = receive
-        ) -> None:
-            await receive(reader, writer)
-
-        await p2p_a.add_binary_stream_handler(name, handler)
-
-        async def open_stream(name: str = name) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            _, reader, writer = await p2p_b.call_binary_stream_handler(p2p_a.peer_id, name)
-            return reader, writer
-
-        openers[framed] = open_stream
-    return openers
 
 
 # ---------------------------------------------------------------- CLI
@@ -364,26 +505,39 @@ def _print_streams(rows: list[dict[str, Any]]) -> None:
     by = {(r["size_mib"], r["payload"], r["mode"], r["transport"]): r for r in rows}
     keys = sorted({(r["size_mib"], r["payload"], r["mode"]) for r in rows})
     others = [t for t in ("direct", "libp2p") if any(r["transport"] == t for r in rows)]
+    remote = all("recv_cpu_ms_per_mib" in r for r in rows if r["transport"] != "libp2p")
     print("streams on loopback: MiB/s (median of transfers) and ratio to plain TCP in the same run")
-    head = f"{'size':>6} {'payload':>7} {'mode':>6} {'tcp':>7} {'cpu':>5}"
+    head = f"{'size':>6} {'payload':>7} {'mode':>6} {'tcp':>7} {'cpu':>5}" + (
+        f" {'rcpu':>5}" if remote else ""
+    )
     for t in others:
         head += f" | {t:>7} {'ratio':>5}" + (f" {'cpu':>5}" if t == "direct" else "")
+        head += f" {'rcpu':>5}" if t == "direct" and remote else ""
     print(head)
     for size, payload, mode in keys:
         tcp = by[size, payload, mode, "tcp"]
         line = f"{size:>4}Mi {payload:>7} {mode:>6} {tcp['mib_s']:>7.0f} {tcp['cpu_ms_per_mib']:>5.2f}"
+        line += f" {tcp['recv_cpu_ms_per_mib']:>5.2f}" if remote else ""
         for t in others:
             r = by.get((size, payload, mode, t))
             if r is None:
                 line += f" | {'-':>7} {'-':>5}" + (f" {'-':>5}" if t == "direct" else "")
+                line += f" {'-':>5}" if t == "direct" and remote else ""
                 continue
             line += f" | {r['mib_s']:>7.0f} {r['ratio_to_tcp']:>5.2f}"
             if t == "direct":
                 line += f" {r['cpu_ms_per_mib']:>5.2f}"
+                line += f" {r['recv_cpu_ms_per_mib']:>5.2f}" if remote else ""
         print(line)
     print("  cold: every transfer on a fresh connection/stream (opening it untimed; its first bytes timed);")
     print("  steady: all transfers on one open stream, as the Transport keeps its data stream to a peer")
-    print("  cpu: this process's CPU ms per MiB (both ends, all threads); p2pd's own CPU is not counted")
+    if remote:
+        print(
+            "  cpu / rcpu: CPU ms per MiB of the sending process / of the receiving process (spawned), over"
+        )
+        print("  each transfer (and cold opens), all threads; p2pd's own CPU is not counted")
+    else:
+        print("  cpu: this process's CPU ms per MiB (both ends, all threads); p2pd's own CPU is not counted")
     print("  tcp: asyncio sockets on 127.0.0.1; direct: TCP + TLS 1.3 with both identities checked")
 
 
@@ -396,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-p2p", action="store_true", help="skip the hivemind libp2p streams")
     parser.add_argument("--no-streams", action="store_true", help="only the codec")
     parser.add_argument("--no-codec", action="store_true", help="only the streams")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the receiving ends in this process too (default: a spawned child process, as two peers)",
+    )
     parser.add_argument(
         "--stream-mib",
         default=None,
@@ -426,7 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         for mib in stream_mib:
             # small transfers take a few ms each: more of them, for a median that means something
             repeats = QUICK_STREAM_REPEATS if args.quick else max(STREAM_REPEATS, 64 // mib)
-            stream_rows += asyncio.run(bench_streams(mib, args.chunk_kib, repeats, not args.no_p2p))
+            stream_rows += asyncio.run(
+                bench_streams(mib, args.chunk_kib, repeats, not args.no_p2p, in_process=args.in_process)
+            )
     if args.json:
         json.dump(
             {
