@@ -517,6 +517,12 @@ class Driver:
             run.observe(job, reports)
             step += 1
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
+                # the checks still running first: the re-plan releases the stages their audits read
+                rollback = await self.recovery.settle(job, run)
+                if rollback is not None:
+                    failures_in_a_row += 1
+                    step = await self.recovery.roll_back(job, run, source, rollback)
+                    continue
                 await self.recovery.recover(job, run, source, step, late)
                 if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
                     step = await self.recovery.round_restart(job, run, step - 1, job.hosts_applied)
