@@ -178,3 +178,45 @@ def test_a_worker_sending_non_finite_activations_is_blamed_by_its_peer_id_and_re
     assert any(e["type"] == "event" and e["kind"] == "recovered" for e in s.events)
     assert bad not in [st["peer"] for st in result["stages"]]
     assert result["steps"] == spec.steps and all(math.isfinite(e["loss"]) for e in s.steps())
+
+
+def test_a_commit_failure_after_the_update_waits_for_the_steps_checks_before_the_re_plan(tmp_path):
+    """A checked job (offload: the checks run while the next step does): a worker fails on commit after
+    the hosts applied the step, so the driver re-plans at once. The re-plan releases the old stages,
+    and with them the messages the step's audits read: it waits for the audits first (as every other
+    re-plan does), so no honest worker is taken for a liar (caught, banned) and nothing is rolled back."""
+    spec = small_spec(steps=4, grad_clip=1.0, compress="none")
+    s = Swarm(tmp_path, workers=4, hosts=1)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 3,
+        "offload": "on",
+        "peers": s.ids[:4],
+        "verify_policy": "all",
+        "rebalance_every": 0,
+    }
+    broken = s.ids[2]
+    failed = []
+    for pid in s.ids[:4]:
+        rpcs = s.net.peers[pid]._rpc
+        audit = rpcs[Rpc.JOB_AUDIT]
+
+        async def slow_audit(args, sender, audit=audit):  # an audit that takes a while, honestly
+            await asyncio.sleep(1.5)
+            return await audit(args, sender)
+
+        rpcs[Rpc.JOB_AUDIT] = slow_audit
+    commit = s.net.peers[broken]._rpc[Rpc.JOB_COMMIT]
+
+    async def failing_commit(args, sender):
+        if args.get("step") == 1 and not failed:
+            failed.append(1)
+            raise JobError(ErrorCode.INTERNAL, "disk gone while applying the step")
+        return await commit(args, sender)
+
+    s.net.peers[broken]._rpc[Rpc.JOB_COMMIT] = failing_commit
+    result = asyncio.run(s.driver.run_job(params, s.emit))
+    events = [e for e in s.events if e["type"] == "event"]
+    assert failed, "the commit of step 1 did not fail"
+    assert not [e for e in events if e["kind"] in ("caught", "rollback")], events
+    assert result["steps"] == spec.steps and result["verify"]["caught"] == 0

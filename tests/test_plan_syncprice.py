@@ -109,3 +109,35 @@ def test_plan_and_simulate_commands_take_the_sync_mode(capsys) -> None:
     assert "--inner-steps 0" in capsys.readouterr().err
     assert cli.main(["plan", *base, "--sync", "diloco", "--offload", "off"]) == 2
     assert "--offload" in capsys.readouterr().err
+
+
+def test_a_round_mode_plan_is_chosen_by_the_simulator_not_dtfm_s_every_step_all_reduce() -> None:
+    """Above SMALL_CLUSTER workers the planner's final choice weighs DT-FM's cost model, which
+    all-reduces float32 gradients every step. Under --sync sparseloco that model would hold the plan
+    back from the data-parallel layouts the round mode makes cheap (here it chose 2 pipelines of 4,
+    1.6x slower under the sync-aware simulator than one replica per device): the simulator alone
+    chooses, so the plan is at least as fast as every even grid under the round's price."""
+    from fusionnode.bench.plan import gpt2_like_graph
+    from fusionnode.plan import fence, grid
+    from fusionnode.plan.anchors import sim_of
+    from fusionnode.plan.cluster import load_cluster_dict
+    from fusionnode.plan.evaluate import make_context
+
+    devs = [{"id": f"d{i}", "tflops": 10, "memory_gb": 4, "site": "a" if i % 2 else "b"} for i in range(16)]
+    c = load_cluster_dict(
+        {
+            "name": "two",
+            "devices": devs,
+            "links": {
+                "intra_site": {"bandwidth_gbps": 10, "latency_ms": 1},
+                "inter_site": {"bandwidth_gbps": 0.05, "latency_ms": 50},
+            },
+        }
+    )
+    g = gpt2_like_graph(24, 512, 64)
+    price = SyncPrice("sparseloco", inner_steps=10, wire_ratio=28 / 1024)
+    p = plan(g, c, 64, compress=False, sync=price)
+    mine = simulate(g, c, p, sync=price).step_time_s
+    ctx = make_context(g, c, 64, None, True, None, None, fence.MAX_BLOCKS, False, sync=price)
+    best_grid = min(sim_of(g, ctx, ev) for ev in grid.even_grids(ctx))
+    assert mine <= best_grid * (1 + 1e-9), (mine, best_grid, [len(pl.stages) for pl in p.pipelines])

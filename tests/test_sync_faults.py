@@ -280,3 +280,34 @@ def test_a_worker_dying_before_the_driver_sends_its_tied_weight_sum_fails_only_t
     ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={1}).losses
     for i, e in final_runs(s.steps()).items():
         assert abs(e["loss"] - ref[i]) < TOL, f"step {i}: {e['loss']:.6f} vs {ref[i]:.6f}"
+
+
+def test_a_job_that_cannot_go_on_mid_round_checkpoints_the_round_start_as_its_step(tmp_path):
+    """--sync diloco, 2 replicas of 1 stage on 2 workers, no spare: a worker dies at step 4 (in the
+    round of steps 3..5) and the job cannot go on. Its last checkpoint holds the hosts' parameters,
+    which are the round's start: it is saved as step 3 (was: as step 4, so a resume would skip the
+    round's first step and the hosts, given that step, refused it as no round boundary)."""
+    from fusionnode.errors import PlanError
+    from fusionnode.train.checkpoint import read_resume
+
+    sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+    spec = small_spec(steps=7, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=6)
+
+    def victim(s: Swarm) -> str:
+        plan = next(e for e in s.events if e["type"] == "plan")
+        return next(st["peer"] for st in plan["stages"] if st["peer"] != s.ids[0])
+
+    s = FaultySwarm(tmp_path, workers=2, hosts=1, at=3, victim=victim)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 1,
+        "replicas": 2,
+        "offload": "on",
+        "sync": sync.to_dict(),
+        "rebalance_every": 0,
+    }
+    with pytest.raises(PlanError, match="checkpoint of step 3 in"):
+        asyncio.run(s.driver.run_job(params, s.emit))
+    assert s.downed
+    ckpt = read_resume(spec)
+    assert ckpt.step == 3

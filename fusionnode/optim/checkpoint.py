@@ -262,6 +262,17 @@ def shard_steps(dir: Path, job_id: str, host_id: str) -> list[int]:
     return [step for step, _ in _complete_steps(_shard_dir(dir, job_id, host_id))]
 
 
+def drop_shards_after(dir: Path, job_id: str, host_id: str, step: int) -> list[int]:
+    """Removes the checkpoints of (job, host) of steps after `step` (the store went back to `step`:
+    they hold steps that were undone, so no restore may read them); returns their steps."""
+    dropped = []
+    for s, path in _complete_steps(_shard_dir(dir, job_id, host_id)):
+        if s > step:
+            shutil.rmtree(path, ignore_errors=True)
+            dropped.append(s)
+    return dropped
+
+
 def load_shard(
     dir: Path, job_id: str, host_id: str, step: int, owner_tag: str | None = None
 ) -> dict[str, Any]:

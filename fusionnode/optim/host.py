@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fusionnode.optim.checkpoint import load_shard, save_shard, shard_steps
+from fusionnode.optim.checkpoint import drop_shards_after, load_shard, save_shard, shard_steps
 from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.host_rounds import READY_POLL_S, HostRounds, _data_bytes
 from fusionnode.optim.optimizers import job_optimizer_config
@@ -523,8 +523,8 @@ class OptimizerHostService(HostRounds):
         return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}
 
     async def rpc_rollback(self, req: jp.OptRollback, sender: str) -> jp.OptRollbackReply:
-        """Undoes the last applied step (kept by `opt.apply` with `keep`): a spot-check found a lie in
-        it, so the driver replays it without the liar."""
+        """Back to the kept state (`opt.apply` with `keep` or `mark`): a spot-check found a lie since,
+        so the driver replays from there without the liar; the shard's checkpoints of later steps go."""
         shard = self._shard(req.job, sender)
         try:
             undone = await asyncio.to_thread(shard.store.rollback, req.step)
@@ -532,6 +532,12 @@ class OptimizerHostService(HostRounds):
             raise JobError(ErrorCode.BAD_REQUEST, str(exc)) from None
         for s in [s for s in shard.push_digests if s > req.step]:
             del shard.push_digests[s]
+        if undone and shard.save_dir is not None:
+            # the shard checkpoints written since (at apply, before those steps' checks were judged)
+            # hold the undone steps: a host restored from one would bring the lie back
+            await asyncio.to_thread(
+                drop_shards_after, shard.save_dir, shard.job, f"h{shard.host_index}", req.step
+            )
         return jp.OptRollbackReply(applied_step=shard.store.applied_step, undone=undone)
 
     async def rpc_replan(self, req: jp.OptReplan, sender: str) -> jp.OptReplanReply:

@@ -223,8 +223,8 @@ def plan(
     `keep_floor`: the smallest AdaTopK keep ratio the plan may count on;
     `robust`: on clusters above SMALL_CLUSTER (and up to anchors.DTFM_MAX_WORKERS) workers, choose
     the candidate with the best worse ratio under the simulator and DT-FM's cost model
-    (anchors.robust_choice; with dp_sync "auto" or "ring" over the ring variants too), else the
-    fastest simulated;
+    (anchors.robust_choice; with dp_sync "auto" or "ring" over the ring variants too; not under a
+    round sync mode, which DT-FM's model cannot price), else the fastest simulated;
     `sync`: how the replicas' data-parallel sync is paid (every step by default, or per round of
     H steps under --sync diloco|sparseloco: plan/syncprice.py);
     `dp_sync`: how the pipelines synchronise: "hosts" (optimizer hosts; the default with `offload`),
@@ -299,7 +299,9 @@ def plan(
         from fusionnode.plan.grid import even_grids
 
         ctx.hosts, ctx._host_terms = list(best.hosts), None
-        if robust and len(workers) <= DTFM_MAX_WORKERS:
+        # DT-FM's cost model all-reduces float32 gradients every step: it cannot price a round sync
+        # mode's amortised exchange, so under --sync diloco|sparseloco the simulator alone chooses
+        if robust and len(workers) <= DTFM_MAX_WORKERS and not est.sync.rounds:
             best, figures = robust_choice(graph, ctx, [best, *own], found_anchors, dp_sync)
             log.info("robust choice: %s", {k: round(v, 3) for k, v in figures.items()})
         else:  # the simulator alone (DT-FM's model is too slow to score every grid of 1,000 workers)

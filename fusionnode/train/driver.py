@@ -541,16 +541,19 @@ class Driver:
             run.observe(job, reports)
             step += 1
             if late is not None:  # the step was applied, but a worker failed on commit: re-plan now
+                # the checks still running first: the re-plan releases the stages their audits read
+                if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:
+                    failures_in_a_row, step = failures_in_a_row + 1, replay
+                    continue
                 await self.recovery.recover(job, run, source, step, late)
                 if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
                     step = await self.recovery.round_restart(job, run, step - 1, job.hosts_applied)
                 continue
             due = job.sync.checkpoint_due(step, spec.save_every) if job.sync.rounds else save_at(spec, step)
             if spec.save_dir and due and step < spec.steps:
-                rollback = await self.recovery.settle(job, run)  # a checkpoint holds checked steps only
-                if rollback is not None:
-                    failures_in_a_row += 1
-                    step = await self.recovery.roll_back(job, run, source, rollback)
+                # a checkpoint holds checked steps only
+                if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:
+                    failures_in_a_row, step = failures_in_a_row + 1, replay
                     continue
                 try:
                     await asyncio.to_thread(
@@ -569,10 +572,9 @@ class Driver:
                 and step < spec.steps
                 and run.steps_on_plan >= run.rebalance_every
             ):
-                rollback = await self.recovery.settle(job, run)  # a re-plan starts a new mark
-                if rollback is not None:
-                    failures_in_a_row += 1
-                    step = await self.recovery.roll_back(job, run, source, rollback)
+                # a re-plan starts a new mark
+                if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:
+                    failures_in_a_row, step = failures_in_a_row + 1, replay
                     continue
                 await self.recovery.maybe_rebalance(job, run, step)
 

@@ -94,13 +94,17 @@ class Recovery:
             )
         except (PlanError, ConfigError) as exc:
             ckpt = None
-            if job.offload and job.spec.save_dir:
+            # --sync rounds: the hosts' parameters are the open round's start (its inner steps were
+            # the workers'), so that is the step they are saved as; unless a checkpoint of it is there
+            at = job.rounds_closed * job.sync.inner_steps if job.sync.rounds else job.step
+            saved = job.sync.rounds and job.spec.save_dir and await asyncio.to_thread(self._saved_at, job, at)
+            if job.offload and job.spec.save_dir and not saved:
                 with contextlib.suppress(FusionNodeError, OSError):
                     now_params = await self.placement.current_params(job, [], run.host_of, all_names=run.full)
-                    ckpt = await asyncio.to_thread(save_job, job, job.step, source, now_params)
+                    ckpt = await asyncio.to_thread(save_job, job, at, source, now_params)
             raise PlanError(
                 f"the job cannot go on at step {step} without {sorted(p[:12] for p in verdict)}: {exc}"
-                + (f"; checkpoint of step {job.step} in {ckpt}" if ckpt else "")
+                + (f"; checkpoint of step {at} in {ckpt}" if ckpt else "")
             ) from None
         await run.event(
             job,
@@ -111,6 +115,14 @@ class Recovery:
             plan_version=job.plan_version,
             reason="the step is replayed under the new plan",
         )
+
+    @staticmethod
+    def _saved_at(job: Job, step: int) -> bool:
+        """Whether the job's newest driver checkpoint is of `step`."""
+        try:
+            return read_resume(job.spec).step == step
+        except (ConfigError, OSError):
+            return False
 
     async def recover_hosts(self, job: Job, run: Run, step: int, fail: StepFailed) -> int:
         """Replaces dead optimizer hosts: each takes a dead host's shard (same index, same names),
@@ -457,3 +469,9 @@ class Recovery:
         )
         await self.recover(job, run, source, step, fail)
         return step
+
+    async def settle_and_roll_back(self, job: Job, run: Run, source: Any) -> int | None:
+        """Waits for the checks still running; when one caught a lie, rolls back (`roll_back`) and
+        returns the step to replay from, else None."""
+        rollback = await self.settle(job, run)
+        return None if rollback is None else await self.roll_back(job, run, source, rollback)
