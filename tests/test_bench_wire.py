@@ -38,6 +38,7 @@ def test_the_table_names_the_ratio_per_size(capsys):
     assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1"]) == 0
     out = capsys.readouterr().out
     assert "ratio" in out and "steady" in out and "cold" in out and " 1Mi " in out and "rcpu" in out
+    assert "TLS ceiling" in out and "TLS/TCP" in out and "(ceiling)" in out.splitlines()[-1]
 
 
 @pytest.mark.parametrize("bad", ["0", "4,x", ""])
@@ -45,3 +46,21 @@ def test_a_bad_size_is_a_usage_error(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         wire.main(["--no-codec", "--stream-mib", bad])
     assert exc.value.code == 2
+
+
+def test_the_tls_ceiling_is_reported_beside_the_direct_ratio(capsys):
+    """The ceiling section: bare TCP and bare TLS 1.3 pairs per size, their ratio, and the direct path's."""
+    assert wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["ceiling"]
+    assert row["size_mib"] == 1 and row["repeats"] == 5
+    assert row["tcp_mib_s"] > 0 and row["tls_mib_s"] > 0
+    assert row["tcp_cpu_ms_per_mib"] > 0 and row["tls_cpu_ms_per_mib"] > 0
+    assert row["tls_ratio_to_tcp"] == pytest.approx(row["tls_mib_s"] / row["tcp_mib_s"])
+    assert row["direct_steady_raw_ratio_to_tcp"] > 0 and row["direct_steady_framed_ratio_to_tcp"] > 0
+
+
+def test_no_ceiling_skips_it(capsys):
+    assert (
+        wire.main(["--no-codec", "--no-p2p", "--quick", "--stream-mib", "1", "--no-ceiling", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["ceiling"] == []

@@ -30,6 +30,9 @@ Method
    direct path in its threads (which is how the runtime runs it), so on a loaded machine its share
    of the CPU differs from TCP's; the `cpu` columns (CPU per MiB, all threads, of the sender and of
    the receiver) are the figures other load skews least.
+3. Ceiling (bench/wire_ceiling.py; --no-ceiling skips it). Per --stream-mib size, a bare blocking
+   plain-TCP socket pair against a bare blocking TLS 1.3 pair (the direct path's own handshake):
+   how far TLS in Python's ssl alone falls short of TCP here, printed beside the direct path's ratio.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fusionnode.bench.wire_ceiling import add_direct_ratios, bench_ceiling, print_ceiling
 from fusionnode.wire import (
     TensorMessage,
     decode_message,
@@ -551,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-streams", action="store_true", help="only the codec")
     parser.add_argument("--no-codec", action="store_true", help="only the streams")
     parser.add_argument(
+        "--no-ceiling", action="store_true", help="skip the TLS ceiling (bare TCP vs TLS 1.3 socket pairs)"
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="run the receiving ends in this process too (default: a spawned child process, as two peers)",
@@ -588,11 +595,16 @@ def main(argv: list[str] | None = None) -> int:
             stream_rows += asyncio.run(
                 bench_streams(mib, args.chunk_kib, repeats, not args.no_p2p, in_process=args.in_process)
             )
+    ceiling_rows: list[dict[str, Any]] = []
+    if not args.no_streams and not args.no_ceiling:
+        ceiling_rows = bench_ceiling(stream_mib)
+        add_direct_ratios(ceiling_rows, stream_rows)
     if args.json:
         json.dump(
             {
                 "codec": codec_rows,
                 "streams": stream_rows,
+                "ceiling": ceiling_rows,
                 "numpy": np.__version__,
                 "torch": torch.__version__,
             },
@@ -601,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     else:
         _print_tables(codec_rows, stream_rows)
+        if ceiling_rows:
+            print_ceiling(ceiling_rows)
     return 0
 
 
