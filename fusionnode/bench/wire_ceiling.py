@@ -140,7 +140,11 @@ def print_ceiling(rows: list[dict[str, Any]]) -> None:
             f"{r['size_mib']:>4}Mi {r['tcp_mib_s']:>7.0f} {r['tcp_cpu_ms_per_mib']:>5.2f} |"
             f" {r['tls_mib_s']:>7.0f} {r['tls_cpu_ms_per_mib']:>5.2f} | {r['tls_ratio_to_tcp']:>7.2f}"
         )
-    print("  cpu: CPU ms per MiB of this process (sender and receiver both here)")
+    print("  cpu: CPU ms per MiB of this process (sender and receiver both here); the streams' TCP reference")
+    print("  (asyncio, two processes) is slower than a bare pair, so the direct ratio can exceed this one;")
+    print(
+        "  compare CPU: TLS adds (tls cpu - tcp cpu) per MiB, the direct path (cpu+rcpu) - tcp's (cpu+rcpu)"
+    )
     for r in rows:
         if "direct_steady_raw_ratio_to_tcp" in r:
             print(
