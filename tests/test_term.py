@@ -11,6 +11,7 @@ from fusionnode.bench.plan import gpt2_like_graph
 from fusionnode.cli.plan import compare_plans
 from fusionnode.plan.cluster import load_cluster
 from fusionnode.plan.planner import plan
+from fusionnode.sync import add_sync_args
 
 
 class Tty(io.StringIO):
@@ -110,7 +111,10 @@ def test_plan_and_simulate_tables():
     term.print_plan(plan(graph, cluster, 16), out)
     text = out.getvalue()
     assert "pipeline 0:" in text and "stage  devices" in text and "optimizer hosts:" in text
-    args = argparse.Namespace(
+    parser = argparse.ArgumentParser()
+    add_sync_args(parser)  # the simulate command's --sync options, at their defaults
+    args = parser.parse_args([])
+    args.__dict__.update(
         micro_batches=None,
         seq_len=None,
         offload="auto",
