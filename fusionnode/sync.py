@@ -47,6 +47,9 @@ class SyncConfig:
     topk_density: float = DEFAULT_TOPK_DENSITY  # sparseloco: kept share of each chunk
     chunk: int = DEFAULT_CHUNK  # sparseloco: elements per chunk
     ef_decay: float = DEFAULT_EF_DECAY  # sparseloco: error-feedback decay β
+    # diloco/sparseloco: a round's exchange overlaps the next round's inner steps; its outer update
+    # is applied one round late (at the next round's close: θ ← θ_global + inner progress)
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -86,6 +89,12 @@ class SyncConfig:
             raise ConfigError(f"--chunk {self.chunk!r}: must be an integer in [1, 65536]")
         if not (isinstance(self.ef_decay, (int, float)) and 0 <= self.ef_decay <= 1):
             raise ConfigError(f"--ef-decay {self.ef_decay!r}: must lie in [0, 1]")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"--sync-overlap {self.overlap!r}: must be true or false")
+        if self.overlap and self.mode == "step":
+            raise ConfigError(
+                "--sync-overlap: --sync step has no rounds to overlap; use diloco or sparseloco"
+            )
 
     @property
     def rounds(self) -> bool:
@@ -203,6 +212,12 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_EF_DECAY,
         help="sparseloco: error-feedback decay (default %(default)s)",
     )
+    g.add_argument(
+        "--sync-overlap",
+        action="store_true",
+        help="diloco/sparseloco: send a round's pseudo-gradient and go on with the next round's inner "
+        "steps; the round's outer update is applied one round late (Streaming DiLoCo's delayed update)",
+    )
 
 
 def sync_from_args(args: argparse.Namespace) -> SyncConfig:
@@ -224,7 +239,14 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
         topk_density=args.topk_density,
         chunk=args.topk_chunk,
         ef_decay=args.ef_decay,
+        overlap=bool(getattr(args, "sync_overlap", False)),
     )
+    saving = getattr(args, "save_dir", None) and getattr(args, "save_every", 0)
+    if cfg.overlap and (saving or getattr(args, "resume", False)):
+        raise ConfigError(
+            "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
+            "round installed at its boundary; run without --sync-overlap"
+        )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")
         if planner not in ROUND_PLANNERS:

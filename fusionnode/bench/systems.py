@@ -63,16 +63,32 @@ DP_OPTIONS: dict[str, Any] = {
     "optimizer_hosts": "all",
 }
 SYNC_CONFIGS.append((DP_NAME, {**DP_OPTIONS, "sync": DP_SYNC.to_dict()}, "none", {}))
+# run only when named in --configs: fusionnode-dp with each round's exchange overlapping the next
+# round's inner steps (`--sync-overlap`, the one-round-delayed outer update)
+OPTIONAL_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
+    (
+        f"{DP_NAME}-overlap",
+        {**DP_OPTIONS, "sync": SyncConfig(**{**DP_SYNC.to_dict(), "overlap": True}).to_dict()},
+        "none",
+        {},
+    )
+]
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 
 
 def all_configs() -> list[tuple[str, dict[str, Any], str, dict[str, Any]]]:
-    return [*CONFIGS, *SYNC_CONFIGS]
+    return [*CONFIGS, *SYNC_CONFIGS, *OPTIONAL_CONFIGS]
 
 
 def system_names() -> list[str]:
     return [c[0] for c in all_configs()] + list(HIVEMIND_SYSTEMS)
+
+
+def default_system_names() -> list[str]:
+    """What `bench testbed` runs unless --configs names others (OPTIONAL_CONFIGS left out)."""
+    optional = {c[0] for c in OPTIONAL_CONFIGS}
+    return [n for n in system_names() if n not in optional]
 
 
 HIVEMIND_USERSPACE = (
@@ -153,6 +169,8 @@ def settings_of(options: dict[str, Any]) -> dict[str, Any]:
             out.update(
                 density=f"1/{round(1 / sync['topk_density'])}", chunk=sync["chunk"], ef_decay=sync["ef_decay"]
             )
+        if sync.get("overlap"):
+            out["overlap"] = "one-round-delayed outer update"
         out["why"] = DP_WHY if options.get("stages") == 1 else SYNC_WHY[sync["mode"]]
     return out
 

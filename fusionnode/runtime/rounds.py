@@ -5,6 +5,13 @@ stage sends Δ = θ_start − θ for the names it contributes (a tied parameter 
 the replica only) to the optimizer hosts that own them, as "pseudograd" data messages (SparseLoCo: through
 the error feedback kept here), then pulls each host's update of every name it holds
 (`opt.round_pull`), applies it to θ_start and installs the result: the next round's start.
+
+With `SyncConfig.overlap` (`--sync-overlap`) the commit only snapshots the round: its exchange runs
+as a task while the next round's inner steps go on from the stage's own parameters. At the next
+round's close the stage awaits it, θ_global(r) its result, and re-bases: θ ← θ_global(r) + (θ −
+θ_start) (the global state plus this round's inner progress), which becomes the next θ_start; the
+pseudo-gradient it sends is still θ_start − θ. The job's last round is exchanged and installed
+before its commit answers (`round.final`). `train/replicas.py` does the same in one process.
 """
 
 from __future__ import annotations
@@ -32,6 +39,15 @@ class StageRounds:
         self.sender = ReplicaSync(cfg)
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
+        # --sync-overlap: θ_global of the last round installed, and the exchange still under way
+        self.glob = {n: t.clone() for n, t in self.start.items()} if cfg.overlap else {}
+        self.pending: asyncio.Task | None = None
+
+    def cancel(self) -> None:
+        """Stops an exchange still under way (the job ends or the stage is dropped)."""
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
 
     def feedback_state(self) -> dict[str, torch.Tensor]:
         """SparseLoCo: the error-feedback accumulators of the names this stage sends (none before its
@@ -62,7 +78,8 @@ class StageRounds:
         round_id = int(info["id"])
         if round_id <= self.closed:
             return {}  # a retried commit: this round is installed already
-        off = sj.offload
+        if self.cfg.overlap:
+            return await self._close_overlapped(worker, sj, info, round_id)
         mine = [n for n in info.get("names", []) if n in sj.params]
         loop = asyncio.get_running_loop()
 
@@ -71,6 +88,78 @@ class StageRounds:
             return self.sender.encode(delta)
 
         encs = await loop.run_in_executor(worker.executor, encode)
+        counted = await self._exchange(worker, sj, info, round_id, encs, self.start)
+
+        def install() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_(self.start[name].to(p.dtype))
+
+        await loop.run_in_executor(worker.executor, install)
+        self.closed = round_id
+        return counted
+
+    async def _close_overlapped(
+        self, worker: Any, sj: Any, info: dict[str, Any], round_id: int
+    ) -> dict[str, list[int]]:
+        """--sync-overlap: await the previous round's exchange, re-base onto its θ_global, start this
+        round's exchange as a task (the last round's: awaited and installed)."""
+        loop = asyncio.get_running_loop()
+        counted: dict[str, list[int]] = {}
+        if self.pending is not None:
+            task, self.pending = self.pending, None
+            counted = await task  # self.glob is θ_global of the previous round now
+        mine = [n for n in info.get("names", []) if n in sj.params]
+
+        def snapshot() -> dict[str, torch.Tensor]:
+            # Δ = θ_start − θ (the round's inner progress); then θ ← θ_global + (θ − θ_start)
+            delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    rebased = self.glob[name] + (p.detach().to(torch.float32) - self.start[name])
+                    p.copy_(rebased.to(p.dtype))
+                    self.start[name] = rebased
+            return delta
+
+        delta = await loop.run_in_executor(worker.executor, snapshot)
+        glob = self.glob
+
+        async def exchange() -> dict[str, list[int]]:
+            encs = await loop.run_in_executor(worker.executor, self.sender.encode, delta)
+            return await self._exchange(worker, sj, info, round_id, encs, glob)  # glob becomes θ_global
+
+        self.closed = round_id
+        if not info.get("final"):
+            self.pending = loop.create_task(exchange())
+            return counted
+        got = await exchange()
+        for h, (a, b) in got.items():
+            c = counted.setdefault(h, [0, 0])
+            c[0] += a
+            c[1] += b
+
+        def install() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_(self.glob[name].to(p.dtype))
+                    self.start[name] = self.glob[name].clone()
+
+        await loop.run_in_executor(worker.executor, install)
+        return counted
+
+    async def _exchange(
+        self,
+        worker: Any,
+        sj: Any,
+        info: dict[str, Any],
+        round_id: int,
+        encs: dict[str, Any],
+        base: dict[str, torch.Tensor],
+    ) -> dict[str, list[int]]:
+        """Sends round `round_id`'s encoded pseudo-gradients and applies every host's update of the
+        names this stage holds to `base` in place; returns, per host, [bytes sent, bytes received]."""
+        off = sj.offload
+        loop = asyncio.get_running_loop()
         by_host: dict[str, dict[str, Any]] = {}
         for name, enc in encs.items():
             by_host.setdefault(off.hosts[name], {})[name] = enc
@@ -130,17 +219,7 @@ class StageRounds:
                     update.relayed.append((float(weight), dict(msg.tensors)))
             if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
                 raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
-            await loop.run_in_executor(
-                worker.executor, apply_update, {n: self.start[n] for n in names}, update
-            )
+            await loop.run_in_executor(worker.executor, apply_update, {n: base[n] for n in names}, update)
 
         await asyncio.gather(*(pull(h, names) for h, names in held.items()))
-
-        def install() -> None:
-            with torch.no_grad():
-                for name, p in sj.params.items():
-                    p.copy_(self.start[name].to(p.dtype))
-
-        await loop.run_in_executor(worker.executor, install)
-        self.closed = round_id
         return counted

@@ -163,6 +163,8 @@ class WorkerService(HostLink):
         sj = self.jobs.pop(key, None)
         if sj is not None:
             self.t.mailbox.release(sj.job, ("stage", sj.stage))
+            if sj.rounds is not None:
+                sj.rounds.cancel()  # --sync-overlap: an exchange still under way
             sj.module = sj.opt = None
             sj.params = {}
             if self.on_jobs_changed:
