@@ -6,12 +6,13 @@ the replica only) to the optimizer hosts that own them, as "pseudograd" data mes
 the error feedback kept here), then pulls each host's update of every name it holds
 (`opt.round_pull`), applies it to θ_start and installs the result: the next round's start.
 
-With `SyncConfig.overlap` (`--sync-overlap`) the commit only snapshots the round: its exchange runs
-as a task while the next round's inner steps go on from the stage's own parameters. At the next
-round's close the stage awaits it, θ_global(r) its result, and re-bases: θ ← θ_global(r) + (θ −
-θ_start) (the global state plus this round's inner progress), which becomes the next θ_start; the
-pseudo-gradient it sends is still θ_start − θ. The job's last round is exchanged and installed
-before its commit answers (`round.final`). `train/replicas.py` does the same in one process.
+With `SyncConfig.overlap` (`--sync-overlap`) the commit only snapshots the round (θ_end) and sends
+Δ = θ_start − θ_end: its exchange runs as a task while the next round's inner steps go on from the
+stage's own parameters. After D = `overlap_steps` of them (the commit of the round's D-th step; D = H:
+the next close) the stage awaits it, θ_global its result, and re-bases: θ ← θ_global + (θ − θ_end),
+θ_start ← θ_global (the inner progress since the round's end is kept). The job's last round is
+exchanged and installed before its commit answers (`round.final`). `train/replicas.py` does the
+same in one process.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class StageRounds:
         self.sender = ReplicaSync(cfg)
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
-        # --sync-overlap: θ_global of the last round installed, and the exchange still under way
+        # --sync-overlap: θ_global of the last round installed, θ_end of the round under way, its exchange
         self.glob = {n: t.clone() for n, t in self.start.items()} if cfg.overlap else {}
+        self.end: dict[str, torch.Tensor] = {}
         self.pending: asyncio.Task | None = None
 
     def cancel(self) -> None:
@@ -72,6 +74,33 @@ class StageRounds:
             state.update(decode_checked(msg, sj.param_specs, None, src))
         fb.load_state_dict(state)
 
+    async def after_step(
+        self, worker: Any, sj: Any, step: int, info: dict[str, Any] | None
+    ) -> dict[str, list[int]]:
+        """After inner step `step`'s commit: close the round `info` names, or (--sync-overlap) apply
+        the previous round's update when `step` is the round's D-th; per host [sent, received]."""
+        if info:
+            return await self.close_round(worker, sj, info)
+        if self.pending is not None and self.cfg.applies_delayed(step):
+            return await self._settle(worker, sj)
+        return {}
+
+    async def _settle(self, worker: Any, sj: Any) -> dict[str, list[int]]:
+        """--sync-overlap: awaits the exchange under way (θ_global is then its round's result) and
+        re-bases: θ ← θ_global + (θ − θ_end), θ_start ← θ_global."""
+        task, self.pending = self.pending, None
+        assert task is not None
+        counted = await task
+
+        def rebase() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_((self.glob[name] + (p.detach().to(torch.float32) - self.end[name])).to(p.dtype))
+                    self.start[name] = self.glob[name].clone()
+
+        await asyncio.get_running_loop().run_in_executor(worker.executor, rebase)
+        return counted
+
     async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> dict[str, list[int]]:
         """Send this stage's share of round `info["id"]` (`CommitRequest.round`) and install the
         round's result; returns, per host, [bytes sent to it, bytes of encoded tensors received from it]."""
@@ -102,24 +131,15 @@ class StageRounds:
     async def _close_overlapped(
         self, worker: Any, sj: Any, info: dict[str, Any], round_id: int
     ) -> dict[str, list[int]]:
-        """--sync-overlap: await the previous round's exchange, re-base onto its θ_global, start this
-        round's exchange as a task (the last round's: awaited and installed)."""
+        """--sync-overlap: apply the previous round's update if still due, send this round's Δ and
+        start its exchange as a task (the last round's: awaited and installed)."""
         loop = asyncio.get_running_loop()
-        counted: dict[str, list[int]] = {}
-        if self.pending is not None:
-            task, self.pending = self.pending, None
-            counted = await task  # self.glob is θ_global of the previous round now
+        counted = await self._settle(worker, sj) if self.pending is not None else {}
         mine = [n for n in info.get("names", []) if n in sj.params]
 
         def snapshot() -> dict[str, torch.Tensor]:
-            # Δ = θ_start − θ (the round's inner progress); then θ ← θ_global + (θ − θ_start)
-            delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
-            with torch.no_grad():
-                for name, p in sj.params.items():
-                    rebased = self.glob[name] + (p.detach().to(torch.float32) - self.start[name])
-                    p.copy_(rebased.to(p.dtype))
-                    self.start[name] = rebased
-            return delta
+            self.end = {n: p.detach().to(torch.float32).clone() for n, p in sj.params.items()}
+            return pseudo_gradient({n: self.start[n] for n in mine}, {n: self.end[n] for n in mine})
 
         delta = await loop.run_in_executor(worker.executor, snapshot)
         glob = self.glob
@@ -129,23 +149,14 @@ class StageRounds:
             return await self._exchange(worker, sj, info, round_id, encs, glob)  # glob becomes θ_global
 
         self.closed = round_id
+        self.pending = loop.create_task(exchange())
         if not info.get("final"):
-            self.pending = loop.create_task(exchange())
             return counted
-        got = await exchange()
-        for h, (a, b) in got.items():
+        for h, (a, b) in (await self._settle(worker, sj)).items():
             c = counted.setdefault(h, [0, 0])
             c[0] += a
             c[1] += b
-
-        def install() -> None:
-            with torch.no_grad():
-                for name, p in sj.params.items():
-                    p.copy_(self.glob[name].to(p.dtype))
-                    self.start[name] = self.glob[name].clone()
-
-        await loop.run_in_executor(worker.executor, install)
-        return counted
+        return counted  # θ = θ_global: the stage's parameters were θ_end, not moved since
 
     async def _exchange(
         self,

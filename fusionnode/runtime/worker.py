@@ -446,8 +446,8 @@ class WorkerService(HostLink):
                 return jp.CommitReply(applied=step, again=True)
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
             round_bytes: dict[str, list[int]] = {}
-            if sj.rounds is not None and req.round:
-                round_bytes = await sj.rounds.close_round(self, sj, req.round)
+            if sj.rounds is not None:  # a round's end, or --sync-overlap's delayed update
+                round_bytes = await sj.rounds.after_step(self, sj, step, req.round)
             sj.last_step = step
         return jp.CommitReply(applied=step, round_bytes=round_bytes)
 
