@@ -18,6 +18,7 @@ same in one process.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -44,12 +45,17 @@ class StageRounds:
         self.glob = {n: t.clone() for n, t in self.start.items()} if cfg.overlap else {}
         self.end: dict[str, torch.Tensor] = {}
         self.pending: asyncio.Task | None = None
+        # the exchange's encode and update run in their own thread, beside the stage's compute (the
+        # worker's executor): a paced device's idle time, not its next step's, pays for them
+        self.side = ThreadPoolExecutor(1, thread_name_prefix="rounds") if cfg.overlap else None
 
     def cancel(self) -> None:
         """Stops an exchange still under way (the job ends or the stage is dropped)."""
         if self.pending is not None:
             self.pending.cancel()
             self.pending = None
+        if self.side is not None:
+            self.side.shutdown(wait=False, cancel_futures=True)
 
     def feedback_state(self) -> dict[str, torch.Tensor]:
         """SparseLoCo: the error-feedback accumulators of the names this stage sends (none before its
@@ -145,8 +151,8 @@ class StageRounds:
         glob = self.glob
 
         async def exchange() -> dict[str, list[int]]:
-            encs = await loop.run_in_executor(worker.executor, self.sender.encode, delta)
-            return await self._exchange(worker, sj, info, round_id, encs, glob)  # glob becomes θ_global
+            encs = await loop.run_in_executor(self.side, self.sender.encode, delta)
+            return await self._exchange(worker, sj, info, round_id, encs, glob, self.side)  # θ_global
 
         self.closed = round_id
         self.pending = loop.create_task(exchange())
@@ -166,9 +172,11 @@ class StageRounds:
         round_id: int,
         encs: dict[str, Any],
         base: dict[str, torch.Tensor],
+        executor: Any = None,
     ) -> dict[str, list[int]]:
         """Sends round `round_id`'s encoded pseudo-gradients and applies every host's update of the
-        names this stage holds to `base` in place; returns, per host, [bytes sent, bytes received]."""
+        names this stage holds to `base` in place (in `executor`, default the worker's); returns, per
+        host, [bytes sent, bytes received]."""
         off = sj.offload
         loop = asyncio.get_running_loop()
         by_host: dict[str, dict[str, Any]] = {}
@@ -230,7 +238,9 @@ class StageRounds:
                     update.relayed.append((float(weight), dict(msg.tensors)))
             if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
                 raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
-            await loop.run_in_executor(worker.executor, apply_update, {n: base[n] for n in names}, update)
+            await loop.run_in_executor(
+                executor or worker.executor, apply_update, {n: base[n] for n in names}, update
+            )
 
         await asyncio.gather(*(pull(h, names) for h, names in held.items()))
         return counted
