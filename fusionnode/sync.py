@@ -47,6 +47,11 @@ class SyncConfig:
     topk_density: float = DEFAULT_TOPK_DENSITY  # sparseloco: kept share of each chunk
     chunk: int = DEFAULT_CHUNK  # sparseloco: elements per chunk
     ef_decay: float = DEFAULT_EF_DECAY  # sparseloco: error-feedback decay β
+    # diloco/sparseloco: a round's exchange overlaps the next round's first `overlap_steps` (D)
+    # inner steps; its outer update is applied after them (θ ← θ_global + the inner progress since
+    # the round's end). None = H: one round late
+    overlap: bool = False
+    overlap_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -86,6 +91,27 @@ class SyncConfig:
             raise ConfigError(f"--chunk {self.chunk!r}: must be an integer in [1, 65536]")
         if not (isinstance(self.ef_decay, (int, float)) and 0 <= self.ef_decay <= 1):
             raise ConfigError(f"--ef-decay {self.ef_decay!r}: must lie in [0, 1]")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"--sync-overlap {self.overlap!r}: must be true or false")
+        if self.overlap and self.mode == "step":
+            raise ConfigError(
+                "--sync-overlap: --sync step has no rounds to overlap; use diloco or sparseloco"
+            )
+        d = self.overlap_steps
+        if d is not None and (not self.overlap or isinstance(d, bool) or not isinstance(d, int)):
+            raise ConfigError(f"--overlap-steps {d!r}: an integer, with --sync-overlap only")
+        if d is not None and not 1 <= d <= self.inner_steps:
+            raise ConfigError(f"--overlap-steps {d}: must lie in [1, H = {self.inner_steps}]")
+
+    @property
+    def delay(self) -> int:
+        """--sync-overlap: the inner steps of the next round a round's exchange may take (D)."""
+        return self.overlap_steps or self.inner_steps
+
+    def applies_delayed(self, step: int) -> bool:
+        """--sync-overlap: whether the previous round's update is applied after inner step `step`
+        (the D-th step of a round; the D = H-th is its close, which applies it anyway)."""
+        return self.overlap and step % self.inner_steps == self.delay - 1
 
     @property
     def rounds(self) -> bool:
@@ -203,6 +229,21 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_EF_DECAY,
         help="sparseloco: error-feedback decay (default %(default)s)",
     )
+    g.add_argument(
+        "--sync-overlap",
+        action="store_true",
+        help="diloco/sparseloco: send a round's pseudo-gradient and go on with the next round's inner "
+        "steps; the round's outer update is applied after --overlap-steps of them (Streaming DiLoCo's "
+        "delayed update)",
+    )
+    g.add_argument(
+        "--overlap-steps",
+        type=int,
+        default=None,
+        metavar="D",
+        help="with --sync-overlap: inner steps of the next round a round's exchange may take, 1..H "
+        "(default H: the update is applied one round late)",
+    )
 
 
 def sync_from_args(args: argparse.Namespace) -> SyncConfig:
@@ -224,7 +265,15 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
         topk_density=args.topk_density,
         chunk=args.topk_chunk,
         ef_decay=args.ef_decay,
+        overlap=bool(getattr(args, "sync_overlap", False)),
+        overlap_steps=getattr(args, "overlap_steps", None),
     )
+    saving = getattr(args, "save_dir", None) and getattr(args, "save_every", 0)
+    if cfg.overlap and (saving or getattr(args, "resume", False)):
+        raise ConfigError(
+            "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
+            "round installed at its boundary; run without --sync-overlap"
+        )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")
         if planner not in ROUND_PLANNERS:

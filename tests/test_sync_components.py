@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_components import Swarm, small_spec
 
+from fusionnode.errors import ConfigError
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.wire.job import Rpc
@@ -95,3 +96,72 @@ def test_the_fusion_planner_lays_out_replicas_for_a_round_mode(tmp_path):
     steps = s.steps()
     assert len(steps) == spec.steps and all(torch.isfinite(torch.tensor(e["loss"])) for e in steps)
     assert all(h["rounds_closed"] == 2 for h in steps[-1]["optimizer_hosts"])
+
+
+@pytest.mark.parametrize(
+    ("sync", "steps", "tol"),
+    [
+        (SyncConfig("diloco", inner_steps=5, overlap=True), 30, 1e-4),
+        (SyncConfig("diloco", inner_steps=4, overlap=True, overlap_steps=2), 30, 1e-4),
+        (SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256, overlap=True), 10, 1e-3),
+        (
+            SyncConfig(
+                "sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256, overlap=True, overlap_steps=1
+            ),
+            10,
+            1e-3,
+        ),
+    ],
+    ids=["diloco-D=H", "diloco-D=2", "sparseloco-D=H", "sparseloco-D=1"],
+)
+def test_overlapped_rounds_follow_the_local_reference(tmp_path, sync, steps, tol):
+    # --sync-overlap: a round's exchange runs beside the next round's inner steps and its outer update
+    # is applied D of them late (D = H: one round; the last round, of 1 step with sparseloco, is
+    # closed before D steps passed); the swarm (2 replicas x 2 stages, fp32) follows the reference (the
+    # spec of tests/test_sync_swarm_e2e.py: float noise does not grow past 1e-4 in its 30 steps)
+    spec = small_spec(steps=steps, micro_batches=2, seed=5, warmup_steps=3)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+    }
+    asyncio.run(s.driver.run_job(params, s.emit))
+    got = [e["loss"] for e in s.steps()]
+    ref = train_local_replicas(spec, sync, replicas=2)
+    assert len(got) == len(ref.losses) == spec.steps
+    for i, (a, b) in enumerate(zip(got, ref.losses, strict=True)):
+        assert abs(a - b) < tol, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
+    # the delayed update is a different trajectory from the blocking rounds' (the test can fail)
+    blocking = train_local_replicas(
+        spec, SyncConfig(**{**sync.to_dict(), "overlap": False, "overlap_steps": None}), replicas=2
+    )
+    h = sync.inner_steps
+    assert ref.losses[:h] == blocking.losses[:h]  # identical until the first round closes
+    assert max(abs(a - b) for a, b in zip(ref.losses, blocking.losses, strict=True)) > 10 * tol
+    # every round applied once, the last one installed before the job ended
+    rounds = -(-spec.steps // h)
+    assert [x["rounds_closed"] for x in s.steps()[-1]["optimizer_hosts"]] == [rounds, rounds]
+    assert ref.rounds == rounds
+
+
+def test_overlap_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match="--sync-overlap"):
+        SyncConfig("step", overlap=True)
+    with pytest.raises(ConfigError, match="--sync-overlap"):
+        SyncConfig("diloco", inner_steps=2, overlap=1)
+    spec = small_spec(steps=4, micro_batches=2)
+    sync = SyncConfig("diloco", inner_steps=2, overlap=True)
+    with pytest.raises(ConfigError, match="--sync-overlap"):
+        train_local_replicas(spec, sync, replicas=2, restart_rounds=[1])
+    with pytest.raises(ConfigError, match=r"--overlap-steps 3: must lie in \[1, H = 2\]"):
+        SyncConfig("diloco", inner_steps=2, overlap=True, overlap_steps=3)
+    with pytest.raises(ConfigError, match="--overlap-steps 1: an integer, with --sync-overlap only"):
+        SyncConfig("diloco", inner_steps=2, overlap_steps=1)
+    # D = 1: the update is applied after each round's first step, D = H at the next close
+    d1 = SyncConfig("diloco", inner_steps=3, overlap=True, overlap_steps=1)
+    assert [t for t in range(9) if d1.applies_delayed(t)] == [0, 3, 6]
+    assert [t for t in range(9) if sync.applies_delayed(t)] == [1, 3, 5, 7]

@@ -119,6 +119,7 @@ def test_two_replica_rounds_differ_from_step_and_count_bytes() -> None:
         (["--sync", "sparseloco", "--offload", "off"], "--offload"),
         (["--sync", "step", "--inner-steps", "4"], "--inner-steps 4"),
         (["--sync", "sparseloco", "--topk-density", "0"], "--topk-density"),
+        (["--sync", "step", "--sync-overlap"], "--sync-overlap: --sync step has no rounds"),
     ],
 )
 def test_bad_sync_options_exit_2_naming_the_option_before_anything_starts(
@@ -146,6 +147,10 @@ def test_bad_sync_options_exit_2_naming_the_option_before_anything_starts(
         (["--sync", "diloco", "--planner", "even"], "--planner even"),
         (["--sync", "diloco", "--planner", "memory"], "--planner memory"),
         (["--sync", "diloco", "--rebalance-every", "5"], "--rebalance-every"),
+        (
+            ["--sync", "diloco", "--sync-overlap", "--save", "/nonexistent-fn/ck", "--save-every", "4"],
+            "--sync-overlap: checkpoints during the job",
+        ),
     ],
 )
 def test_bad_sync_options_of_a_swarm_job_exit_2_before_any_daemon_is_asked(

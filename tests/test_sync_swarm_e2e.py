@@ -105,6 +105,22 @@ def test_diloco_follows_the_local_reference(swarm):
     _check_records([e for e in events if e["type"] == "step"], sync)
 
 
+def test_overlapped_diloco_follows_the_local_reference(swarm):
+    # --sync-overlap --overlap-steps 2 over real daemons: each round's exchange runs beside the next
+    # round's first 2 inner steps (its own thread); the swarm follows the reference within 1e-4
+    s = spec()
+    sync = SyncConfig("diloco", inner_steps=5, overlap=True, overlap_steps=2)
+    _res, events = run_job(swarm, s, sync)
+    steps = [e for e in events if e["type"] == "step"]
+    ref = train_local_replicas(s, sync, replicas=2).losses
+    assert len(steps) == len(ref) == STEPS
+    for i, (a, b) in enumerate(zip([e["loss"] for e in steps], ref, strict=True)):
+        assert abs(a - b) < 1e-4, f"step {i}: swarm {a:.6f} vs local {b:.6f}"
+    # a round's bytes come back with the commit that applies it (the next round's 2nd step)
+    assert [e["rounds_applied"] for e in steps[:12]] == [0] * 6 + [1] * 5 + [2]
+    assert all(x["rounds_closed"] == STEPS // 5 for x in steps[-1]["optimizer_hosts"])
+
+
 def test_replicas_of_different_shares_weigh_by_tokens(swarm):
     # 2 and 6 sequences per step: the outer step weighs the replicas 1:3, as the reference does
     s = spec(steps=10)

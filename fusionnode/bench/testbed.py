@@ -74,6 +74,7 @@ from fusionnode.bench.systems import (
     HIVEMIND_SYSTEMS,
     HIVEMIND_USERSPACE,
     all_configs,
+    default_system_names,
     fusionnode_row,
     resolve_options,
     run_hivemind,
@@ -122,7 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--configs",
-        default=",".join(system_names()),
+        default=",".join(default_system_names()),
         help="which configurations and systems to run; hivemind's only on netns links (default %(default)s)",
     )
     p.add_argument(

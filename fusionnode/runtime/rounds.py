@@ -5,11 +5,20 @@ stage sends Δ = θ_start − θ for the names it contributes (a tied parameter 
 the replica only) to the optimizer hosts that own them, as "pseudograd" data messages (SparseLoCo: through
 the error feedback kept here), then pulls each host's update of every name it holds
 (`opt.round_pull`), applies it to θ_start and installs the result: the next round's start.
+
+With `SyncConfig.overlap` (`--sync-overlap`) the commit only snapshots the round (θ_end) and sends
+Δ = θ_start − θ_end: its exchange runs as a task while the next round's inner steps go on from the
+stage's own parameters. After D = `overlap_steps` of them (the commit of the round's D-th step; D = H:
+the next close) the stage awaits it, θ_global its result, and re-bases: θ ← θ_global + (θ − θ_end),
+θ_start ← θ_global (the inner progress since the round's end is kept). The job's last round is
+exchanged and installed before its commit answers (`round.final`). `train/replicas.py` does the
+same in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,6 +41,21 @@ class StageRounds:
         self.sender = ReplicaSync(cfg)
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
+        # --sync-overlap: θ_global of the last round installed, θ_end of the round under way, its exchange
+        self.glob = {n: t.clone() for n, t in self.start.items()} if cfg.overlap else {}
+        self.end: dict[str, torch.Tensor] = {}
+        self.pending: asyncio.Task | None = None
+        # the exchange's encode and update run in their own thread, beside the stage's compute (the
+        # worker's executor): a paced device's idle time, not its next step's, pays for them
+        self.side = ThreadPoolExecutor(1, thread_name_prefix="rounds") if cfg.overlap else None
+
+    def cancel(self) -> None:
+        """Stops an exchange still under way (the job ends or the stage is dropped)."""
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
+        if self.side is not None:
+            self.side.shutdown(wait=False, cancel_futures=True)
 
     def feedback_state(self) -> dict[str, torch.Tensor]:
         """SparseLoCo: the error-feedback accumulators of the names this stage sends (none before its
@@ -56,13 +80,41 @@ class StageRounds:
             state.update(decode_checked(msg, sj.param_specs, None, src))
         fb.load_state_dict(state)
 
+    async def after_step(
+        self, worker: Any, sj: Any, step: int, info: dict[str, Any] | None
+    ) -> dict[str, list[int]]:
+        """After inner step `step`'s commit: close the round `info` names, or (--sync-overlap) apply
+        the previous round's update when `step` is the round's D-th; per host [sent, received]."""
+        if info:
+            return await self.close_round(worker, sj, info)
+        if self.pending is not None and self.cfg.applies_delayed(step):
+            return await self._settle(worker, sj)
+        return {}
+
+    async def _settle(self, worker: Any, sj: Any) -> dict[str, list[int]]:
+        """--sync-overlap: awaits the exchange under way (θ_global is then its round's result) and
+        re-bases: θ ← θ_global + (θ − θ_end), θ_start ← θ_global."""
+        task, self.pending = self.pending, None
+        assert task is not None
+        counted = await task
+
+        def rebase() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_((self.glob[name] + (p.detach().to(torch.float32) - self.end[name])).to(p.dtype))
+                    self.start[name] = self.glob[name].clone()
+
+        await asyncio.get_running_loop().run_in_executor(worker.executor, rebase)
+        return counted
+
     async def close_round(self, worker: Any, sj: Any, info: dict[str, Any]) -> dict[str, list[int]]:
         """Send this stage's share of round `info["id"]` (`CommitRequest.round`) and install the
         round's result; returns, per host, [bytes sent to it, bytes of encoded tensors received from it]."""
         round_id = int(info["id"])
         if round_id <= self.closed:
             return {}  # a retried commit: this round is installed already
-        off = sj.offload
+        if self.cfg.overlap:
+            return await self._close_overlapped(worker, sj, info, round_id)
         mine = [n for n in info.get("names", []) if n in sj.params]
         loop = asyncio.get_running_loop()
 
@@ -71,6 +123,62 @@ class StageRounds:
             return self.sender.encode(delta)
 
         encs = await loop.run_in_executor(worker.executor, encode)
+        counted = await self._exchange(worker, sj, info, round_id, encs, self.start)
+
+        def install() -> None:
+            with torch.no_grad():
+                for name, p in sj.params.items():
+                    p.copy_(self.start[name].to(p.dtype))
+
+        await loop.run_in_executor(worker.executor, install)
+        self.closed = round_id
+        return counted
+
+    async def _close_overlapped(
+        self, worker: Any, sj: Any, info: dict[str, Any], round_id: int
+    ) -> dict[str, list[int]]:
+        """--sync-overlap: apply the previous round's update if still due, send this round's Δ and
+        start its exchange as a task (the last round's: awaited and installed)."""
+        loop = asyncio.get_running_loop()
+        counted = await self._settle(worker, sj) if self.pending is not None else {}
+        mine = [n for n in info.get("names", []) if n in sj.params]
+
+        def snapshot() -> dict[str, torch.Tensor]:
+            self.end = {n: p.detach().to(torch.float32).clone() for n, p in sj.params.items()}
+            return pseudo_gradient({n: self.start[n] for n in mine}, {n: self.end[n] for n in mine})
+
+        delta = await loop.run_in_executor(worker.executor, snapshot)
+        glob = self.glob
+
+        async def exchange() -> dict[str, list[int]]:
+            encs = await loop.run_in_executor(self.side, self.sender.encode, delta)
+            return await self._exchange(worker, sj, info, round_id, encs, glob, self.side)  # θ_global
+
+        self.closed = round_id
+        self.pending = loop.create_task(exchange())
+        if not info.get("final"):
+            return counted
+        for h, (a, b) in (await self._settle(worker, sj)).items():
+            c = counted.setdefault(h, [0, 0])
+            c[0] += a
+            c[1] += b
+        return counted  # θ = θ_global: the stage's parameters were θ_end, not moved since
+
+    async def _exchange(
+        self,
+        worker: Any,
+        sj: Any,
+        info: dict[str, Any],
+        round_id: int,
+        encs: dict[str, Any],
+        base: dict[str, torch.Tensor],
+        executor: Any = None,
+    ) -> dict[str, list[int]]:
+        """Sends round `round_id`'s encoded pseudo-gradients and applies every host's update of the
+        names this stage holds to `base` in place (in `executor`, default the worker's); returns, per
+        host, [bytes sent, bytes received]."""
+        off = sj.offload
+        loop = asyncio.get_running_loop()
         by_host: dict[str, dict[str, Any]] = {}
         for name, enc in encs.items():
             by_host.setdefault(off.hosts[name], {})[name] = enc
@@ -131,16 +239,8 @@ class StageRounds:
             if set(names) - (set(update.updates) | {n for _, e in update.relayed for n in e}):
                 raise PeerError(f"round {round_id}: host {host[:12]} did not send every name")
             await loop.run_in_executor(
-                worker.executor, apply_update, {n: self.start[n] for n in names}, update
+                executor or worker.executor, apply_update, {n: base[n] for n in names}, update
             )
 
         await asyncio.gather(*(pull(h, names) for h, names in held.items()))
-
-        def install() -> None:
-            with torch.no_grad():
-                for name, p in sj.params.items():
-                    p.copy_(self.start[name].to(p.dtype))
-
-        await loop.run_in_executor(worker.executor, install)
-        self.closed = round_id
         return counted

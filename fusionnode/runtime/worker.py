@@ -164,6 +164,8 @@ class WorkerService(StageAudit, HostLink):
         sj = self.jobs.pop(key, None)
         if sj is not None:
             self.t.mailbox.release(sj.job, ("stage", sj.stage))
+            if sj.rounds is not None:
+                sj.rounds.cancel()  # --sync-overlap: an exchange still under way
             sj.module = sj.opt = None
             sj.params = {}
             if self.on_jobs_changed:
@@ -398,8 +400,8 @@ class WorkerService(StageAudit, HostLink):
                 return jp.CommitReply(applied=step, again=True)
             await asyncio.get_running_loop().run_in_executor(self.executor, apply)
             round_bytes: dict[str, list[int]] = {}
-            if sj.rounds is not None and req.round:
-                round_bytes = await sj.rounds.close_round(self, sj, req.round)
+            if sj.rounds is not None:  # a round's end, or --sync-overlap's delayed update
+                round_bytes = await sj.rounds.after_step(self, sj, step, req.round)
             sj.last_step = step
         return jp.CommitReply(applied=step, round_bytes=round_bytes)
 

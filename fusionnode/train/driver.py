@@ -150,6 +150,11 @@ class Driver:
         job.sync = SyncConfig.from_dict(params.get("sync"))
         if job.sync.rounds and int(params.get("rebalance_every") or 0) > 0:
             raise ConfigError(f"--rebalance-every: --sync {job.sync.mode} does not rebalance yet")
+        if job.sync.overlap and ((spec.save_dir and spec.save_every) or params.get("resume")):
+            raise ConfigError(
+                "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
+                "round installed at its boundary; run without --sync-overlap"
+            )
         if job.sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
             raise ConfigError(
                 f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "

@@ -409,6 +409,11 @@ class Recovery:
         (every round they closed, each once); the job goes on from the first step of the round they
         have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
         round's start), with new inner optimizer state. Returns that step."""
+        if job.sync.overlap:
+            raise PlanError(
+                f"step {failed_at}: a stage failed with --sync-overlap, whose rounds cannot be redone on "
+                "a new plan (a round's exchange was still under way); rerun without --sync-overlap"
+            )
         if len(set(applied)) != 1:
             raise PlanError(
                 f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "

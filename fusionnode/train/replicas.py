@@ -10,6 +10,11 @@ would exchange with the optimizer hosts (each replica's float32 gradients up, th
 clips its own gradients and steps at `lr_at(t)`. Every H steps (and after the last) the round
 closes through `optim.rounds`: the encoded pseudo-gradients, weighted by the tokens each replica
 processed, give the outer step; every replica restarts from the new θ, keeping its inner state.
+With `sync.overlap` the round's outer step reaches the replicas late, as on the workers
+(runtime/rounds.py): at round r's close replica i sends Δ = θ_start,i − θ_i and goes on from its θ_i
+(θ_end,i); after D = `sync.delay` inner steps of the next round (D = H: at its close, before its Δ)
+θ_i ← θ_global(r) + (θ_i − θ_end,i) and θ_start,i ← θ_global(r); after the last round every
+replica takes the final θ.
 
 Bytes are counted as the swarm sends them: each encoded tensor's msgpack form (descriptor and
 payload), up from every replica and down to every replica; frame headers are not counted.
@@ -209,6 +214,21 @@ def _round_modes(
     ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
     tokens_in_round = [0] * replicas
     losses: list[float] = []
+    if sync.overlap and any(restarts):
+        raise ConfigError("--sync-overlap: rounds cannot be redone (restarts); run without it")
+    # --sync-overlap: each replica's θ_start and θ_end, and whether the last round's update is due
+    starts = [dict(theta) for _ in range(replicas)]
+    ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+    pending = False
+
+    def settle() -> None:  # θ_i ← θ_global + (θ_i − θ_end,i), θ_start,i ← θ_global
+        with torch.no_grad():
+            for r in range(replicas):
+                for n, p in models[r].named_parameters():
+                    if n in theta:
+                        p.copy_(theta[n] + (p.detach().float() - ends[r][n]))
+                        starts[r][n] = theta[n].clone()
+
     for step in range(spec.steps):
         t0 = time.perf_counter()
         at = step // sync.inner_steps if step % sync.inner_steps == 0 else None
@@ -233,18 +253,28 @@ def _round_modes(
             "tokens": spec.batch_size * seq_len,
             "round": host.round,
         }
-        if sync.round_closes(step, spec.steps):
+        closes = sync.round_closes(step, spec.steps)
+        if pending and (closes or sync.applies_delayed(step)):
+            settle()  # the previous round's update, D inner steps late
+            pending = False
+        if closes:
             for r in range(replicas):
                 end = {n: p for n, p in models[r].named_parameters() if p.requires_grad}
-                host.add(host.round, r, tokens_in_round[r], senders[r].encode(pseudo_gradient(theta, end)))
+                if sync.overlap:
+                    ends[r] = {n: p.detach().float().clone() for n, p in end.items()}
+                delta = pseudo_gradient(starts[r] if sync.overlap else theta, end)
+                host.add(host.round, r, tokens_in_round[r], senders[r].encode(delta))
             before = host.received_bytes + host.sent_bytes
+            theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
             host.close(theta)  # the outer step, applied to theta (what every replica applies)
             wire = host.received_bytes + host.sent_bytes - before
-            with torch.no_grad():
-                for mdl in models:
-                    for n, p in mdl.named_parameters():
-                        if n in theta:
-                            p.copy_(theta[n])
+            pending = sync.overlap
+            if not sync.overlap or step + 1 == spec.steps:
+                with torch.no_grad():
+                    for mdl in models:
+                        for n, p in mdl.named_parameters():
+                            if n in theta:
+                                p.copy_(theta[n])
             tokens_in_round = [0] * replicas
             rec["round_closed"] = host.round - 1
             if on_round is not None:

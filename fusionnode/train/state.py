@@ -74,10 +74,12 @@ class Job:
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
         self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
 
-    def count_round(self, step: int, per_stage: list[dict[str, list[int]]]) -> None:
+    def count_round(self, step: int, per_stage: list[dict[str, list[int]]], known: int | None = None) -> None:
         """--sync rounds (issue 19): fold the stages' [sent to, received from] bytes per host of
         step `step`'s commits into the hosts' cumulative [received, sent] (the step record's
-        optimizer_hosts; measured at the stages' ends of the same streams)."""
+        optimizer_hosts; measured at the stages' ends of the same streams). `known`: the rounds
+        known closed after it (--sync-overlap, whose commits report the previous round's bytes);
+        else a commit that reported bytes closed one more."""
         self.round_bytes = 0
         closed = False
         for stage in per_stage:
@@ -87,7 +89,7 @@ class Job:
                 acc[1] += from_host
                 self.round_bytes += to_host
                 closed = True
-        self.rounds_closed += int(closed)
+        self.rounds_closed = known if known is not None else self.rounds_closed + int(closed)
         self.host_counters = [
             {
                 "host": h,

@@ -251,7 +251,11 @@ class Stepper:
                 job, run, step, commits, {("commit", a.stage): a.peer for a in stage_args}
             )
             if job.sync.rounds:
-                job.count_round(step, [r.round_bytes for r in committed.values()])
+                known = None
+                if job.sync.overlap and job.sync.round_closes(step, job.spec.steps):
+                    # the commit awaited the previous round (the last one: this one too)
+                    known = step // job.sync.inner_steps + int(step + 1 == job.spec.steps)
+                job.count_round(step, [r.round_bytes for r in committed.values()], known)
         except StepFailed as fail:
             if not job.offload:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
@@ -345,6 +349,7 @@ class Stepper:
                         "id": round_id,
                         "tokens": round_tokens(job.sync, step, pipe.samples, run.seq_len),
                         "names": run.names_by_stage[a.stage],
+                        "final": step + 1 == job.spec.steps,  # --sync-overlap: install it now
                     }
         return sum(norms) / len(norms), out
 
