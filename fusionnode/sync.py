@@ -296,3 +296,20 @@ def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
     if mode == "step":
         return 2 if offload else 4
     return 6 if mode == "sparseloco" else 5
+
+
+def job_refusals(sync: SyncConfig, params: Mapping[str, Any], periodic_saves: bool) -> None:
+    """The driver's checks of a job's --sync against the rest of its request (a client that is not
+    the CLI skips `sync_from_args`): ConfigError naming the option."""
+    if sync.rounds and int(params.get("rebalance_every") or 0) > 0:
+        raise ConfigError(f"--rebalance-every: --sync {sync.mode} does not rebalance yet")
+    if sync.overlap and (periodic_saves or params.get("resume")):
+        raise ConfigError(
+            "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
+            "round installed at its boundary; run without --sync-overlap"
+        )
+    if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
+        raise ConfigError(
+            f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "
+            f"--sync {sync.mode}; use --planner fusion or simple"
+        )

@@ -39,7 +39,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
-from fusionnode.sync import ROUND_PLANNERS, SyncConfig
+from fusionnode.sync import SyncConfig, job_refusals
 from fusionnode.train import checks
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
@@ -148,18 +148,7 @@ class Driver:
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.sync = SyncConfig.from_dict(params.get("sync"))
-        if job.sync.rounds and int(params.get("rebalance_every") or 0) > 0:
-            raise ConfigError(f"--rebalance-every: --sync {job.sync.mode} does not rebalance yet")
-        if job.sync.overlap and ((spec.save_dir and spec.save_every) or params.get("resume")):
-            raise ConfigError(
-                "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
-                "round installed at its boundary; run without --sync-overlap"
-            )
-        if job.sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
-            raise ConfigError(
-                f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "
-                f"--sync {job.sync.mode}; use --planner fusion or simple"
-            )
+        job_refusals(job.sync, params, bool(spec.save_dir and spec.save_every))
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
