@@ -27,6 +27,10 @@ def _kill_leftover_children():
         try:
             if child.name() == "torch_shm_manager":
                 continue
+            # multiprocessing's resource tracker (a check process or a bench child started it): killed,
+            # it is relaunched at exit and prints a KeyError for every shared segment it never saw
+            if any("resource_tracker" in part for part in child.cmdline()):
+                continue
             child.kill()
         except psutil.Error:
             pass
