@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,19 @@ def small_spec(**kw) -> JobSpec:
     base = dict(model="gpt2-tiny", steps=3, batch_size=8, micro_batches=4, seq_len=32, seed=3, lr=3e-3)
     base.update(kw)
     return JobSpec(**base)
+
+
+def round_job(spec: JobSpec, sync: Any, **extra: Any) -> dict[str, Any]:
+    """The train params of a --sync round job: 2 replicas of 2 stages, offloaded to 2 optimizer hosts."""
+    params = {
+        "spec": spec.to_dict(),
+        "stages": 2,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 2,
+        "sync": sync.to_dict(),
+    }
+    return {**params, **extra}
 
 
 class Membership:

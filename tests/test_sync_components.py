@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from test_components import Swarm, small_spec
+from test_components import Swarm, round_job, small_spec
 
 from fusionnode.errors import ConfigError
 from fusionnode.sync import SyncConfig
@@ -28,14 +28,7 @@ torch.set_num_threads(1)
 def test_two_replicas_of_two_stages_follow_the_local_reference(tmp_path, sync, tol):
     spec = small_spec(steps=5, micro_batches=2)
     s = Swarm(tmp_path, workers=4, hosts=2)
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-    }
+    params = round_job(spec, sync)
     asyncio.run(s.driver.run_job(params, s.emit))
     got = [e["loss"] for e in s.steps()]
     ref = train_local_replicas(spec, sync, replicas=2).losses
@@ -121,14 +114,7 @@ def test_overlapped_rounds_follow_the_local_reference(tmp_path, sync, steps, tol
     # spec of tests/test_sync_swarm_e2e.py: float noise does not grow past 1e-4 in its 30 steps)
     spec = small_spec(steps=steps, micro_batches=2, seed=5, warmup_steps=3)
     s = Swarm(tmp_path, workers=4, hosts=2)
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-    }
+    params = round_job(spec, sync)
     asyncio.run(s.driver.run_job(params, s.emit))
     got = [e["loss"] for e in s.steps()]
     ref = train_local_replicas(spec, sync, replicas=2)

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 import torch
-from test_components import Swarm, small_spec
+from test_components import Swarm, round_job, small_spec
 
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
@@ -65,15 +65,7 @@ def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(t
         return next(st["peer"] for st in plan["stages"] if st["peer"] != s.ids[0])
 
     s = FaultySwarm(tmp_path, workers=5, hosts=2, at=3, victim=victim)  # step 4, in round 1, fails
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-        "rebalance_every": 0,
-    }
+    params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert s.downed and result["steps"] == spec.steps
     rec = [e for e in recovered(s) if e.get("role") == "rounds"]
@@ -108,15 +100,7 @@ def test_an_optimizer_host_dying_mid_round_is_replaced_from_the_checkpoints(tmp_
         return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
 
     s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=victim)
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-        "rebalance_every": 0,
-    }
+    params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert s.downed and result["steps"] == spec.steps
     rec = {e.get("role"): e for e in recovered(s)}
@@ -156,15 +140,7 @@ def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tm
     optimizers at round 2, as the new stages do); without that state they would not be."""
     spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
     s = Swarm(tmp_path, workers=4, hosts=2)
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-        "rebalance_every": 0,
-    }
+    params = round_job(spec, sync, rebalance_every=0)
 
     async def stop_at_step_7(event: dict) -> None:
         s.events.append(event)
@@ -218,15 +194,7 @@ def test_a_worker_dying_after_its_round_reached_the_hosts_does_not_redo_the_roun
             return await pull(args, sender)
 
         t._rpc[Rpc.OPT_ROUND_PULL] = dies_while_pulling
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-        "rebalance_every": 0,
-    }
+    params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, emit))
     assert downed and result["steps"] == spec.steps
     rec = [e for e in recovered(s) if e.get("role") == "rounds"]
@@ -265,15 +233,7 @@ def test_a_worker_dying_before_the_driver_sends_its_tied_weight_sum_fails_only_t
         return await send(peer, msg, observe)
 
     driver_t.send = send_or_find_gone
-    params = {
-        "spec": spec.to_dict(),
-        "stages": 2,
-        "replicas": 2,
-        "offload": "on",
-        "optimizer_hosts": 2,
-        "sync": sync.to_dict(),
-        "rebalance_every": 0,
-    }
+    params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert downed and result["steps"] == spec.steps
     assert [e["step"] for e in s.steps()] == [0, 1, 2, 3, 3, 4, 5, 6]
