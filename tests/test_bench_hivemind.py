@@ -4,6 +4,7 @@ to end (slow; skipped where network namespaces are unavailable)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import psutil
 import pytest
 
 from fusionnode.bench import compare, hivemind_peer, systems, testbed
+from fusionnode.sync import SyncConfig
 
 NETDEV = """Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
@@ -187,9 +189,8 @@ def test_hivemind_systems_are_refused_on_userspace_links(capsys):
 
 
 def test_sync_configurations_are_jobs_the_train_command_accepts():
-    import argparse
 
-    from fusionnode.sync import SyncConfig, sync_from_args
+    from fusionnode.sync import sync_from_args
 
     names = [c[0] for c in systems.SYNC_CONFIGS]
     assert names == ["fusionnode-diloco", "fusionnode-sparseloco", "fusionnode-dp"]
@@ -199,20 +200,7 @@ def test_sync_configurations_are_jobs_the_train_command_accepts():
         assert sync.rounds and sync.inner_steps == systems.SYNC_INNER_STEPS == 10
         assert name == f"fusionnode-{sync.mode}" and compress == "none" and fields == {}
         # `train`'s own check of a round mode against the planner and offload: it must pass
-        args = argparse.Namespace(
-            sync=sync.mode,
-            inner_steps=sync.inner_steps,
-            outer_lr=sync.outer_lr,
-            outer_momentum=sync.outer_momentum,
-            sync_codec=sync.codec,
-            topk_density=sync.topk_density,
-            topk_chunk=sync.chunk,
-            ef_decay=sync.ef_decay,
-            planner=options["planner"],
-            offload=options["offload"],
-            rebalance_every=0,
-        )
-        assert sync_from_args(args) == sync
+        assert sync_from_args(_train_args(sync, options)) == sync
         # 2 replicas x 2 stages fit every bundled testbed (4 or more devices)
         assert options["replicas"] * options["stages"] == 4
     diloco, sparse = (SyncConfig.from_dict(c[1]["sync"]) for c in systems.SYNC_CONFIGS[:2])
@@ -231,9 +219,8 @@ def test_sync_configurations_are_jobs_the_train_command_accepts():
 
 
 def test_data_parallel_configuration_shares_the_batch_by_speed():
-    import argparse
 
-    from fusionnode.sync import SyncConfig, sync_from_args
+    from fusionnode.sync import sync_from_args
 
     # each next sample to the replica that would finish soonest: the slowest replica's time is least
     # 6/10 = 0.6, 5/7 = 0.71, 3/5 = 0.6, 2/3 = 0.67: 84% balance (7, 4, 3, 2 is 1% faster, 82%)
@@ -257,7 +244,15 @@ def test_data_parallel_configuration_shares_the_batch_by_speed():
         1 / 16,
         256,
     )
-    args = argparse.Namespace(
+    assert sync_from_args(_train_args(sync, options)) == sync
+    line = systems.settings_of(got)
+    assert line["shares"] == [7, 4, 3, 2] and line["H"] == 5 and line["density"] == "1/16"
+    assert "one replica per device" in line["why"]
+
+
+def _train_args(sync: SyncConfig, options: dict) -> argparse.Namespace:
+    """`train`'s options for a testbed configuration's sync, planner and offload."""
+    return argparse.Namespace(
         sync=sync.mode,
         inner_steps=sync.inner_steps,
         outer_lr=sync.outer_lr,
@@ -270,10 +265,6 @@ def test_data_parallel_configuration_shares_the_batch_by_speed():
         offload=options["offload"],
         rebalance_every=0,
     )
-    assert sync_from_args(args) == sync
-    line = systems.settings_of(got)
-    assert line["shares"] == [7, 4, 3, 2] and line["H"] == 5 and line["density"] == "1/16"
-    assert "one replica per device" in line["why"]
 
 
 def _p2pd_cmdlines() -> list[list[str]]:
