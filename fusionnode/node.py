@@ -300,12 +300,6 @@ class Node:
 
         self.transport.direct_book = book
 
-        def link_bps(peer_id: str) -> float | None:
-            m = self.membership.prober.results().get(peer_id)
-            return float(m.bandwidth_bps) if m is not None else None
-
-        self.transport.link_bps = link_bps
-
     async def _rpc_dialback(self, args: dict[str, Any], sender: str) -> dict[str, Any]:
         from fusionnode.swarm.reachability import answer_dialback, ip_of
 

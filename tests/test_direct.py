@@ -297,18 +297,20 @@ def test_a_receiver_that_does_not_read_holds_a_bounded_amount():
     asyncio.run(go())
 
 
-def test_a_slow_probed_link_keeps_libp2p(tmp_path, caplog):
+def test_a_slow_probe_does_not_keep_libp2p(tmp_path):
+    """A probe runs over libp2p, so a slow one may be p2pd's CPU, not the link (the CI run where a 1 MiB
+    probe read under 200 Mbit/s on a veth kept the NAT test's A -> relay link off the direct path): the
+    prober's figures do not decide the path, only a rate limit or a declared bandwidth does."""
+
     async def go():
         a = await _peer(tmp_path, "a")
         b = await _peer(tmp_path, "b", initial=await a.p2p.get_visible_maddrs())
         try:
             a.t.direct_book = lambda pid: [b.addr] if pid == b.id else []
-            a.t.link_bps = lambda pid: 20e6  # probed at 20 Mbit/s: nothing to gain off libp2p
-            with caplog.at_level(logging.WARNING, logger="fusionnode.runtime.transport"):
-                await a.t.send(b.id, _msg(0))
+            assert a.t.known_bps(b.id) is None
+            await a.t.send(b.id, _msg(0))
             await _wait(lambda: len(b.got) == 1)
-            assert a.t.paths[b.id] == "libp2p" and b.direct.connections == 0
-            assert not [r for r in caplog.records if "direct path" in r.getMessage()]  # not a failure
+            assert a.t.paths[b.id] == "direct" and b.direct.connections == 1
         finally:
             await _close(a, b)
 
