@@ -7,7 +7,10 @@ Anchors: the layouts the planner always considers and must beat.
 * DT-FM's layout (plan/dtfm.py), found with a budget a planning call can afford
   (dtfm.PLANNER_POPULATION x dtfm.PLANNER_TRIALS, on clusters of at most DTFM_MAX_WORKERS workers)
   for the shape of the best even grid under the planner's closed form AND for the shape of the
-  best even grid under DT-FM's cost model (plan/dtfm_cost.py), each as is and re-split.
+  best even grid under DT-FM's cost model (plan/dtfm_cost.py), each as is and re-split;
+* given the graph (clusters above SMALL_CLUSTER), each DT-FM layout with its worst-linked
+  data-parallel groups left out, re-chained and split by parameter bytes (plan/prune.py): DT-FM must
+  use every device and split layers evenly, the planner need not.
 
 The robust choice (`robust_choice`, clusters above SMALL_CLUSTER workers; below, the closed form
 is what the exhaustive reference checks): two cost models disagree most about overlap. The
@@ -53,6 +56,7 @@ from fusionnode.plan.evaluate import (
     ring_variant,
     with_shares,
 )
+from fusionnode.plan.prune import pruned_layouts
 from fusionnode.plan.simulator import simulate
 
 log = logging.getLogger(__name__)
@@ -62,6 +66,7 @@ GRIDS_RESPLIT = 3  # the fastest even grids also re-split by the DP
 SIMULATED = 3  # anchors (by the closed form) the planner simulates against its own choice
 GRID_SHORTLIST = 6  # even grids simulated per ranking (closed form, DT-FM's model)
 BALANCED = 6  # and candidates with the best worse ratio of closed form and DT-FM's model
+PRUNED = 4  # and the pruned layouts (plan/prune.py) with the best such ratio
 BALANCED_SHAPES = 2  # DT-FM also runs for the shapes of the grids with the best such ratio
 DTFM_POPULATION = 20  # DT-FM's budget for the shape DT-FM's model rates best (on DT-FM's settings
 DTFM_TRIALS = 200  # it finds the same layouts as the published 100 x 4,900: bench plan)
@@ -113,9 +118,11 @@ def anchors(
     if with_dtfm and grids and len(ctx.workers) <= DTFM_MAX_WORKERS:
         budget = (dtfm.PLANNER_POPULATION, dtfm.PLANNER_TRIALS)
         shapes = {grid.grid_shape(grids[0]): budget}
+        prune_shape = None
         if graph is not None:
             by_dtfm = grids_by_dtfm(graph, ctx, grids)
-            shapes.setdefault(grid.grid_shape(by_dtfm[0][1]), (DTFM_POPULATION, DTFM_TRIALS))
+            prune_shape = grid.grid_shape(by_dtfm[0][1])
+            shapes.setdefault(prune_shape, (DTFM_POPULATION, DTFM_TRIALS))
             c0, d0 = grids[0].step_s, by_dtfm[0][0]
             balanced = sorted(by_dtfm, key=lambda x: max(x[1].step_s / c0, x[0] / d0))
             for _, ev in balanced[:BALANCED_SHAPES]:
@@ -129,10 +136,13 @@ def anchors(
                 continue
             _, ev = dtfm.dtfm_search(ctx, replicas, stages, population=population, trials=trials)
             if ev is not None:
+                ev = dataclasses.replace(ev, origin="dtfm")
                 out.append(ev)
                 re = evaluate_config(ctx, ev.pipelines)
                 if re is not None:
                     out.append(re)
+                if (replicas, stages) == prune_shape:  # worst-linked groups left out, re-split
+                    out.extend(pruned_layouts(ctx, ev))
     out.sort(key=lambda e: e.step_s)
     return out
 
@@ -204,15 +214,20 @@ def robust_choice(
     for s in by_closed[:GRID_SHORTLIST] + by_dtfm[:GRID_SHORTLIST]:
         shortlist[_key(s.ev)] = s
     for ev in found:  # DT-FM's layouts are not grids of the cluster's order: all of them
-        if not any(ev.pipelines == g.pipelines for g in grids):
+        if ev.origin != "pruned" and not any(ev.pipelines == g.pipelines for g in grids):
             for s in add(ev):
                 shortlist[_key(s.ev)] = s
     if not pool:
         raise PlanError(f"no candidate fits with dp_sync {dp_sync!r}")
     closed_best = min(s.ev.step_s for s in pool.values())
     dtfm_best = min(s.dtfm_s for s in pool.values())
-    balanced = sorted(pool.values(), key=lambda s: max(s.ev.step_s / closed_best, s.dtfm_s / dtfm_best))
-    for s in balanced[:BALANCED]:
+
+    def closed_ratio(s: Scored) -> float:
+        return max(s.ev.step_s / closed_best, s.dtfm_s / dtfm_best)
+
+    balanced = sorted(pool.values(), key=closed_ratio)
+    pruned = [s for s in balanced if s.ev.origin == "pruned"]
+    for s in balanced[:BALANCED] + pruned[:PRUNED]:
         shortlist[_key(s.ev)] = s
     for s in shortlist.values():
         s.sim_s = sim_of(graph, ctx, s.ev)
@@ -221,7 +236,17 @@ def robust_choice(
     def worst(s: Scored) -> tuple[float, float]:
         return (max(s.sim_s / sim_best, s.dtfm_s / dtfm_best), s.sim_s)
 
-    pick = min(shortlist.values(), key=worst)
+    # the baselines (even grids, DT-FM's layouts): a pick no slower than the best of them under
+    # either model, where the shortlist has one
+    baseline = {_key(s.ev) for s in grid_scored} | {
+        _key(s.ev) for s in pool.values() if s.ev.origin == "dtfm"
+    }
+    ref_sim = min((s.sim_s for k, s in shortlist.items() if k in baseline), default=math.inf)
+    ref_dtfm = min((s.dtfm_s for k, s in pool.items() if k in baseline), default=math.inf)
+    eligible = [
+        s for s in shortlist.values() if s.sim_s <= ref_sim * (1 + 1e-9) and s.dtfm_s <= ref_dtfm * (1 + 1e-9)
+    ]
+    pick = min(eligible or shortlist.values(), key=worst)
     pick, tuned = _tune_shares(
         graph, ctx, pick, lambda s: (max(s.sim_s / sim_best, s.dtfm_s / dtfm_best), s.sim_s)
     )

@@ -271,6 +271,7 @@ class Evaluated:
     choices: tuple[Option, ...]
     hosts: tuple[tuple[int, float], ...]
     dp_sync: str = ""  # "ring": priced by `ring_variant` (the optimizer on the workers); else the estimator's
+    origin: str = ""  # "pruned": a layout with devices left out (plan/prune.py); else ""
 
 
 def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evaluated | None:
