@@ -1,0 +1,122 @@
+"""How the optimizer hosts weigh the data-parallel replicas' contributions: `--contrib-policy`.
+
+Two layers, both per round of ``--sync diloco|sparseloco`` (where each replica's pseudo-gradient
+arrives apart, held by the host until the round closes):
+
+- the floor, on every host (``clip`` and ``score``): each replica's pseudo-gradient norm over the
+  host's shard is compared with the median of the replicas' norms (the lower median: with two
+  replicas, the smaller one), and a contribution above ``clip`` x that median has its weight scaled
+  by ``clip x median / norm``: a liar that scales its contribution up is scaled back down, whatever
+  it sends. Honest replicas' norms differ by far less than 2x, so their weights, and the bits of the
+  outer step, are what they were without the floor.
+- scoring, by the driver (``score``): the hosts hold the complete round; the driver, which holds
+  the whole model on its CPU (train/scoring.py), evaluates on a held-out batch none of the replicas
+  trained on (a validation batch it draws at random) the loss at the round's start and at the
+  round's start moved by each replica's contribution alone; a contribution that does not help
+  (``verdict``) gets weight 0, and the hosts close the round with the driver's verdict times the
+  floor's weights (`opt.round_verdict`).
+
+The weights multiply the plan's token weights of the outer step's weighted mean (optim/outer.py),
+so the aggregate stays a weighted mean of the replicas' contributions: SparseLoCo's receivers,
+which compute it themselves from the relayed messages and their weights, need nothing new (a
+coordinate-wise trimmed mean would not fit there; the norm floor does, in both modes).
+
+``auto``: ``score`` in a public swarm, ``off`` in a private or local one (as `--verify-policy`
+does: verify/policy.py); under ``--sync step`` the replicas' gradients are folded as they arrive
+and neither layer applies (auto resolves to ``off``; asking for ``clip``/``score`` is an error).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+CONTRIB_POLICIES = ("auto", "off", "clip", "score")
+DEFAULT_CLIP_MULT = 2.0  # a contribution's norm above this multiple of the median is scaled down
+DEFAULT_KEEP_RATIO = 0.25  # a scored contribution is kept when it gains >= this fraction of the best
+
+
+@dataclass(frozen=True)
+class ContribPolicy:
+    policy: str  # "off" | "clip" | "score" (resolved)
+    clip: float = DEFAULT_CLIP_MULT
+    keep_ratio: float = DEFAULT_KEEP_RATIO
+
+    @property
+    def floor(self) -> bool:
+        return self.policy != "off"
+
+    @property
+    def score(self) -> bool:
+        return self.policy == "score"
+
+    def host_config(self) -> dict[str, object] | None:
+        """What `opt.init` tells a host (`OptInit.contrib`); None when the policy is off."""
+        return {"clip": self.clip, "score": self.score} if self.floor else None
+
+    def to_dict(self) -> dict[str, object]:
+        return {"policy": self.policy, "clip": self.clip, "keep_ratio": self.keep_ratio}
+
+
+def resolve_contrib_policy(
+    policy: str | None, *, private: bool, rounds: bool, clip: float | None = None
+) -> ContribPolicy:
+    """The policy in force from the user's choice (None: auto); ValueError on a bad value or on
+    ``clip``/``score`` for a job without rounds."""
+    policy = policy or "auto"
+    if policy not in CONTRIB_POLICIES:
+        raise ValueError(f"contrib policy must be one of {', '.join(CONTRIB_POLICIES)}, got {policy!r}")
+    if clip is not None and not (
+        isinstance(clip, int | float) and not isinstance(clip, bool) and 1 <= clip < math.inf
+    ):
+        raise ValueError(f"contrib clip must be a number >= 1, got {clip!r}")
+    if policy == "auto":
+        policy = "off" if private or not rounds else "score"
+    elif policy != "off" and not rounds:
+        raise ValueError(
+            f"--contrib-policy {policy} weighs the replicas' pseudo-gradients of --sync diloco|sparseloco "
+            "rounds; under --sync step the hosts fold the replicas' gradients as they arrive"
+        )
+    return ContribPolicy(policy, float(DEFAULT_CLIP_MULT if clip is None else clip))
+
+
+def clip_scales(norms: Sequence[float], mult: float = DEFAULT_CLIP_MULT) -> list[float]:
+    """Per contribution, min(1, mult x lower-median norm / its norm): 1 for every contribution within
+    `mult` x the lower median (with two, the smaller norm). A non-finite norm gets 0."""
+    finite = [n for n in norms if math.isfinite(n)]
+    if not finite:
+        return [0.0] * len(norms)
+    bound = mult * statistics.median_low(finite)
+    out = []
+    for n in norms:
+        if not math.isfinite(n):
+            out.append(0.0)
+        elif n > bound and n > 0:
+            out.append(bound / n)
+        else:
+            out.append(1.0)
+    return out
+
+
+def verdict(scores: Sequence[float], keep_ratio: float = DEFAULT_KEEP_RATIO) -> list[float]:
+    """Weight 1 for a contribution whose loss gain (score) is positive and at least `keep_ratio` of
+    the best gain, 0 otherwise; all 1 when none gains (a held-out batch on which nothing helps tells
+    nothing: the floor alone then weighs the round)."""
+    finite = [s for s in scores if math.isfinite(s)]
+    best = max(finite) if finite else -math.inf
+    if not best > 0:
+        return [1.0] * len(scores)
+    return [1.0 if math.isfinite(s) and s > 0 and s >= keep_ratio * best else 0.0 for s in scores]
+
+
+__all__ = [
+    "CONTRIB_POLICIES",
+    "DEFAULT_CLIP_MULT",
+    "DEFAULT_KEEP_RATIO",
+    "ContribPolicy",
+    "clip_scales",
+    "resolve_contrib_policy",
+    "verdict",
+]
