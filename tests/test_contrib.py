@@ -16,7 +16,7 @@ from fusionnode.optim.rounds import RoundCombiner, RoundError, update_tensors
 from fusionnode.runtime.hooks import PacingHook
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
-from fusionnode.verify.contrib import clip_scales, resolve_contrib_policy, verdict
+from fusionnode.verify.contrib import agreement, clip_scales, resolve_contrib_policy, verdict
 from fusionnode.verify.liar import Liar
 
 torch.set_num_threads(1)
@@ -39,6 +39,18 @@ def test_the_verdict_drops_what_does_not_help_and_keeps_all_when_nothing_helps()
     assert verdict([0.4, 0.11, math.nan]) == [1.0, 1.0, 0.0]
     assert verdict([-0.1, -0.2]) == [1.0, 1.0]  # the batch tells nothing: the floor alone
     assert verdict([0.5, 0.2], keep_ratio=0.5) == [1.0, 0.0]
+    # a noisy honest gain is kept when its direction agrees with another replica's; a random one not
+    assert verdict([-0.0075, 0.1019], agree=[0.45, 0.45]) == [1.0, 1.0]
+    assert verdict([0.29, -0.005], agree=[0.002, 0.002]) == [1.0, 0.0]
+    assert verdict([0.3, 0.28, 0.001], agree=[0.5, 0.5, 0.01]) == [1.0, 1.0, 0.0]
+
+
+def test_agreement_is_the_largest_cosine_with_another_contribution():
+    a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, -1.0])
+    gram = [[float(x @ y) for y in (a, b, c)] for x in (a, b, c)]
+    got = agreement(gram)
+    assert got == pytest.approx([math.sqrt(0.5), math.sqrt(0.5), 0.0])
+    assert agreement([[4.0]]) == [1.0]
 
 
 def test_the_policy_scores_public_round_jobs_and_leaves_private_and_step_jobs_alone():
@@ -163,7 +175,7 @@ def test_a_replica_sending_random_pseudo_gradients_is_dropped_every_round(tmp_pa
     result, scored, _ = _run(tmp_path, sync, "score", {"kind": "random_pseudo_gradient", "seed": 1})
     assert len(scored) == 3
     for e in scored:
-        assert e["verdict"] == [1.0, 0.0], e
+        assert e["verdict"] == [1.0, 0.0] and max(e["agree"]) < 0.03, e
         assert e["scores"][0] > 0.05 and e["scores"][1] < 0.25 * e["scores"][0]
         assert all(ws[1] == 0.0 and ws[0] > 0 for ws in e["weights"])  # every host left it out
     assert result["contrib"]["dropped"] == {"1": 3}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from typing import Any
 
@@ -137,7 +138,8 @@ class HostRounds:
         rounds = await self._complete_round(shard, req.round)
         if req.replica >= rounds.replicas:
             raise JobError(ErrorCode.BAD_REQUEST, f"replica {req.replica} of {rounds.replicas}")
-        norms = await asyncio.to_thread(rounds.norms)
+        gram = await asyncio.to_thread(rounds.gram)
+        norms = [math.sqrt(max(gram[r][r], 0.0)) for r in range(rounds.replicas)]
         scales = clip_scales(norms, rounds.clip) if rounds.clip is not None else [1.0] * len(norms)
         if req.replica >= 0:
             meta = {"job": shard.job, "step": req.round, "mb": req.replica, "stage": shard.host_index}
@@ -146,7 +148,9 @@ class HostRounds:
                 sender, TensorMessage(TensorKind.ROUND_CONTRIB, meta, dict(encs))
             )
         tokens = [rounds.pending[r][0] for r in range(rounds.replicas)]
-        return jp.OptRoundHeldReply(replicas=rounds.replicas, norms=norms, scales=scales, tokens=tokens)
+        return jp.OptRoundHeldReply(
+            replicas=rounds.replicas, norms=norms, scales=scales, tokens=tokens, gram=gram
+        )
 
     async def rpc_round_verdict(self, req: jp.OptRoundVerdict, sender: str) -> jp.OptRoundVerdictReply:
         """The driver's verdict on a held round: each replica's weight (1 kept, 0 dropped), times the

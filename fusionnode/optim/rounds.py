@@ -207,6 +207,23 @@ class RoundCombiner:
         self.received_bytes += encoded_bytes(encs)
         return self.complete()
 
+    def gram(self) -> list[list[float]]:
+        """The dot products of the replicas' pseudo-gradients over the names held here (the open
+        round, complete): [r][q] = <Δr, Δq>; the diagonal holds the squared norms."""
+        out = [[0.0] * self.replicas for _ in range(self.replicas)]
+        for n in sorted(self.pending[0][1]):  # one name at a time: R decoded tensors in memory
+            ts = [
+                decode_tensor(self.pending[r][1][n], self.limits).double().reshape(-1)
+                for r in range(self.replicas)
+            ]
+            for r in range(self.replicas):
+                for q in range(r, self.replicas):
+                    out[r][q] += float(ts[r] @ ts[q])
+        for r in range(self.replicas):
+            for q in range(r):
+                out[r][q] = out[q][r]
+        return out
+
     def norms(self) -> list[float]:
         """Each replica's pseudo-gradient norm over the names held here (the open round, complete)."""
         out = []

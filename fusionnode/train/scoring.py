@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError
-from fusionnode.verify.contrib import ContribPolicy, resolve_contrib_policy, verdict
+from fusionnode.verify.contrib import ContribPolicy, agreement, resolve_contrib_policy, verdict
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc, TensorKind
 from fusionnode.wire.tensors import decode_tensor
@@ -148,10 +148,14 @@ class RoundScorer:
         for r in range(len(job.pipelines)):  # one replica at a time: the driver holds θ and one Δ
             delta = await self._fetch(job, run, round_id, r)
             scores.append(base - await asyncio.to_thread(self._loss, theta, delta, step, x, y))
+        n = len(job.pipelines)
+        gram = [[sum(h.gram[r][q] for h in held) for q in range(n)] for r in range(n)]  # the whole model's
+        agree = agreement(gram)
         return {
             "base_loss": round(base, 6),
             "scores": [round(s, 6) if math.isfinite(s) else None for s in scores],
-            "verdict": verdict(scores, self.policy.keep_ratio),
+            "agree": [round(a, 4) for a in agree],
+            "verdict": verdict(scores, self.policy.keep_ratio, agree),
             "norms": [[round(n, 6) for n in h.norms] for h in held],  # per host
             "scales": [[round(s, 6) for s in h.scales] for h in held],
         }

@@ -481,6 +481,7 @@ class OptRoundHeldReply(JobMessage):
     norms: list[float]  # each replica's pseudo-gradient norm over the shard
     scales: list[float]  # the norm floor's scale of each replica's weight (1: within clip x median)
     tokens: list[float]  # each replica's token weight (from the plan)
+    gram: list[list[float]]  # [r][q]: the dot product of replicas r's and q's pseudo-gradients over the shard
 
 
 @message
