@@ -56,7 +56,8 @@ def test_agreement_is_the_largest_cosine_with_another_contribution():
 def test_the_policy_scores_public_round_jobs_and_leaves_private_and_step_jobs_alone():
     assert resolve_contrib_policy(None, private=False, rounds=True).policy == "score"
     assert resolve_contrib_policy("auto", private=True, rounds=True).policy == "off"
-    assert resolve_contrib_policy("auto", private=False, rounds=False).policy == "off"
+    assert resolve_contrib_policy("auto", private=False, rounds=False).policy == "clip"  # --sync step
+    assert resolve_contrib_policy("auto", private=True, rounds=False).policy == "off"
     p = resolve_contrib_policy("clip", private=True, rounds=True, clip=3)
     assert (p.policy, p.clip, p.score, p.host_config()) == ("clip", 3.0, False, {"clip": 3.0, "score": False})
     assert resolve_contrib_policy("off", private=False, rounds=True).host_config() is None
@@ -195,8 +196,38 @@ def test_without_scoring_the_liar_costs_loss_and_the_floor_bounds_a_scaled_one(t
     assert clipped["val_loss"] < unchecked["val_loss"]  # scaled back to 2x the honest norm, then weighed
 
 
+def test_the_step_floor_on_a_store_scales_a_huge_replica_and_leaves_honest_ones():
+    """--sync step: the store holds the replicas' gradients apart and scales one above 2x the median."""
+    from fusionnode.optim.contributions import Contributor, ExpectedContributions
+    from fusionnode.optim.optimizers import OptimizerConfig
+    from fusionnode.optim.store import ParameterStore
+
+    params = {"w": torch.zeros(6, 5), "b": torch.zeros(5)}
+    expected = ExpectedContributions.same_for_all(
+        params, {f"r{r}/s0": Contributor(str(r), 2) for r in range(3)}
+    )
+    grads = _deltas(3, seed=2)
+    liar = {n: 1000.0 * t for n, t in _deltas(1, seed=3)[0].items()}
+
+    def step(gs, clip):
+        store = ParameterStore("j", params, OptimizerConfig(name="sgd", lr=1.0), expected, clip=clip)
+        for r, g in enumerate(gs):
+            for n in params:
+                assert store.push(1, f"r{r}/s0", n, g[n], 2).accepted
+        assert store.apply(1).applied
+        return store.get_params()[1]
+
+    honest_plain, honest_floor = step(grads, None), step(grads, 2.0)
+    assert all(torch.allclose(honest_plain[n], honest_floor[n], atol=1e-6) for n in params)
+    wild, floored = step([*grads[:2], liar], None), step([*grads[:2], liar], 2.0)
+    size = lambda m: math.sqrt(sum(float(t.pow(2).sum()) for t in m.values()))  # noqa: E731
+    assert size(wild) > 100 * size(honest_plain)
+    assert size(floored) < 2 * size(honest_plain)
+
+
 def test_explicit_contribution_weighing_needs_rounds(tmp_path):
     s = Swarm(tmp_path, workers=2, hosts=1)
     params = {"spec": small_spec().to_dict(), "stages": 2, "offload": "on", "contrib_policy": "score"}
+    # (clip is the floor of --sync step's gradients too; score judges rounds only)
     with pytest.raises(ConfigError, match="--contrib-policy score"):
         asyncio.run(s.driver.run_job(params, s.emit))

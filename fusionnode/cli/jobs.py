@@ -114,10 +114,11 @@ def add_train_command(sub: Any) -> None:
         "--contrib-policy",
         choices=("auto", "off", "clip", "score"),
         default="auto",
-        help="weigh the replicas' round contributions under --sync diloco|sparseloco: clip = the "
-        "optimizer hosts scale down a pseudo-gradient whose norm exceeds --contrib-clip x the median; "
-        "score = also the driver scores each on a held-out batch and drops those that do not lower the "
-        "loss; auto = score in a public swarm, off in a private or local one (default %(default)s)",
+        help="weigh the data-parallel replicas' contributions on the optimizer hosts: clip = a replica's "
+        "gradient or pseudo-gradient whose norm exceeds --contrib-clip x the median is scaled down; "
+        "score (--sync diloco|sparseloco) = also the driver scores each round's contributions on a "
+        "held-out batch and drops those that do not help; auto = score (rounds) or clip (--sync step) "
+        "in a public swarm, off in a private or local one (default %(default)s)",
     )
     p.add_argument(
         "--contrib-clip",
@@ -355,9 +356,9 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sync = sync_from_args(args)
     except FusionNodeError as exc:
         parser.error(str(exc))
-    if args.contrib_policy in ("clip", "score") and not sync.rounds:
+    if args.contrib_policy == "score" and not sync.rounds:
         parser.error(
-            f"--contrib-policy {args.contrib_policy} weighs round contributions: use --sync diloco|sparseloco"
+            "--contrib-policy score judges round contributions: use --sync diloco|sparseloco (or clip)"
         )
     if args.local and (sync.rounds or args.replicas > 1 or args.shares):
         return _train_local_replicas(spec, sync, args, _parse_shares(args.shares, parser))

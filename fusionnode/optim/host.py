@@ -342,16 +342,17 @@ class OptimizerHostService(HostRounds):
                 )
             pend.params = params
         cfg = job_optimizer_config(a.spec, pend.specs)
+        sync = SyncConfig.from_dict(a.sync)
         store = ParameterStore(
             job,
             dict(pend.params),
             cfg,
             pend.expected,
             step_deadline_s=self.step_deadline_s if a.step_deadline_s is None else a.step_deadline_s,
+            clip=None if sync.rounds else (a.contrib or {}).get("clip"),  # --contrib-policy clip, per step
         )
         resumed = 0
         step = req.resume_step
-        sync = SyncConfig.from_dict(a.sync)
         state: dict[str, Any] = {}
         if step is not None:
             state = await asyncio.to_thread(

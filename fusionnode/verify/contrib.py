@@ -1,6 +1,6 @@
 """How the optimizer hosts weigh the data-parallel replicas' contributions: `--contrib-policy`.
 
-Two layers, both per round of ``--sync diloco|sparseloco`` (where each replica's pseudo-gradient
+Two layers for the rounds of ``--sync diloco|sparseloco`` (where each replica's pseudo-gradient
 arrives apart, held by the host until the round closes):
 
 - the floor, on every host (``clip`` and ``score``): each replica's pseudo-gradient norm over the
@@ -25,9 +25,13 @@ so the aggregate stays a weighted mean of the replicas' contributions: SparseLoC
 which compute it themselves from the relayed messages and their weights, need nothing new (a
 coordinate-wise trimmed mean would not fit there; the norm floor does, in both modes).
 
-``auto``: ``score`` in a public swarm, ``off`` in a private or local one (as `--verify-policy`
-does: verify/policy.py); under ``--sync step`` the replicas' gradients are folded as they arrive
-and neither layer applies (auto resolves to ``off``; asking for ``clip``/``score`` is an error).
+Under ``--sync step`` the floor weighs each step's gradients the same way (optim/robust.py: the
+host's store holds the replicas' gradients of a step apart until it applies, R x the shard's
+gradient memory instead of 1 x); scoring is for the rounds only (the spot-checks' gradient check
+covers a step's pushes).
+
+``auto``: ``score`` for a round job and ``clip`` for a step job in a public swarm, ``off`` in a
+private or local one (as `--verify-policy` does: verify/policy.py).
 """
 
 from __future__ import annotations
@@ -78,11 +82,11 @@ def resolve_contrib_policy(
     ):
         raise ValueError(f"contrib clip must be a number >= 1, got {clip!r}")
     if policy == "auto":
-        policy = "off" if private or not rounds else "score"
-    elif policy != "off" and not rounds:
+        policy = "off" if private else ("score" if rounds else "clip")
+    elif policy == "score" and not rounds:
         raise ValueError(
-            f"--contrib-policy {policy} weighs the replicas' pseudo-gradients of --sync diloco|sparseloco "
-            "rounds; under --sync step the hosts fold the replicas' gradients as they arrive"
+            "--contrib-policy score judges the replicas' pseudo-gradients of --sync diloco|sparseloco "
+            "rounds; under --sync step use clip (the hosts' norm floor on each step's gradients)"
         )
     return ContribPolicy(policy, float(DEFAULT_CLIP_MULT if clip is None else clip))
 
