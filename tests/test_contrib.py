@@ -43,6 +43,8 @@ def test_the_verdict_drops_what_does_not_help_and_keeps_all_when_nothing_helps()
     assert verdict([-0.0075, 0.1019], agree=[0.45, 0.45]) == [1.0, 1.0]
     assert verdict([0.29, -0.005], agree=[0.002, 0.002]) == [1.0, 0.0]
     assert verdict([0.3, 0.28, 0.001], agree=[0.5, 0.5, 0.01]) == [1.0, 1.0, 0.0]
+    # inconclusive: the honest replica's loss went up on this batch by more than the liar's gain
+    assert verdict([-0.052, 0.0009], agree=[0.001, 0.001]) == [1.0, 1.0]
 
 
 def test_agreement_is_the_largest_cosine_with_another_contribution():

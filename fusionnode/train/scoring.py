@@ -6,13 +6,14 @@ stages' commits (whose round pulls wait for the close):
 
 1. the hosts' masters, still the round's start θ (`opt.pull`), and the norms and floor scales of
    every replica's contribution (`opt.round_held`);
-2. on a held-out batch none of the replicas trained on (a validation batch at an index drawn at
-   random by the driver, unknown to the workers), the driver's whole model on its CPU gives the
+2. on a held-out batch none of the replicas trained on (a validation batch of twice the job's batch
+   at an index drawn at random by the driver, unknown to the workers), the driver's whole model on its CPU gives the
    loss at θ and at θ − s·Δr for each replica r alone (s = 1 under diloco: the replica's own end
    point; the outer learning rate under sparseloco: its compressed contribution's step), fetched one
    replica at a time from every host (`round_contrib` messages);
-3. `verify.contrib.verdict`: a replica whose loss gain is not positive, or under a quarter of the
-   best one, gets weight 0; every host closes the round with the verdict times its norm floor
+3. `verify.contrib.verdict`: a replica whose loss gain is not positive or under a quarter of the
+   best one, and whose direction agrees with no other replica's, gets weight 0 (none when the batch
+   is inconclusive); every host closes the round with the verdict times its norm floor
    (`opt.round_verdict`), and the round's updates go out to the workers' pulls.
 
 Anything that fails in 1-2 sends the verdict "all kept" (the floor alone weighs the round) rather
@@ -41,6 +42,7 @@ from fusionnode.wire.tensors import decode_tensor
 logger = logging.getLogger(__name__)
 
 EVAL_INDEX_BASE = 1 << 20  # held-out batches: validation indices far from the val-loss ones (0..)
+EVAL_BATCH_MULT = 2  # the held-out batch: this many times the job's batch (less noise in the gains)
 
 
 def job_contrib(params: dict[str, Any], config: Any, sync: Any) -> ContribPolicy | None:
@@ -141,7 +143,7 @@ class RoundScorer:
         specs = {n: {"shape": list(run.full[n].shape), "dtype": "float32"} for n in run.host_of}
         theta = await self.hosts.pull(jid, hosts, run.host_of, specs)  # the round's start: held, not stepped
         index = EVAL_INDEX_BASE + self.rng.randrange(1 << 30)
-        x, y = self.source.eval_batch(index)
+        x, y = self.source.eval_batch(index, EVAL_BATCH_MULT * self.source.batch_size)
         step = 1.0 if job.sync.mode == "diloco" else float(job.sync.outer_lr)
         base = await asyncio.to_thread(self._loss, theta, None, 0.0, x, y)
         scores = []

@@ -130,7 +130,8 @@ def verdict(
     """Weight 0 for a contribution that does not help: its loss gain (score) is not positive or under
     `keep_ratio` of the best gain, and (with `agree`) it points away from every other replica's (its
     largest cosine similarity with another one is under `min_agree`); 1 otherwise. All 1 when none
-    gains (a held-out batch on which nothing helps tells nothing: the floor alone weighs the round).
+    gains, or when the best gain is under `keep_ratio` of the largest loss change (a held-out batch
+    that tells nothing: the floor alone weighs the round).
 
     The gate on direction keeps honest replicas whose gain on one small batch is noise (late in
     training the honest gains are a few hundredths and one batch can rank them either way): honest
@@ -138,7 +139,10 @@ def verdict(
     reversed one does not."""
     finite = [s for s in scores if math.isfinite(s)]
     best = max(finite) if finite else -math.inf
-    if not best > 0:
+    if not best > 0 or best < keep_ratio * max(abs(s) for s in finite):
+        # nothing helps, or the batch is inconclusive: a loss change larger than the best gain went the
+        # wrong way (an honest replica's noise late in training; a random direction barely moves the
+        # loss either way, so a tiny positive gain of it must not outrank an honest one)
         return [1.0] * len(scores)
     out = []
     for r, s in enumerate(scores):
