@@ -15,6 +15,7 @@ from fusionnode.errors import ConfigError
 from fusionnode.optim.rounds import RoundCombiner, RoundError, update_tensors
 from fusionnode.runtime.hooks import PacingHook
 from fusionnode.sync import SyncConfig
+from fusionnode.train.local import train_local
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.verify.contrib import agreement, clip_scales, resolve_contrib_policy, verdict
 from fusionnode.verify.liar import Liar
@@ -125,14 +126,15 @@ def test_a_verdict_leaves_a_replica_out_and_sparseloco_relays_only_the_kept():
 
 
 # ---- a 2 x 2 diloco job on an in-memory swarm (driver, workers, hosts: tests/memnet.py) -----------
-def _run(tmp_path, sync: SyncConfig, policy: str, liar: dict | None, steps: int = 6):
-    """A job of 2 replicas x 2 stages; `liar`: both workers of replica 1 (the one without the
-    driver's own stage, when it has one) send random pseudo-gradients. Returns (result, events)."""
+def _run(tmp_path, sync: SyncConfig, policy: str | None, liar: dict | None, steps: int = 6):
+    """A job of 2 replicas x 2 stages; `liar`: both workers of replica 1 send random pseudo-gradients
+    (under --sync step: random gradients). Returns (result, scored events, losses)."""
     spec = small_spec(steps=steps, micro_batches=2)
     s = Swarm(tmp_path, workers=4, hosts=2)
+    params = round_job(spec, sync, contrib_policy=policy, verify_policy="off")
 
     async def main():
-        job = asyncio.ensure_future(s.driver.run_job(round_job(spec, sync, contrib_policy=policy), s.emit))
+        job = asyncio.ensure_future(s.driver.run_job(params, s.emit))
         while liar is not None and not job.done():
             await asyncio.sleep(0.005)
             held = {pid: sj for pid, w in s.workers.items() for sj in w.jobs.values()}
@@ -225,6 +227,22 @@ def test_the_step_floor_on_a_store_scales_a_huge_replica_and_leaves_honest_ones(
     size = lambda m: math.sqrt(sum(float(t.pow(2).sum()) for t in m.values()))  # noqa: E731
     assert size(wild) > 100 * size(honest_plain)
     assert size(floored) < 2 * size(honest_plain)
+
+
+def test_a_step_job_in_a_public_swarm_has_the_floor_which_bounds_a_huge_random_gradient(tmp_path):
+    """--sync step, 2 x 2 on the in-memory swarm (public: auto = clip): honest losses follow the
+    single-process reference; a replica pushing random gradients 1000x its norm is scaled down."""
+    step = SyncConfig("step")
+    honest, _, losses = _run(tmp_path / "h", step, None, None, steps=4)
+    assert honest["contrib"] == {"policy": "clip", "clip": 5.0, "keep_ratio": 0.25}
+    ref = train_local(small_spec(steps=4, micro_batches=2)).losses
+    assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-4
+    lie = {"kind": "random_pseudo_gradient", "seed": 2, "norm": 1000.0}
+    floored, _, _ = _run(tmp_path / "c", step, "clip", lie, steps=4)
+    wild, _, _ = _run(tmp_path / "w", step, "off", lie, steps=4)
+    assert wild["val_loss"] > honest["val_loss"] + 0.5
+    # bounded, not removed: with 2 replicas the liar keeps a random term of 5x the smaller norm
+    assert floored["val_loss"] < honest["val_loss"] + 0.3 < wild["val_loss"]
 
 
 def test_explicit_contribution_weighing_needs_rounds(tmp_path):

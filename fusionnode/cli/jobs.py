@@ -126,7 +126,7 @@ def add_train_command(sub: Any) -> None:
         default=None,
         metavar="X",
         help="with --contrib-policy clip|score: the multiple of the median norm above which a "
-        "replica's pseudo-gradient is scaled down (default 2)",
+        "replica's gradient or pseudo-gradient is scaled down (default 2 for rounds, 5 for --sync step)",
     )
     p.add_argument(
         "--rebalance-every",
