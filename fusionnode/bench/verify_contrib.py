@@ -17,8 +17,10 @@ Reported per run: under `score`, each round's weights of the honest and the lyin
 plan's token weight x the floor's scale x the verdict, as host 0 closed the round), the floor's
 scale, the loss gains on the held-out batch and the rounds each replica was dropped from (a `clip`
 run's weights stay on the hosts: its figure is the loss); for every run the validation loss and its
-difference to the honest `off` run and to the single-process reference (`train --local --replicas 2
---sync ...`), the last step's loss and the wall time.
+difference to the honest `off` run, to the single-process reference (`train --local --replicas 2
+--sync ...`) and to the honest replica alone on its half of the batch (`--replicas 1`, half the batch:
+what a job whose liar is dropped from every round can reach, the liar's share of the data being
+lost), the last step's loss and the wall time.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
             sync = _sync(mode, args.contrib_inner_steps)
             base = spec_of(args, "", args.contrib_steps).replace(micro_batches=2, job_id="")
             ref = train_local_replicas(base, sync, replicas=2)
+            # the honest replica alone on its half of the batch: what a run whose liar is dropped
+            # from every round can reach (the liar's share of the data is lost)
+            alone = train_local_replicas(base.replace(batch_size=base.batch_size // 2), sync, replicas=1)
             rows: list[dict[str, Any]] = []
             honest_val = None
             for i, (name, policy, lie) in enumerate(RUNS):
@@ -97,12 +102,16 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
                 row["val_loss_rel_diff_vs_reference"] = round(
                     abs(row["val_loss"] - ref.val_loss) / ref.val_loss, 5
                 )
+                row["val_loss_rel_diff_vs_honest_replica_alone"] = round(
+                    abs(row["val_loss"] - alone.val_loss) / alone.val_loss, 5
+                )
                 rows.append(row)
             out.append(
                 {
                     "scenario": f"contrib:{mode}",
                     "sync": sync.to_dict(),
                     "reference_val_loss": ref.val_loss,
+                    "honest_replica_alone_val_loss": alone.val_loss,
                     "scale": args.contrib_scale,
                     "runs": rows,
                 }
