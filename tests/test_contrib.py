@@ -251,3 +251,16 @@ def test_explicit_contribution_weighing_needs_rounds(tmp_path):
     # (clip is the floor of --sync step's gradients too; score judges rounds only)
     with pytest.raises(ConfigError, match="--contrib-policy score"):
         asyncio.run(s.driver.run_job(params, s.emit))
+
+
+def test_the_cli_refuses_scoring_without_rounds():
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "fusionnode", "train", "--contrib-policy", "score", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "--contrib-policy score judges round contributions" in res.stderr
