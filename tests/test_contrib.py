@@ -166,7 +166,9 @@ def test_an_honest_scored_job_keeps_every_replica_and_follows_the_local_referenc
         "rounds_scored": 3,
         "dropped": {},
         "failed": 0,
+        "judge_s": result["contrib"]["judge_s"],
     }
+    assert result["contrib"]["judge_s"] > 0
     ref = train_local_replicas(small_spec(steps=6, micro_batches=2), DILOCO, replicas=2).losses
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-4
 

@@ -163,6 +163,7 @@ def _run(
         "liar_floor_scale_per_round": [round(e["scales"][0][1], 5) for e in scored] if scored else None,
         "dropped": (result.get("contrib") or {}).get("dropped"),
         "gains": [e["scores"] for e in scored] if scored else None,
+        "judge_s_per_round": [e.get("judge_s") for e in scored] if scored else None,
         "val_loss": result["val_loss"],
         "final_loss": steps[-1]["loss"],
         "wall_s": round(time.monotonic() - t0, 1),

@@ -29,6 +29,7 @@ import math
 import os
 import random
 import secrets
+import time
 from typing import Any
 
 import torch
@@ -90,6 +91,7 @@ class RoundScorer:
         self.rounds = 0  # rounds judged
         self.dropped: dict[int, int] = {}  # replica -> rounds it was dropped from
         self.failed = 0  # rounds closed on the floor alone because scoring failed
+        self.seconds = 0.0  # judging, summed over the rounds
 
     def launch(self, job: Any, run: Any, round_id: int) -> asyncio.Task[None]:
         self.task = asyncio.get_running_loop().create_task(self.judge(job, run, round_id))
@@ -99,6 +101,7 @@ class RoundScorer:
         """Scores round `round_id`, then sends every host the verdict (all kept when scoring failed)."""
         replicas = len(job.pipelines)
         record: dict[str, Any] = {"round": round_id}
+        t0 = time.perf_counter()
         try:
             record.update(await self.score(job, run, round_id))
             weights = record["verdict"]
@@ -119,6 +122,8 @@ class RoundScorer:
             record["verdict_errors"] = errors
         got = [r.weights for r in replies if isinstance(r, jp.OptRoundVerdictReply)]
         record["weights"] = [[round(w, 6) for w in ws] for ws in got]  # per host: tokens x floor x verdict
+        record["judge_s"] = round(time.perf_counter() - t0, 4)  # the round's close waited this long
+        self.seconds += record["judge_s"]
         self.rounds += 1
         for r, w in enumerate(weights):
             if w == 0:
@@ -214,6 +219,7 @@ class RoundScorer:
             "rounds_scored": self.rounds,
             "dropped": {str(r): n for r, n in sorted(self.dropped.items())},
             "failed": self.failed,
+            "judge_s": round(self.seconds, 3),
         }
 
 
