@@ -92,6 +92,7 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
             # the honest replica alone on its half of the batch: what a run whose liar is dropped
             # from every round can reach (the liar's share of the data is lost)
             alone = train_local_replicas(base.replace(batch_size=base.batch_size // 2), sync, replicas=1)
+            alone_val = _val_loss(base, alone.params)  # on the same validation batches as the jobs'
             rows: list[dict[str, Any]] = []
             honest_val = None
             for i, (name, policy, lie) in enumerate(RUNS):
@@ -103,7 +104,7 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
                     abs(row["val_loss"] - ref.val_loss) / ref.val_loss, 5
                 )
                 row["val_loss_rel_diff_vs_honest_replica_alone"] = round(
-                    abs(row["val_loss"] - alone.val_loss) / alone.val_loss, 5
+                    abs(row["val_loss"] - alone_val) / alone_val, 5
                 )
                 rows.append(row)
             out.append(
@@ -111,7 +112,7 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
                     "scenario": f"contrib:{mode}",
                     "sync": sync.to_dict(),
                     "reference_val_loss": ref.val_loss,
-                    "honest_replica_alone_val_loss": alone.val_loss,
+                    "honest_replica_alone_val_loss": alone_val,
                     "scale": args.contrib_scale,
                     "runs": rows,
                 }
@@ -119,6 +120,22 @@ def run_contrib(args: argparse.Namespace, workdir: Path, train: Any, spec_of: An
     finally:
         swarm.stop()
     return out
+
+
+def _val_loss(spec: Any, params: dict[str, Any]) -> float:
+    """The validation loss of `params` on `spec`'s validation batches (what a job's result reports)."""
+    import torch
+
+    from fusionnode.train.data import BatchSource
+    from fusionnode.train.local import build_job_model, evaluate
+    from fusionnode.train.spec import resolve_seq_len
+
+    model = build_job_model(spec)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in params:
+                p.copy_(params[name])
+    return evaluate(model, BatchSource.from_spec(spec, resolve_seq_len(spec)))
 
 
 def _run(
