@@ -126,19 +126,21 @@ def test_a_verdict_leaves_a_replica_out_and_sparseloco_relays_only_the_kept():
 
 
 # ---- a 2 x 2 diloco job on an in-memory swarm (driver, workers, hosts: tests/memnet.py) -----------
-def _run(tmp_path, sync: SyncConfig, policy: str | None, liar: dict | None, steps: int = 6):
-    """A job of 2 replicas x 2 stages; `liar`: both workers of replica 1 send random pseudo-gradients
+def _run(
+    tmp_path, sync: SyncConfig, policy: str | None, liar: dict | None, steps: int = 6, replicas: int = 2
+):
+    """A job of `replicas` x 2 stages; `liar`: both workers of replica 1 send random pseudo-gradients
     (under --sync step: random gradients). Returns (result, scored events, losses)."""
-    spec = small_spec(steps=steps, micro_batches=2)
-    s = Swarm(tmp_path, workers=4, hosts=2)
-    params = round_job(spec, sync, contrib_policy=policy, verify_policy="off")
+    spec = small_spec(steps=steps, micro_batches=2, batch_size=4 * replicas)
+    s = Swarm(tmp_path, workers=2 * replicas, hosts=2)
+    params = round_job(spec, sync, contrib_policy=policy, verify_policy="off", replicas=replicas)
 
     async def main():
         job = asyncio.ensure_future(s.driver.run_job(params, s.emit))
         while liar is not None and not job.done():
             await asyncio.sleep(0.005)
             held = {pid: sj for pid, w in s.workers.items() for sj in w.jobs.values()}
-            if len(held) == 4:  # before the first round closes (step 1's commit)
+            if len(held) == 2 * replicas:  # before the first round closes (step 1's commit)
                 for pid, sj in held.items():
                     if sj.replica == 1:
                         s.workers[pid].hook = PacingHook(None)
@@ -185,6 +187,17 @@ def test_a_replica_sending_random_pseudo_gradients_is_dropped_every_round(tmp_pa
         assert e["verdict"] == [1.0, 0.0] and max(e["agree"]) < 0.03, e
         assert e["scores"][0] > 0.05 and e["scores"][1] < 0.25 * e["scores"][0]
         assert all(ws[1] == 0.0 and ws[0] > 0 for ws in e["weights"])  # every host left it out
+    assert result["contrib"]["dropped"] == {"1": 3}
+
+
+def test_three_replicas_a_scaled_liar_is_dropped_and_the_two_honest_ones_agree(tmp_path):
+    lie = {"kind": "random_pseudo_gradient", "seed": 1, "norm": 10.0}
+    result, scored, _ = _run(tmp_path, DILOCO, "score", lie, replicas=3)
+    assert len(scored) == 3
+    for e in scored:
+        assert e["verdict"] == [1.0, 0.0, 1.0], e
+        assert min(e["agree"][0], e["agree"][2]) > 0.2 and e["agree"][1] < 0.03
+        assert all(s[1] < 0.25 and s[0] == s[2] == 1.0 for s in e["scales"])  # the floor, on each host
     assert result["contrib"]["dropped"] == {"1": 3}
 
 
