@@ -84,9 +84,8 @@ class HostRounds:
             shard.rejected["round"] = shard.rejected.get("round", 0) + 1
             logger.warning("round contribution from %s refused: %s", sender[:12], exc)
             return
-        if (
-            complete and not shard.rounds.hold
-        ):  # held (--contrib-policy score): the driver's verdict closes it
+        # held (--contrib-policy score): the driver's verdict closes it
+        if complete and not shard.rounds.hold:
             self._close_round(shard)
 
     def _close_round(self, shard: Any, verdict: list[float] | None = None) -> list[float]:
@@ -160,10 +159,8 @@ class HostRounds:
         if rounds is not None and req.round == rounds.round - 1:
             return jp.OptRoundVerdictReply(closed=False, weights=list(rounds.last_weights))
         rounds = await self._complete_round(shard, req.round)
-        try:
-            weights = self._close_round(
-                shard, list(req.weights)
-            )  # on the loop, as a round closed by its last push
+        try:  # on the loop, as a round closed by its last push is
+            weights = self._close_round(shard, list(req.weights))
         except RoundError as exc:
             raise JobError(ErrorCode.BAD_REQUEST, str(exc)) from None
         return jp.OptRoundVerdictReply(closed=True, weights=weights)

@@ -143,12 +143,14 @@ class RoundCombiner:
         self.clip: float | None = None
         self.hold = False
         self.last_weights: list[float] = []  # each replica's weight in the last round closed
+        self._gram: list[list[float]] | None = None  # of the open round's contributions (`gram`)
 
     def drop_pending(self) -> list[int]:
         """Forget the open round's contributions (a re-plan: the round is redone by the new plan's
         stages); returns the replicas whose contributions were dropped."""
         dropped = sorted(self.pending)
         self.pending = {}
+        self._gram = None
         return dropped
 
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -167,6 +169,7 @@ class RoundCombiner:
         self.round = int(meta["round"])
         self.applied = [int(r) for r in meta["applied"]]
         self.pending = {}
+        self._gram = None
 
     def start_at(self, round_id: int) -> None:
         """A combiner that continues a job at round `round_id` with new outer state (the parameters
@@ -174,6 +177,7 @@ class RoundCombiner:
         self.round = int(round_id)
         self.applied = list(range(round_id))
         self.pending = {}
+        self._gram = None
 
     def complete(self) -> bool:
         if len(self.pending) != self.replicas:
@@ -205,11 +209,14 @@ class RoundCombiner:
         else:
             self.pending[replica] = (float(tokens), dict(encs))
         self.received_bytes += encoded_bytes(encs)
+        self._gram = None
         return self.complete()
 
     def gram(self) -> list[list[float]]:
         """The dot products of the replicas' pseudo-gradients over the names held here (the open
         round, complete): [r][q] = <Δr, Δq>; the diagonal holds the squared norms."""
+        if self._gram is not None:
+            return self._gram
         out = [[0.0] * self.replicas for _ in range(self.replicas)]
         for n in sorted(self.pending[0][1]):  # one name at a time: R decoded tensors in memory
             ts = [
@@ -222,10 +229,13 @@ class RoundCombiner:
         for r in range(self.replicas):
             for q in range(r):
                 out[r][q] = out[q][r]
+        self._gram = out  # until the round's contributions change
         return out
 
     def norms(self) -> list[float]:
         """Each replica's pseudo-gradient norm over the names held here (the open round, complete)."""
+        if self._gram is not None:
+            return [math.sqrt(max(self._gram[r][r], 0.0)) for r in range(self.replicas)]
         out = []
         for r in range(self.replicas):
             encs = self.pending[r][1]
@@ -281,6 +291,7 @@ class RoundCombiner:
         self.sent_bytes += update.nbytes() * self.replicas
         self.last_weights = list(weights)
         self.pending = {}
+        self._gram = None
         self.applied.append(self.round)
         self.round += 1
         return update
