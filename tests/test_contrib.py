@@ -279,3 +279,12 @@ def test_the_cli_refuses_scoring_without_rounds():
         timeout=120,
     )
     assert res.returncode == 2 and "--contrib-policy score judges round contributions" in res.stderr
+
+
+def test_a_scored_round_reads_as_one_line():
+    from fusionnode.messages import format_event
+
+    ev = {"type": "event", "kind": "scored", "round": 2, "scores": [0.3, -0.01], "verdict": [1.0, 0.0]}
+    assert format_event(ev) == "round 2: dropped replica(s) [1], loss gains [0.3, -0.01]"
+    ev = {"type": "event", "kind": "scored", "round": 0, "verdict": [1.0, 1.0], "error": "deadline"}
+    assert format_event(ev) == "round 0: every replica kept (not scored: deadline)"
