@@ -17,7 +17,7 @@ from fusionnode.runtime.hooks import PacingHook
 from fusionnode.sync import SyncConfig
 from fusionnode.train.local import train_local
 from fusionnode.train.replicas import train_local_replicas
-from fusionnode.verify.contrib import agreement, clip_scales, resolve_contrib_policy, verdict
+from fusionnode.verify.contrib import agreement, clip_scales, conclusive, resolve_contrib_policy, verdict
 from fusionnode.verify.liar import Liar
 
 torch.set_num_threads(1)
@@ -46,6 +46,7 @@ def test_the_verdict_drops_what_does_not_help_and_keeps_all_when_nothing_helps()
     assert verdict([0.3, 0.28, 0.001], agree=[0.5, 0.5, 0.01]) == [1.0, 1.0, 0.0]
     # inconclusive: the honest replica's loss went up on this batch by more than the liar's gain
     assert verdict([-0.052, 0.0009], agree=[0.001, 0.001]) == [1.0, 1.0]
+    assert not conclusive([-0.052, 0.0009]) and conclusive([0.1, 0.0009]) and not conclusive([-0.1, -0.2])
 
 
 def test_agreement_is_the_largest_cosine_with_another_contribution():

@@ -12,8 +12,9 @@ stages' commits (whose round pulls wait for the close):
    point; the outer learning rate under sparseloco: its compressed contribution's step), fetched one
    replica at a time from every host (`round_contrib` messages);
 3. `verify.contrib.verdict`: a replica whose loss gain is not positive or under a quarter of the
-   best one, and whose direction agrees with no other replica's, gets weight 0 (none when the batch
-   is inconclusive); every host closes the round with the verdict times its norm floor
+   best one, and whose direction agrees with no other replica's, gets weight 0 (none when the gains
+   are inconclusive; while they are and some replica disagrees, another held-out batch is evaluated
+   and the gains summed, up to EVAL_TRIES batches); every host closes the round with the verdict times its norm floor
    (`opt.round_verdict`), and the round's updates go out to the workers' pulls.
 
 Anything that fails in 1-2 sends the verdict "all kept" (the floor alone weighs the round) rather
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError
-from fusionnode.verify.contrib import ContribPolicy, agreement, resolve_contrib_policy, verdict
+from fusionnode.verify.contrib import ContribPolicy, agreement, conclusive, resolve_contrib_policy, verdict
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc, TensorKind
 from fusionnode.wire.tensors import decode_tensor
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 EVAL_INDEX_BASE = 1 << 20  # held-out batches: validation indices far from the val-loss ones (0..)
 EVAL_BATCH_MULT = 2  # the held-out batch: this many times the job's batch (less noise in the gains)
+EVAL_TRIES = 3  # held-out batches at most per round: another while a disagreeing replica's case is open
 
 
 def job_contrib(params: dict[str, Any], config: Any, sync: Any) -> ContribPolicy | None:
@@ -147,22 +149,29 @@ class RoundScorer:
         )
         specs = {n: {"shape": list(run.full[n].shape), "dtype": "float32"} for n in run.host_of}
         theta = await self.hosts.pull(jid, hosts, run.host_of, specs)  # the round's start: held, not stepped
-        index = EVAL_INDEX_BASE + self.rng.randrange(1 << 30)
-        x, y = self.source.eval_batch(index, EVAL_BATCH_MULT * self.source.batch_size)
-        step = 1.0 if job.sync.mode == "diloco" else float(job.sync.outer_lr)
-        base = await asyncio.to_thread(self._loss, theta, None, 0.0, x, y)
-        scores = []
-        for r in range(len(job.pipelines)):  # one replica at a time: the driver holds θ and one Δ
-            delta = await self._fetch(job, run, round_id, r)
-            scores.append(base - await asyncio.to_thread(self._loss, theta, delta, step, x, y))
         n = len(job.pipelines)
         gram = [[sum(h.gram[r][q] for h in held) for q in range(n)] for r in range(n)]  # the whole model's
         agree = agreement(gram)
+        step = 1.0 if job.sync.mode == "diloco" else float(job.sync.outer_lr)
+        scores, base, batches = [0.0] * n, 0.0, 0
+        while batches < EVAL_TRIES:  # gains summed over held-out batches: one more while inconclusive
+            index = EVAL_INDEX_BASE + self.rng.randrange(1 << 30)
+            x, y = self.source.eval_batch(index, EVAL_BATCH_MULT * self.source.batch_size)
+            loss0 = await asyncio.to_thread(self._loss, theta, None, 0.0, x, y)
+            base += loss0
+            for r in range(n):  # one replica at a time: the driver holds θ and one Δ
+                delta = await self._fetch(job, run, round_id, r)
+                scores[r] += loss0 - await asyncio.to_thread(self._loss, theta, delta, step, x, y)
+            batches += 1
+            if all(a >= self.policy.min_agree for a in agree) or conclusive(scores, self.policy.keep_ratio):
+                break
+        base /= batches
         return {
             "base_loss": round(base, 6),
             "scores": [round(s, 6) if math.isfinite(s) else None for s in scores],
             "agree": [round(a, 4) for a in agree],
-            "verdict": verdict(scores, self.policy.keep_ratio, agree),
+            "verdict": verdict(scores, self.policy.keep_ratio, agree, self.policy.min_agree),
+            "batches": batches,
             "norms": [[round(n, 6) for n in h.norms] for h in held],  # per host
             "scales": [[round(s, 6) for s in h.scales] for h in held],
         }

@@ -56,6 +56,7 @@ class ContribPolicy:
     policy: str  # "off" | "clip" | "score" (resolved)
     clip: float = DEFAULT_CLIP_MULT
     keep_ratio: float = DEFAULT_KEEP_RATIO
+    min_agree: float = DEFAULT_MIN_AGREE
 
     @property
     def floor(self) -> bool:
@@ -126,6 +127,16 @@ def agreement(gram: Sequence[Sequence[float]]) -> list[float]:
     return out
 
 
+def conclusive(scores: Sequence[float], keep_ratio: float = DEFAULT_KEEP_RATIO) -> bool:
+    """Whether the gains say anything: some gain is positive, and the best is at least `keep_ratio`
+    of the largest loss change. Not when a larger change went the wrong way (an honest replica's
+    noise late in training; a random direction barely moves the loss either way, so a tiny positive
+    gain of it must not outrank an honest one)."""
+    finite = [s for s in scores if math.isfinite(s)]
+    best = max(finite) if finite else -math.inf
+    return best > 0 and best >= keep_ratio * max(abs(s) for s in finite)
+
+
 def verdict(
     scores: Sequence[float],
     keep_ratio: float = DEFAULT_KEEP_RATIO,
@@ -142,13 +153,9 @@ def verdict(
     training the honest gains are a few hundredths and one batch can rank them either way): honest
     pseudo-gradients start from the same parameters and share their main direction, a random or
     reversed one does not."""
-    finite = [s for s in scores if math.isfinite(s)]
-    best = max(finite) if finite else -math.inf
-    if not best > 0 or best < keep_ratio * max(abs(s) for s in finite):
-        # nothing helps, or the batch is inconclusive: a loss change larger than the best gain went the
-        # wrong way (an honest replica's noise late in training; a random direction barely moves the
-        # loss either way, so a tiny positive gain of it must not outrank an honest one)
+    if not conclusive(scores, keep_ratio):
         return [1.0] * len(scores)
+    best = max(s for s in scores if math.isfinite(s))
     out = []
     for r, s in enumerate(scores):
         helps = math.isfinite(s) and s > 0 and s >= keep_ratio * best
@@ -166,6 +173,7 @@ __all__ = [
     "ContribPolicy",
     "agreement",
     "clip_scales",
+    "conclusive",
     "resolve_contrib_policy",
     "verdict",
 ]
