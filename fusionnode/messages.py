@@ -77,6 +77,11 @@ def format_event(ev: dict[str, Any]) -> str:
         return f"{at}re-planned (plan version {ev.get('plan_version')}): {ev.get('reason', '')}{moved}"
     if kind == "notice":
         return f"{at}{ev.get('reason', '')}"
+    if kind == "scored":  # a round's contributions judged (--contrib-policy score)
+        dropped = [r for r, v in enumerate(ev.get("verdict") or []) if v == 0]
+        verdict = f"dropped replica(s) {dropped}" if dropped else "every replica kept"
+        why = f" (not scored: {ev['error']})" if ev.get("error") else f", loss gains {ev.get('scores')}"
+        return f"round {ev.get('round')}: {verdict}{why}"
     if ev.get("reason"):
         return f"{at}{str(kind).replace('_', ' ')}: {ev['reason']}"
     return f"{at}{kind}: " + ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("type", "kind"))

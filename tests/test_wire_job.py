@@ -50,6 +50,7 @@ OVERRIDES: dict[str, Any] = {
     "micro_batches": 4,
     "mb_size": 2,
     "first": 3,
+    "contrib": {"clip": 2.0, "score": True},
 }
 
 

@@ -30,6 +30,9 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
   random choices, using that a checked micro-batch that was lied on is always caught (what the
   real runs and tests/test_verify.py show: every kind of lie mismatches on every lied micro-batch)
   and the closed form 1 - (1 - rate x fraction)^(m x 20) next to it.
+- contrib (`--sections contrib`, its own 4-daemon swarm): a replica sending random pseudo-gradients
+  in 2 x 2 `--sync diloco|sparseloco` jobs under `--contrib-policy` off, clip and score
+  (bench/verify_contrib.py).
 - clean: one honest job of `--clean-steps` steps under `--clean-policy` (default: every micro-batch
   checked); reported: micro-batches checked, peers caught (false positives), disputes, rollbacks.
 
@@ -52,6 +55,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fusionnode.bench.verify_contrib import add_args as add_contrib_args
+from fusionnode.bench.verify_contrib import run_contrib
+
 DEBUG_ENV = "FUSIONNODE_DEBUG"
 KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "scale": {"kind": "scale", "factor": 1.01},
@@ -62,7 +68,7 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
 }
 CATCH_WITHIN = 20  # steps: the target
-SECTIONS = ("sim", "overhead", "lies", "seeded", "clean")
+SECTIONS = ("sim", "overhead", "lies", "seeded", "clean", "contrib")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,8 +127,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--sections",
         default="sim,overhead,lies,clean",
-        help="what to run, comma-separated among sim, overhead, lies, seeded, clean (default %(default)s)",
+        help="what to run, comma-separated among sim, overhead, lies, seeded, clean, contrib "
+        "(default %(default)s)",
     )
+    add_contrib_args(p)
     p.add_argument(
         "--seeded-runs",
         type=int,
@@ -139,6 +147,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not sections or any(x not in SECTIONS for x in sections):
         p.error(f"--sections: choose among {', '.join(SECTIONS)}")
     args.sections = sections
+    if any(m not in ("diloco", "sparseloco") for m in args.contrib_sync.split(",") if m):
+        p.error("--contrib-sync: choose among diloco, sparseloco")
     if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
         p.error("--rate and --fraction must be in (0, 1]")
     for name in (
@@ -149,6 +159,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "overhead_steps",
         "overhead_repeats",
         "micro_batches",
+        "contrib_steps",
+        "contrib_inner_steps",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -504,7 +516,11 @@ def main(argv: list[str] | None = None) -> int:
     if "sim" in args.sections:
         for res in simulate(args):
             _print(res, args.json)
-    if not set(args.sections) - {"sim"}:
+    if "contrib" in args.sections:
+        os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug hooks (the liar) are on
+        for res in run_contrib(args, workdir, _train, _spec):
+            _print(res, args.json)
+    if not set(args.sections) - {"sim", "contrib"}:
         return 0
     os.environ[DEBUG_ENV] = "1"  # the daemons inherit it: their debug hooks (the liar) are on
     swarm = LocalSwarm(workdir / "swarm", 3, log=sys.stderr)

@@ -111,6 +111,24 @@ def add_train_command(sub: Any) -> None:
         "(default 0.25 in a public swarm, 0.05 in a private or local one)",
     )
     p.add_argument(
+        "--contrib-policy",
+        choices=("auto", "off", "clip", "score"),
+        default="auto",
+        help="weigh the data-parallel replicas' contributions on the optimizer hosts: clip = a replica's "
+        "gradient or pseudo-gradient whose norm exceeds --contrib-clip x the median is scaled down; "
+        "score (--sync diloco|sparseloco) = also the driver scores each round's contributions on a "
+        "held-out batch and drops those that do not help; auto = score (rounds) or clip (--sync step) "
+        "in a public swarm, off in a private or local one (default %(default)s)",
+    )
+    p.add_argument(
+        "--contrib-clip",
+        type=float_at_least(1.0),
+        default=None,
+        metavar="X",
+        help="with --contrib-policy clip|score: the multiple of the median norm above which a "
+        "replica's gradient or pseudo-gradient is scaled down (default 2 for rounds, 5 for --sync step)",
+    )
+    p.add_argument(
         "--rebalance-every",
         type=int_at_least(0),
         default=None,
@@ -338,6 +356,10 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         sync = sync_from_args(args)
     except FusionNodeError as exc:
         parser.error(str(exc))
+    if args.contrib_policy == "score" and not sync.rounds:
+        parser.error(
+            "--contrib-policy score judges round contributions: use --sync diloco|sparseloco (or clip)"
+        )
     if args.local and (sync.rounds or args.replicas > 1 or args.shares):
         return _train_local_replicas(spec, sync, args, _parse_shares(args.shares, parser))
     if args.local:
@@ -360,6 +382,8 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
         "verify_policy": args.verify_policy,
         "verify_rate": args.verify_rate,
+        "contrib_policy": args.contrib_policy,
+        "contrib_clip": args.contrib_clip,
     }
     progress = Progress(spec.steps)
 

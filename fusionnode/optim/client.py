@@ -99,6 +99,7 @@ class OptimizerClient:
         start_step: int | None,
         sync: dict[str, Any] | None = None,
         replicas: int = 1,
+        contrib: dict[str, Any] | None = None,
     ) -> tuple[list[int], bool]:
         """Gives each host its shard (opt.init, the parameters, opt.load); returns the hosts' applied
         steps and whether they started with new optimizer state. With `resume`, every host loads its
@@ -123,6 +124,7 @@ class OptimizerClient:
                 resume=resume,
                 sync=sync,  # --sync (issue 19): a round mode closes rounds on the host
                 replicas=replicas,
+                contrib=contrib,  # --contrib-policy: the rounds' norm floor, held for the driver's verdict
             )
             return (await jp.call(self.t, host, Rpc.OPT_INIT, req, timeout=timeout)).steps
 

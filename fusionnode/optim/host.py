@@ -183,6 +183,8 @@ class OptimizerHostService(HostRounds):
             Rpc.OPT_RELEASE: self.rpc_release,
             Rpc.OPT_REPLAN: self.rpc_replan,
             Rpc.OPT_ROUND_PULL: self.rpc_round_pull,
+            Rpc.OPT_ROUND_HELD: self.rpc_round_held,
+            Rpc.OPT_ROUND_VERDICT: self.rpc_round_verdict,
             Rpc.OPT_ROLLBACK: self.rpc_rollback,
         }.items():
             jp.serve(transport, name, fn)
@@ -340,16 +342,17 @@ class OptimizerHostService(HostRounds):
                 )
             pend.params = params
         cfg = job_optimizer_config(a.spec, pend.specs)
+        sync = SyncConfig.from_dict(a.sync)
         store = ParameterStore(
             job,
             dict(pend.params),
             cfg,
             pend.expected,
             step_deadline_s=self.step_deadline_s if a.step_deadline_s is None else a.step_deadline_s,
+            clip=None if sync.rounds else (a.contrib or {}).get("clip"),  # --contrib-policy clip, per step
         )
         resumed = 0
         step = req.resume_step
-        sync = SyncConfig.from_dict(a.sync)
         state: dict[str, Any] = {}
         if step is not None:
             state = await asyncio.to_thread(
@@ -374,6 +377,7 @@ class OptimizerHostService(HostRounds):
         if sync.rounds:
             shard = self.shards[req.job]
             shard.rounds = RoundCombiner(sync, a.replicas, set(pend.specs))
+            self._set_contrib(shard, a.contrib)
             self._plan_replicas(shard, pend.expected)
             # the outer state: from the shard checkpoint when it holds it, else new (the parameters
             # came from the driver's checkpoint, or the job starts), the ledger at the store's step

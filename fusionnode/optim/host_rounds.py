@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from fusionnode.errors import FusionNodeError
 from fusionnode.optim.checkpoint import save_shard
 from fusionnode.optim.contributions import ExpectedContributions
 from fusionnode.optim.rounds import RoundError
+from fusionnode.verify.contrib import clip_scales
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, JobError, TensorKind
 from fusionnode.wire.messages import TensorMessage
@@ -82,18 +84,86 @@ class HostRounds:
             shard.rejected["round"] = shard.rejected.get("round", 0) + 1
             logger.warning("round contribution from %s refused: %s", sender[:12], exc)
             return
-        if complete:
-            rounds = shard.rounds
-            h = rounds.cfg.inner_steps
-            # the store's applied step is the round ledger's step count: a re-plan or a restore
-            # answers it, and the driver goes on from the open round's first step
-            update = shard.store.update_masters(rounds.close, applied_step=(rounds.round + 1) * h)
-            shard.round_updates[update.round] = update
-            for old in [r for r in shard.round_updates if r < update.round - 1]:
-                del shard.round_updates[old]
-            done = shard.store.applied_step
-            if shard.save_dir is not None and rounds.cfg.checkpoint_due(done, shard.save_every):
-                self._save_round(shard, done, rounds.state())
+        # held (--contrib-policy score): the driver's verdict closes it
+        if complete and not shard.rounds.hold:
+            self._close_round(shard)
+
+    def _close_round(self, shard: Any, verdict: list[float] | None = None) -> list[float]:
+        """The outer step of the open (complete) round on the masters, the update kept for the
+        workers' pulls, a checkpoint when due; returns each replica's weight in it."""
+        rounds = shard.rounds
+        h = rounds.cfg.inner_steps
+        # the store's applied step is the round ledger's step count: a re-plan or a restore
+        # answers it, and the driver goes on from the open round's first step
+        update = shard.store.update_masters(
+            functools.partial(rounds.close, verdict=verdict), applied_step=(rounds.round + 1) * h
+        )
+        shard.round_updates[update.round] = update
+        for old in [r for r in shard.round_updates if r < update.round - 1]:
+            del shard.round_updates[old]
+        done = shard.store.applied_step
+        if shard.save_dir is not None and rounds.cfg.checkpoint_due(done, shard.save_every):
+            self._save_round(shard, done, rounds.state())
+        return list(rounds.last_weights)
+
+    @staticmethod
+    def _set_contrib(shard: Any, contrib: dict[str, Any] | None) -> None:
+        """--contrib-policy on this shard's rounds (`OptInit.contrib`; verify/contrib.py)."""
+        if shard.rounds is not None and contrib:
+            shard.rounds.clip = float(contrib["clip"]) if contrib.get("clip") is not None else None
+            shard.rounds.hold = bool(contrib.get("score"))
+
+    async def _complete_round(self, shard: Any, round_id: int) -> Any:
+        """The shard's rounds once round `round_id` is open and complete (waits up to the deadline)."""
+        rounds = shard.rounds
+        if rounds is None:
+            raise JobError(ErrorCode.BAD_REQUEST, f"job {shard.job} has no rounds (--sync step)")
+        deadline = time.monotonic() + self.step_deadline_s
+        while not (rounds.round == round_id and rounds.complete()) and time.monotonic() < deadline:
+            if rounds.round > round_id:
+                break
+            await asyncio.sleep(READY_POLL_S)
+        if rounds.round > round_id:
+            raise JobError(ErrorCode.BAD_REQUEST, f"round {round_id} is closed (open: {rounds.round})")
+        if rounds.round != round_id or not rounds.complete():
+            raise JobError(ErrorCode.DEADLINE, f"round {round_id} was not complete in time")
+        return rounds
+
+    async def rpc_round_held(self, req: jp.OptRoundHeld, sender: str) -> jp.OptRoundHeldReply:
+        """The driver's view of a complete round held for its verdict: each replica's norm and floor
+        scale, and with `replica` >= 0 that replica's pseudo-gradients of the shard as one
+        `round_contrib` message keyed (job, round, replica, host index)."""
+        shard = self._shard(req.job, sender)
+        rounds = await self._complete_round(shard, req.round)
+        if req.replica >= rounds.replicas:
+            raise JobError(ErrorCode.BAD_REQUEST, f"replica {req.replica} of {rounds.replicas}")
+        gram = await asyncio.to_thread(rounds.gram)
+        norms = [math.sqrt(max(gram[r][r], 0.0)) for r in range(rounds.replicas)]
+        scales = clip_scales(norms, rounds.clip) if rounds.clip is not None else [1.0] * len(norms)
+        if req.replica >= 0:
+            meta = {"job": shard.job, "step": req.round, "mb": req.replica, "stage": shard.host_index}
+            encs = rounds.pending[req.replica][1]
+            shard.sent_bytes += await self.t.send(
+                sender, TensorMessage(TensorKind.ROUND_CONTRIB, meta, dict(encs))
+            )
+        tokens = [rounds.pending[r][0] for r in range(rounds.replicas)]
+        return jp.OptRoundHeldReply(
+            replicas=rounds.replicas, norms=norms, scales=scales, tokens=tokens, gram=gram
+        )
+
+    async def rpc_round_verdict(self, req: jp.OptRoundVerdict, sender: str) -> jp.OptRoundVerdictReply:
+        """The driver's verdict on a held round: each replica's weight (1 kept, 0 dropped), times the
+        floor's; the round closes with it. A verdict on a round closed already answers its weights."""
+        shard = self._shard(req.job, sender)
+        rounds = shard.rounds
+        if rounds is not None and req.round == rounds.round - 1:
+            return jp.OptRoundVerdictReply(closed=False, weights=list(rounds.last_weights))
+        rounds = await self._complete_round(shard, req.round)
+        try:  # on the loop, as a round closed by its last push is
+            weights = self._close_round(shard, list(req.weights))
+        except RoundError as exc:
+            raise JobError(ErrorCode.BAD_REQUEST, str(exc)) from None
+        return jp.OptRoundVerdictReply(closed=True, weights=weights)
 
     def _save_round(self, shard: Any, step: int, state: Any) -> None:
         """Writes the shard with the rounds' outer state after a round (in a thread; the state was

@@ -16,6 +16,7 @@ that it applies to its masters and sends to every replica, which applies it to �
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from fusionnode.compress.pseudograd import ErrorFeedbackAccumulator, encode_pseu
 from fusionnode.errors import FusionNodeError
 from fusionnode.optim.outer import AveragedOuter, NesterovOuter, make_outer, weighted_mean
 from fusionnode.sync import SyncConfig
+from fusionnode.verify.contrib import clip_scales
 from fusionnode.wire.codec_api import EncodedTensor
 from fusionnode.wire.limits import DEFAULT_LIMITS, Limits
 from fusionnode.wire.tensors import decode_tensor, pack_encoded
@@ -136,12 +138,19 @@ class RoundCombiner:
         self.received_bytes = 0  # cumulative, every contribution accepted
         self.sent_bytes = 0  # cumulative, the update once per replica
         self.applied: list[int] = []  # the ledger: the ids of the rounds closed, in order
+        # --contrib-policy (verify/contrib.py): the norm floor's multiple (None: off); `hold`: a complete
+        # round waits for the driver's verdict (`close(verdict=...)`) before it closes
+        self.clip: float | None = None
+        self.hold = False
+        self.last_weights: list[float] = []  # each replica's weight in the last round closed
+        self._gram: list[list[float]] | None = None  # of the open round's contributions (`gram`)
 
     def drop_pending(self) -> list[int]:
         """Forget the open round's contributions (a re-plan: the round is redone by the new plan's
         stages); returns the replicas whose contributions were dropped."""
         dropped = sorted(self.pending)
         self.pending = {}
+        self._gram = None
         return dropped
 
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -160,6 +169,7 @@ class RoundCombiner:
         self.round = int(meta["round"])
         self.applied = [int(r) for r in meta["applied"]]
         self.pending = {}
+        self._gram = None
 
     def start_at(self, round_id: int) -> None:
         """A combiner that continues a job at round `round_id` with new outer state (the parameters
@@ -167,6 +177,7 @@ class RoundCombiner:
         self.round = int(round_id)
         self.applied = list(range(round_id))
         self.pending = {}
+        self._gram = None
 
     def complete(self) -> bool:
         if len(self.pending) != self.replicas:
@@ -198,19 +209,76 @@ class RoundCombiner:
         else:
             self.pending[replica] = (float(tokens), dict(encs))
         self.received_bytes += encoded_bytes(encs)
+        self._gram = None
         return self.complete()
 
-    def close(self, masters: Mapping[str, Tensor] | None = None) -> RoundUpdate:
-        """Close the open round: the update (also applied to `masters` when given)."""
+    def gram(self) -> list[list[float]]:
+        """The dot products of the replicas' pseudo-gradients over the names held here (the open
+        round, complete): [r][q] = <Δr, Δq>; the diagonal holds the squared norms."""
+        if self._gram is not None:
+            return self._gram
+        out = [[0.0] * self.replicas for _ in range(self.replicas)]
+        for n in sorted(self.pending[0][1]):  # one name at a time: R decoded tensors in memory
+            ts = [
+                decode_tensor(self.pending[r][1][n], self.limits).double().reshape(-1)
+                for r in range(self.replicas)
+            ]
+            for r in range(self.replicas):
+                for q in range(r, self.replicas):
+                    out[r][q] += float(ts[r] @ ts[q])
+        for r in range(self.replicas):
+            for q in range(r):
+                out[r][q] = out[q][r]
+        self._gram = out  # until the round's contributions change
+        return out
+
+    def norms(self) -> list[float]:
+        """Each replica's pseudo-gradient norm over the names held here (the open round, complete)."""
+        if self._gram is not None:
+            return [math.sqrt(max(self._gram[r][r], 0.0)) for r in range(self.replicas)]
+        out = []
+        for r in range(self.replicas):
+            encs = self.pending[r][1]
+            sq = sum(float(decode_tensor(encs[n], self.limits).double().pow(2).sum()) for n in sorted(encs))
+            out.append(math.sqrt(sq))
+        return out
+
+    def weights(self, verdict: list[float] | None = None) -> tuple[list[float], list[float]]:
+        """(each replica's weight in the outer step's mean, the floor's scale of it): the plan's
+        tokens x the floor's norm scale (`clip`) x the driver's verdict (1 kept, 0 dropped); a
+        verdict that drops every replica is ignored (the floor alone weighs the round)."""
+        tokens = [self.pending[r][0] for r in range(self.replicas)]
+        scales = clip_scales(self.norms(), self.clip) if self.clip is not None else [1.0] * self.replicas
+        floor = [w * s for w, s in zip(tokens, scales, strict=True)]
+        if verdict is not None:
+            if len(verdict) != self.replicas or any(not 0 <= v <= 1 for v in verdict):
+                raise RoundError(f"a verdict needs one weight in [0, 1] per replica, got {verdict}")
+            judged = [w * float(v) for w, v in zip(floor, verdict, strict=True)]
+            if sum(judged) > 0:
+                return judged, scales
+        if not sum(floor) > 0:
+            raise RoundError(f"round {self.round}: no contribution keeps a weight")
+        return floor, scales
+
+    def close(
+        self, masters: Mapping[str, Tensor] | None = None, verdict: list[float] | None = None
+    ) -> RoundUpdate:
+        """Close the open round: the update (also applied to `masters` when given); `verdict`: the
+        driver's weight of each replica (--contrib-policy score)."""
         if not self.complete():
             raise RoundError(f"round {self.round} is missing contributions")
-        contributions = [self.pending[r] for r in range(self.replicas)]  # replica order: same bits everywhere
+        if self.clip is not None or verdict is not None:
+            weights = self.weights(verdict)[0]
+        else:
+            weights = [self.pending[r][0] for r in range(self.replicas)]
+        # replica order: same bits everywhere; a replica of weight 0 is left out
+        contributions = [(w, self.pending[r][1]) for r, w in enumerate(weights) if w > 0]
         update = RoundUpdate(self.round, self.cfg.mode, self.cfg.outer_lr)
         if self.cfg.mode == "diloco":
-            weights = [w for w, _ in contributions]
+            kept = [w for w, _ in contributions]
             names = sorted(contributions[0][1])
             mean = {
-                n: weighted_mean([decode_tensor(encs[n], self.limits) for _, encs in contributions], weights)
+                n: weighted_mean([decode_tensor(encs[n], self.limits) for _, encs in contributions], kept)
                 for n in names
             }
             u = self.outer.update(mean)
@@ -221,7 +289,9 @@ class RoundCombiner:
         if masters is not None:
             apply_update(masters, update, self.limits)
         self.sent_bytes += update.nbytes() * self.replicas
+        self.last_weights = list(weights)
         self.pending = {}
+        self._gram = None
         self.applied.append(self.round)
         self.round += 1
         return update

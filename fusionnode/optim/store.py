@@ -125,8 +125,11 @@ class ApplyResult:
 class _Pending:
     """Contributions received for one step."""
 
-    def __init__(self, first_push: float, expected: ExpectedContributions) -> None:
+    def __init__(self, first_push: float, expected: ExpectedContributions, clip: float | None = None) -> None:
         self.first_push = first_push
+        self.clip = clip  # the norm floor (optim/robust.py): replicas held apart until the step applies
+        self.apart: dict[str, dict[str, tuple[Tensor, int]]] = {}
+        self.floored = True  # `mean` is up to date with `apart`
         self.seen: set[tuple[str, str]] = set()  # (contributor, name)
         self.remaining = {n: len(c) for n, c in expected.by_name.items()}
         self.names_left = len(self.remaining)
@@ -140,7 +143,13 @@ class _Pending:
         return self.names_left == 0
 
     def fold(self, name: str, replica: str, grad_sum: Tensor, n: int, *, owned: bool) -> None:
-        """Fold replica gradient `grad_sum` with weight n into the running weighted mean of `name`."""
+        """Fold replica gradient `grad_sum` with weight n into the running weighted mean of `name`
+        (with the floor: keep it apart, `grads` combines)."""
+        if self.clip is not None:
+            self.apart.setdefault(name, {})[replica] = (grad_sum if owned else grad_sum.clone(), n)
+            self.replicas.setdefault(name, {})[replica] = n
+            self.floored = False
+            return
         if name in self.mean:
             weight = self.weight[name] + n
             self.mean[name].lerp_(grad_sum, n / weight)  # mean += (g - mean) * n / (W + n)
@@ -149,6 +158,15 @@ class _Pending:
             self.mean[name] = grad_sum if owned else grad_sum.clone()
         self.weight[name] = weight
         self.replicas.setdefault(name, {})[replica] = n
+
+    def grads(self) -> dict[str, Tensor]:
+        """The step's gradient per name so far (complete replicas only)."""
+        if not self.floored:
+            from fusionnode.optim.robust import floor_mean
+
+            self.mean, self.weight, _scales = floor_mean(self.apart, float(self.clip or 0))
+            self.floored = True
+        return self.mean
 
 
 class ParameterStore:
@@ -166,6 +184,7 @@ class ParameterStore:
         max_pending_steps: int = DEFAULT_MAX_PENDING_STEPS,
         lr_for_step: Callable[[int], float] | None = None,
         grad_dtypes: frozenset[torch.dtype] = DEFAULT_GRAD_DTYPES,
+        clip: float | None = None,
     ) -> None:
         missing = set(params) - set(expected.by_name)
         extra = set(expected.by_name) - set(params)
@@ -183,6 +202,7 @@ class ParameterStore:
         self.max_pending_steps = max_pending_steps
         self._lr_for_step = lr_for_step or (lambda _step: opt.lr)
         self._grad_dtypes = frozenset(grad_dtypes)
+        self.clip = clip  # --contrib-policy: the replicas' norm floor (optim/robust.py), None: off
         self._replica_size: dict[tuple[str, str], int] = {}  # (name, replica) -> contributors
         for name, contribs in expected.by_name.items():
             for c in contribs.values():
@@ -269,7 +289,7 @@ class ParameterStore:
             if g.numel() and not _all_finite(g):
                 return self._reject("rejected_nonfinite")
             if pend is None:
-                pend = self._pending[step] = _Pending(self._clock(), self.expected)
+                pend = self._pending[step] = _Pending(self._clock(), self.expected, self.clip)
             owned = owned or g.data_ptr() != grad.data_ptr()  # .to() above made a private copy
             self._accumulate(pend, name, contributor, planned, g, samples, owned=owned)
             self._counters["pushes"] += 1
@@ -339,7 +359,7 @@ class ParameterStore:
             pend = self._pending.get(step)
             if pend is None:
                 return 0.0
-            return FlatOptimizer.grad_sq_norm(pend.mean)
+            return FlatOptimizer.grad_sq_norm(pend.grads())
 
     def apply(
         self,
@@ -419,7 +439,7 @@ class ParameterStore:
         if pend is None:
             logger.warning("step %d forced with no contribution at all: nothing updated", step)
             return ApplyResult(step=step, applied=True, forced=True, lr=lr, missing=self._missing_keys(None))
-        grads = pend.mean
+        grads = pend.grads()
         if pend.partial:
             logger.warning(
                 "step %d: dropped %d incomplete (name, replica) contributions", step, len(pend.partial)

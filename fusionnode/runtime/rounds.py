@@ -33,6 +33,15 @@ from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import pack_encoded
 
 
+def _lie(worker: Any, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The debug liar's random pseudo-gradient in place of the honest one (tests and `bench verify`
+    only: verify/liar.py; production has no hook, so no liar)."""
+    liar = getattr(getattr(worker, "hook", None), "liar", None)
+    if liar is None or liar.kind != "random_pseudo_gradient":
+        return delta
+    return {n: liar.pseudo_gradient(d) for n, d in delta.items()}
+
+
 class StageRounds:
     """θ_start of a stage's parameters and its replica's pseudo-gradient sender."""
 
@@ -120,7 +129,7 @@ class StageRounds:
 
         def encode() -> dict[str, Any]:
             delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
-            return self.sender.encode(delta)
+            return self.sender.encode(_lie(worker, delta))
 
         encs = await loop.run_in_executor(worker.executor, encode)
         counted = await self._exchange(worker, sj, info, round_id, encs, self.start)
@@ -151,7 +160,7 @@ class StageRounds:
         glob = self.glob
 
         async def exchange() -> dict[str, list[int]]:
-            encs = await loop.run_in_executor(self.side, self.sender.encode, delta)
+            encs = await loop.run_in_executor(self.side, self.sender.encode, _lie(worker, delta))
             return await self._exchange(worker, sj, info, round_id, encs, glob, self.side)  # θ_global
 
         self.closed = round_id

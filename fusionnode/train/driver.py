@@ -40,7 +40,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig, job_refusals
-from fusionnode.train import checks
+from fusionnode.train import checks, scoring
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
     job_secret,
@@ -149,6 +149,7 @@ class Driver:
         job = Job(spec, self.t.peer_id)
         job.sync = SyncConfig.from_dict(params.get("sync"))
         job_refusals(job.sync, params, bool(spec.save_dir and spec.save_every))
+        job.contrib = scoring.job_contrib(params, self.config, job.sync)  # the rounds' weighing (issue 20)
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
@@ -381,6 +382,7 @@ class Driver:
                 verifier = checks.start(self.t, spec.job_id, verify_policy, self.stepper.step_timeout_s)
                 run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
                 metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
+            run.scorer = scoring.scorer(self.t, self.hosts, job, model, source, self.stepper.step_timeout_s)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
             feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
@@ -395,6 +397,7 @@ class Driver:
                     "commitment": v.selector.commitment,
                     "secret": v.selector.reveal(),
                 }
+            result["contrib"] = run.scorer.totals() if run.scorer else job.contrib and job.contrib.to_dict()
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:

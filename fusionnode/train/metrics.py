@@ -37,6 +37,7 @@ EVENT_KINDS = frozenset(
         "caught",  # a worker failed a spot-check: banned from the job, its step replayed
         "dispute",  # two neighbours' commitments disagree and neither failed its check: step replayed
         "rollback",  # a spot-check run while the next step did found a lie: the hosts undid that step
+        "scored",  # a round's contributions judged on a held-out batch: scores, verdict, weights
         "notice",  # the driver did other than asked, and says what (fewer stages, no rebalancing)
         "rebalance_check",  # what a straggler check saw: predicted gain, measured noise, decision
     }

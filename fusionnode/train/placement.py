@@ -586,5 +586,6 @@ class Placement:
             start_step=start_step,
             sync=job.sync.to_dict(),
             replicas=len(job.pipelines),
+            contrib=job.contrib.host_config() if job.contrib is not None else None,
         )
         return applied

@@ -50,6 +50,7 @@ class Job:
         self.sync = SyncConfig()  # --sync (issue 19): diloco/sparseloco close rounds on the hosts
         self.round_bytes = 0  # bytes the stages sent at the last step's round end (issue 19)
         self.rounds_closed = 0
+        self.contrib: Any = None  # verify.contrib.ContribPolicy of the rounds (None: off)
         self.hosts_applied: list[int] = []  # the hosts' applied steps at the last re-plan (round ledger)
         self.round_host_bytes: dict[str, list[int]] = {}  # host -> cumulative [received, sent], rounds
         self.step = 0
@@ -167,6 +168,7 @@ class Run:
     recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
     trigger: Trigger = dataclasses.field(default_factory=Trigger)  # rebalancing's noise-aware trigger
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
+    scorer: Any = None  # train.scoring.RoundScorer when the rounds' contributions are scored
     # (step, plan version) whose starting state the optimizer hosts keep as the mark (checked jobs):
     # a liar caught later in the same plan has every step since undone (train/checks.py)
     mark: tuple[int, int] | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import time
 from typing import Any
 
@@ -246,6 +247,9 @@ class Stepper:
             for a in stage_args
         }
         late = None
+        scoring = None  # --contrib-policy score: the hosts hold the round until the driver's verdict
+        if run.scorer is not None and (rid := round_of(job.sync, step, spec.steps)) is not None:
+            scoring = run.scorer.launch(job, run, rid)
         try:
             committed = await self.gather_or_fail(
                 job, run, step, commits, {("commit", a.stage): a.peer for a in stage_args}
@@ -264,6 +268,11 @@ class Stepper:
                     raise
                 job.round_bytes = 0
             late = fail
+        finally:
+            if scoring is not None:
+                if not scoring.done() and (late is not None or sys.exc_info()[1] is not None):
+                    scoring.cancel()  # the round is redone on the new plan (its contributions dropped)
+                await asyncio.gather(scoring, return_exceptions=True)
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late

@@ -9,8 +9,9 @@ gradients of its inputs on the last one; ``on`` = "act" | "grad" | "both" choose
 - ``stale``: send what it sent for the same micro-batch one step earlier (fresh when it has none),
 - ``other``: send another micro-batch's tensors (the previous micro-batch of the step: someone
   else's plausible work, as a copy of another replica's tensors would be),
-- ``random_pseudo_gradient``: replace its parameter gradients by random ones of the same norm
-  (a data-parallel contribution; scored, not spot-checked).
+- ``random_pseudo_gradient``: replace its parameter gradients (``--sync step``), or its round's
+  pseudo-gradients (``--sync diloco|sparseloco``), by random ones of ``norm`` times the same norm
+  (a data-parallel contribution: spot-checked under step, scored under the rounds: verify/contrib.py).
 
 ``fraction`` (0..1] of the micro-batches are lied on, drawn with the liar's own ``seed``; the liar
 commits to what it actually sends (a smarter liar than one whose digests disagree with its
@@ -40,6 +41,7 @@ class Liar:
     on: str = "auto"
     seed: int = 0
     stage: int | None = None  # lie only as this (global) stage; None: as every stage held
+    norm: float = 1.0  # random_pseudo_gradient: its norm as a multiple of the honest one's
     lied: int = 0  # micro-batches lied on so far
     _rng: random.Random = field(default_factory=random.Random, repr=False)
     _history: dict[tuple[int, str, int], dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
@@ -55,7 +57,7 @@ class Liar:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Liar:
-        known = {"kind", "factor", "sigma", "fraction", "on", "seed", "stage"}
+        known = {"kind", "factor", "sigma", "fraction", "on", "seed", "stage", "norm"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"debug_lie: unknown field(s) {unknown}")
@@ -111,10 +113,10 @@ class Liar:
         return out
 
     def pseudo_gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        """For ``random_pseudo_gradient``: a random tensor of the same norm as `grad`."""
+        """For ``random_pseudo_gradient``: a random tensor of `norm` times the norm of `grad`."""
         gen = torch.Generator().manual_seed(self._rng.getrandbits(62))
         r = torch.randn(grad.shape, generator=gen).to(grad.device, grad.dtype)
-        return r * (grad.norm() / r.norm().clamp_min(1e-12))
+        return r * (self.norm * grad.norm() / r.norm().clamp_min(1e-12))
 
 
 __all__ = ["DEBUG_LIE_FILE", "KINDS", "Liar"]

@@ -63,6 +63,8 @@ class Rpc:
     OPT_REPLAN: Final = "opt.replan"
     OPT_RELEASE: Final = "opt.release"
     OPT_ROUND_PULL: Final = "opt.round_pull"  # --sync rounds: a closed round's update (ROUNDS.md)
+    OPT_ROUND_HELD: Final = "opt.round_held"  # --contrib-policy score: a held round's contributions
+    OPT_ROUND_VERDICT: Final = "opt.round_verdict"  # ... and the driver's weights, which close it
     OPT_ROLLBACK: Final = "opt.rollback"  # undo the last applied step (a spot-check caught a lie in it)
     DATA_OPEN: Final = "data.open"  # opens a data stream (transport level: SPEC section 8)
     ALL: ClassVar[frozenset[str]]
@@ -90,6 +92,7 @@ class TensorKind:
     AUDIT: Final = "audit"  # worker -> driver: a checked step's kept messages, mb = chunk index
     PSEUDOGRAD: Final = "pseudograd"  # worker -> optimizer host: a sync round's pseudo-gradients
     ROUND_UPDATE: Final = "round_update"  # optimizer host -> caller of `opt.round_pull`, mb = first + index
+    ROUND_CONTRIB: Final = "round_contrib"  # optimizer host -> driver: a held round's replica, mb = replica
     FEEDBACK: Final = "error_feedback"  # sparseloco accumulators: `job.fetch`, or before `job.start`
     ALLREDUCE: Final = "allreduce"  # stage -> next member of its ring: a chunk of gradients, mb = ring_mb()
     ALL: ClassVar[frozenset[str]]
@@ -278,6 +281,7 @@ class OptInit(JobMessage):
     save_every: int = 0
     sync: dict[str, Any] | None = None  # --sync: SyncConfig.to_dict(); a round mode keeps rounds here
     replicas: int = 1  # the job's data-parallel replicas (contributions per round; the host checks >= 1)
+    contrib: dict[str, Any] | None = None  # --contrib-policy: {clip, score} (verify/contrib.py)
 
     def __post_init__(self) -> None:
         if self.secret is not None and not 16 <= len(self.secret) <= 256:
@@ -285,6 +289,19 @@ class OptInit(JobMessage):
         if self.host_index < 0:
             raise _bad(f"host_index must be >= 0, got {self.host_index}")
         check_expected(self.expected)
+        c = self.contrib
+        if c is not None:
+            clip = c.get("clip") if isinstance(c, dict) else None
+            if (
+                not isinstance(c, dict)
+                or set(c) - {"clip", "score"}
+                or not isinstance(c.get("score", False), bool)
+                or not (
+                    clip is None
+                    or (isinstance(clip, int | float) and not isinstance(clip, bool) and clip >= 1)
+                )
+            ):
+                raise _bad("contrib must be {clip: a number >= 1 or null, score: a boolean}")
 
 
 def check_expected(expected: dict[str, dict[str, dict[str, Any]]]) -> None:
@@ -447,6 +464,47 @@ class OptRoundPull(
     first: int = 0  # the host checks it is in [0, 2^40)
 
 
+@message
+class OptRoundHeld(JobMessage):
+    """`opt.round_held` (--contrib-policy score): wait until `round` is complete (held for the
+    driver's verdict); with `replica` >= 0 send that replica's pseudo-gradients of the shard as one
+    `round_contrib` message keyed (job, round, replica, host index)."""
+
+    job: str
+    round: int
+    replica: int = -1
+
+
+@message
+class OptRoundHeldReply(JobMessage):
+    replicas: int
+    norms: list[float]  # each replica's pseudo-gradient norm over the shard
+    scales: list[float]  # the norm floor's scale of each replica's weight (1: within clip x median)
+    tokens: list[float]  # each replica's token weight (from the plan)
+    gram: list[list[float]]  # [r][q]: the dot product of replicas r's and q's pseudo-gradients over the shard
+
+
+@message
+class OptRoundVerdict(JobMessage):
+    """`opt.round_verdict`: each replica's weight (1 kept, 0 dropped) in the held round, which closes."""
+
+    job: str
+    round: int
+    weights: list[float]
+
+    def __post_init__(self) -> None:
+        if not all(
+            isinstance(w, int | float) and not isinstance(w, bool) and 0 <= w <= 1 for w in self.weights
+        ):
+            raise _bad("verdict weights must be numbers in [0, 1]")
+
+
+@message
+class OptRoundVerdictReply(JobMessage):
+    closed: bool  # False: the round was closed by an earlier verdict
+    weights: list[float]  # each replica's weight in the outer step's mean (tokens x floor x verdict)
+
+
 # ---------------------------------------------------------------- the RPC table
 
 
@@ -492,6 +550,10 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.OPT_REPLAN, OptReplan, OptReplanReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_RELEASE, OptRelease, ReleaseReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.OPT_ROUND_PULL, OptRoundPull, CountReply, "the plan's workers", (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
+        RpcSpec(Rpc.OPT_ROUND_HELD, OptRoundHeld, OptRoundHeldReply, "the shard's driver",
+                (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
+        RpcSpec(Rpc.OPT_ROUND_VERDICT, OptRoundVerdict, OptRoundVerdictReply, "the shard's driver",
+                (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
         RpcSpec(Rpc.OPT_ROLLBACK, OptRollback, OptRollbackReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
     )
 }  # fmt: skip
