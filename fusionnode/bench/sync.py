@@ -21,7 +21,11 @@ Method.
   (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
   picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
 
-Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--json]
+Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--shares 6,5,3,2] [--json]
+`--testbed-config fusionnode-dp` takes the testbed's configuration for slow links (bench/systems.py `DP_SYNC`,
+`DP_OPTIONS`: its H, SparseLoCo settings, one replica per device of `--cluster` with batch shares by
+device speed) and the testbed's job (seq 128), so the bytes and quality figures use the same H and
+options as the speed criterion; any option given explicitly still wins.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import DEFAULT_EF_DECAY, SyncConfig
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
 
@@ -46,6 +50,7 @@ DEFAULT_H = 10  # inner steps per round for diloco and sparseloco
 DEFAULT_SPARSE_DENSITY = 1 / 16  # sparseloco: share of each chunk sent
 DEFAULT_SPARSE_CHUNK = 256  # sparseloco: u8 indices
 DEFAULT_WARMUP = 20
+TESTBED_SEQ_LEN = 128  # `bench testbed`'s job (--testbed-config fusionnode-dp)
 
 
 def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
@@ -61,8 +66,59 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
             inner_steps=args.sparse_inner_steps or args.inner_steps,
             topk_density=args.topk_density,
             chunk=args.topk_chunk,
+            ef_decay=args.ef_decay,
         ),
     }
+
+
+def apply_config(args: argparse.Namespace, given: set[str]) -> None:
+    """`--testbed-config fusionnode-dp`: the testbed configuration's H, SparseLoCo settings, replicas and
+    speed shares (over `--cluster`'s devices), and the testbed's sequence length; options the user
+    gave (`given`) are kept."""
+    if not args.testbed_config:
+        return
+    from fusionnode.bench.systems import DP_NAME, DP_SYNC, speed_shares
+    from fusionnode.plan.cluster import load_cluster
+
+    if args.testbed_config != DP_NAME:
+        raise SystemExit(f"--testbed-config {args.testbed_config!r}: expected {DP_NAME}")
+    speeds = [d.tflops for d in load_cluster(args.cluster).devices]
+    preset = {
+        "inner_steps": DP_SYNC.inner_steps,
+        "topk_density": DP_SYNC.topk_density,
+        "topk_chunk": DP_SYNC.chunk,
+        "ef_decay": DP_SYNC.ef_decay,
+        "seq_len": TESTBED_SEQ_LEN,
+    }
+    for key, value in preset.items():
+        if key not in given:
+            setattr(args, key, value)
+    if "shares" not in given and "replicas" not in given:
+        args.shares = ",".join(str(n) for n in speed_shares(args.batch_size, speeds))
+
+
+def given_options(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The options the command line gives explicitly (their dests)."""
+    saved = {a.dest: a.default for a in p._actions}
+    try:
+        for a in p._actions:
+            a.default = argparse.SUPPRESS
+        return set(vars(p.parse_args(argv)))
+    finally:
+        for a in p._actions:
+            a.default = saved[a.dest]
+
+
+def parse_shares(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        shares = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shares {text!r}: expected integers separated by commas") from None
+    if any(n < 1 for n in shares):
+        raise SystemExit(f"--shares {text!r}: every share must be >= 1")
+    return shares
 
 
 def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
@@ -83,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=min(DEFAULT_WARMUP, args.steps),
         seed=args.seed,
     )
+    shares = parse_shares(args.shares)
     cfgs = configs(args)
     hs = [c.inner_steps for c in cfgs.values()]
     eval_every = args.eval_every or math.lcm(*hs)
@@ -91,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for name, cfg in cfgs.items():
         t0 = time.perf_counter()
-        res = train_local_replicas(spec, cfg, replicas=args.replicas, eval_every=eval_every)
+        res = train_local_replicas(spec, cfg, replicas=args.replicas, shares=shares, eval_every=eval_every)
         rows[name] = {
             "sync": cfg.to_dict(),
             "records": [r for r in res.records if "val_loss" in r],
@@ -128,7 +185,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets.append({"target": t, "modes": per})
     return {
         "targets": targets,
-        "replicas": args.replicas,
+        "replicas": len(shares) if shares else args.replicas,
+        "shares": shares,
         "steps": args.steps,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,
@@ -186,16 +244,42 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="target validation loss (default: the lowest every mode reaches)",
     )
+    p.add_argument(
+        "--ef-decay",
+        type=float,
+        default=DEFAULT_EF_DECAY,
+        help="sparseloco error-feedback decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--shares",
+        default=None,
+        help="samples per step of each replica, comma-separated (default: the batch split evenly)",
+    )
+    p.add_argument(
+        "--testbed-config",
+        default=None,
+        help="take H, the SparseLoCo settings, the replicas and shares from a testbed configuration: "
+        "fusionnode-dp (bench/systems.py)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="home-volunteers-4",
+        help="with --testbed-config: the cluster whose device speeds give the shares (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="job seed (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     args = p.parse_args(argv)
+    given = given_options(p, argv)
+    apply_config(args, given)
     out = run(args)
     if args.json:
         print(json.dumps(out))
         return 0
     print(
-        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas, {out['steps']} steps x {args.batch_size} x "
+        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas"
+        + (f" (shares {','.join(map(str, out['shares']))})" if out["shares"] else "")
+        + f", {out['steps']} steps x {args.batch_size} x "
         f"{args.seq_len} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
         f"target validation loss {out['target_val_loss']:.4f} (the lowest every mode reaches)"
     )
