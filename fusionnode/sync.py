@@ -223,7 +223,7 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="diloco/sparseloco without --inner-steps: the share of each step's wall-clock time a round's "
         "exchange, amortised over H, may take; the planner chooses the smallest H (1..500) within it "
-        f"(default {DEFAULT_SYNC_BUDGET:g} = {DEFAULT_SYNC_BUDGET:.0%})",
+        f"(default {DEFAULT_SYNC_BUDGET:g}, i.e. {DEFAULT_SYNC_BUDGET * 100:.0f}%%)",
     )
     g.add_argument(
         "--outer-lr",

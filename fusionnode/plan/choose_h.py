@@ -57,7 +57,7 @@ class SyncShare:
 
 def sync_share(sim: Any, inner_steps: int) -> SyncShare:
     """The amortised exchange of a simulated step (plan/simulator.SimResult) and its share of it."""
-    sync_s = max(0.0, max(sim.sync_finish_s) - max(sim.pipeline_finish_s))
+    sync_s = max(0.0, float(max(sim.sync_finish_s)) - float(max(sim.pipeline_finish_s)))
     step = float(sim.step_time_s)
     return SyncShare(inner_steps, step, sync_s, sync_s / step if step > 0 else 0.0)
 
