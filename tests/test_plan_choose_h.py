@@ -125,7 +125,7 @@ def test_plan_and_simulate_choose_h_without_inner_steps(capsys) -> None:
     assert cli.main(["simulate", *BASE, *sync, "--sync-budget", "0.05", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     chosen = doc["sync"]["chosen"]
-    assert chosen["budget"] == 0.15 and chosen["fits"] and chosen["share"] <= 0.15
+    assert chosen["budget"] == 0.05 and chosen["fits"] and chosen["share"] <= 0.05
     assert doc["sync"]["inner_steps"] == chosen["inner_steps"] > 1
     assert doc["sync"]["round_s"] == pytest.approx(chosen["inner_steps"] * doc["plan"]["sim_step_s"])
     assert cli.main(["plan", *BASE, *sync, "--sync-budget", "0.05"]) == 0
