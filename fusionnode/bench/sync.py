@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,18 +58,27 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
     """The contenders, fixed before the run: step; DiLoCo with the paper's outer step (Nesterov, lr
     0.7, momentum 0.9); DiLoCo with a plain averaged outer step (lr 1, momentum 0: local SGD); and
     SparseLoCo."""
-    return {
+    lap = {"overlap": bool(args.sync_overlap), "overlap_steps": args.overlap_steps}
+    every = {
         "step": SyncConfig(),
-        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps),
-        "diloco-avg": SyncConfig("diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0),
+        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
+        "diloco-avg": SyncConfig(
+            "diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0, **lap
+        ),
         "sparseloco": SyncConfig(
             "sparseloco",
             inner_steps=args.sparse_inner_steps or args.inner_steps,
             topk_density=args.topk_density,
             chunk=args.topk_chunk,
             ef_decay=args.ef_decay,
+            **lap,
         ),
     }
+    modes = args.modes.split(",") if args.modes else list(every)
+    unknown = [m for m in modes if m not in every]
+    if unknown:
+        raise SystemExit(f"--modes {args.modes!r}: unknown {unknown}; expected some of {', '.join(every)}")
+    return {m: every[m] for m in modes}
 
 
 def apply_config(args: argparse.Namespace, given: set[str]) -> None:
@@ -88,6 +98,8 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
         "topk_density": DP_SYNC.topk_density,
         "topk_chunk": DP_SYNC.chunk,
         "ef_decay": DP_SYNC.ef_decay,
+        "sync_overlap": DP_SYNC.overlap,
+        "overlap_steps": DP_SYNC.overlap_steps,
         "seq_len": TESTBED_SEQ_LEN,
     }
     for key, value in preset.items():
@@ -130,7 +142,9 @@ def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int |
     return None, None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def train_rows(args: argparse.Namespace) -> dict[str, Any]:
+    """Train every mode of `configs(args)`; its rows and the run's settings (`--rows-out` writes them,
+    `--combine` joins runs of different modes)."""
     torch.set_num_threads(args.threads)
     spec = JobSpec(
         steps=args.steps,
@@ -141,7 +155,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     shares = parse_shares(args.shares)
     cfgs = configs(args)
-    hs = [c.inner_steps for c in cfgs.values()]
+    # every mode's H, also those --modes leaves out: runs of one mode each evaluate alike
+    hs = [c.inner_steps for c in configs(argparse.Namespace(**{**vars(args), "modes": None})).values()]
     eval_every = args.eval_every or math.lcm(*hs)
     if any(eval_every % h for h in hs):
         raise SystemExit(f"--eval-every {eval_every} must be a multiple of every H ({hs})")
@@ -158,7 +173,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": res.rounds,
             "wall_s": time.perf_counter() - t0,
         }
-    target = args.target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
+    meta = {
+        "replicas": len(shares) if shares else args.replicas,
+        "shares": shares,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "tokens": args.steps * args.batch_size * args.seq_len,
+        "eval_every": eval_every,
+        "seed": args.seed,
+    }
+    return {"meta": meta, "modes": rows}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of different modes as one (`--combine`): the same job (settings) or an error."""
+    meta = runs[0]["meta"]
+    rows: dict[str, Any] = {}
+    for r in runs:
+        if r["meta"] != meta:
+            raise SystemExit(f"--combine: runs of different jobs: {r['meta']} vs {meta}")
+        rows.update(r["modes"])
+    return {"meta": meta, "modes": rows}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return summarise(train_rows(args), args.target)
+
+
+def summarise(trained: dict[str, Any], target: float | None) -> dict[str, Any]:
+    rows = trained["modes"]
+    if "step" not in rows:
+        raise SystemExit("the summary compares with --sync step: include the step mode")
+    target = target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
     step_final = rows["step"]["final_val_loss"]
     for row in rows.values():
         row["bytes_to_target"], row["step_at_target"] = bytes_to_target(row["records"], target)
@@ -183,18 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, (b, st) in got.items()
         }
         targets.append({"target": t, "modes": per})
-    return {
-        "targets": targets,
-        "replicas": len(shares) if shares else args.replicas,
-        "shares": shares,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "tokens": args.steps * args.batch_size * args.seq_len,
-        "eval_every": eval_every,
-        "target_val_loss": target,
-        "modes": rows,
-    }
+    return {**trained["meta"], "targets": targets, "target_val_loss": target, "modes": rows}
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -236,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-every",
         type=int,
         default=0,
-        help="steps between validations (default 0: the lcm of the H values)",
+        help="steps between validations (default 0: the lcm of every mode's H)",
     )
     p.add_argument(
         "--target",
@@ -266,21 +302,51 @@ def main(argv: list[str] | None = None) -> int:
         default="home-volunteers-4",
         help="with --testbed-config: the cluster whose device speeds give the shares (default %(default)s)",
     )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of step,diloco,diloco-avg,sparseloco (default: all)",
+    )
+    p.add_argument(
+        "--sync-overlap",
+        action="store_true",
+        help="round modes: overlap each round's exchange with the next round's inner steps",
+    )
+    p.add_argument("--overlap-steps", type=int, default=None, help="with --sync-overlap: D (default H)")
+    p.add_argument("--rows-out", default=None, help="also write the trained rows (JSON) here, for --combine")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="train nothing: summarise the --rows-out files of runs of different modes of one job",
+    )
     p.add_argument("--seed", type=int, default=0, help="job seed (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     args = p.parse_args(argv)
     given = given_options(p, argv)
     apply_config(args, given)
-    out = run(args)
+    if args.combine:
+        trained = combine([json.loads(Path(f).read_text()) for f in args.combine])
+    else:
+        trained = train_rows(args)
+        if args.rows_out:
+            Path(args.rows_out).write_text(json.dumps(trained))
+        if "step" not in trained["modes"]:
+            print(
+                f"trained {', '.join(trained['modes'])}; rows in {args.rows_out} (summarise with --combine)"
+            )
+            return 0
+    out = summarise(trained, args.target)
     if args.json:
         print(json.dumps(out))
         return 0
     print(
         f"sync benchmark: gpt2-tiny, {out['replicas']} replicas"
         + (f" (shares {','.join(map(str, out['shares']))})" if out["shares"] else "")
-        + f", {out['steps']} steps x {args.batch_size} x "
-        f"{args.seq_len} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
+        + f", {out['steps']} steps x {out['batch_size']} x "
+        f"{out['seq_len']} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
         f"target validation loss {out['target_val_loss']:.4f} (the lowest every mode reaches)"
     )
     print(
@@ -302,13 +368,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, v in entry["modes"].items()
         ]
         print(f"  {entry['target']:.4f}: " + "; ".join(cells))
-    s = out["modes"]["sparseloco"]["sync"]
-    d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
-    print(
-        f"sparseloco: density {s['topk_density']:.4f}, chunk {s['chunk']}, EF decay {s['ef_decay']}, outer lr "
-        f"{s['outer_lr']}; diloco: outer lr {d['outer_lr']}, momentum {d['outer_momentum']}; diloco-avg: "
-        f"outer lr {a['outer_lr']}, momentum {a['outer_momentum']}; codec raw"
-    )
+    for name, row in out["modes"].items():
+        c = row["sync"]
+        if c["mode"] == "step":
+            continue
+        extra = (
+            f"density {c['topk_density']:.4f}, chunk {c['chunk']}, EF decay {c['ef_decay']}"
+            if c["mode"] == "sparseloco"
+            else f"momentum {c['outer_momentum']}, codec {c['codec']}"
+        )
+        lap = f", overlap D = {c['overlap_steps'] or c['inner_steps']}" if c.get("overlap") else ""
+        print(f"  {name}: H {c['inner_steps']}, outer lr {c['outer_lr']}, {extra}{lap}")
     return 0
 
 
