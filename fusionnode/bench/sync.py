@@ -78,7 +78,8 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
     unknown = [m for m in modes if m not in every]
     if unknown:
         raise SystemExit(f"--modes {args.modes!r}: unknown {unknown}; expected some of {', '.join(every)}")
-    return {m: every[m] for m in modes}
+    tag = getattr(args, "tag", "") or ""
+    return {(m if m == "step" else f"{m}{tag}"): every[m] for m in modes}
 
 
 def apply_config(args: argparse.Namespace, given: set[str]) -> None:
@@ -188,12 +189,15 @@ def train_rows(args: argparse.Namespace) -> dict[str, Any]:
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Runs of different modes as one (`--combine`): the same job (settings) or an error."""
-    meta = runs[0]["meta"]
+    meta = dict(runs[0]["meta"])
     rows: dict[str, Any] = {}
-    for r in runs:
-        if r["meta"] != meta:
+    every = set()
+    for r in runs:  # validations may be spaced differently (each run's H); the job must be the same
+        if {**r["meta"], "eval_every": 0} != {**meta, "eval_every": 0}:
             raise SystemExit(f"--combine: runs of different jobs: {r['meta']} vs {meta}")
+        every.add(r["meta"]["eval_every"])
         rows.update(r["modes"])
+    meta["eval_every"] = min(every) if len(every) == 1 else sorted(every)
     return {"meta": meta, "modes": rows}
 
 
@@ -313,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         help="round modes: overlap each round's exchange with the next round's inner steps",
     )
     p.add_argument("--overlap-steps", type=int, default=None, help="with --sync-overlap: D (default H)")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the round modes' names (e.g. -h10), to combine runs of several H",
+    )
     p.add_argument("--rows-out", default=None, help="also write the trained rows (JSON) here, for --combine")
     p.add_argument(
         "--combine",
