@@ -33,6 +33,13 @@ def format_plan(ev: dict[str, Any]) -> list[str]:
         f"  {head} ({ev.get('planner', 'simple')} planner): {len(pipelines)} pipeline(s) over "
         f"{len(stages)} worker(s), {opt}"
     ]
+    chosen = ((ev.get("prediction") or {}).get("sync") or {}).get("chosen")
+    if chosen:
+        lines.append(
+            f"    rounds of H = {chosen['inner_steps']} steps, chosen for a sync budget of {chosen['budget']:.0%}: "
+            f"the exchange is {chosen['share']:.1%} of a {chosen['step_s']:.3f} s step (simulated), a round "
+            f"{chosen['round_s']:.3f} s" + ("" if chosen["fits"] else "; over budget at the longest round")
+        )
     for replica, rows in sorted(pipelines.items()):
         for s in sorted(rows, key=lambda s: s.get("pos", 0)):
             lines.append(

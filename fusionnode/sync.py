@@ -22,6 +22,7 @@ from fusionnode.errors import ConfigError
 SYNC_MODES = ("step", "diloco", "sparseloco")
 DEFAULT_SYNC = "step"
 DEFAULT_INNER_STEPS = 15  # H for the low-communication modes when the user gives none (SparseLoCo's range)
+DEFAULT_SYNC_BUDGET = 0.10  # --sync-budget: share of a step's wall-clock time a round's exchange may take
 DEFAULT_OUTER_LR = {"diloco": 0.7, "sparseloco": 1.0}  # DiLoCo paper; SparseLoCo's plain averaged step
 DEFAULT_OUTER_MOMENTUM = 0.9  # DiLoCo paper
 DEFAULT_TOPK_DENSITY = 1 / 64  # SparseLoCo keeps 1-3% per chunk
@@ -33,6 +34,18 @@ SYNC_CODECS: dict[str, tuple[str, ...]] = {
     "diloco": ("raw", "fp16", "q8"),
     "sparseloco": ("ctopk2",),
 }
+
+
+def check_budget(budget: Any, option: str = "--sync-budget") -> float:
+    """A sync budget as a float in (0, 1]; ConfigError naming `option` otherwise."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
+        raise ConfigError(f"{option} {budget!r}: must be a number in (0, 1], a share of the step time")
+    if not 0 < budget <= 1:
+        raise ConfigError(
+            f"{option} {budget}: must lie in (0, 1], the share of each step's wall-clock time the "
+            "replicas' sync may take (0.1 = 10%)"
+        )
+    return float(budget)
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,10 @@ class SyncConfig:
     # the round's end). None = H: one round late
     overlap: bool = False
     overlap_steps: int | None = None
+    # diloco/sparseloco without --inner-steps: the planner chooses H so that a round's exchange,
+    # amortised over H, takes at most this share of a step (plan/choose_h.py); until then
+    # inner_steps holds DEFAULT_INNER_STEPS. None: H is the user's (or chosen already)
+    budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -102,6 +119,13 @@ class SyncConfig:
             raise ConfigError(f"--overlap-steps {d!r}: an integer, with --sync-overlap only")
         if d is not None and not 1 <= d <= self.inner_steps:
             raise ConfigError(f"--overlap-steps {d}: must lie in [1, H = {self.inner_steps}]")
+
+        if self.budget is not None:
+            if not self.rounds:
+                raise ConfigError(
+                    "--sync-budget: --sync step synchronises every step; use diloco or sparseloco"
+                )
+            object.__setattr__(self, "budget", check_budget(self.budget))
 
     @property
     def delay(self) -> int:
@@ -189,7 +213,17 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="H",
-        help=f"inner steps per round with diloco/sparseloco (default {DEFAULT_INNER_STEPS}; 1 with step)",
+        help="inner steps per round with diloco/sparseloco (default: the planner's choice for --sync-budget "
+        f"where it plans the job (plan, simulate, train --planner fusion), else {DEFAULT_INNER_STEPS}; 1 with step)",
+    )
+    g.add_argument(
+        "--sync-budget",
+        type=float,
+        default=None,
+        metavar="F",
+        help="diloco/sparseloco without --inner-steps: the share of each step's wall-clock time a round's "
+        "exchange, amortised over H, may take; the planner chooses the smallest H (1..500) within it "
+        f"(default {DEFAULT_SYNC_BUDGET:g}, i.e. {DEFAULT_SYNC_BUDGET * 100:.0f}%%)",
     )
     g.add_argument(
         "--outer-lr",
@@ -246,14 +280,36 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def sync_from_args(args: argparse.Namespace) -> SyncConfig:
-    """The SyncConfig of `train`'s options, checked against the rest of the command.
+def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncConfig:
+    """The SyncConfig of `train`'s (or `plan`'s, `simulate`'s) options, checked against the rest of
+    the command. `plans`: whether the command's planner prices the sync and so can choose H for
+    --sync-budget (default: `train --planner fusion` on the swarm).
 
     Raises ConfigError naming the option: H < 1, an unknown codec, a --sync the chosen planner or
-    the run cannot honour (a share of zero is refused by `train`'s --shares parser).
+    the run cannot honour, a budget outside (0, 1] or one nobody can honour (a share of zero is
+    refused by `train`'s --shares parser).
     """
     mode = args.sync
     inner = args.inner_steps
+    budget = getattr(args, "sync_budget", None)
+    if plans is None:
+        plans = getattr(args, "planner", "simple") == "fusion" and not getattr(args, "local", False)
+    if budget is not None:
+        check_budget(budget)
+        if mode == "step":
+            raise ConfigError("--sync-budget: --sync step synchronises every step; use diloco or sparseloco")
+        if inner is not None:
+            raise ConfigError(
+                f"--sync-budget {budget:g} with --inner-steps {inner}: give one (the budget lets the "
+                "planner choose H)"
+            )
+        if not plans:
+            raise ConfigError(
+                f"--sync-budget: only the planner prices the sync to choose H (use --planner fusion on the "
+                f"swarm), or give --inner-steps (default {DEFAULT_INNER_STEPS})"
+            )
+    if mode != "step" and inner is None and plans:
+        budget = DEFAULT_SYNC_BUDGET if budget is None else budget
     if inner is None:
         inner = 1 if mode == "step" else DEFAULT_INNER_STEPS
     cfg = SyncConfig(
@@ -267,6 +323,7 @@ def sync_from_args(args: argparse.Namespace) -> SyncConfig:
         ef_decay=args.ef_decay,
         overlap=bool(getattr(args, "sync_overlap", False)),
         overlap_steps=getattr(args, "overlap_steps", None),
+        budget=budget,
     )
     saving = getattr(args, "save_dir", None) and getattr(args, "save_every", 0)
     if cfg.overlap and (saving or getattr(args, "resume", False)):

@@ -33,4 +33,31 @@ def test_bench_sync_prints_its_table(capsys) -> None:
     assert out.startswith("sync benchmark: gpt2-tiny, 2 replicas, 4 steps")
     for name in ("step", "diloco", "diloco-avg", "sparseloco"):
         assert f"\n{name} " in out
-    assert "bytes to other targets" in out and "sparseloco: density 0.0625, chunk 256" in out
+    assert "bytes to other targets" in out
+    assert "  sparseloco: H 2, outer lr 1.0, density 0.0625, chunk 256, EF decay 0.95\n" in out
+
+
+def test_the_testbed_configuration_in_runs_of_one_mode_each_combined(tmp_path, capsys) -> None:
+    """`--testbed-config fusionnode-dp` takes the testbed's H, SparseLoCo settings and speed shares
+    (home-volunteers-4: 6/5/3/2 of 16); runs of one mode each (`--rows-out`) combine into one table."""
+    from fusionnode.bench.systems import DP_SYNC
+
+    common = ["--testbed-config", "fusionnode-dp", "--steps", "5", "--seq-len", "16"]
+    files = [tmp_path / "step.json", tmp_path / "sparse.json"]
+    assert bench.main([*common, "--modes", "step", "--rows-out", str(files[0])]) == 0
+    lap = ["--sync-overlap", "--overlap-steps", "1"]
+    assert bench.main([*common, *lap, "--modes", "sparseloco", "--rows-out", str(files[1])]) == 0
+    assert "summarise with --combine" in capsys.readouterr().out
+    sparse = json.loads(files[1].read_text())
+    assert sparse["meta"]["shares"] == [6, 5, 3, 2] and sparse["meta"]["seq_len"] == 16
+    c = sparse["modes"]["sparseloco"]["sync"]
+    assert (c["inner_steps"], c["topk_density"], c["chunk"]) == (
+        DP_SYNC.inner_steps,
+        DP_SYNC.topk_density,
+        DP_SYNC.chunk,
+    )
+    assert c["overlap"] and c["overlap_steps"] == 1
+    assert bench.main(["--combine", *map(str, files), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"step", "sparseloco"} and out["replicas"] == 4
+    assert out["modes"]["step"]["rounds"] == 5 and out["modes"]["sparseloco"]["rounds"] == 1

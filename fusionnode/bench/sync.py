@@ -21,7 +21,11 @@ Method.
   (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
   picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
 
-Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--json]
+Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--shares 6,5,3,2] [--json]
+`--testbed-config fusionnode-dp` takes the testbed's configuration for slow links (bench/systems.py `DP_SYNC`,
+`DP_OPTIONS`: its H, SparseLoCo settings, one replica per device of `--cluster` with batch shares by
+device speed) and the testbed's job (seq 128), so the bytes and quality figures use the same H and
+options as the speed criterion; any option given explicitly still wins.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import DEFAULT_EF_DECAY, SyncConfig
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
 
@@ -46,23 +51,87 @@ DEFAULT_H = 10  # inner steps per round for diloco and sparseloco
 DEFAULT_SPARSE_DENSITY = 1 / 16  # sparseloco: share of each chunk sent
 DEFAULT_SPARSE_CHUNK = 256  # sparseloco: u8 indices
 DEFAULT_WARMUP = 20
+TESTBED_SEQ_LEN = 128  # `bench testbed`'s job (--testbed-config fusionnode-dp)
 
 
 def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
     """The contenders, fixed before the run: step; DiLoCo with the paper's outer step (Nesterov, lr
     0.7, momentum 0.9); DiLoCo with a plain averaged outer step (lr 1, momentum 0: local SGD); and
     SparseLoCo."""
-    return {
+    lap = {"overlap": bool(args.sync_overlap), "overlap_steps": args.overlap_steps}
+    every = {
         "step": SyncConfig(),
-        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps),
-        "diloco-avg": SyncConfig("diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0),
+        "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
+        "diloco-avg": SyncConfig(
+            "diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0, **lap
+        ),
         "sparseloco": SyncConfig(
             "sparseloco",
             inner_steps=args.sparse_inner_steps or args.inner_steps,
             topk_density=args.topk_density,
             chunk=args.topk_chunk,
+            ef_decay=args.ef_decay,
+            **lap,
         ),
     }
+    modes = args.modes.split(",") if args.modes else list(every)
+    unknown = [m for m in modes if m not in every]
+    if unknown:
+        raise SystemExit(f"--modes {args.modes!r}: unknown {unknown}; expected some of {', '.join(every)}")
+    tag = getattr(args, "tag", "") or ""
+    return {(m if m == "step" else f"{m}{tag}"): every[m] for m in modes}
+
+
+def apply_config(args: argparse.Namespace, given: set[str]) -> None:
+    """`--testbed-config fusionnode-dp`: the testbed configuration's H, SparseLoCo settings, replicas and
+    speed shares (over `--cluster`'s devices), and the testbed's sequence length; options the user
+    gave (`given`) are kept."""
+    if not args.testbed_config:
+        return
+    from fusionnode.bench.systems import DP_NAME, DP_SYNC, speed_shares
+    from fusionnode.plan.cluster import load_cluster
+
+    if args.testbed_config != DP_NAME:
+        raise SystemExit(f"--testbed-config {args.testbed_config!r}: expected {DP_NAME}")
+    speeds = [d.tflops for d in load_cluster(args.cluster).devices]
+    preset = {
+        "inner_steps": DP_SYNC.inner_steps,
+        "topk_density": DP_SYNC.topk_density,
+        "topk_chunk": DP_SYNC.chunk,
+        "ef_decay": DP_SYNC.ef_decay,
+        "sync_overlap": DP_SYNC.overlap,
+        "overlap_steps": DP_SYNC.overlap_steps,
+        "seq_len": TESTBED_SEQ_LEN,
+    }
+    for key, value in preset.items():
+        if key not in given:
+            setattr(args, key, value)
+    if "shares" not in given and "replicas" not in given:
+        args.shares = ",".join(str(n) for n in speed_shares(args.batch_size, speeds))
+
+
+def given_options(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The options the command line gives explicitly (their dests)."""
+    saved = {a.dest: a.default for a in p._actions}
+    try:
+        for a in p._actions:
+            a.default = argparse.SUPPRESS
+        return set(vars(p.parse_args(argv)))
+    finally:
+        for a in p._actions:
+            a.default = saved[a.dest]
+
+
+def parse_shares(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        shares = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shares {text!r}: expected integers separated by commas") from None
+    if any(n < 1 for n in shares):
+        raise SystemExit(f"--shares {text!r}: every share must be >= 1")
+    return shares
 
 
 def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int | None, int | None]:
@@ -74,7 +143,9 @@ def bytes_to_target(records: list[dict[str, Any]], target: float) -> tuple[int |
     return None, None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def train_rows(args: argparse.Namespace) -> dict[str, Any]:
+    """Train every mode of `configs(args)`; its rows and the run's settings (`--rows-out` writes them,
+    `--combine` joins runs of different modes)."""
     torch.set_num_threads(args.threads)
     spec = JobSpec(
         steps=args.steps,
@@ -83,15 +154,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warmup_steps=min(DEFAULT_WARMUP, args.steps),
         seed=args.seed,
     )
+    shares = parse_shares(args.shares)
     cfgs = configs(args)
-    hs = [c.inner_steps for c in cfgs.values()]
+    # every mode's H, also those --modes leaves out: runs of one mode each evaluate alike
+    hs = [c.inner_steps for c in configs(argparse.Namespace(**{**vars(args), "modes": None})).values()]
     eval_every = args.eval_every or math.lcm(*hs)
     if any(eval_every % h for h in hs):
         raise SystemExit(f"--eval-every {eval_every} must be a multiple of every H ({hs})")
     rows: dict[str, dict[str, Any]] = {}
     for name, cfg in cfgs.items():
         t0 = time.perf_counter()
-        res = train_local_replicas(spec, cfg, replicas=args.replicas, eval_every=eval_every)
+        res = train_local_replicas(spec, cfg, replicas=args.replicas, shares=shares, eval_every=eval_every)
         rows[name] = {
             "sync": cfg.to_dict(),
             "records": [r for r in res.records if "val_loss" in r],
@@ -101,7 +174,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rounds": res.rounds,
             "wall_s": time.perf_counter() - t0,
         }
-    target = args.target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
+    meta = {
+        "replicas": len(shares) if shares else args.replicas,
+        "shares": shares,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "tokens": args.steps * args.batch_size * args.seq_len,
+        "eval_every": eval_every,
+        "seed": args.seed,
+    }
+    return {"meta": meta, "modes": rows}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of different modes as one (`--combine`): the same job (settings) or an error."""
+    meta = dict(runs[0]["meta"])
+    rows: dict[str, Any] = {}
+    every = set()
+    for r in runs:  # validations may be spaced differently (each run's H); the job must be the same
+        if {**r["meta"], "eval_every": 0} != {**meta, "eval_every": 0}:
+            raise SystemExit(f"--combine: runs of different jobs: {r['meta']} vs {meta}")
+        every.add(r["meta"]["eval_every"])
+        rows.update(r["modes"])
+    meta["eval_every"] = min(every) if len(every) == 1 else sorted(every)
+    return {"meta": meta, "modes": rows}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return summarise(train_rows(args), args.target)
+
+
+def summarise(trained: dict[str, Any], target: float | None) -> dict[str, Any]:
+    rows = trained["modes"]
+    if "step" not in rows:
+        raise SystemExit("the summary compares with --sync step: include the step mode")
+    target = target or max(min(r["val_loss"] for r in row["records"]) for row in rows.values())
     step_final = rows["step"]["final_val_loss"]
     for row in rows.values():
         row["bytes_to_target"], row["step_at_target"] = bytes_to_target(row["records"], target)
@@ -126,17 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for name, (b, st) in got.items()
         }
         targets.append({"target": t, "modes": per})
-    return {
-        "targets": targets,
-        "replicas": args.replicas,
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "seq_len": args.seq_len,
-        "tokens": args.steps * args.batch_size * args.seq_len,
-        "eval_every": eval_every,
-        "target_val_loss": target,
-        "modes": rows,
-    }
+    return {**trained["meta"], "targets": targets, "target_val_loss": target, "modes": rows}
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -178,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "--eval-every",
         type=int,
         default=0,
-        help="steps between validations (default 0: the lcm of the H values)",
+        help="steps between validations (default 0: the lcm of every mode's H)",
     )
     p.add_argument(
         "--target",
@@ -186,17 +284,78 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="target validation loss (default: the lowest every mode reaches)",
     )
+    p.add_argument(
+        "--ef-decay",
+        type=float,
+        default=DEFAULT_EF_DECAY,
+        help="sparseloco error-feedback decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--shares",
+        default=None,
+        help="samples per step of each replica, comma-separated (default: the batch split evenly)",
+    )
+    p.add_argument(
+        "--testbed-config",
+        default=None,
+        help="take H, the SparseLoCo settings, the replicas and shares from a testbed configuration: "
+        "fusionnode-dp (bench/systems.py)",
+    )
+    p.add_argument(
+        "--cluster",
+        default="home-volunteers-4",
+        help="with --testbed-config: the cluster whose device speeds give the shares (default %(default)s)",
+    )
+    p.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of step,diloco,diloco-avg,sparseloco (default: all)",
+    )
+    p.add_argument(
+        "--sync-overlap",
+        action="store_true",
+        help="round modes: overlap each round's exchange with the next round's inner steps",
+    )
+    p.add_argument("--overlap-steps", type=int, default=None, help="with --sync-overlap: D (default H)")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="appended to the round modes' names (--tag=-h10), to combine runs of several H in one table",
+    )
+    p.add_argument("--rows-out", default=None, help="also write the trained rows (JSON) here, for --combine")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="train nothing: summarise the --rows-out files of runs of different modes of one job",
+    )
     p.add_argument("--seed", type=int, default=0, help="job seed (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     args = p.parse_args(argv)
-    out = run(args)
+    given = given_options(p, argv)
+    apply_config(args, given)
+    if args.combine:
+        trained = combine([json.loads(Path(f).read_text()) for f in args.combine])
+    else:
+        trained = train_rows(args)
+        if args.rows_out:
+            Path(args.rows_out).write_text(json.dumps(trained))
+        if "step" not in trained["modes"]:
+            print(
+                f"trained {', '.join(trained['modes'])}; rows in {args.rows_out} (summarise with --combine)"
+            )
+            return 0
+    out = summarise(trained, args.target)
     if args.json:
         print(json.dumps(out))
         return 0
     print(
-        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas, {out['steps']} steps x {args.batch_size} x "
-        f"{args.seq_len} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
+        f"sync benchmark: gpt2-tiny, {out['replicas']} replicas"
+        + (f" (shares {','.join(map(str, out['shares']))})" if out["shares"] else "")
+        + f", {out['steps']} steps x {out['batch_size']} x "
+        f"{out['seq_len']} tokens ({out['tokens']:,} tokens), validation every {out['eval_every']} steps; "
         f"target validation loss {out['target_val_loss']:.4f} (the lowest every mode reaches)"
     )
     print(
@@ -218,13 +377,17 @@ def main(argv: list[str] | None = None) -> int:
             for name, v in entry["modes"].items()
         ]
         print(f"  {entry['target']:.4f}: " + "; ".join(cells))
-    s = out["modes"]["sparseloco"]["sync"]
-    d, a = out["modes"]["diloco"]["sync"], out["modes"]["diloco-avg"]["sync"]
-    print(
-        f"sparseloco: density {s['topk_density']:.4f}, chunk {s['chunk']}, EF decay {s['ef_decay']}, outer lr "
-        f"{s['outer_lr']}; diloco: outer lr {d['outer_lr']}, momentum {d['outer_momentum']}; diloco-avg: "
-        f"outer lr {a['outer_lr']}, momentum {a['outer_momentum']}; codec raw"
-    )
+    for name, row in out["modes"].items():
+        c = row["sync"]
+        if c["mode"] == "step":
+            continue
+        extra = (
+            f"density {c['topk_density']:.4f}, chunk {c['chunk']}, EF decay {c['ef_decay']}"
+            if c["mode"] == "sparseloco"
+            else f"momentum {c['outer_momentum']}, codec {c['codec']}"
+        )
+        lap = f", overlap D = {c['overlap_steps'] or c['inner_steps']}" if c.get("overlap") else ""
+        print(f"  {name}: H {c['inner_steps']}, outer lr {c['outer_lr']}, {extra}{lap}")
     return 0
 
 

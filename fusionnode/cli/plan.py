@@ -105,12 +105,37 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_sync_args(parser)  # the replicas' sync, priced per round of H steps by the planner
 
 
-def _sync_price(args: argparse.Namespace) -> Any:
-    """The planner's price of `--sync` (plan/syncprice.py); ConfigError naming a bad option."""
-    from fusionnode.plan.syncprice import SyncPrice
+def _sync(args: argparse.Namespace) -> Any:
+    """`--sync`'s settings (fusionnode.sync.SyncConfig; a round mode without --inner-steps carries the
+    budget the planner chooses H for); ConfigError naming a bad option."""
     from fusionnode.sync import sync_from_args
 
-    return SyncPrice.from_dict(sync_from_args(args).price())
+    return sync_from_args(args, plans=True)
+
+
+def planned(graph: OpGraph, cluster: Cluster, args: argparse.Namespace, sync: Any) -> tuple[Plan, Any, Any]:
+    """The plan under `sync` and its SyncPrice, with H chosen for --sync-budget when the user gave no
+    --inner-steps (plan/choose_h.py): (plan, price, choice or None)."""
+    from fusionnode.plan.choose_h import plan_for_sync
+
+    def plan_with(price: Any) -> Plan:
+        return make_plan(
+            graph,
+            cluster,
+            args.batch_size,
+            micro_batches=args.micro_batches,
+            seq_len=args.seq_len,
+            offload=args.offload != "off",
+            compress=args.compress == "adatopk",
+            keep_floor=PLAN_KEEP_FLOOR,
+            sync=price,
+            dp_sync="auto" if args.offload == "auto" else None,
+        )
+
+    p, price, _fixed, choice = plan_for_sync(
+        sync, plan_with, lambda pl, pr: simulate(graph, cluster, pl, sync=pr)
+    )
+    return p, price, choice
 
 
 def sync_line(price: Any, sim: Any) -> str:
@@ -227,20 +252,9 @@ def format_plan(p: Plan) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
-        price = _sync_price(args)
+        sync = _sync(args)
         graph, cluster = _inputs(args)
-        p = make_plan(
-            graph,
-            cluster,
-            args.batch_size,
-            micro_batches=args.micro_batches,
-            seq_len=args.seq_len,
-            offload=args.offload != "off",
-            compress=args.compress == "adatopk",
-            keep_floor=PLAN_KEEP_FLOOR,
-            sync=price,
-            dp_sync="auto" if args.offload == "auto" else None,
-        )
+        p, price, choice = planned(graph, cluster, args, sync)
         result = simulate(graph, cluster, p, sync=price)
         sim = result.step_time_s
     except (ConfigError, PlanError) as exc:
@@ -258,6 +272,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print_plan(p)
         if price.rounds:
             print(sync_line(price, result))
+        if choice is not None:
+            print(choice.line())
     return 0
 
 
@@ -303,8 +319,13 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
 
     compress = args.compress == "adatopk"
     kw = {"micro_batches": args.micro_batches, "seq_len": args.seq_len, "offload": args.offload != "off"}
-    dp_sync = "auto" if args.offload == "auto" else None
-    price = _sync_price(args)  # every layout is priced under the same sync
+    sync = _sync(args)
+    try:  # the plan first: with --sync-budget it fixes H, and every layout is priced under that sync
+        chosen, price, choice = planned(graph, cluster, args, sync)
+    except PlanError as exc:
+        from fusionnode.plan.syncprice import SyncPrice
+
+        chosen, price, choice = exc, SyncPrice.from_dict(sync.price()), None
     out: dict = {
         "model": graph.model_name,
         "cluster": cluster.name,
@@ -343,13 +364,13 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
     def make_given(*_a, **_k) -> Plan:
         return args.given_plan
 
+    def make_chosen(*_a, **_k) -> Plan:
+        if isinstance(chosen, PlanError):
+            raise chosen
+        return chosen
+
     makers = [
-        (
-            "plan",
-            lambda *a, **k: make_plan(
-                *a, **k, compress=compress, keep_floor=PLAN_KEEP_FLOOR, sync=price, dp_sync=dp_sync
-            ),
-        ),
+        ("plan", make_chosen),
         ("grid", make_grid),
         ("dtfm", make_dtfm),
         ("even", lambda *a, **k: even_plan(*a, **k, compress=compress)),
@@ -376,6 +397,9 @@ def compare_plans(graph: OpGraph, cluster: Cluster, args: argparse.Namespace) ->
                 "round_s": price.inner_steps * sim,
                 "line": sync_line(price, result),
             }
+            if choice is not None:
+                out["sync"]["chosen"] = choice.to_dict()
+                out["sync"]["line"] += "\n" + choice.line()
         out[label] = {
             "fits": True,
             "closed_step_s": closed,

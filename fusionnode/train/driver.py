@@ -257,6 +257,7 @@ class Driver:
                         dp_sync="auto" if auto else None,
                     )
                     job.offload = prediction.get("dp_sync", "hosts" if job.offload else "ring") == "hosts"
+                    job.sync = SyncConfig.from_dict(params.get("sync"))  # H chosen for a --sync-budget
                     if len(job.pipelines) > 1 and not job.offload and job.sync.rounds:
                         raise ConfigError(
                             f"the plan has several pipelines: under --sync {job.sync.mode} they need "

@@ -278,13 +278,25 @@ class Placement:
         }
         # the planner prices a round mode's sync once per H steps (sync_from_args lets only it and
         # simple run one); the baselines price it every step
-        price = SyncPrice.from_dict(SyncConfig.from_dict(params.get("sync")).price())
-        if strategy == "fusion":
-            kwargs["sync"] = price
+        sync = SyncConfig.from_dict(params.get("sync"))
+        price, chosen = SyncPrice.from_dict(sync.price()), None
         if strategy == "fusion" and dp_sync is not None:
             kwargs["dp_sync"] = dp_sync
         fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
-        p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
+        if strategy == "fusion":  # with a --sync-budget, H is chosen here, once (plan/choose_h.py)
+            from fusionnode.plan.choose_h import plan_for_sync
+            from fusionnode.plan.simulator import simulate
+
+            p, price, fixed, choice = await asyncio.to_thread(
+                plan_for_sync,
+                sync,
+                lambda pr: make_plan(graph, cluster, spec.batch_size, **kwargs, sync=pr),
+                lambda pl, pr: simulate(graph, cluster, pl, None, pr),
+            )
+            params["sync"] = fixed.to_dict()  # the job's H from now on (re-plans keep it)
+            chosen = choice.to_dict() if choice is not None else None
+        else:
+            p = await asyncio.to_thread(fn, graph, cluster, spec.batch_size, **kwargs)
         offload = p.dp_sync == "hosts"
         pipelines, first = [], 0
         for r, pp in enumerate(p.pipelines):
@@ -310,7 +322,7 @@ class Placement:
             "step_time_s": pred.step_time_s if pred else None,
             "tokens_per_s": pred.tokens_per_s if pred else None,
             "simulated_step_time_s": simulated,
-            "sync": price.to_dict(),
+            "sync": {**price.to_dict(), **({"chosen": chosen} if chosen else {})},
             "dp_sync": p.dp_sync,
         }
         return pipelines, plan_hosts, prediction
