@@ -275,7 +275,7 @@ def _round_modes(
             theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
             host.close(theta)  # the outer step, applied to theta (what every replica applies)
             wire = host.received_bytes + host.sent_bytes - before
-            settles = sync.settles_at_close(step, spec.steps, spec.save_every)
+            settles = sync.settles_at_close(step, spec.steps, spec.save_every if spec.save_dir else 0)
             pending = sync.overlap and not settles
             if not sync.overlap or settles:
                 with torch.no_grad():
