@@ -178,6 +178,13 @@ class SyncConfig:
             return False
         return steps_done // save_every > (steps_done - h) // save_every
 
+    def settles_at_close(self, step: int, total_steps: int, save_every: int) -> bool:
+        """--sync-overlap: whether the commit closing the round at `step` also awaits its exchange and
+        installs θ_global (no exchange left under way): at the job's last step, and at a boundary where
+        the job is checkpointed (a checkpoint, and a resume or a redone round from it, then hold what
+        they hold without overlap)."""
+        return self.overlap and (step + 1 == total_steps or self.checkpoint_due(step + 1, save_every))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -325,12 +332,6 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
         overlap_steps=getattr(args, "overlap_steps", None),
         budget=budget,
     )
-    saving = getattr(args, "save_dir", None) and getattr(args, "save_every", 0)
-    if cfg.overlap and (saving or getattr(args, "resume", False)):
-        raise ConfigError(
-            "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
-            "round installed at its boundary; run without --sync-overlap"
-        )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")
         if planner not in ROUND_PLANNERS:
@@ -355,16 +356,11 @@ def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
     return 6 if mode == "sparseloco" else 5
 
 
-def job_refusals(sync: SyncConfig, params: Mapping[str, Any], periodic_saves: bool) -> None:
+def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
     """The driver's checks of a job's --sync against the rest of its request (a client that is not
     the CLI skips `sync_from_args`): ConfigError naming the option."""
     if sync.rounds and int(params.get("rebalance_every") or 0) > 0:
         raise ConfigError(f"--rebalance-every: --sync {sync.mode} does not rebalance yet")
-    if sync.overlap and (periodic_saves or params.get("resume")):
-        raise ConfigError(
-            "--sync-overlap: checkpoints during the job (--save with --save-every, --resume) need every "
-            "round installed at its boundary; run without --sync-overlap"
-        )
     if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
         raise ConfigError(
             f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "

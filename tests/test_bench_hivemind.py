@@ -244,10 +244,17 @@ def test_data_parallel_configuration_shares_the_batch_by_speed():
         1 / 16,
         256,
     )
+    assert sync.overlap and sync.overlap_steps == 1  # the exchange overlaps the next round's first step
     assert sync_from_args(_train_args(sync, options)) == sync
     line = systems.settings_of(got)
     assert line["shares"] == [7, 4, 3, 2] and line["H"] == 5 and line["density"] == "1/16"
-    assert "one replica per device" in line["why"]
+    assert "one replica per device" in line["why"] and line["overlap"] == "the update 1 inner step(s) late"
+    # the blocking variant runs only when named
+    (blocking,) = [c for c in systems.OPTIONAL_CONFIGS if c[0] == f"{systems.DP_NAME}-blocking"]
+    assert SyncConfig.from_dict(blocking[1]["sync"]) == SyncConfig(
+        **{**sync.to_dict(), "overlap": False, "overlap_steps": None}
+    )
+    assert blocking[0] not in systems.default_system_names()
 
 
 def _train_args(sync: SyncConfig, options: dict) -> argparse.Namespace:
@@ -261,6 +268,8 @@ def _train_args(sync: SyncConfig, options: dict) -> argparse.Namespace:
         topk_density=sync.topk_density,
         topk_chunk=sync.chunk,
         ef_decay=sync.ef_decay,
+        sync_overlap=sync.overlap,
+        overlap_steps=sync.overlap_steps,
         planner=options["planner"],
         offload=options["offload"],
         rebalance_every=0,

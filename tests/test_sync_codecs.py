@@ -92,6 +92,25 @@ def test_equal_magnitudes_decode() -> None:
     assert torch.allclose(out, x, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("shape", "chunk", "k"),
+    [((3, 700), 256, 16), ((1000,), 64, 5), ((5,), 256, 16), ((0,), 8, 2), ((512,), 256, 256)],
+)
+def test_encoded_value_is_the_decoders_bit_for_bit(shape, chunk, k) -> None:
+    # the error feedback subtracts what the encoder says it sent, without parsing its own payload:
+    # it must be exactly what every receiver decodes (ties, equal magnitudes, a short tail chunk)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=g)
+    if x.numel() > 20:
+        x.view(-1)[:20] = 0.25  # ties and equal kept magnitudes
+        x.view(-1)[20:25] = -0.25
+    enc, dense = CTOPK2.encode_decoded(x, chunk=chunk, k=k)
+    assert enc == CTOPK2.encode(x, chunk=chunk, k=k)
+    decoded = CTOPK2.decode(enc, max(1, x.numel()))
+    assert dense.dtype == decoded.dtype == torch.float32 and dense.shape == decoded.shape == x.shape
+    assert torch.equal(dense, decoded)
+
+
 def test_encode_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="non-finite"):
         CTOPK2.encode(torch.tensor([1.0, float("nan")]), chunk=2, k=1)

@@ -139,10 +139,7 @@ def test_overlap_is_refused_where_it_cannot_work():
         SyncConfig("step", overlap=True)
     with pytest.raises(ConfigError, match="--sync-overlap"):
         SyncConfig("diloco", inner_steps=2, overlap=1)
-    spec = small_spec(steps=4, micro_batches=2)
     sync = SyncConfig("diloco", inner_steps=2, overlap=True)
-    with pytest.raises(ConfigError, match="--sync-overlap"):
-        train_local_replicas(spec, sync, replicas=2, restart_rounds=[1])
     with pytest.raises(ConfigError, match=r"--overlap-steps 3: must lie in \[1, H = 2\]"):
         SyncConfig("diloco", inner_steps=2, overlap=True, overlap_steps=3)
     with pytest.raises(ConfigError, match="--overlap-steps 1: an integer, with --sync-overlap only"):

@@ -51,8 +51,12 @@ def recovered(s: Swarm) -> list[dict]:
     [
         (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9), TOL, False),
         (SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256), SPARSE_TOL, True),
+        # --sync-overlap: the new stages start the redone round from the hosts' θ, round 0's update
+        # (still under way with D = H when the worker dies) in it from the round's first step
+        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, overlap=True, overlap_steps=1), TOL, False),
+        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9, overlap=True), TOL, False),
     ],
-    ids=["diloco", "sparseloco-checkpointed"],
+    ids=["diloco", "sparseloco-checkpointed", "diloco-overlap-D=1", "diloco-overlap-D=H"],
 )
 def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(tmp_path, sync, tol, save):
     """diloco without checkpoints; sparseloco with a checkpoint at every round boundary, from which the
@@ -76,7 +80,10 @@ def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(t
     last = final_runs(steps)
     # the ledger: each round closed once in the trajectory kept, and the hosts' count follows it
     assert [last[i].get("round_closed") for i in range(spec.steps)] == [None, None, 0, None, None, 1, 2]
-    assert [last[i]["rounds_applied"] for i in range(spec.steps)] == [0, 0, 1, 1, 1, 2, 3]
+    # (--sync-overlap counts a round at the commit that installs it: round 0 at the redone round's
+    # start, round 1 with round 2 at the last step, which installs both)
+    applied = [0, 0, 0, 1, 1, 1, 3] if sync.overlap else [0, 0, 1, 1, 1, 2, 3]
+    assert [last[i]["rounds_applied"] for i in range(spec.steps)] == applied
     assert all(h["rounds_closed"] == 3 for h in last[6]["optimizer_hosts"])
     ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={1}).losses
     for i in range(spec.steps):
@@ -122,23 +129,35 @@ class Interrupted(Exception):
 
 
 @pytest.mark.parametrize(
-    ("sync", "tol", "lost"),
+    ("sync", "tol", "lost", "every"),
     [
-        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9), TOL, "fresh_outer_rounds"),
+        (SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9), TOL, "fresh_outer_rounds", 3),
         (
             SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256),
             SPARSE_TOL,
             "fresh_feedback_rounds",
+            3,
+        ),
+        # --sync-overlap: round 0's update is applied late; round 1's close, checkpointed, installs it
+        (
+            SyncConfig(
+                "sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256, overlap=True, overlap_steps=1
+            ),
+            SPARSE_TOL,
+            "fresh_feedback_rounds",
+            6,
         ),
     ],
-    ids=["diloco", "sparseloco"],
+    ids=["diloco", "sparseloco", "sparseloco-overlap"],
 )
-def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tmp_path, sync, tol, lost):
+def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(
+    tmp_path, sync, tol, lost, every
+):
     """A job stopped in round 2 resumes from its step-6 checkpoints: the hosts' shard checkpoints hold
     the masters, the open round and the outer Nesterov buffer, the driver's the replicas' SparseLoCo
     error feedback, so the resumed rounds are the reference's (whose replicas restart their inner
     optimizers at round 2, as the new stages do); without that state they would not be."""
-    spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+    spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=every)
     s = Swarm(tmp_path, workers=4, hosts=2)
     params = round_job(spec, sync, rebalance_every=0)
 
@@ -165,6 +184,42 @@ def test_a_resumed_job_continues_the_rounds_with_the_checkpointed_outer_state(tm
     # the outer state came back: without it the resumed rounds would differ
     fresh = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, **{lost: {2}}).losses
     assert max(abs(e["loss"] - fresh[e["step"]]) for e in steps[3:]) > 3 * tol
+    if sync.overlap:  # and the late updates are not the blocking rounds'
+        blocking = SyncConfig(**{**sync.to_dict(), "overlap": False, "overlap_steps": None})
+        plain = train_local_replicas(spec, blocking, replicas=2, restart_rounds={2}).losses
+        assert max(abs(e["loss"] - plain[e["step"]]) for e in steps) > 3 * tol
+
+
+def test_an_optimizer_host_dying_under_sync_overlap_is_replaced_from_the_checkpoints(tmp_path):
+    """--sync-overlap with checkpoints every 4 steps (H = 2): round 0's update is applied a step late,
+    round 1's close (checkpointed at step 4) installs its round at once. The host dies in round 2;
+    every host restarts from the driver's step-4 checkpoint (new outer state) and round 2 is redone
+    from the hosts' θ: every round applied once, the losses the reference's."""
+    sync = SyncConfig(
+        "diloco", inner_steps=2, outer_lr=0.7, outer_momentum=0.9, overlap=True, overlap_steps=1
+    )
+    spec = small_spec(steps=8, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=4)
+
+    def victim(s: Swarm) -> str:
+        return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
+
+    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=victim)
+    params = round_job(spec, sync, rebalance_every=0)
+    result = asyncio.run(s.driver.run_job(params, s.emit))
+    assert s.downed and result["steps"] == spec.steps
+    rec = {e.get("role"): e for e in recovered(s)}
+    assert rec["optimizer"]["replay_from"] == 4 and rec["optimizer"]["fresh_optimizer"]
+    assert rec["rounds"]["replay_from"] == 4 and rec["rounds"]["rounds_applied"] == 2
+    last = final_runs(s.steps())
+    closed = [last[i].get("round_closed") for i in range(spec.steps)]
+    assert closed == [None, 0, None, 1, None, 2, None, 3]
+    assert all(h["rounds_closed"] == 4 for h in last[7]["optimizer_hosts"])
+    ref = train_local_replicas(spec, sync, replicas=2, restart_rounds={2}, fresh_outer_rounds={2}).losses
+    for i in range(spec.steps):
+        assert abs(last[i]["loss"] - ref[i]) < TOL, f"step {i}: swarm {last[i]['loss']:.6f} vs {ref[i]:.6f}"
+    blocking = SyncConfig(**{**sync.to_dict(), "overlap": False, "overlap_steps": None})
+    plain = train_local_replicas(spec, blocking, replicas=2, restart_rounds={2}, fresh_outer_rounds={2})
+    assert max(abs(last[i]["loss"] - plain.losses[i]) for i in range(spec.steps)) > 3 * TOL
 
 
 def test_a_worker_dying_after_its_round_reached_the_hosts_does_not_redo_the_round(tmp_path):

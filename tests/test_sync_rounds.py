@@ -147,10 +147,6 @@ def test_bad_sync_options_exit_2_naming_the_option_before_anything_starts(
         (["--sync", "diloco", "--planner", "even"], "--planner even"),
         (["--sync", "diloco", "--planner", "memory"], "--planner memory"),
         (["--sync", "diloco", "--rebalance-every", "5"], "--rebalance-every"),
-        (
-            ["--sync", "diloco", "--sync-overlap", "--save", "/nonexistent-fn/ck", "--save-every", "4"],
-            "--sync-overlap: checkpoints during the job",
-        ),
     ],
 )
 def test_bad_sync_options_of_a_swarm_job_exit_2_before_any_daemon_is_asked(

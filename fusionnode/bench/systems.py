@@ -54,7 +54,15 @@ SYNC_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 # no round mode but H <= 2 reaches the loss hivemind ends at: the comparison runs 60 steps.)
 # "shares": "speed" and "optimizer_hosts": "all" are resolved per testbed by `resolve_options`.
 DP_NAME = "fusionnode-dp"
-DP_SYNC = SyncConfig(mode="sparseloco", inner_steps=5, topk_density=1 / 16, chunk=256)
+# Each round's exchange overlaps the next round's first inner step (`--sync-overlap --overlap-steps
+# 1`: the outer update is applied one step late; fault recovery and checkpoints work with it). D
+# chosen from the in-process reference of the same job (60 steps, shares 6/5/3/2), final 3-step mean
+# loss / validation loss: blocking 2.805 / 2.724, D = 1 2.815 / 2.717, D = 2 2.830 / 2.754, D = H = 5
+# 2.933 / 2.892. Measured on home-volunteers-4 (netns): the devices' computing share 70-77% vs 59-70%
+# blocking at batch 16, 75-87% vs 67-76% at batch 32 (notes of issue 19).
+DP_SYNC = SyncConfig(
+    mode="sparseloco", inner_steps=5, topk_density=1 / 16, chunk=256, overlap=True, overlap_steps=1
+)
 DP_OPTIONS: dict[str, Any] = {
     "planner": "simple",
     "offload": "on",
@@ -63,15 +71,13 @@ DP_OPTIONS: dict[str, Any] = {
     "optimizer_hosts": "all",
 }
 SYNC_CONFIGS.append((DP_NAME, {**DP_OPTIONS, "sync": DP_SYNC.to_dict()}, "none", {}))
-# run only when named in --configs: fusionnode-dp with each round's exchange overlapping the next
-# round's first inner step (`--sync-overlap --overlap-steps 1`). D chosen from the in-process
-# reference of the same job (60 steps, shares 6/5/3/2), final 3-step mean loss / validation loss:
-# blocking 2.805 / 2.724, D = 1 2.815 / 2.717, D = 2 2.830 / 2.754, D = H = 5 2.933 / 2.892
-DP_OVERLAP = SyncConfig(**{**DP_SYNC.to_dict(), "overlap": True, "overlap_steps": 1})
+# run only when named in --configs: fusionnode-dp with blocking rounds (a round's exchange ends before
+# the commit that closes it answers), for comparison
+DP_BLOCKING = SyncConfig(**{**DP_SYNC.to_dict(), "overlap": False, "overlap_steps": None})
 OPTIONAL_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
     (
-        f"{DP_NAME}-overlap",
-        {**DP_OPTIONS, "sync": DP_OVERLAP.to_dict()},
+        f"{DP_NAME}-blocking",
+        {**DP_OPTIONS, "sync": DP_BLOCKING.to_dict()},
         "none",
         {},
     )

@@ -18,7 +18,6 @@ and returns what is sent (the encoded c) and its decoded value.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -103,6 +102,13 @@ class ChunkTopK2Codec:
 
     def encode(self, tensor: torch.Tensor, chunk: int = 4096, k: int = 64, **options: Any) -> EncodedTensor:
         """Raises ValueError for bad options, a non-floating tensor or non-finite values."""
+        return self.encode_decoded(tensor, chunk, k, **options)[0]
+
+    def encode_decoded(
+        self, tensor: torch.Tensor, chunk: int = 4096, k: int = 64, **options: Any
+    ) -> tuple[EncodedTensor, torch.Tensor]:
+        """`encode`, and what `decode` of it returns (float32, the tensor's shape), built from the
+        kept positions and their 2-bit values without parsing the payload (the error feedback's c)."""
         if options:
             raise ValueError(f"unknown {CODEC_NAME} options {sorted(options)}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or not 1 <= chunk <= MAX_CHUNK:
@@ -122,13 +128,20 @@ class ChunkTopK2Codec:
         if tail:
             parts.append(_select(flat[n_full * chunk :].view(1, tail), k_tail))
         scales, idx_bytes, codes = [], [], []
-        for idx, vals in parts:
+        dense = torch.zeros(flat.numel(), dtype=torch.float32)
+        for row0, (idx, vals) in zip((0, n_full), parts, strict=False):
             lo, hi, c = _quantise(vals)
             scales.append(torch.stack([lo, hi], dim=1).reshape(-1))
             idx_bytes.append(idx.reshape(-1))
             codes.append(c.reshape(-1))
+            # the decoder's value: ±(hi if the level bit else lo), at chunk * row + position
+            level = torch.where((c & 2).bool(), hi.unsqueeze(1), lo.unsqueeze(1))
+            value = torch.where((c & 1).bool(), -level, level)
+            rows = torch.arange(row0, row0 + idx.size(0), dtype=torch.int64).unsqueeze(1)
+            dense[(rows * chunk + idx).reshape(-1)] = value.reshape(-1)
         if not parts:
-            return EncodedTensor(dtype=dtype_name, shape=shape, codec=CODEC_NAME, params=params, data=b"")
+            enc = EncodedTensor(dtype=dtype_name, shape=shape, codec=CODEC_NAME, params=params, data=b"")
+            return enc, dense.view(tuple(shape))
         scale_arr = torch.cat(scales).numpy().astype("<f4")
         idx_arr = torch.cat(idx_bytes).numpy().astype("<u1" if index == "u8" else "<u2")
         code_arr = torch.cat(codes).numpy()
@@ -138,7 +151,8 @@ class ChunkTopK2Codec:
         quads = code_arr.reshape(-1, 4)
         packed = (quads[:, 0] | (quads[:, 1] << 2) | (quads[:, 2] << 4) | (quads[:, 3] << 6)).astype(np.uint8)
         data = scale_arr.tobytes() + idx_arr.tobytes() + packed.tobytes()
-        return EncodedTensor(dtype=dtype_name, shape=shape, codec=CODEC_NAME, params=params, data=data)
+        enc = EncodedTensor(dtype=dtype_name, shape=shape, codec=CODEC_NAME, params=params, data=data)
+        return enc, dense.view(tuple(shape))
 
     def decode(self, enc: EncodedTensor, max_elements: int) -> torch.Tensor:
         """Validate everything (raising ProtocolError) and return the dense tensor."""
@@ -237,8 +251,7 @@ class ErrorFeedbackAccumulator:
             self.acc[name] = e
         else:
             e.mul_(self.decay).add_(d)
-        enc = CTOPK2.encode(e, chunk=self.chunk, k=self.k)
-        sent = CTOPK2.decode(enc, max(1, math.prod(e.shape)))
+        enc, sent = CTOPK2.encode_decoded(e, chunk=self.chunk, k=self.k)  # = decode(enc), not parsed back
         e.sub_(sent)
         return enc, sent
 

@@ -148,7 +148,7 @@ class Driver:
         self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
         job = Job(spec, self.t.peer_id)
         job.sync = SyncConfig.from_dict(params.get("sync"))
-        job_refusals(job.sync, params, bool(spec.save_dir and spec.save_every))
+        job_refusals(job.sync, params)
         job.contrib = scoring.job_contrib(params, self.config, job.sync)  # the rounds' weighing (issue 20)
         job.lease_s = float(params.get("lease_s") or self.config.lease_s)
         job.secret = job_secret(self.state_dir, spec.job_id)

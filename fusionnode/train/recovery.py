@@ -408,12 +408,10 @@ class Recovery:
         """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger
         (every round they closed, each once); the job goes on from the first step of the round they
         have open, its inner steps redone by the new plan's stages from the hosts' parameters (the
-        round's start), with new inner optimizer state. Returns that step."""
-        if job.sync.overlap:
-            raise PlanError(
-                f"step {failed_at}: a stage failed with --sync-overlap, whose rounds cannot be redone on "
-                "a new plan (a round's exchange was still under way); rerun without --sync-overlap"
-            )
+        round's start), with new inner optimizer state. With --sync-overlap the redone round starts
+        from them too: the update of the round before, which the old stages would have applied D steps
+        into it, is in them from its first step (as in `train_local_replicas(restart_rounds=)`).
+        Returns that step."""
         if len(set(applied)) != 1:
             raise PlanError(
                 f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "

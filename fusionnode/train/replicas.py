@@ -13,8 +13,9 @@ processed, give the outer step; every replica restarts from the new θ, keeping 
 With `sync.overlap` the round's outer step reaches the replicas late, as on the workers
 (runtime/rounds.py): at round r's close replica i sends Δ = θ_start,i − θ_i and goes on from its θ_i
 (θ_end,i); after D = `sync.delay` inner steps of the next round (D = H: at its close, before its Δ)
-θ_i ← θ_global(r) + (θ_i − θ_end,i) and θ_start,i ← θ_global(r); after the last round every
-replica takes the final θ.
+θ_i ← θ_global(r) + (θ_i − θ_end,i) and θ_start,i ← θ_global(r); after the last round, and after a
+round the job is checkpointed at (`SyncConfig.settles_at_close`), every replica takes θ_global at
+once; a redone round (`restart_rounds`) starts every replica from θ_global, as the swarm's new stages do.
 
 Bytes are counted as the swarm sends them: each encoded tensor's msgpack form (descriptor and
 payload), up from every replica and down to every replica; frame headers are not counted.
@@ -214,8 +215,6 @@ def _round_modes(
     ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
     tokens_in_round = [0] * replicas
     losses: list[float] = []
-    if sync.overlap and any(restarts):
-        raise ConfigError("--sync-overlap: rounds cannot be redone (restarts); run without it")
     # --sync-overlap: each replica's θ_start and θ_end, and whether the last round's update is due
     starts = [dict(theta) for _ in range(replicas)]
     ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
@@ -234,6 +233,14 @@ def _round_modes(
         at = step // sync.inner_steps if step % sync.inner_steps == 0 else None
         if at in restarts[0]:
             opts = [make_optimizer(mdl, spec) for mdl in models]
+            if pending:  # --sync-overlap: the redone round's new stages start from the hosts' θ
+                with torch.no_grad():
+                    for r in range(replicas):
+                        for n, p in models[r].named_parameters():
+                            if n in theta:
+                                p.copy_(theta[n])
+                        starts[r] = {n: t.clone() for n, t in theta.items()}
+                pending = False
         if at in restarts[1]:
             host.outer = make_outer(sync)
         if at in restarts[2]:
@@ -268,13 +275,16 @@ def _round_modes(
             theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
             host.close(theta)  # the outer step, applied to theta (what every replica applies)
             wire = host.received_bytes + host.sent_bytes - before
-            pending = sync.overlap
-            if not sync.overlap or step + 1 == spec.steps:
+            settles = sync.settles_at_close(step, spec.steps, spec.save_every if spec.save_dir else 0)
+            pending = sync.overlap and not settles
+            if not sync.overlap or settles:
                 with torch.no_grad():
                     for mdl in models:
                         for n, p in mdl.named_parameters():
                             if n in theta:
                                 p.copy_(theta[n])
+                if sync.overlap:  # the next round's Δ is taken from θ_global
+                    starts = [dict(theta) for _ in range(replicas)]
             tokens_in_round = [0] * replicas
             rec["round_closed"] = host.round - 1
             if on_round is not None:

@@ -257,8 +257,11 @@ class Stepper:
             if job.sync.rounds:
                 known = None
                 if job.sync.overlap and job.sync.round_closes(step, job.spec.steps):
-                    # the commit awaited the previous round (the last one: this one too)
-                    known = step // job.sync.inner_steps + int(step + 1 == job.spec.steps)
+                    # the commit awaited the previous round (a settled one: this one too)
+                    settled = job.sync.settles_at_close(
+                        step, job.spec.steps, job.spec.save_every if job.spec.save_dir else 0
+                    )
+                    known = step // job.sync.inner_steps + int(settled)
                 job.count_round(step, [r.round_bytes for r in committed.values()], known)
         except StepFailed as fail:
             if not job.offload:
@@ -358,7 +361,10 @@ class Stepper:
                         "id": round_id,
                         "tokens": round_tokens(job.sync, step, pipe.samples, run.seq_len),
                         "names": run.names_by_stage[a.stage],
-                        "final": step + 1 == job.spec.steps,  # --sync-overlap: install it now
+                        # --sync-overlap: install it now (the job's end, a checkpointed boundary)
+                        "final": job.sync.settles_at_close(
+                            step, spec.steps, spec.save_every if spec.save_dir else 0
+                        ),
                     }
         return sum(norms) / len(norms), out
 
