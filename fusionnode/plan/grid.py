@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fusionnode.plan.evaluate import Context, Evaluated, Option, pipe_time
+from fusionnode.plan.shared import shared_host_bound
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,13 @@ def price_grid(
             return None
         choices.append(opt)
         times.append(t)
-    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count)) + est.step_overhead_s
+    shared = shared_host_bound(
+        est, [(o.cost, -(-x // o.u)) for o, x in zip(choices, shares, strict=True)], ctx.hosts
+    )
+    step = (
+        max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count), shared)
+        + est.step_overhead_s
+    )
     return Evaluated(step, tuple(tuple(p) for p in pipes), tuple(shares), tuple(choices), tuple(ctx.hosts))
 
 
