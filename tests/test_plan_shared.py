@@ -104,3 +104,25 @@ def test_peers_advertising_the_same_addresses_share_a_host():
     assert all(devs[p]["host"] == "127.0.0.1" and devs[p]["cores"] == 2 for p in "abc")
     assert all("host" not in devs[p] for p in ("g1", "g2", "n"))  # GPUs and a lone peer
     load_cluster_dict(doc)  # a valid cluster document
+
+
+def test_grid_plan_is_the_best_even_grid_and_the_planner_is_not_slower(graph):
+    """`train --planner grid` (the testbed's "even-grid"): the fastest even grid under the planner's
+    model, as a plan the runtime follows; the planner's own plan is never predicted slower."""
+    from fusionnode.plan.evaluate import make_context
+    from fusionnode.plan.fence import MAX_BLOCKS
+    from fusionnode.plan.grid import even_grids, grid_plan
+
+    doc = _doc(False)
+    doc["devices"].append({"id": "p3", "tflops": 0.02, "memory_gb": 20.0, "roles": ["worker"]})
+    cluster = load_cluster_dict(doc)
+    g = grid_plan(graph, cluster, 16, micro_batches=4, seq_len=128)
+    assert g.strategy == "grid"
+    g.validate(graph)
+    ctx = make_context(graph, cluster, 16, 4, True, None, None, MAX_BLOCKS, False)
+    grids = even_grids(ctx)
+    assert len(grids) >= 2 and g.prediction.step_time_s == pytest.approx(grids[0].step_s, rel=1e-9)
+    shapes = {(len(e.pipelines), len(e.pipelines[0])) for e in grids}
+    assert (len(g.pipelines), len(g.pipelines[0].stages)) in shapes
+    p = plan(graph, cluster, 16, micro_batches=4, seq_len=128, compress=False)
+    assert evaluate_plan(graph, cluster, p) <= evaluate_plan(graph, cluster, g) * (1 + 1e-9)

@@ -88,11 +88,12 @@ def add_train_command(sub: Any) -> None:
     )
     p.add_argument(
         "--planner",
-        choices=["simple", "fusion", "even", "memory"],
+        choices=["simple", "fusion", "even", "grid", "memory"],
         default="simple",
         help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
         "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
-        "(even layers, memory-proportional)",
+        "(even: one pipeline, layers split evenly; grid: the best even grid of k pipelines under the "
+        "planner's cost model; memory: layers in proportion to memory)",
     )
     p.add_argument(
         "--verify-policy",
