@@ -23,7 +23,7 @@ from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.dpsync import ring_sync_s
 from fusionnode.plan.estimator import (
     DEFAULT_EFFICIENCY,
-    K_MIN,
+    PLAN_KEEP_FLOOR,
     USABLE_MEMORY_FRACTION,
     Chain,
     Estimator,
@@ -449,7 +449,7 @@ def make_context(
     estimator: Estimator | None,
     max_blocks: int,
     compress: bool = True,
-    keep_floor: float = K_MIN,
+    keep_floor: float = PLAN_KEEP_FLOOR,
     sync: SyncPrice | None = None,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
