@@ -12,6 +12,7 @@ import torch
 
 from fusionnode.bench.adatopk import build_parser, main, train
 from fusionnode.compress.link import LinkOptions, adatopk_config
+from fusionnode.compress.policy import DEFAULT_K_MIN
 from fusionnode.train.data import BatchSource, load_corpus
 
 LINK_BPS = 8e6  # bit/s: the benchmark's default throttled link
@@ -28,14 +29,15 @@ def _config() -> LinkOptions:
 
 def test_policy_compresses_slow_link_and_training_learns() -> None:
     torch.set_num_threads(1)
-    # half the default batch: half the activation bytes, so half the stage time keeps the ratio <= 10%
+    # half the default batch: half the activation bytes, and half the stage time: the link still cannot
+    # carry 10% of them, so the policy sits at AdaTopK's keep-ratio floor
     args = build_parser().parse_args(
         ["--steps", "25", "--batch-size", "8", "--eval-batches", "2", "--stage-ms", "50"]
     )
     source = _source(8)
     dense = train(args, source, None, None)
     comp = train(args, source, _config(), LINK_BPS)
-    assert comp.forward_ratio <= 0.10 and comp.backward_ratio <= 0.10
+    assert comp.forward_ratio == DEFAULT_K_MIN and comp.backward_ratio == DEFAULT_K_MIN
     assert comp.link.reduction >= 5.0  # both directions: top-k activations + q8 gradients
     assert comp.backward_link.reduction > 3.8  # q8: 1 byte per element + one float32 scale per row
     assert dense.link.wire_bytes == 0  # the baseline has no cut
@@ -48,6 +50,8 @@ def test_policy_compresses_slow_link_and_training_learns() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two 400-step runs: 4 min on an idle core, 25 min on 2 cores at load 15
 def test_benchmark_default_meets_issue_target() -> None:
-    """The full benchmark at its defaults (about 4-15 minutes): within 5% of dense, >= 5x fewer bytes."""
+    """The full benchmark at its defaults (about 4-15 minutes): the policy at AdaTopK's keep-ratio floor,
+    as the runtime sends (no warm-up): within 5% of dense, >= 5x fewer bytes."""
     assert main([]) == 0

@@ -14,6 +14,7 @@ MIB = 1 << 20
 ACT_BYTES = 16 * 128 * 128 * 4  # a gpt2-tiny activation, float32: 1 MiB
 GBIT = 1e9  # bit/s
 MBIT = 1e6  # bit/s
+LOW = 0.01  # the codec's minimum: below AdaTopK's default floor, to see the policy's rule at low ratios
 
 
 def test_dense_on_fast_link() -> None:
@@ -22,8 +23,20 @@ def test_dense_on_fast_link() -> None:
     assert policy.choose(GBIT, 0.001, ACT_BYTES, 0.050) == 1.0
 
 
+def test_default_floor_is_the_plans() -> None:
+    """The runtime's floor is the one a plan counts on (plan/estimator.py PLAN_KEEP_FLOOR): on a link
+    that cannot carry even that, the policy answers the floor, never less."""
+    from fusionnode.compress.link import LinkOptions
+    from fusionnode.compress.policy import DEFAULT_K_MIN
+    from fusionnode.plan.estimator import PLAN_KEEP_FLOOR
+
+    assert DEFAULT_K_MIN == PLAN_KEEP_FLOOR == LinkOptions().k_min
+    assert AdaTopKPolicy().choose(8 * MBIT, 0.010, ACT_BYTES, 0.080) == PLAN_KEEP_FLOOR
+    assert AdaTopKPolicy(k_min=LOW).choose(8 * MBIT, 0.010, ACT_BYTES, 0.080) < PLAN_KEEP_FLOOR
+
+
 def test_compresses_to_at_most_ten_percent_on_slow_link() -> None:
-    policy = AdaTopKPolicy()
+    policy = AdaTopKPolicy(k_min=LOW)
     r = policy.choose(8 * MBIT, 0.010, ACT_BYTES, 0.080)
     assert 0.01 <= r <= 0.10
     # the chosen payload fits the time budget, counting index and value bytes
@@ -43,8 +56,8 @@ def test_ratio_counts_index_bytes_not_four_bytes_per_element() -> None:
 
 
 def test_row_mode_accounts_for_narrow_indices() -> None:
-    glob = AdaTopKPolicy().ideal_ratio(8 * MBIT, 0.0, ACT_BYTES, 0.03)
-    row = AdaTopKPolicy(row_len=128).ideal_ratio(8 * MBIT, 0.0, ACT_BYTES, 0.03)
+    glob = AdaTopKPolicy(k_min=LOW).ideal_ratio(8 * MBIT, 0.0, ACT_BYTES, 0.03)
+    row = AdaTopKPolicy(k_min=LOW, row_len=128).ideal_ratio(8 * MBIT, 0.0, ACT_BYTES, 0.03)
     assert row > glob  # one-byte row indices buy more kept elements than four-byte flat ones
 
 
@@ -76,8 +89,8 @@ def test_ewma_bandwidth_and_first_choice_without_observation() -> None:
 
 def test_hysteresis_prevents_flapping_on_noisy_bandwidth() -> None:
     rng = random.Random(0)
-    smooth = AdaTopKPolicy()
-    raw = AdaTopKPolicy(hysteresis=1.0, ewma_alpha=1.0)
+    smooth = AdaTopKPolicy(k_min=LOW)
+    raw = AdaTopKPolicy(k_min=LOW, hysteresis=1.0, ewma_alpha=1.0)
     changes_smooth = changes_raw = 0
     prev_s = prev_r = None
     for _ in range(300):
@@ -96,7 +109,7 @@ def test_hysteresis_prevents_flapping_on_noisy_bandwidth() -> None:
 
 
 def test_hysteresis_band_around_dense() -> None:
-    policy = AdaTopKPolicy(hysteresis=1.25)
+    policy = AdaTopKPolicy(k_min=LOW, hysteresis=1.25)
     target = 0.1
     fits_bw = ACT_BYTES * 8 / target  # dense exactly fits at this bandwidth
     assert policy.choose(fits_bw * 0.95, 0.0, ACT_BYTES, target) < 1.0  # no longer fits: compress
@@ -107,7 +120,7 @@ def test_hysteresis_band_around_dense() -> None:
 
 
 def test_large_moves_are_followed() -> None:
-    policy = AdaTopKPolicy()
+    policy = AdaTopKPolicy(k_min=LOW)
     a = policy.choose(20 * MBIT, 0.0, ACT_BYTES, 0.08)
     b = policy.choose(5 * MBIT, 0.0, ACT_BYTES, 0.08)
     assert b < a / 1.25

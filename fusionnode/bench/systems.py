@@ -19,6 +19,9 @@ CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
     ("planner", {"planner": "fusion", "offload": "on"}, "none", {}),  # the driver's choice for a planned job
     ("adatopk", {"planner": "even", "offload": "off"}, "adatopk", {}),
     ("fusionnode", {"planner": "fusion", "offload": "on"}, "adatopk", {}),
+    # the best even grid under the planner's cost model (k equal pipelines, layers split evenly,
+    # devices in id order; `train --planner grid`): issue 18's "plan never worse than the even grid"
+    ("even-grid", {"planner": "grid", "offload": "on"}, "none", {}),
 ]
 # Issue 19's low-communication sync modes (`fusionnode train --sync diloco|sparseloco`): one H and
 # one set of options, fixed before any run and used for every criterion, taken from `fusionnode

@@ -31,11 +31,13 @@ user-space limits, or, with netns, from `set_link_limits`' `declared` (tc shapes
 testbed runs without probes).
 
 Then the same job (gpt2-tiny, same seed and data, a fixed number of steps) runs
-under four configurations, one after the other on the same peers:
+under five configurations, one after the other on the same peers:
   1. baseline:  even split of the layers over the devices, no compression, local optimizer
   2. planner:   OP-Fence / asymmetric DP x PP plan, no compression (optimizer hosts as planned)
   3. adatopk:   the baseline split with AdaTopK on every stage link
   4. fusionnode: planner + AdaTopK + optimizer hosts
+  5. even-grid: the best even grid (k equal pipelines, layers split evenly, devices in id order)
+     under the planner's cost model, no compression, optimizer hosts: what `planner` must not lose to
 Throughput is the median tokens/s of the steps after `--warmup`; the table shows
 each configuration's speedup over the baseline, final loss (mean of the last 3
 steps), bytes on the wire, and the planner's two predictions of the plan's step time next to

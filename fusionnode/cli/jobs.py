@@ -88,11 +88,13 @@ def add_train_command(sub: Any) -> None:
     )
     p.add_argument(
         "--planner",
-        choices=["simple", "fusion", "even", "memory"],
-        default="simple",
-        help="how to lay the job over the swarm: simple (one pipeline, balanced contiguous stages; default), "
-        "fusion (OP-Fence + asymmetric DP x PP over measured devices and links), or a baseline "
-        "(even layers, memory-proportional)",
+        choices=["simple", "fusion", "even", "grid", "memory"],
+        default=None,
+        help="how to lay the job over the swarm: fusion (OP-Fence + asymmetric DP x PP over measured "
+        "devices and links; the default), simple (one pipeline, balanced contiguous stages; the default "
+        "when --stages, --replicas or --shares lay the job out), or a baseline "
+        "(even: one pipeline, layers split evenly; grid: the best even grid of k pipelines under the "
+        "planner's cost model; memory: layers in proportion to memory)",
     )
     p.add_argument(
         "--verify-policy",
@@ -301,9 +303,10 @@ def add_train_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compress",
         type=compress_arg,
-        default="none",
+        default="adatopk",
         help="activations and their gradients between stages: none, fp16, topk:RATIO, or adatopk "
-        "(ratio chosen per link from its measured bandwidth; default %(default)s)",
+        "(ratio chosen per link from its measured bandwidth, dense where the link keeps up, never "
+        "below AdaTopK's keep-ratio floor; default %(default)s)",
     )
 
 
@@ -340,7 +343,19 @@ def spec_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+def planner_of(args: argparse.Namespace) -> str:
+    """`--planner`, or the default: the planner (fusion), measured never slower than simple on one
+    machine (README, "Defaults"), unless --stages, --replicas or --shares lay the job out, which
+    simple follows."""
+    if args.planner:
+        return args.planner
+    if args.stages or args.replicas > 1 or args.shares:
+        return "simple"
+    return "fusion"
+
+
 def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    args.planner = planner_of(args)
     try:
         spec = spec_from_args(args)
     except FusionNodeError as exc:

@@ -26,7 +26,7 @@ import torch
 
 import fusionnode.compress.quant  # noqa: F401  (registers "q8" and "q4")
 from fusionnode.compress.feedback import ErrorFeedback
-from fusionnode.compress.policy import AdaTopKPolicy, CompressSpec, parse_compress
+from fusionnode.compress.policy import DEFAULT_K_MIN, AdaTopKPolicy, CompressSpec, parse_compress
 from fusionnode.compress.topk import MODES, VALUE_DTYPES
 from fusionnode.errors import ConfigError
 from fusionnode.wire.codec_api import EncodedTensor
@@ -49,7 +49,7 @@ class LinkOptions:
     value_dtype: str = "float16"
     warmup_steps: int = 0  # steps sent dense before compression starts (AC-SGD's warm-up)
     error_feedback: bool = False  # carry what top-k dropped into the next message (top-k only)
-    k_min: float = 0.01
+    k_min: float = DEFAULT_K_MIN  # AdaTopK's keep-ratio floor (compress/policy.py)
     center: bool = True  # activations: send channel means, top-k of the centered tensor
     grad_codec: str = "q8"  # gradients ("grad" messages) on a compressing link: "q8", "q4" or "topk"
     stochastic: bool = True  # q8/q4: seeded stochastic (unbiased) rounding instead of nearest

@@ -17,10 +17,13 @@ import math
 
 from fusionnode.compress.topk import DEFAULT_VALUE_DTYPE, VALUE_BYTES, payload_bytes
 from fusionnode.errors import ConfigError
+from fusionnode.plan.estimator import PLAN_KEEP_FLOOR
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_K_MIN = 0.01  # smallest keep ratio the policy will choose
+# smallest keep ratio the policy will choose: AdaTopK's floor, where the benchmark measured the loss
+# it costs (plan/estimator.py PLAN_KEEP_FLOOR, the same figure a plan may count on)
+DEFAULT_K_MIN = PLAN_KEEP_FLOOR
 DEFAULT_HYSTERESIS = 1.5  # factor on transfer time: the band in which the ratio in force is kept
 DEFAULT_EWMA_ALPHA = 0.2  # weight of the newest bandwidth sample in the EWMA
 DEFAULT_TARGET_FRACTION = 0.8  # aim the link at this fraction of the stage time (headroom)

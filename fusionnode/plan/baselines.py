@@ -28,6 +28,7 @@ from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import Chain
 from fusionnode.plan.evaluate import Evaluated, Option, build_plan, make_context, pipe_time
 from fusionnode.plan.plan import PipelinePlan, Plan, StagePlan
+from fusionnode.plan.shared import shared_host_bound
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,13 @@ def _baseline(
             )
         choices.append(opt)
         times.append(t)
-    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count)) + est.step_overhead_s
+    shared = shared_host_bound(
+        est, [(o.cost, -(-x // o.u)) for o, x in zip(choices, shares, strict=True)], ctx.hosts
+    )
+    step = (
+        max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count), shared)
+        + est.step_overhead_s
+    )
     ev = Evaluated(step, tuple(pipes), tuple(shares), tuple(choices), tuple(ctx.hosts))
     return build_plan(graph, ctx, ev, seq_len, strategy=weight)
 

@@ -42,6 +42,8 @@ class Device:
     roles: tuple[str, ...] = ROLES
     ram_gb: float = 0.0  # host RAM for optimizer state, GB
     uplink_gbps: float = 0.0  # access-link cap, Gbit/s; 0 = no cap
+    host: str = ""  # machine it runs on: devices of one host share its CPU cores ("" = its own)
+    cores: int = 0  # CPU cores of that host (0: not shared, see plan/shared.py)
 
     @property
     def memory_bytes(self) -> float:
@@ -149,9 +151,15 @@ def _devices(raw: Any) -> list[Device]:
         uplink = _num(d, "uplink_gbps", where, default=0.0, positive=False)
         if "uplink_gbps" in d and uplink <= 0:
             raise ConfigError(f"{where}: 'uplink_gbps' must be > 0, got {uplink!r}")
+        host = d.get("host", "")
+        if not isinstance(host, str):
+            raise ConfigError(f"{where}: 'host' must be a string")
+        cores = d.get("cores", 0)
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+            raise ConfigError(f"{where}: 'cores' must be a non-negative integer, got {cores!r}")
         ids = [did] if count == 1 else [f"{did}-{i}" for i in range(count)]
         for one in ids:
-            out.append(Device(one, tflops, mem, site, tuple(roles), ram, uplink))
+            out.append(Device(one, tflops, mem, site, tuple(roles), ram, uplink, host, cores))
     if len(out) > MAX_DEVICES:
         raise ConfigError(f"cluster: {len(out)} devices, more than the limit of {MAX_DEVICES}")
     seen: set[str] = set()

@@ -23,7 +23,7 @@ from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.dpsync import ring_sync_s
 from fusionnode.plan.estimator import (
     DEFAULT_EFFICIENCY,
-    K_MIN,
+    PLAN_KEEP_FLOOR,
     USABLE_MEMORY_FRACTION,
     Chain,
     Estimator,
@@ -31,6 +31,7 @@ from fusionnode.plan.estimator import (
 )
 from fusionnode.plan.hosts import assign_param_names, choose_hosts
 from fusionnode.plan.plan import OptimizerHost, PipelinePlan, Plan, Prediction, StagePlan
+from fusionnode.plan.shared import shared_host_bound
 from fusionnode.plan.split import (
     DP_ITERATIONS,
     DP_ITERATIONS_LARGE,
@@ -336,7 +337,13 @@ def evaluate_config(ctx: Context, pipelines: Sequence[tuple[int, ...]]) -> Evalu
         choices.append(o)
         times.append(t)
     total_params = float(ctx.chain.params[-1])
-    step = max(max(times), ctx.est.host_bound(total_params, ctx.hosts, len(used))) + ctx.est.step_overhead_s
+    shared = shared_host_bound(
+        ctx.est, [(o.cost, -(-caps[i] // o.u)) for i, o in zip(used, choices, strict=True)], ctx.hosts
+    )
+    step = (
+        max(max(times), ctx.est.host_bound(total_params, ctx.hosts, len(used)), shared)
+        + ctx.est.step_overhead_s
+    )
     return Evaluated(
         step_s=step,
         pipelines=tuple(pipes[i] for i in used),
@@ -363,9 +370,14 @@ def ring_variant(ctx: Context, ev: Evaluated) -> Evaluated | None:
         layout.append((devices, c.split))
     cl = ctx.est.cluster
     sync = ring_sync_s(cl.bandwidth_bps, cl.latency_s, ctx.chain.params, layout)
+    shared = shared_host_bound(
+        local,
+        [(o.cost, -(-x // o.u)) for o, x in zip(choices, ev.shares, strict=True)],
+        ring=True,
+    )
     return dataclasses.replace(
         ev,
-        step_s=max(times) + sync + local.step_overhead_s,
+        step_s=max(max(times) + sync, shared) + local.step_overhead_s,
         choices=tuple(choices),
         hosts=(),
         dp_sync="ring",
@@ -386,7 +398,10 @@ def with_shares(ctx: Context, ev: Evaluated, shares: Sequence[int]) -> Evaluated
         return ring_variant(ctx, moved)
     times = [o.time(x) for o, x in zip(ev.choices, shares, strict=True)]
     bound = ctx.est.host_bound(float(ctx.chain.params[-1]), list(ev.hosts), len(shares))
-    return dataclasses.replace(moved, step_s=max(max(times), bound) + ctx.est.step_overhead_s)
+    shared = shared_host_bound(
+        ctx.est, [(o.cost, -(-x // o.u)) for o, x in zip(ev.choices, shares, strict=True)], ev.hosts
+    )
+    return dataclasses.replace(moved, step_s=max(max(times), bound, shared) + ctx.est.step_overhead_s)
 
 
 def worker_indices(cluster: Cluster) -> list[int]:
@@ -435,7 +450,7 @@ def make_context(
     estimator: Estimator | None,
     max_blocks: int,
     compress: bool = True,
-    keep_floor: float = K_MIN,
+    keep_floor: float = PLAN_KEEP_FLOOR,
     sync: SyncPrice | None = None,
 ) -> Context:
     _validate_inputs(graph, batch_size, micro_batches)
@@ -540,7 +555,7 @@ def evaluate_plan(
     workers = worker_indices(cluster)
     multi = len(p.pipelines) > 1
     ring = p.dp_sync == "ring" and multi
-    times, layout = [], []
+    times, layout, costs = [], [], []
     for pl in p.pipelines:
         devs = [cluster.index(s.devices[0]) for s in pl.stages]
         split = [pos[s.lo] for s in pl.stages] + [chain.blocks]
@@ -549,10 +564,15 @@ def evaluate_plan(
         ctx = Context(est, chain, p.batch_size, hosts, workers)
         times.append(cost.pipeline_time(pl.micro_batches) + (0.0 if ring else ctx.sync(cost, multi)))
         layout.append((devs, split))
+        costs.append((cost, pl.micro_batches))
     if ring:  # the replicas' ring all-reduce (plan/dpsync.py) after the slowest pipeline
         sync = ring_sync_s(cluster.bandwidth_bps, cluster.latency_s, chain.params, layout)
-        return max(times) + sync + est.step_overhead_s
+        return max(max(times) + sync, shared_host_bound(est, costs, ring=True)) + est.step_overhead_s
     return (
-        max(max(times), est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)))
+        max(
+            max(times),
+            est.host_bound(float(chain.params[-1]), hosts, len(p.pipelines)),
+            shared_host_bound(est, costs, hosts),
+        )
         + est.step_overhead_s
     )

@@ -16,7 +16,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fusionnode.plan.evaluate import Context, Evaluated, Option, pipe_time
+from fusionnode.errors import PlanError
+from fusionnode.graph.dag import OpGraph
+from fusionnode.plan import fence
+from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.evaluate import Context, Evaluated, Option, build_plan, make_context, pipe_time
+from fusionnode.plan.plan import Plan
+from fusionnode.plan.shared import shared_host_bound
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +75,13 @@ def price_grid(
             return None
         choices.append(opt)
         times.append(t)
-    step = max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count)) + est.step_overhead_s
+    shared = shared_host_bound(
+        est, [(o.cost, -(-x // o.u)) for o, x in zip(choices, shares, strict=True)], ctx.hosts
+    )
+    step = (
+        max(max(times), est.host_bound(float(chain.params[-1]), ctx.hosts, count), shared)
+        + est.step_overhead_s
+    )
     return Evaluated(step, tuple(tuple(p) for p in pipes), tuple(shares), tuple(choices), tuple(ctx.hosts))
 
 
@@ -90,6 +102,31 @@ def even_grids(ctx: Context) -> list[Evaluated]:
 def best_even_grid(ctx: Context) -> Evaluated | None:
     grids = even_grids(ctx)
     return grids[0] if grids else None
+
+
+def grid_plan(
+    graph: OpGraph,
+    cluster: Cluster,
+    batch_size: int,
+    *,
+    micro_batches: int | None = None,
+    seq_len: int | None = None,
+    offload: bool = True,
+    efficiency: float | None = None,
+    compress: bool = False,
+) -> Plan:
+    """The best even grid under the planner's cost model (the layout the issue's "even grid" names
+    and `fusionnode bench plan` compares with), as a plan: `fusionnode train --planner grid`, the
+    testbed's "even-grid" configuration. `compress`: price the links with AdaTopK."""
+    ctx = make_context(
+        graph, cluster, batch_size, micro_batches, offload, efficiency, None, fence.MAX_BLOCKS, compress
+    )
+    ev = best_even_grid(ctx)
+    if ev is None:
+        raise PlanError(
+            f"no even grid of cluster {cluster.name!r} fits {graph.model_name!r} at batch {batch_size}"
+        )
+    return build_plan(graph, ctx, ev, seq_len, strategy="grid")
 
 
 def grid_shape(ev: Evaluated) -> tuple[int, int]:

@@ -70,7 +70,7 @@ class Plan:
     # data-parallel sync: "hosts" (optimizer hosts; offload) or "ring" (ring all-reduce among the
     # replicas of each stage, the optimizer on the workers: plan/dpsync.py); "" = as `offload` says
     dp_sync: str = ""
-    strategy: str = "fusion"  # "fusion" | "even" | "memory" | "contiguous" | "exhaustive"
+    strategy: str = "fusion"  # "fusion" | "even" | "grid" | "memory" | "contiguous" | "exhaustive"
     cluster: str = ""
     version: int = PLAN_FORMAT_VERSION
 

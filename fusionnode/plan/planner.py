@@ -32,7 +32,7 @@ from fusionnode.errors import ConfigError, PlanError
 from fusionnode.graph.dag import OpGraph
 from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
-from fusionnode.plan.estimator import K_MIN, Estimator
+from fusionnode.plan.estimator import PLAN_KEEP_FLOOR, Estimator
 from fusionnode.plan.evaluate import (
     SMALL_CLUSTER,
     Context,
@@ -212,7 +212,7 @@ def plan(
     local_search: bool = True,
     compress: bool = True,
     with_anchors: bool = True,
-    keep_floor: float = K_MIN,
+    keep_floor: float = PLAN_KEEP_FLOOR,
     robust: bool = True,
     sync: SyncPrice | None = None,
     dp_sync: str | None = None,

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 import time
 from typing import Any
@@ -86,7 +88,10 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
 
 MAX_LAG = 8  # checked steps whose recomputes may still run while the job goes on
 CHECK_NICE = 10  # the check process's niceness: its recomputes take the cores the stages leave idle
-_child_modules: dict[tuple[str, int], Any] = {}  # in the check process: (job, stage) -> its module
+# in the check process: (job, stage, description digest) -> its module. A job id names a spec, not a
+# layout: the same spec run again on other cuts (the testbed's configurations, a user's rerun) reuses
+# the id and the stage numbers, so the description is part of the key
+_child_modules: dict[tuple[str, int, str], Any] = {}
 
 
 def _child_init() -> None:
@@ -105,14 +110,22 @@ def _child_check(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor], 
     """In the check process: `check_stage_work` with the stage's module kept across steps."""
     from fusionnode.verify.verifier import check_stage_work
 
-    for key in [k for k in _child_modules if k[0] != job_id]:  # another job's modules
-        del _child_modules[key]
-    module = _child_modules.get((job_id, a["stage"]))
-    if module is None:  # a stage id names one stage of one plan: its description does not change
-        module = _child_modules[(job_id, a["stage"])] = _cpu_stage(a["description"], dict(mine))
+    return check_stage_work(_stage_module(job_id, a, mine), a, mine, *rest)
+
+
+def _stage_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor]) -> Any:
+    """The check process's module of stage `a` holding `mine`: kept across steps, rebuilt when the
+    job or the stage's description (its cut) changes."""
+    digest = hashlib.sha256(json.dumps(a["description"], sort_keys=True, default=str).encode()).hexdigest()
+    key = (job_id, a["stage"], digest)
+    for old in [k for k in _child_modules if (k[:2] == key[:2] and k != key) or k[0] != job_id]:
+        del _child_modules[old]  # another job's modules, or this stage's under an earlier cut
+    module = _child_modules.get(key)
+    if module is None:
+        module = _child_modules[key] = _cpu_stage(a["description"], dict(mine))
     else:
         module.load_state(mine)
-    return check_stage_work(module, a, mine, *rest)
+    return module
 
 
 class CheckProcess:

@@ -39,7 +39,7 @@ ACT_INFLIGHT_FACTOR = 3  # activation memory estimate: saved tensors ~ this many
 MAX_PROPOSALS = 4  # rounds of stage proposals before giving up
 STAGE_ID_STRIDE = 1000  # stage ids of plan version v start at (v - 1) * this: no reuse across re-plans
 PING_TIMEOUT_S = 5.0  # seconds a peer has to answer a liveness probe
-PLANNERS = ("simple", "fusion", "even", "memory")
+PLANNERS = ("simple", "fusion", "even", "grid", "memory")
 
 
 def balanced_bounds(flops: list[float], n_stages: int) -> list[int]:
@@ -258,6 +258,7 @@ class Placement:
         among the replicas and the plan says which (prediction["dp_sync"]; no hosts for a ring)."""
         from fusionnode.plan.baselines import even_plan, memory_plan
         from fusionnode.plan.cluster import load_cluster_dict
+        from fusionnode.plan.grid import grid_plan
         from fusionnode.plan.planner import plan as make_plan
         from fusionnode.plan.syncprice import SyncPrice
 
@@ -282,7 +283,7 @@ class Placement:
         price, chosen = SyncPrice.from_dict(sync.price()), None
         if strategy == "fusion" and dp_sync is not None:
             kwargs["dp_sync"] = dp_sync
-        fn = {"fusion": make_plan, "even": even_plan, "memory": memory_plan}[strategy]
+        fn = {"fusion": make_plan, "even": even_plan, "grid": grid_plan, "memory": memory_plan}[strategy]
         if strategy == "fusion":  # with a --sync-budget, H is chosen here, once (plan/choose_h.py)
             from fusionnode.plan.choose_h import plan_for_sync
             from fusionnode.plan.simulator import simulate

@@ -3,6 +3,7 @@ advertised device figures, bounded by what this driver measured) and the links t
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from fusionnode.train.rebalance import planning_tflops
@@ -36,6 +37,31 @@ def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, fl
     return out
 
 
+def host_key(maddrs: Any) -> str:
+    """The machine a peer runs on, as far as its record tells: the sorted IP addresses it listens on
+    (relay addresses left out). Peers that advertise the same set (every peer of a local swarm
+    advertises 127.0.0.1 only) run on one machine; "" when it advertises none."""
+    ips = set()
+    for a in maddrs or ():
+        parts = str(a).split("/")
+        if "p2p-circuit" not in parts and len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            ips.add(parts[2])
+    return ",".join(sorted(ips))
+
+
+def shared_hosts(records: list[Any], ids: list[str]) -> dict[str, str]:
+    """peer id -> host key for the CPU peers among `ids` that share a machine with another of them
+    (plan/shared.py prices their shared cores); peers alone on their machine are left out."""
+    by_id = {r.peer_id: r for r in records}
+    groups: dict[str, list[str]] = {}
+    for pid in ids:
+        rec = by_id[pid]
+        key = host_key(getattr(rec, "maddrs", ()))
+        if key and getattr(rec.device, "kind", "") == "cpu":
+            groups.setdefault(key, []).append(pid)
+    return {pid: key for key, members in groups.items() if len(members) > 1 for pid in members}
+
+
 def cluster_from_records(
     records: list[Any],
     workers: list[str],
@@ -46,7 +72,9 @@ def cluster_from_records(
 
     TFLOPS are the peers' advertised figures only as far as `rebalance.planning_tflops` allows:
     replaced by `measured` speeds (the driver's table of stage times, any job, any layout) and
-    otherwise capped relative to them; links are bounded by the probes (`symmetric_links`)."""
+    otherwise capped relative to them; links are bounded by the probes (`symmetric_links`). CPU peers
+    of one machine (`shared_hosts`) are marked with its `host` and `cores` and planned at one speed,
+    the median of theirs: one CPU, whose peers' figures differ by what the others ran meanwhile."""
     devices, pairs, seen = [], [], set()
     by_id = {r.peer_id: r for r in records}
     ids = list(dict.fromkeys([*workers, *hosts]))
@@ -54,6 +82,11 @@ def cluster_from_records(
         {pid: max(float(by_id[pid].device.tflops_fp32), 1e-4) for pid in ids},
         {p: v for p, v in (measured or {}).items() if p in ids},
     )
+    host_of = shared_hosts(records, ids)
+    for key in set(host_of.values()):
+        members = [p for p, k in host_of.items() if k == key]
+        speed = statistics.median(tflops[p] for p in members)
+        tflops.update({p: speed for p in members})
     for pid in dict.fromkeys([*workers, *hosts]):
         rec = by_id[pid]
         roles = [
@@ -61,14 +94,15 @@ def cluster_from_records(
             for r in ("worker", "optimizer")
             if (r == "worker" and pid in workers) or (r == "optimizer" and pid in hosts)
         ]
-        devices.append(
-            {
-                "id": pid,
-                "tflops": max(tflops[pid], 1e-4),
-                "memory_gb": rec.capacity_bytes / 1e9,
-                "roles": roles,
-            }
-        )
+        device = {
+            "id": pid,
+            "tflops": max(tflops[pid], 1e-4),
+            "memory_gb": rec.capacity_bytes / 1e9,
+            "roles": roles,
+        }
+        if pid in host_of:
+            device.update(host=host_of[pid], cores=int(rec.device.cpu_count))
+        devices.append(device)
     measured = symmetric_links(records)
     relayed = {  # links through a circuit relay (issue 22): priced by their measured bandwidth, flagged
         frozenset((r.peer_id, o))

@@ -1,0 +1,93 @@
+"""Devices that share one machine's CPU cores: a lower bound on the step time.
+
+The estimator treats every device as independent. Peers of one machine are not: a swarm run on one
+host (`fusionnode demo`, a LocalSwarm, several `fusionnode join` on one box) has N peers, each with
+one compute thread, on C cores. Then
+- at most min(C, N) of them compute at once, so whatever the layout the step takes at least the
+  host's compute per step over min(C, N); a pipeline's bubbles cost nothing there (an idle stage
+  leaves its core to a busy one), which the per-device model misses, while data-parallel replicas
+  that it rates faster run on the same cores;
+- bytes between two of its peers cross loopback: the probe's figure for such a link is what one core
+  moves (TLS, copies), and moving them takes that core from the compute.
+So the bound is, per host, (its stages' compute + the transfers between its own devices: stage
+links, optimizer-host sync, ring all-reduce) per step over min(cores, its devices in the plan).
+Cluster documents mark such devices with `host` and `cores` (protocol/CLUSTER.md); without them
+the bound is 0 and nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from fusionnode.plan.cluster import Cluster
+from fusionnode.plan.estimator import Estimator, PipelineCost
+
+
+@functools.lru_cache(maxsize=16)
+def host_groups(cluster: Cluster) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(host index per device, -1 where it does not share a host; cores per host index)."""
+    names: dict[str, int] = {}
+    cores: list[int] = []
+    of = []
+    for d in cluster.devices:
+        if d.host and d.cores > 0:
+            if d.host not in names:
+                names[d.host] = len(cores)
+                cores.append(d.cores)
+            h = names[d.host]
+            cores[h] = max(cores[h], d.cores)
+            of.append(h)
+        else:
+            of.append(-1)
+    return tuple(of), tuple(cores)
+
+
+def shared_host_bound(
+    est: Estimator,
+    pipelines: Sequence[tuple[PipelineCost, int]],
+    hosts: Sequence[tuple[int, float]] = (),
+    ring: bool = False,
+) -> float:
+    """Seconds per step the busiest shared host needs at least (0 when no device shares a host).
+
+    `pipelines`: each pipeline's cost and micro-batch count; `hosts`: the optimizer hosts (device,
+    share) when the optimizer is offloaded; `ring`: the replicas all-reduce among themselves."""
+    of, cores = host_groups(est.cluster)
+    if not cores:
+        return 0.0
+    bw = est.cluster.bandwidth_bps
+    busy = [0.0] * len(cores)
+    active: list[set[int]] = [set() for _ in cores]
+    multi = len(pipelines) > 1
+    for cost, m in pipelines:
+        devs = cost.devices
+        for k, d in enumerate(devs):
+            h = of[d]
+            if h < 0:
+                continue
+            active[h].add(d)
+            busy[h] += cost.compute_s[k] * m
+            if k + 1 < len(devs) and of[devs[k + 1]] == h:
+                busy[h] += cost.comm_s[k] * m  # a loopback stage link, both directions
+            p = cost.param_bytes[k]
+            if p <= 0:
+                continue
+            if est.offload:
+                for dev, share in hosts:
+                    if dev != d and share > 0 and of[dev] == h:
+                        active[h].add(dev)  # the host's optimizer runs there too
+                        nbytes = est.sync.round_bytes(p * share)
+                        busy[h] += est.sync.per_step(2.0 * nbytes * 8.0 / float(bw[d, dev]))
+            elif ring and multi:
+                mates = [o for o, _ in pipelines if o is not cost]
+                k_ring = len(pipelines)
+                peers = [o.devices[min(k, o.stages - 1)] for o in mates]
+                same = [x for x in peers if of[x] == h]
+                if same:
+                    slowest = min(float(bw[d, x]) for x in same)
+                    busy[h] += 2.0 * (k_ring - 1) / k_ring * p * 8.0 / slowest
+    return max(
+        (b / min(c, len(a)) for b, c, a in zip(busy, cores, active, strict=True) if a),
+        default=0.0,
+    )

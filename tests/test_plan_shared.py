@@ -1,0 +1,128 @@
+"""Peers of one machine share its cores: the planner's lower bound (plan/shared.py) and how a swarm's
+cluster marks them (train/swarm_cluster.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from fusionnode.errors import ConfigError
+from fusionnode.graph.trace import graph_for
+from fusionnode.plan.baselines import contiguous_split_plan
+from fusionnode.plan.cluster import load_cluster_dict
+from fusionnode.plan.evaluate import evaluate_plan
+from fusionnode.plan.planner import plan
+from fusionnode.train.swarm_cluster import cluster_from_records, host_key, shared_hosts
+
+IDS = ["p0", "p1", "p2"]
+
+
+def _doc(shared: bool, cores: int = 2) -> dict:
+    """Three CPU peers of one machine as a local swarm's cluster describes them (loopback links)."""
+    devices = []
+    for pid in IDS:
+        d = {"id": pid, "tflops": 0.06, "memory_gb": 20.0, "roles": ["worker", "optimizer"]}
+        if shared:
+            d.update(host="127.0.0.1", cores=cores)
+        devices.append(d)
+    pairs = [{"a": a, "b": b, "bandwidth_gbps": 1.5, "latency_ms": 0.05} for a in IDS for b in IDS if a < b]
+    return {"version": 1, "name": "local", "devices": devices, "links": {"pairs": pairs}}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return graph_for("gpt2-tiny", 128)
+
+
+def _plan(graph, doc: dict):
+    return plan(graph, load_cluster_dict(doc), 16, micro_batches=4, seq_len=128, compress=False)
+
+
+def test_one_machine_is_priced_by_its_cores_and_the_planner_is_not_worse_than_one_pipeline(graph):
+    free, shared = load_cluster_dict(_doc(False)), load_cluster_dict(_doc(True))
+    simple = contiguous_split_plan(graph, IDS, 16, 4, 128)
+    # three independent devices: data parallelism over all three looks fastest, below what 2 cores
+    # can do (a third of the total compute per step)
+    p_free = _plan(graph, _doc(False))
+    assert len(p_free.pipelines) == 3
+    t_free = evaluate_plan(graph, free, p_free)
+    assert t_free < evaluate_plan(graph, free, simple)
+    # the same plan on one machine of 2 cores: at least its compute over 2 cores plus the sync bytes
+    assert evaluate_plan(graph, shared, p_free) > 1.3 * t_free
+    # planned for that machine: never predicted slower than the simple layout it must beat, and no
+    # plan whose compute needs more than the 2 cores
+    p = _plan(graph, _doc(True))
+    t = evaluate_plan(graph, shared, p)
+    assert t <= evaluate_plan(graph, shared, simple) * (1 + 1e-9)
+    assert p.prediction.step_time_s == pytest.approx(t, rel=1e-6)
+    assert len({s.devices[0] for pl in p.pipelines for s in pl.stages}) <= 3
+    # with as many cores as peers nothing is shared: the bound does not bind
+    assert evaluate_plan(graph, load_cluster_dict(_doc(True, cores=3)), p_free) == pytest.approx(t_free)
+
+
+def test_host_and_cores_fields_are_checked():
+    doc = _doc(True)
+    doc["devices"][0]["cores"] = -1
+    with pytest.raises(ConfigError, match="cores"):
+        load_cluster_dict(doc)
+    doc = _doc(True)
+    doc["devices"][1]["host"] = 3
+    with pytest.raises(ConfigError, match="host"):
+        load_cluster_dict(doc)
+
+
+def _rec(pid: str, maddrs: list[str], kind: str = "cpu", tflops: float = 1.0) -> SimpleNamespace:
+    return SimpleNamespace(
+        peer_id=pid,
+        maddrs=tuple(maddrs),
+        links={},
+        device=SimpleNamespace(tflops_fp32=tflops, kind=kind, cpu_count=2),
+        capacity_bytes=1 << 30,
+    )
+
+
+def test_peers_advertising_the_same_addresses_share_a_host():
+    local = ["/ip4/127.0.0.1/tcp/4001/p2p/Qm1", "/ip4/127.0.0.1/tcp/4002/tls/fusionnode-direct"]
+    assert host_key(local) == "127.0.0.1"
+    relayed = ["/ip4/10.0.0.1/tcp/1/p2p/QmR/p2p-circuit/p2p/Qm1", "/ip4/10.0.0.2/tcp/2"]
+    assert host_key(relayed) == "10.0.0.2"  # a relay's address is not the peer's machine
+    records = [
+        _rec("a", local, tflops=1.0),
+        _rec("b", ["/ip4/127.0.0.1/tcp/5001"], tflops=3.0),
+        _rec("c", ["/ip4/127.0.0.1/tcp/6001"], tflops=2.0),
+        _rec("g1", ["/ip4/10.0.0.5/tcp/1"], kind="cuda"),
+        _rec("g2", ["/ip4/10.0.0.5/tcp/2"], kind="cuda"),
+        _rec("n", ["/ip4/10.0.0.9/tcp/1"]),
+    ]
+    ids = [r.peer_id for r in records]
+    assert shared_hosts(records, ids) == {"a": "127.0.0.1", "b": "127.0.0.1", "c": "127.0.0.1"}
+    doc = cluster_from_records(records, ids, [])
+    devs = {d["id"]: d for d in doc["devices"]}
+    # one CPU, one speed: the median of the figures its peers measured while the others ran
+    assert [devs[p]["tflops"] for p in "abc"] == [2.0, 2.0, 2.0]
+    assert all(devs[p]["host"] == "127.0.0.1" and devs[p]["cores"] == 2 for p in "abc")
+    assert all("host" not in devs[p] for p in ("g1", "g2", "n"))  # GPUs and a lone peer
+    load_cluster_dict(doc)  # a valid cluster document
+
+
+def test_grid_plan_is_the_best_even_grid_and_the_planner_is_not_slower(graph):
+    """`train --planner grid` (the testbed's "even-grid"): the fastest even grid under the planner's
+    model, as a plan the runtime follows; the planner's own plan is never predicted slower."""
+    from fusionnode.plan.evaluate import make_context
+    from fusionnode.plan.fence import MAX_BLOCKS
+    from fusionnode.plan.grid import even_grids, grid_plan
+
+    doc = _doc(False)
+    doc["devices"].append({"id": "p3", "tflops": 0.02, "memory_gb": 20.0, "roles": ["worker"]})
+    cluster = load_cluster_dict(doc)
+    g = grid_plan(graph, cluster, 16, micro_batches=4, seq_len=128)
+    assert g.strategy == "grid"
+    g.validate(graph)
+    ctx = make_context(graph, cluster, 16, 4, True, None, None, MAX_BLOCKS, False)
+    grids = even_grids(ctx)
+    assert len(grids) >= 2 and g.prediction.step_time_s == pytest.approx(grids[0].step_s, rel=1e-9)
+    shapes = {(len(e.pipelines), len(e.pipelines[0])) for e in grids}
+    assert (len(g.pipelines), len(g.pipelines[0].stages)) in shapes
+    p = plan(graph, cluster, 16, micro_batches=4, seq_len=128, compress=False)
+    assert evaluate_plan(graph, cluster, p) <= evaluate_plan(graph, cluster, g) * (1 + 1e-9)
