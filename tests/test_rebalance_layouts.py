@@ -98,9 +98,12 @@ def test_an_inflated_advertisement_stops_attracting_work_after_one_measurement()
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypatch):
-    """2 pipelines x 2 stages on 4 real peers; one worker (not the driver) slowed 4x by the debug
-    hook from the start: a rebalance re-plan gives it less work (its pipeline a smaller batch share,
-    or it fewer operators), and the job finishes every step."""
+    """2 pipelines x 2 stages on 4 real peers, rebalancing at its default (on: offload); one worker
+    (not the driver) slowed 16x by the debug hook after step 5 (16x, not bench faults' 4x: this test
+    checks the mechanism on a machine loaded by other tests): a rebalance re-plan within 10 steps
+    gives it less work (its pipeline a smaller batch share, or it fewer operators), and the job
+    finishes every step. (A peer slow from the start is no straggler to the trigger: nothing
+    changed; the next job is planned from its measured speed, below.)"""
     from fusionnode import control
     from fusionnode.localswarm import LocalSwarm
     from fusionnode.runtime.hooks import DEBUG_ENV, DEBUG_SLOW_FILE
@@ -113,13 +116,13 @@ def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypat
         asyncio.run(swarm.wait_connected())
         ids = [r["peer_id"] for r in swarm.ready]
         victim = ids[2]
-        (swarm.state_dir(2) / DEBUG_SLOW_FILE).write_text("4")
+        slow_at = 6
         spec = JobSpec(
             model="gpt2-tiny",
-            steps=10,
-            batch_size=8,
-            micro_batches=2,
-            seq_len=32,
+            steps=22,
+            batch_size=16,  # bench faults' job: enough compute per stage to stand out of timing noise
+            micro_batches=4,
+            seq_len=128,
             seed=5,
             lr=3e-3,
             metrics_out=str(tmp_path / "metrics.jsonl"),
@@ -129,7 +132,6 @@ def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypat
             "replicas": 2,
             "stages": 2,
             "offload": "on",
-            "rebalance_every": 2,
         }
 
         async def go() -> tuple[dict, list[dict]]:
@@ -138,6 +140,8 @@ def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypat
                 if "event" not in obj:
                     return obj["result"], events
                 events.append(obj["event"])
+                if obj["event"]["type"] == "step" and obj["event"]["step"] == slow_at - 1:
+                    (swarm.state_dir(2) / DEBUG_SLOW_FILE).write_text("16")
             raise AssertionError("no result")
 
         result, events = asyncio.run(go())
@@ -152,7 +156,10 @@ def test_a_slowed_worker_of_a_two_pipeline_job_is_rebalanced(tmp_path, monkeypat
         rebalances = [e for e in replans if str(e.get("reason", "")).startswith("rebalance")]
         print("rebalances:", [(e["step"], e["reason"], e["peers"], e["bounds"]) for e in rebalances])
         assert rebalances, f"no rebalance re-plan: {[e.get('reason') for e in replans]}"
+        assert slow_at < rebalances[0]["step"] <= slow_at + 10, rebalances[0]
         last = rebalances[-1]
+        if last.get("moved") == "shares":  # the cheap move: the same stages, no parameter shipped
+            assert last["peers"] == [s["peer"] for s in initial["stages"]]
 
         def work(peers: list[str], bounds: list[list[int]], shares: list[int]) -> dict[str, int]:
             """Operators x samples per step of each peer (a pipeline starts where lo is 0)."""

@@ -10,10 +10,10 @@ worker reads a slow-down factor from `<state dir>/debug_slow`):
   steps one worker (not the driver's) is slowed `--factor` times. Reported: median tokens/s of the
   healthy steps, of the slowed steps before the re-plan, of the steps after it (leaving out the
   first step of each plan), the reference's, and the steps from the slow-down to the re-plan.
-  With `--pipelines 2`: the job is 2 pipelines x 2 stages on the 4 workers, the reference 2
-  pipelines of one stage on the 3 healthy ones (3 // 2 stages each).
+  With `--pipelines 2`: the job is 2 pipelines x 2 stages on the 4 workers, the reference the
+  faster of 2 pipelines of one stage (3 // 2 stages each) and one of 3 stages on the 3 healthy ones.
 - clean: the job of `--pipelines` on 4 healthy workers with rebalancing at its default (on, every
-  4 steps: the optimizer state is offloaded); reported: the re-plans it made (there should be none:
+  2 steps: the optimizer state is offloaded); reported: the re-plans it made (there should be none:
   the trigger acts only on a gain that clears the measured noise at consecutive checks).
 - kill: 2 + `--kills` peers (the driver, also the optimizer host, and one worker form 2 stages;
   the rest are spares); `--kills` times, at least 3 steps apart, a random non-driver worker of
@@ -71,7 +71,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="step after which the straggler slows down (default %(default)s)",
     )
     p.add_argument(
-        "--check-every", type=int, default=4, help="steps between rebalance checks (default %(default)s)"
+        "--check-every",
+        type=int,
+        default=None,
+        help="steps between rebalance checks (default: the job's default, 2 with offload)",
     )
     p.add_argument(
         "--kills", type=int, default=5, help="workers SIGKILLed in the kill scenario (default %(default)s)"
@@ -169,45 +172,51 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
         params = {"spec": spec.to_dict(), **shape, "peers": order, "offload": "on"}
-        _res, events = asyncio.run(_train(swarm, {**params, "rebalance_every": args.check_every}, on_event))
+        if args.check_every is not None:
+            params["rebalance_every"] = args.check_every
+        _res, events = asyncio.run(_train(swarm, params, on_event))
         victim = slowed[0]
         (swarm.state_dir(ids.index(victim)) / "debug_slow").unlink(missing_ok=True)
         healthy = [p for p in order if p != victim]
-        ref_spec = _spec(args, workdir / "straggler-reference.jsonl").replace(job_id="straggler-reference")
-        # the same job without the slowed peer: 3 stages, or 2 pipelines of one stage (3 // 2)
-        ref_shape = {"stages": 3} if args.pipelines == 1 else {"replicas": 2}
-        _res, ref_events = asyncio.run(
-            _train(
-                swarm,
-                {
-                    "spec": ref_spec.to_dict(),
-                    **ref_shape,
-                    "peers": healthy,
-                    "offload": "on",
-                    "rebalance_every": 0,
-                },
-            )
+        # the same job without the slowed peer, on the 3 healthy ones: 3 stages; for 2 pipelines also
+        # 2 pipelines of one stage (3 // 2): the faster of them is the reference
+        shapes = (
+            {"1x3": {"stages": 3}} if args.pipelines == 1 else {"2x1": {"replicas": 2}, "1x3": {"stages": 3}}
         )
-        ref_steps = [e for e in ref_events if e["type"] == "step"][2:]
+        refs: dict[str, float | None] = {}
+        for name, ref_shape in shapes.items():
+            ref_spec = _spec(args, workdir / f"straggler-reference-{name}.jsonl").replace(
+                job_id=f"straggler-reference-{name}"
+            )
+            _res, ref_events = asyncio.run(
+                _train(
+                    swarm,
+                    {
+                        "spec": ref_spec.to_dict(),
+                        **ref_shape,
+                        "peers": healthy,
+                        "offload": "on",
+                        "rebalance_every": 0,
+                    },
+                )
+            )
+            refs[name] = _median_tps([e for e in ref_events if e["type"] == "step"][2:])
         steps = [e for e in events if e["type"] == "step"]
-        replans = [
-            e
-            for e in events
-            if e.get("kind") == "replan" and e["step"] >= args.slow_at and victim[:12] in e["reason"]
-        ] or [e for e in events if e.get("kind") == "replan" and e["step"] >= args.slow_at]
+        replans = [e for e in events if e.get("kind") == "replan" and e["step"] >= args.slow_at]
         replan_step = replans[0]["step"] if replans else None
         before = [e for e in steps if 1 <= e["step"] < args.slow_at]
         during = [
             e for e in steps if e["step"] >= args.slow_at and (replan_step is None or e["step"] < replan_step)
         ]
         after = [e for e in steps if replan_step is not None and e["step"] > replan_step]
-        ref_tps = _median_tps(ref_steps)
+        ref_tps = max((v for v in refs.values() if v), default=None)
         after_tps = _median_tps(after)
         return {
             "scenario": "straggler",
             "pipelines": args.pipelines,
             "factor": args.factor,
             "reference_without_slowed_peer_tokens_per_s": ref_tps,
+            "references_tokens_per_s": refs,
             "before_slowdown_tokens_per_s": _median_tps(before),
             "slowed_before_replan_tokens_per_s": _median_tps(during),
             "after_rebalance_tokens_per_s": after_tps,
@@ -217,6 +226,9 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             else None,
             "replans_in_run": sum(e.get("kind") == "replan" for e in events),
             "replan_reason": replans[0]["reason"] if replans else None,
+            "replan_moved": (replans[0].get("moved") or "stages") if replans else None,
+            "replan_move_s": replans[0].get("move_s") if replans else None,
+            "replan_shares": replans[0].get("shares") if replans else None,
             "new_plan": [[p[:12], *b] for p, b in zip(replans[0]["peers"], replans[0]["bounds"], strict=True)]
             if replans
             else None,

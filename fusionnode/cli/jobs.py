@@ -136,8 +136,9 @@ def add_train_command(sub: Any) -> None:
         default=None,
         metavar="N",
         help="every N steps, re-plan if measured stage times promise a faster layout, by a gain that "
-        "clears the measured timing noise at two checks in a row (needs offloaded optimizer state; "
-        "0 = never; default: every 4 steps when the job's optimizer state is offloaded, else never)",
+        "clears the measured timing noise, from the same bottleneck peer that slowed down, at two "
+        "checks in a row (needs offloaded optimizer state; 0 = never; default: every 2 steps when the "
+        "job's optimizer state is offloaded, else never)",
     )
     p.add_argument(
         "--rebalance-gain",

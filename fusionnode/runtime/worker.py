@@ -26,6 +26,7 @@ beyond its work.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -94,6 +95,7 @@ class WorkerService(StageAudit, HostLink):
             Rpc.JOB_RELEASE: self.rpc_release,
             Rpc.JOB_PING: self.rpc_ping,
             Rpc.JOB_AUDIT: self.rpc_audit,
+            Rpc.JOB_RESIZE: self.rpc_resize,
             Rpc.DEBUG_SLOW: self.rpc_debug_slow,
         }.items():
             jp.serve(transport, name, fn)
@@ -276,6 +278,25 @@ class WorkerService(StageAudit, HostLink):
         if sj.offload and not sj.sync.rounds:
             self._install_push_hooks(sj, asyncio.get_running_loop())
         return jp.StartReply(ready=True, params=len(sj.params))
+
+    async def rpc_resize(self, req: jp.ResizeRequest, sender: str) -> jp.AssignReply:
+        """A new batch share for the stage from its next step (rebalancing between pipelines: no
+        parameter moves): its gradient pushes report `samples`, and it is counted at `need_bytes`
+        (at least what its description's state takes) if that fits."""
+        sj = self._get(req, sender)
+        if sj.offload is None:
+            raise JobError(ErrorCode.BAD_REQUEST, "only a stage whose optimizer runs on hosts moves shares")
+        async with sj.busy:  # between steps
+            need = max(req.need_bytes, state_bytes(sj.description) * state_copies(sj.sync.to_dict(), True))
+            free = self.capacity_bytes - self.used_bytes() + sj.need_bytes
+            if need * MEMORY_OVERHEAD > free:
+                raise JobError(
+                    ErrorCode.NO_ROOM, f"stage needs about {need * MEMORY_OVERHEAD / 2**20:.0f} MiB"
+                )
+            sj.need_bytes, sj.offload = need, dataclasses.replace(sj.offload, samples=req.samples)
+            peers = {sj.driver, sj.prev, sj.next, *sj.offload.hosts.values()}
+            self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
+        return jp.AssignReply(accepted=True, free_bytes=free - need)
 
     async def rpc_release(self, req: jp.ReleaseRequest, sender: str) -> jp.ReleaseReply:
         sj = self._get(req, sender)

@@ -72,8 +72,8 @@ OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
 # steps between straggler checks when the job can survive a move (offloaded optimizer state, no
 # --sync rounds) and does not say otherwise; a check acts only on a gain that clears the measured
-# noise at consecutive checks (rebalance.Trigger)
-DEFAULT_REBALANCE_EVERY = 4
+# noise, from a bottleneck that slowed down, at consecutive checks (rebalance.Trigger)
+DEFAULT_REBALANCE_EVERY = 2
 
 
 def rebalance_every(params: dict[str, Any], job: Job) -> int:
@@ -568,7 +568,7 @@ class Driver:
                 job.offload
                 and run.rebalance_every
                 and step < spec.steps
-                and run.steps_on_plan >= run.rebalance_every
+                and run.since_check >= run.rebalance_every
             ):
                 # a re-plan starts a new mark
                 if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:

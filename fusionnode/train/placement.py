@@ -141,6 +141,15 @@ def layout(
     return out
 
 
+def activation_bytes(graph: Any, pipe: Pipeline, i: int) -> int:
+    """Estimated activation memory of stage `i` of `pipe` (saved tensors of the micro-batches in
+    flight at once under the schedule): it scales with the pipeline's micro-batch size."""
+    lo, hi = pipe.bounds[i], pipe.bounds[i + 1]
+    act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
+    in_flight = peak_in_flight(DEFAULT_SCHEDULE, len(pipe.peers), i, pipe.micro_batches)
+    return int(act_bytes * in_flight * ACT_INFLIGHT_FACTOR)
+
+
 def expected(job: Job, stage_args: list[StageAssignment]) -> dict[str, dict[str, dict[str, Any]]]:
     from fusionnode.optim.contributions import contributor_key
 
@@ -389,8 +398,6 @@ class Placement:
                     name: {"shape": list(params[name].shape), "dtype": "float32"} for name in stage_params[i]
                 }
                 pbytes = sum(params[name].numel() * 4 for name in stage_params[i])
-                act_bytes = sum(node.out_bytes for node in graph.nodes[lo:hi]) * pipe.mb_size
-                in_flight = peak_in_flight(DEFAULT_SCHEDULE, n, i, pipe.micro_batches)
                 # params + grads (+ 2 optimizer states when local; + θ_start, EF in a sync round mode)
                 state_factor = state_copies(job.sync.to_dict(), bool(host_of))
                 offload = None
@@ -419,7 +426,7 @@ class Placement:
                     shared_names=sorted(shared & set(pspecs) - set(job.frozen)),
                     frozen=sorted(set(pspecs) & set(job.frozen)),
                     spec=spec.to_dict(),
-                    need_bytes=int(pbytes * state_factor + act_bytes * in_flight * ACT_INFLIGHT_FACTOR),
+                    need_bytes=int(pbytes * state_factor + activation_bytes(graph, pipe, i)),
                     lease_s=job.lease_s,
                     lo=lo,
                     hi=hi,

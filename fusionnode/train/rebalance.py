@@ -19,24 +19,32 @@ noisy measurement does not make the plan flap.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from fusionnode.train.speeds import (  # noqa: F401  (re-exported: the run's table and trigger)
+    DEFAULT_WINDOW,
+    DROP_SIGMAS,
+    MIN_DROP,
+    NOISE_SIGMAS,
+    PERSIST_CHECKS,
+    RUN_HISTORY,
+    SPEED_WINDOW,
+    SpeedBook,
+    Trigger,
+)
 from fusionnode.wire.job import ErrorCode, Failure
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_GAIN = 0.25  # relative step-time improvement below which a re-plan is not worth it
-DEFAULT_WINDOW = 3  # steps of measurements averaged into a peer's speed
 DEFAULT_BAN_S = 15.0  # seconds a peer is banned after its first failure (doubles each time, Petals)
 MAX_BAN_S = 600.0  # seconds: the longest ban
-SPEED_WINDOW = 8  # samples per peer the driver's table keeps across jobs (a stall stays in it that long)
 ADVERTISED_CAP = 4.0  # an unmeasured peer is planned at most this many times the fastest measured one
-PERSIST_CHECKS = 2  # a re-plan needs its gain at this many consecutive checks (one window is noise)
-NOISE_SIGMAS = 2.0  # ... and a gain above this many times the measured noise of the stage speeds
 
 
 @dataclass(frozen=True)
@@ -142,83 +150,6 @@ def calibrate_cluster(doc: Mapping, measured: Mapping[str, float], advertised: M
     out = dict(doc)
     out["devices"] = [{**d, "tflops": max(figures[d["id"]], 1e-6)} for d in doc.get("devices", [])]
     return out
-
-
-class SpeedBook:
-    """Measured compute speed of peers: work (graph FLOPs x sequences) per second of compute over
-    each peer's last `window` samples. The driver keeps one for its lifetime (every job, every
-    layout feeds it, and a stall is recorded in it); each run keeps a short one (recent behaviour)."""
-
-    def __init__(self, window: int = SPEED_WINDOW):
-        self.window = window
-        self.samples: dict[str, collections.deque[tuple[float, float]]] = {}
-        self.stalls: dict[str, int] = {}
-
-    def record(self, peer: str, work: float, seconds: float) -> None:
-        if not (work > 0 and seconds > 0 and math.isfinite(work) and math.isfinite(seconds)):
-            return
-        self.samples.setdefault(peer, collections.deque(maxlen=self.window)).append((work, seconds))
-
-    def stall(self, peer: str, work: float, seconds: float) -> None:
-        """A peer took `work` and did not deliver within `seconds` (a failed step): its speed counts
-        the stall as a sample of that work over that time, so it stays slow for `window` samples."""
-        self.stalls[peer] = self.stalls.get(peer, 0) + 1
-        self.record(peer, max(work, 1.0), seconds)
-
-    def forget(self, peer: str) -> None:
-        self.samples.pop(peer, None)
-
-    def noise(self, peers: Iterable[str] | None = None) -> float:
-        """The timing noise of the measured stage speeds: the median over peers (with two samples
-        or more) of the relative standard error of their mean speed over the window (the spread of
-        their per-sample speeds / sqrt(samples)). The median, so one peer's real slow-down (a level
-        shift inside its window) does not count as noise; 0 if unknown."""
-        cvs = []
-        for p in self.samples if peers is None else peers:
-            q = self.samples.get(p)
-            if not q or len(q) < 2:
-                continue
-            v = [w / s for w, s in q]
-            mean = sum(v) / len(v)
-            if mean > 0:
-                sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1))
-                cvs.append(sd / mean / math.sqrt(len(v)))
-        cvs.sort()
-        return cvs[len(cvs) // 2] if cvs else 0.0
-
-    def speeds(self) -> dict[str, float]:
-        out = {}
-        for p, q in self.samples.items():
-            work, secs = sum(w for w, _ in q), sum(s for _, s in q)
-            if work > 0 and secs > 0:
-                out[p] = work / secs
-        return out
-
-
-@dataclass
-class Trigger:
-    """When a rebalance decision may be acted on: the predicted gain must clear both the job's
-    threshold and NOISE_SIGMAS x the measured noise of stage speeds, at `persist` consecutive checks
-    (a real slow-down persists; a noisy window does not)."""
-
-    persist: int = PERSIST_CHECKS
-    sigmas: float = NOISE_SIGMAS
-    streak: int = 0
-
-    def threshold(self, min_gain: float, noise: float) -> float:
-        return max(min_gain, self.sigmas * noise)
-
-    def check(self, wants: bool, gain: float, min_gain: float, noise: float) -> tuple[bool, str]:
-        """(act now?, why) for a decision that `wants` to move with this predicted `gain`."""
-        bar = self.threshold(min_gain, noise)
-        if not wants or gain < bar:
-            self.streak = 0
-            return False, f"gain {gain:.0%} under the bar {bar:.0%} (noise {noise:.1%})"
-        self.streak += 1
-        if self.streak < self.persist:
-            return False, f"gain {gain:.0%} over the bar {bar:.0%}: check {self.streak} of {self.persist}"
-        self.streak = 0
-        return True, f"gain {gain:.0%} over the bar {bar:.0%} at {self.persist} checks in a row"
 
 
 def weighted_bounds(flops: Sequence[float], speeds: Sequence[float]) -> tuple[int, ...]:
@@ -348,6 +279,7 @@ class JobDecision:
     candidate_s: float
     layouts: tuple[Layout, ...] = ()  # one per pipeline (also when not adopted, for the record)
     shares: tuple[int, ...] = ()  # samples per pipeline under `layouts` (moved when shares pay)
+    culprit: str | None = None  # the bottleneck: the slowest stage's peer of the slowest pipeline
 
     @property
     def gain(self) -> float:
@@ -403,6 +335,14 @@ def decide_job(
         predict_step_s(lay, f, speeds, m) for lay, f, m in zip(current, flops, micro_batches, strict=True)
     ]
     cur = max(times)
+    share: JobDecision | None = None
+    worst = max(range(len(current)), key=lambda k: times[k])
+    lay_w, f_w = current[worst], flops[worst]
+    culprit = max(
+        range(len(lay_w.peers)),
+        key=lambda i: stage_flops(f_w, lay_w.bounds[i], lay_w.bounds[i + 1]) / speeds[lay_w.peers[i]],
+    )
+    culprit_peer = lay_w.peers[culprit]
     if shares and len(current) > 1:  # first the cheap move: the batch shared by the pipelines' speeds
         new_shares = balance_shares(
             [t / n for t, n in zip(times, shares, strict=True)], micro_batches, sum(shares)
@@ -411,15 +351,40 @@ def decide_job(
             new = max(t / n * k for t, n, k in zip(times, shares, new_shares, strict=True))
             gain, saved = 1.0 - new / cur, (cur - new) * steps_left
             if gain >= min_gain and saved > move_cost_s:
-                return JobDecision(
+                share = JobDecision(
                     True,
-                    f"predicted step {cur:.3f} s -> {new:.3f} s ({gain:.0%} faster) by batch shares "
+                    f"predicted step {cur:.3f} s -> {new:.3f} s ({gain:.0%} faster; slowest peer "
+                    f"{culprit_peer[:12]}…) by batch shares "
                     f"{list(shares)} -> {new_shares}",
                     cur,
                     new,
                     tuple(current),
                     tuple(new_shares),
+                    culprit_peer,
                 )
+    split = _resplit(current, flops, speeds, micro_batches, spares, steps_left, move_cost_s, min_gain, times)
+    split = dataclasses.replace(split, culprit=culprit_peer)
+    # the shares move unless re-placing stages is clearly better (by the threshold again): a share
+    # move cannot take all the work off a slow peer (each pipeline keeps a micro-batch per step)
+    if share is not None and not (split.adopt and split.candidate_s <= (1.0 - min_gain) * share.candidate_s):
+        return share
+    return split
+
+
+def _resplit(
+    current: Sequence[Layout],
+    flops: Sequence[Sequence[float]],
+    speeds: Mapping[str, float],
+    micro_batches: Sequence[int],
+    spares: Sequence[str],
+    steps_left: int,
+    move_cost_s: float,
+    min_gain: float,
+    times: list[float],
+) -> JobDecision:
+    """`decide_job`'s re-split or swap of the pipelines' stages (shares unchanged)."""
+    cur = max(times)
+    times = list(times)
     layouts = list(current)
     used = {p for lay in current for p in lay.peers}
     free = [p for p in spares if p not in used]
@@ -459,7 +424,14 @@ def decide_job(
             new,
             out,
         )
-    slow = min((p for lay in current for p in lay.peers), key=lambda p: speeds[p])
+    slow = max(
+        (
+            (p, stage_flops(f, lay.bounds[i], lay.bounds[i + 1]) / speeds[p])
+            for lay, f in zip(current, flops, strict=True)
+            for i, p in enumerate(lay.peers)
+        ),
+        key=lambda x: x[1],
+    )[0]
     return JobDecision(
         True,
         f"predicted step {cur:.3f} s -> {new:.3f} s ({gain:.0%} faster; slowest peer {slow[:12]}…)",
@@ -467,6 +439,39 @@ def decide_job(
         new,
         out,
     )
+
+
+@dataclass(frozen=True)
+class Check:
+    """One rebalance check: the decision, whether the trigger lets it act, and what it saw."""
+
+    decision: JobDecision
+    act: bool
+    why: str
+    noise: float  # the measured noise of the window's speeds (SpeedBook.noise)
+    spread: float  # the step-to-step spread of stage speeds before it (SpeedBook.spread)
+    slowed: float | None  # the bottleneck's speed / its earlier speed (SpeedBook.slowdown)
+
+
+def check_job(
+    book: SpeedBook,
+    trigger: Trigger,
+    current: Sequence[Layout],
+    flops: Sequence[Sequence[float]],
+    speeds: Mapping[str, float],
+    micro_batches: Sequence[int],
+    **decide: Any,
+) -> Check:
+    """`decide_job` (its keyword arguments in `decide`) and the run's `trigger` over the run's
+    `book` of measured speeds: what a driver's rebalance check does, without the network."""
+    d = decide_job(current, flops, speeds, micro_batches, **decide)
+    in_plan = [p for lay in current for p in lay.peers]
+    noise, spread = book.noise(in_plan), book.spread(in_plan)
+    slowed = book.slowdown(d.culprit) if d.culprit else None
+    act, why = trigger.check(
+        d.adopt, d.gain, decide.get("min_gain", DEFAULT_MIN_GAIN), noise, d.culprit, slowed, spread
+    )
+    return Check(d, act, why, noise, spread, slowed)
 
 
 @dataclass
@@ -546,6 +551,7 @@ __all__ = [
     "blame",
     "calibrate_cluster",
     "candidates",
+    "check_job",
     "decide",
     "decide_job",
     "fill_speeds",

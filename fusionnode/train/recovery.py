@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -19,7 +20,14 @@ from typing import Any
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.train.checkpoint import checkpoint_feedback, load_resume, read_resume, save_job
-from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected, layout
+from fusionnode.train.placement import (
+    PING_TIMEOUT_S,
+    STAGE_ID_STRIDE,
+    Placement,
+    activation_bytes,
+    expected,
+    layout,
+)
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import Rollback, StepFailed
 from fusionnode.wire import job as jp
@@ -314,7 +322,8 @@ class Recovery:
         await self.placement.ship(job, stage_args, current, await self.round_feedback(job))
         run.stage_args = stage_args
         run.names_by_stage = None  # which stage sends which name at a round's end: the new stage ids
-        run.steps_on_plan = 0
+        run.recent.clear()  # speeds measured on other stages (flops are not seconds everywhere)
+        run.steps_on_plan = run.since_check = 0
         run.target_time_s = None
         run.move_s = time.perf_counter() - t0
         job.plan_version += 1
@@ -343,6 +352,80 @@ class Recovery:
             move_s=round(run.move_s, 3),
         )
 
+    async def move_shares(self, job: Job, run: Run, shares: list[int], *, reason: str) -> bool:
+        """Moves the batch shares between pipelines at a step boundary, the cheap move: no stage is
+        released and no parameter moves; each stage is told its pipeline's new samples per step and
+        memory need (`job.resize`: the activations scale with the micro-batch size), the optimizer
+        hosts the contributors' new sample counts (`opt.replan`: nothing is pending between steps).
+        False, with the old shares back in force, when a stage refuses (no room for the larger
+        micro-batches, or gone): the caller then re-places the job."""
+        t0 = time.perf_counter()
+        graph = run.traced.graph
+        old = [dataclasses.replace(p) for p in job.pipelines]
+        new = [dataclasses.replace(p, samples=int(n)) for p, n in zip(job.pipelines, shares, strict=True)]
+        if any(p.samples < p.micro_batches or p.samples % p.micro_batches for p in new):
+            raise ValueError(f"batch shares {shares} do not split into the pipelines' micro-batches")
+
+        def resized(pipes: list[Pipeline]) -> list[Any]:
+            out = []
+            for a in run.stage_args:
+                delta = activation_bytes(graph, pipes[a.replica], a.pos) - activation_bytes(
+                    graph, old[a.replica], a.pos
+                )
+                offload = {**a.offload, "samples": pipes[a.replica].samples} if a.offload else None
+                out.append(dataclasses.replace(a, need_bytes=max(0, a.need_bytes + delta), offload=offload))
+            return out
+
+        async def tell(args: list[Any], pipes: list[Pipeline]) -> list[Any]:
+            return await asyncio.gather(
+                *(
+                    jp.call(
+                        self.t,
+                        a.peer,
+                        Rpc.JOB_RESIZE,
+                        jp.ResizeRequest(
+                            job=job.spec.job_id,
+                            stage=a.stage,
+                            samples=pipes[a.replica].samples,
+                            need_bytes=a.need_bytes,
+                        ),
+                        timeout=PING_TIMEOUT_S,
+                    )
+                    for a in args
+                ),
+                return_exceptions=True,
+            )
+
+        args = resized(new)
+        replies = await tell(args, new)
+        refused = [a.peer for a, r in zip(args, replies, strict=True) if isinstance(r, BaseException)]
+        if refused:
+            await tell(run.stage_args, old)  # the stages that took the new share go back to the old
+            logger.info("share move refused by %s: %s", [p[:12] for p in refused], replies)
+            return False
+        job.pipelines, run.stage_args, run.shares = new, args, [p.samples for p in new]
+        job.hosts_applied = await self.hosts.replan(
+            job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
+        )
+        run.steps_on_plan = run.since_check = 0
+        run.target_time_s = None
+        # the speeds measured so far stay: a stage's work counts its samples, and the slow-down that
+        # moved the shares is still what a re-split (if the shares were not enough) is measured by
+        job.plan_version += 1
+        await run.event(
+            job,
+            "replan",
+            reason=reason,
+            plan_version=job.plan_version,
+            step=job.step,
+            peers=[a.peer for a in run.stage_args],
+            bounds=[[a.lo, a.hi] for a in run.stage_args],
+            shares=run.shares,
+            moved="shares",
+            move_s=round(time.perf_counter() - t0, 3),
+        )
+        return True
+
     async def round_feedback(self, job: Job) -> dict[int, dict[str, Any]] | None:
         """--sync sparseloco, a round redone on a new plan: the replicas' error feedback at the round's
         start, from the driver's checkpoint of that step when there is one (else the new stages start
@@ -358,12 +441,13 @@ class Recovery:
     async def maybe_rebalance(self, job: Job, run: Run, step: int) -> None:
         """Straggler rebalancing and use of joined peers, for every layout (one pipeline or several
         data-parallel replicas): each pipeline's peers re-split or swapped by the measured speeds
-        (`rebalance.decide_job`), adopted when the job's predicted step gain is above the threshold
-        and outweighs the cost of moving, and the run's `Trigger` agrees (the gain clears the
-        measured noise of stage speeds at consecutive checks)."""
-        from fusionnode.train.rebalance import Layout, decide_job, fill_speeds
+        (`rebalance.decide_job`, batch shares first), adopted when the job's predicted step gain is
+        above the threshold and outweighs the cost of moving, and the run's `Trigger` agrees (the
+        gain clears the measured noise, from the same bottleneck peer at consecutive checks, which
+        slowed down: train/speeds.py). A share move is cheap (`move_shares`)."""
+        from fusionnode.train.rebalance import Layout, check_job, fill_speeds
 
-        run.steps_on_plan = 0  # next check after another window
+        run.since_check = 0  # the next check after `rebalance_every` more measured steps
         workers = await self.live_workers(job, run)
         in_plan = [p for pipe in job.pipelines for p in pipe.peers]
         spares = [w for w in workers if w not in in_plan]
@@ -376,7 +460,9 @@ class Recovery:
         # table of earlier jobs; then advertisements, scaled to the measured unit and capped
         measured = {**run.book.speeds.speeds(), **run.speeds()}
         speeds = fill_speeds(measured, advertised, [*in_plan, *spares])
-        d = decide_job(
+        c = check_job(
+            run.recent,
+            run.trigger,
             [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines],
             [[f * p.samples for f in run.flops] for p in job.pipelines],
             speeds,
@@ -387,22 +473,30 @@ class Recovery:
             min_gain=run.min_gain,
             shares=[p.samples for p in job.pipelines],
         )
-        noise = run.recent.noise(in_plan)
-        act, why = run.trigger.check(d.adopt, d.gain, run.min_gain, noise)
-        logger.info("rebalance check at step %d: %s; %s", step, d.reason, why)
+        d = c.decision
+        logger.info("rebalance check at step %d: %s; %s", step, d.reason, c.why)
         run.metrics.event(  # the metrics file only: what each check saw (noise, gain, decision)
             "rebalance_check",
             step=step,
             gain=round(d.gain, 4),
-            noise=round(noise, 4),
+            noise=round(c.noise, 4),
+            spread=round(c.spread, 4),
+            slowed=None if c.slowed is None else round(c.slowed, 4),
+            culprit=d.culprit,
             wants=d.adopt,
-            acts=act,
-            reason=f"{d.reason}; {why}",
+            acts=c.act,
+            reason=f"{d.reason}; {c.why}",
         )
-        if act and d.layouts:
-            await self.adopt(
-                job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts, shares_=d.shares
-            )
+        if not (c.act and d.layouts):
+            return
+        same = list(d.layouts) == [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines]
+        # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
+        cheap = same and d.shares and job.offload
+        if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
+            return
+        await self.adopt(
+            job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts, shares_=d.shares
+        )
 
     async def round_restart(self, job: Job, run: Run, failed_at: int, applied: list[int]) -> int:
         """--sync diloco|sparseloco after a re-plan: the hosts' applied steps are the round ledger

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from fusionnode.sync import SyncConfig
-from fusionnode.train.rebalance import DEFAULT_WINDOW, Bans, PeerBook, SpeedBook, Trigger, stage_flops
+from fusionnode.train.rebalance import (
+    DEFAULT_WINDOW,
+    RUN_HISTORY,
+    Bans,
+    PeerBook,
+    SpeedBook,
+    Trigger,
+    stage_flops,
+)
 from fusionnode.wire.job import StageAssignment, StepReport
 
 logger = logging.getLogger(__name__)
@@ -161,11 +169,15 @@ class Run:
     gone: set[str] = dataclasses.field(default_factory=set)  # peers that left gracefully
     # the driver's table (speeds and bans across all its jobs); a run of its own by default
     book: PeerBook = dataclasses.field(default_factory=PeerBook)
-    steps_on_plan: int = 0
+    steps_on_plan: int = 0  # steps run on the plan in force (its first one warms up, unmeasured)
+    since_check: int = 0  # steps measured since the last rebalance check
     target_time_s: float | None = None  # per micro-batch compute time of the slowest stage, last step
-    # this run's last DEFAULT_WINDOW samples per peer (what rebalancing reads: recent behaviour)
     names_by_stage: dict[int, list[str]] | None = None  # --sync rounds: what each stage sends (issue 19)
-    recent: SpeedBook = dataclasses.field(default_factory=lambda: SpeedBook(DEFAULT_WINDOW))
+    # this run's samples per peer since the plan began (RUN_HISTORY at most): what rebalancing reads,
+    # the median of the last DEFAULT_WINDOW as a speed and the ones before as the speed it had
+    recent: SpeedBook = dataclasses.field(
+        default_factory=lambda: SpeedBook(RUN_HISTORY, quantile=0.5, recent=DEFAULT_WINDOW)
+    )
     trigger: Trigger = dataclasses.field(default_factory=Trigger)  # rebalancing's noise-aware trigger
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
     scorer: Any = None  # train.scoring.RoundScorer when the rounds' contributions are scored
@@ -188,6 +200,7 @@ class Run:
         self.steps_on_plan += 1
         if self.steps_on_plan == 1:
             return
+        self.since_check += 1
         for a, r in zip(self.stage_args, reports, strict=True):
             w, secs = self.work(job, a), float(r.compute_s)
             self.recent.record(a.peer, w, secs)

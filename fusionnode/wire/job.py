@@ -53,6 +53,7 @@ class Rpc:
     JOB_RELEASE: Final = "job.release"
     JOB_PING: Final = "job.ping"
     JOB_AUDIT: Final = "job.audit"  # show a verified step's kept messages (fusionnode/verify/)
+    JOB_RESIZE: Final = "job.resize"  # a held stage's new batch share (rebalancing between pipelines)
     DEBUG_SLOW: Final = "debug.slow"
     OPT_INIT: Final = "opt.init"
     OPT_HELD: Final = "opt.held"
@@ -224,6 +225,23 @@ class CountReply(JobMessage):
     """How many data messages follow (`job.fetch`)."""
 
     count: int
+
+
+@message
+class ResizeRequest(JobMessage):
+    """`job.resize`: from the next step on the stage's pipeline trains on `samples` sequences per
+    step (what its gradient pushes report to the optimizer hosts) and the stage needs `need_bytes`
+    (its activations grow or shrink with the micro-batch size): a batch share moved between
+    pipelines, with no parameter moved."""
+
+    job: str
+    stage: int
+    samples: int
+    need_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.samples < 1 or self.need_bytes < 0:
+            raise _bad(f"samples must be >= 1 and need_bytes >= 0, got {self.samples}, {self.need_bytes}")
 
 
 @message
@@ -537,6 +555,8 @@ RPCS: dict[str, RpcSpec] = {
                 (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.JOB_PING, PingRequest, PingReply, "any peer", ()),
         RpcSpec(Rpc.JOB_AUDIT, AuditRequest, AuditReply, "the stage's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
+        RpcSpec(Rpc.JOB_RESIZE, ResizeRequest, AssignReply, "the stage's driver",
+                (_E.NOT_HELD, _E.FORBIDDEN, _E.NO_ROOM)),
         RpcSpec(Rpc.DEBUG_SLOW, DebugSlow, DebugSlow, "the peer itself (FUSIONNODE_DEBUG=1)", (_E.FORBIDDEN,)),
         RpcSpec(Rpc.OPT_INIT, OptInit, OptInitReply, "the job's driver (== driver)",
                 (_E.FORBIDDEN, _E.NO_ROOM)),
