@@ -312,6 +312,8 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
     out = []
     driver = swarm.ready[0]["peer_id"]
     refs: dict[int, list[float]] = {}
+    honest: dict[tuple[int, str], tuple[float, float, bool]] = {}
+    swarm_index = {rec["peer_id"]: i for i, rec in enumerate(swarm.ready)}
     for kind in args.kinds:
         rows = []
         modes = ["checked"] * args.runs + (["unchecked"] if args.unchecked else [])
@@ -345,6 +347,18 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             steps = _steps(events)
             ref, ref_val = refs[seed].losses, refs[seed].val_loss
             final = steps[-1]["loss"]
+            plan = [p for p in events if p["type"] == "plan"][-1]["stages"]  # the plan the run ended on
+            key = (seed, json.dumps(plan, sort_keys=True))
+            if key not in honest:  # the same job, honest, on the final plan's peers and layout
+                hspec = _spec(args, f"verify-honest-{kind}-{r}", args.steps, None, seed)
+                hparams = {**_params(hspec, "off", None), "peers": [x["peer"] for x in plan]}
+                hres, hev = asyncio.run(_train(swarm, hparams))
+                hplan = [p for p in hev if p["type"] == "plan"][-1]["stages"]
+                same = [(x["peer"], x["lo"], x["hi"]) for x in hplan] == [
+                    (x["peer"], x["lo"], x["hi"]) for x in plan
+                ]
+                honest[key] = (hres["val_loss"], _steps(hev)[-1]["loss"], same)
+            h_val, h_final, h_same = honest[key]
             rows.append(
                 {
                     "mode": mode,
@@ -357,6 +371,14 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     "val_loss": result["val_loss"],
                     "reference_val_loss": ref_val,
                     "val_loss_rel_diff": abs(result["val_loss"] - ref_val) / ref_val,
+                    # the fair baseline: an honest run of the job on the plan this one ended on (same
+                    # peers, same layers per stage: the liar out, as after its ban)
+                    "honest_same_plan_val_loss": h_val,
+                    "val_loss_rel_diff_vs_honest_same_plan": abs(result["val_loss"] - h_val) / h_val,
+                    "final_loss_rel_diff_vs_honest_same_plan": abs(final - h_final) / h_final,
+                    "honest_run_had_the_same_layout": h_same,
+                    "plan_peers": [swarm_index[x["peer"]] for x in plan],
+                    "layout": [(x["lo"], x["hi"]) for x in plan],
                     "final_loss": final,
                     "reference_final_loss": ref[-1],
                     "final_loss_rel_diff": abs(final - ref[-1]) / ref[-1],
