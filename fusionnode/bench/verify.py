@@ -63,6 +63,7 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
 }
 CATCH_WITHIN = 20  # steps: the target
 SECTIONS = ("sim", "overhead", "lies", "seeded", "clean")
+FRESH = {"debug_forget_bans": True}  # the driver forgets the bans of earlier jobs (daemons run --debug)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -306,10 +307,10 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     }
 
 
-def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[str, Any]]:
+def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
+    """One row per kind of lie (see the module docstring); each job starts with no bans."""
     from fusionnode.train.local import train_local
 
-    out = []
     driver = swarm.ready[0]["peer_id"]
     refs: dict[int, list[float]] = {}
     honest: dict[tuple[int, str], tuple[float, float, bool]] = {}
@@ -337,7 +338,9 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             try:
                 result, events = asyncio.run(
                     _train(
-                        swarm, _params(spec, "sample" if mode == "checked" else "off", args.rate), on_event
+                        swarm,
+                        {**_params(spec, "sample" if mode == "checked" else "off", args.rate), **FRESH},
+                        on_event,
                     )
                 )
             finally:
@@ -348,10 +351,12 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             ref, ref_val = refs[seed].losses, refs[seed].val_loss
             final = steps[-1]["loss"]
             plan = [p for p in events if p["type"] == "plan"][-1]["stages"]  # the plan the run ended on
-            key = (seed, json.dumps(plan, sort_keys=True))
+            key = (seed, json.dumps([(x["peer"], x["lo"], x["hi"]) for x in plan]))
             if key not in honest:  # the same job, honest, on the final plan's peers and layout
-                hspec = _spec(args, f"verify-honest-{kind}-{r}", args.steps, None, seed)
-                hparams = {**_params(hspec, "off", None), "peers": [x["peer"] for x in plan]}
+                hspec = _spec(
+                    args, f"verify-honest-{kind}-{r}", args.steps, workdir / f"honest-{kind}-{r}.jsonl", seed
+                )
+                hparams = {**_params(hspec, "off", None), "peers": [x["peer"] for x in plan], **FRESH}
                 hres, hev = asyncio.run(_train(swarm, hparams))
                 hplan = [p for p in hev if p["type"] == "plan"][-1]["stages"]
                 same = [(x["peer"], x["lo"], x["hi"]) for x in hplan] == [
@@ -386,8 +391,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     "wall_s": round(time.monotonic() - t0, 1),
                 }
             )
-        out.append({"scenario": f"lie:{kind}", "config": lie_config(kind, args, 0), "runs": rows})
-    return out
+        yield {"scenario": f"lie:{kind}", "config": lie_config(kind, args, 0), "runs": rows}
 
 
 def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -475,7 +479,7 @@ def _seeded_run(
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
-    params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
+    params = {**_params(spec, "sample", args.rate), **FRESH}
     try:
         asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:

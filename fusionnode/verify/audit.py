@@ -25,6 +25,9 @@ from fusionnode.wire.codec_api import EncodedTensor
 PackedTensors = tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]
 
 
+ALIGN = 16  # bytes: each tensor's offset in a packed buffer (a view as any dtype needs its alignment)
+
+
 def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> PackedTensors:
     """The tensors as one flat byte buffer and an index (name, dtype, shape, offset, bytes): one
     storage to share with another process (torch shares each storage as its own segment)."""
@@ -32,14 +35,15 @@ def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> PackedTensors:
     parts = []
     offset = 0
     for name, t in tensors.items():
-        flat = (
-            t.detach().contiguous().reshape(-1).view(torch.uint8)
-            if t.numel()
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        index.append((name, t.dtype, tuple(t.shape), offset, flat.numel()))
-        parts.append(flat)
-        offset += flat.numel()
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
+        size = 0 if flat is None else flat.numel()
+        index.append((name, t.dtype, tuple(t.shape), offset, size))
+        if flat is not None:
+            parts.append(flat)
+        pad = -size % ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+        offset += size + pad
     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     return buf, index
 
