@@ -458,9 +458,11 @@ def _seeded_run(
     attempt: int,
     driver: str,
     others: list[int],
-) -> tuple[list[dict], list[str]] | None:
+) -> tuple[list[dict], list[str], list[int] | None] | None:
     """One seeded job: (its first `caught` event or none, the peers that carried the lie in its
-    first plan); None when it failed before its liar was caught."""
+    first plan, and when it was not caught the steps at which its revealed secret drew a gradient
+    check of a liar's stage: a check that recomputes all of the stage's work, so any such step
+    where it lied should have caught it); None when it failed before its liar was caught."""
     from fusionnode import control
     from fusionnode.errors import FusionNodeError
 
@@ -471,17 +473,19 @@ def _seeded_run(
         (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
     caught: list[dict] = []
     liars: list[str] = []
+    liar_stages: list[int] = []
 
     async def on_event(ev: dict) -> None:
         if ev["type"] == "plan" and not liars:
             liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+            liar_stages.extend(s["stage"] for s in ev["stages"] if s["peer"] != driver)
         if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
     params = {**_params(spec, "sample", args.rate), **FRESH}
     try:
-        asyncio.run(_train(swarm, params, on_event))
+        result, _events = asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:
         if not caught:  # a cancelled job ends its stream with an error: expected then
             print(f"  seeded run {job_id} failed: {exc}", file=sys.stderr, flush=True)
@@ -489,7 +493,15 @@ def _seeded_run(
     finally:
         for i in others:
             (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
-    return caught, liars
+    drawn = None
+    if not caught:
+        from fusionnode.verify.selector import CheckSelector
+
+        sel = CheckSelector(bytes.fromhex(result["verify"]["secret"]))
+        drawn = [
+            st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.rate for g in liar_stages)
+        ]
+    return caught, liars, drawn
 
 
 def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
@@ -507,12 +519,15 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
     for kind in args.kinds:
         steps_needed: list[int | None] = []
         wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
+        uncaught_draws: list[list[int]] = []
         for r in range(args.seeded_runs):
             for attempt in range(3):
                 got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
                 if got is not None:
-                    caught, liars = got
+                    caught, liars, drawn = got
                     steps_needed.append(caught[0]["step"] + 1 if caught else None)
+                    if drawn is not None:
+                        uncaught_draws.append(drawn)
                     wrong_peer += bool(caught) and caught[0]["peer"] not in liars
                     break
                 retried += 1
@@ -530,6 +545,9 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                 "max_steps_until_caught": max(done) if done else None,
                 "caught_peer_not_the_liar": wrong_peer,
                 "steps_until_caught": steps_needed,
+                # per uncaught run, the steps its revealed secret drew a gradient check of the liar's
+                # stage ([]: bad luck, (1 - rate)^20 per run; a step listed: a lie that got through)
+                "uncaught_runs_gradient_checks_drawn": uncaught_draws,
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )
