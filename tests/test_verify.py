@@ -23,7 +23,7 @@ from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, compare_loss, compare_tensor, relative_error
 from fusionnode.verify.ledger import Ledger
 from fusionnode.verify.liar import Liar
-from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE, resolve_policy
+from fusionnode.verify.policy import DEFAULT_PUBLIC_GRAD_RATE, DEFAULT_PUBLIC_RATE, resolve_policy
 from fusionnode.verify.score import (
     judge_contributions,
     median_clipped_mean,
@@ -133,15 +133,32 @@ def test_catch_statistics_follow_from_the_rate():
     assert catch_probability(0.25, 0) == 0.0
     assert catch_probability(0.25, 17) > 0.99 > catch_probability(0.25, 16)
     # a stage lying on every one of its 4 micro-batches at the default rate: caught within 5 steps
-    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 1.0) == 5
-    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 0.25) <= 20  # a quarter of them: within 20
+    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 1.0) == 6
+    # a quarter of them, spot-checks and the gradient check (all 4 micro-batches) together: within
+    # 20 steps with probability > 0.999; a liar in its pushed gradients only: > 0.999 too
+    miss_step = sum(
+        math.comb(4, k)
+        * 0.25**k
+        * 0.75 ** (4 - k)
+        * (1 if k == 0 else (1 - DEFAULT_PUBLIC_GRAD_RATE) * (1 - DEFAULT_PUBLIC_RATE) ** k)
+        for k in range(5)
+    )
+    assert 1 - miss_step**20 > 0.999 and catch_probability(DEFAULT_PUBLIC_GRAD_RATE, 20) > 0.999
     assert steps_to_catch(0.0, 4, 1.0) == math.inf
     n = steps_to_catch(0.25, 2, 0.5)
     assert 1 - (1 - 0.125) ** (2 * n) >= 0.99 > 1 - (1 - 0.125) ** (2 * (n - 1))
 
 
 def test_policy_defaults_public_on_private_off_and_refuses_nonsense():
-    assert resolve_policy(None, None, private=False).to_dict() == {"policy": "sample", "rate": 0.25}
+    assert resolve_policy(None, None, private=False).to_dict() == {
+        "policy": "sample",
+        "rate": 0.2,
+        "grad_rate": 0.3,
+    }
+    assert resolve_policy("sample", 0.25, private=False).grad_rate == 0.25  # an explicit rate: both
+    assert resolve_policy("sample", 0.2, private=True, grad_rate=0.3).grad_rate == 0.3
+    with pytest.raises(ValueError):
+        resolve_policy("sample", None, private=False, grad_rate=1.5)
     assert not resolve_policy("auto", None, private=True).on
     assert resolve_policy("sample", None, private=True).rate == 0.05
     assert resolve_policy("sample", 0.5, private=True).rate == 0.5

@@ -67,7 +67,7 @@ FRESH = {"debug_forget_bans": True}  # the driver forgets the bans of earlier jo
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE
+    from fusionnode.verify.policy import DEFAULT_PUBLIC_GRAD_RATE, DEFAULT_PUBLIC_RATE
 
     p = argparse.ArgumentParser(
         prog="fusionnode bench verify",
@@ -84,7 +84,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sim-runs", type=int, default=100, help="simulated seeded runs per kind (default %(default)s)"
     )
     p.add_argument("--steps", type=int, default=24, help="steps of each liar job (default %(default)s)")
-    p.add_argument("--rate", type=float, default=DEFAULT_PUBLIC_RATE, help="check rate (default %(default)s)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=DEFAULT_PUBLIC_RATE,
+        help="spot-check rate per micro-batch (default: a public swarm's, %(default)s)",
+    )
+    p.add_argument(
+        "--grad-rate",
+        type=float,
+        default=DEFAULT_PUBLIC_GRAD_RATE,
+        help="gradient check rate per stage and step (default: a public swarm's, %(default)s)",
+    )
     p.add_argument(
         "--fraction",
         type=float,
@@ -142,8 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not sections or any(x not in SECTIONS for x in sections):
         p.error(f"--sections: choose among {', '.join(SECTIONS)}")
     args.sections = sections
-    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
-        p.error("--rate and --fraction must be in (0, 1]")
+    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1 or not 0 <= args.grad_rate <= 1:
+        p.error("--rate and --fraction must be in (0, 1], --grad-rate in [0, 1]")
     for name in (
         "runs",
         "sim_runs",
@@ -200,8 +211,9 @@ async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tu
     raise RuntimeError("the driver closed the job without a result")
 
 
-def _params(spec: Any, policy: str, rate: float | None) -> dict[str, Any]:
+def _params(spec: Any, policy: str, rate: float | None, grad_rate: float | None = None) -> dict[str, Any]:
     return {
+        "verify_grad_rate": grad_rate,
         "spec": spec.to_dict(),
         "stages": 2,
         "offload": "on",
@@ -263,13 +275,15 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     deferred = None
     load = [round(os.getloadavg()[0], 2)]
     # a short checked job first: the driver's daemon spawns its check process at its first checked job
-    asyncio.run(_train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate)))
+    asyncio.run(
+        _train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate))
+    )
     for r in range(args.overhead_repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # interleaved: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             c0 = _swarm_cpu_s(swarm)
             result, events = asyncio.run(
-                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
+                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate))
             )
             steps = _steps(events)
             cpu[mode].append((_swarm_cpu_s(swarm) - c0) / len(steps))
@@ -287,6 +301,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     return {
         "scenario": "overhead",
         "rate": args.rate,
+        "grad_rate": args.grad_rate,
         "pairs": args.overhead_repeats,
         "overhead": _spread(pairs),  # each pair's median step time on / off - 1
         "overhead_of_medians": round(on / off - 1, 4),
@@ -339,7 +354,12 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                 result, events = asyncio.run(
                     _train(
                         swarm,
-                        {**_params(spec, "sample" if mode == "checked" else "off", args.rate), **FRESH},
+                        {
+                            **_params(
+                                spec, "sample" if mode == "checked" else "off", args.rate, args.grad_rate
+                            ),
+                            **FRESH,
+                        },
                         on_event,
                     )
                 )
@@ -412,14 +432,17 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
             found = None
             for step in range(CATCH_WITHIN * 5):
                 if cfg["kind"] == "random_pseudo_gradient":  # every step; caught when a gradient check
-                    if sel.draw(step, stage, -1) < args.rate:
+                    if sel.draw(step, stage, -1) < args.grad_rate:
                         found = step
                         break
                     continue
                 for mb in range(m):
                     x = {"h": torch.full((1,), float(step * m + mb + 1))}
                     lied = liar.tamper("act", stage, step, mb, False, x)["h"] is not x["h"]
-                    if lied and sel.draw(step, stage, mb) < args.rate:
+                    checked = (
+                        sel.draw(step, stage, mb) < args.rate or sel.draw(step, stage, -1) < args.grad_rate
+                    )
+                    if lied and checked:  # a spot-check of it, or the stage's gradient check
                         found = step
                         break
                 if found is not None:
@@ -443,7 +466,10 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"caught_within_{CATCH_WITHIN}_steps": caught_within,
                 "median_steps_until_caught": statistics.median(done) if done else None,
                 "max_steps_until_caught": max(done) if done else None,
-                "closed_form_p_within_20": round(catch_probability(args.rate, lied_total), 5),
+                # spot-checks alone (a lower bound), gradient checks alone for the gradient liar
+                "closed_form_p_within_20": round(
+                    catch_probability(args.grad_rate if kind == "gradient" else args.rate, lied_total), 5
+                ),
             }
         )
     return out
@@ -483,7 +509,7 @@ def _seeded_run(
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
-    params = {**_params(spec, "sample", args.rate), **FRESH}
+    params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH}
     try:
         result, _events = asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:
@@ -499,7 +525,7 @@ def _seeded_run(
 
         sel = CheckSelector(bytes.fromhex(result["verify"]["secret"]))
         drawn = [
-            st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.rate for g in liar_stages)
+            st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.grad_rate for g in liar_stages)
         ]
     return caught, liars, drawn
 
@@ -556,7 +582,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
-    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate)))
+    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate, args.grad_rate)))
     v = result.get("verify", {})
     return {
         "scenario": "clean",

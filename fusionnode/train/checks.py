@@ -49,7 +49,12 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     local = loopback_only(tuple(getattr(config, "listen", ()) or ()))
     private = local or bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
     try:
-        policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
+        policy = resolve_policy(
+            params.get("verify_policy"),
+            params.get("verify_rate"),
+            private=private,
+            grad_rate=params.get("verify_grad_rate"),
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sync = SyncConfig.from_dict(params.get("sync")).mode
@@ -62,7 +67,7 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
                 "train on their own parameters between rounds): use --sync step with checks"
             )
         reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
-        return dataclasses.replace(policy, policy="off", rate=0.0), reason
+        return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
     if not policy.on or spec.compress == "none":
         return policy, None
     if params.get("verify_policy") in ("sample", "all"):
@@ -75,7 +80,7 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         f"spot-checks are off for this job: its links are compressed ({spec.compress}), and the "
         "checks compare exact tensors (use --compress none to have the work checked)"
     )
-    return dataclasses.replace(policy, policy="off", rate=0.0), reason
+    return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
 
 
 def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> Any:

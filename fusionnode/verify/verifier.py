@@ -481,7 +481,7 @@ class Verifier:
 
     def grad_checked(self, step: int, stage: int) -> bool:
         """Whether this step checks the stage's parameter gradients (all its micro-batches)."""
-        return self.selector.draw(step, stage, -1) < self.policy.rate
+        return self.selector.draw(step, stage, -1) < self.policy.grad_rate
 
     async def _check_stage(
         self,
