@@ -4,12 +4,14 @@ Method (real `fusionnode join --debug` daemons on loopback; 3 peers: the driver'
 also the optimizer host and a worker, and two more workers, one of them a spare; 2 stages, offload
 on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/liar.py):
 
-- overhead: the same honest job with checks off and at the default rate (`--rate`), alternated
-  `--overhead-repeats` times (after one short checked job that starts the driver's check
-  process); median step time over the steps after the first 3 of each run, and each off/on
-  pair's figure (the spread says how much the machine's other load moved it).
+- overhead: the same honest job with checks off and at the default rates (`--rate`, `--grad-rate`),
+  interleaved off/on, on/off, ... for `--overhead-repeats` pairs (after one short checked job that
+  starts the driver's check process); per run the median step time over the steps after its first
+  3 and the swarm's CPU seconds per step (daemons, p2pd, the check process); reported: each pair's
+  on/off ratio as median and range, the ratio of the medians, the CPU ratio and the load average
+  along the way. Time it under the shared lock (`flock`): other load moves it.
   The swarm is unpaced (no `debug_pace`: the paced testbed sleeps, which would hide the cost);
-  every peer shares this machine's cores, so the figure is noisy under other load.
+  every peer shares this machine's cores.
 - lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
   first stage that is not the driver's own peer lies from its first step (`scale` by 1.01 = a 1%
   activation scaling; `noise` of 1% RMS; `stale` tensors of the previous step; `other`: another
