@@ -514,6 +514,10 @@ class Verifier:
                 "grads": grads,
             },
             timeout=self.timeout_s,
+            # a stream reset is not a refusal: asked once more (it only resends the kept messages,
+            # which replace the first ones in the mailbox); a worker that does not answer twice is
+            # caught (an audit it escapes would hide a lie)
+            idempotent=True,
         )
         listed = res.get("parts") if isinstance(res, dict) else None
         n_chunks = res.get("chunks") if isinstance(res, dict) else None
