@@ -23,12 +23,12 @@ def test_a_new_cut_under_the_same_job_id_rebuilds_the_stage_module():
 
     checks._child_modules.clear()
     a46, mine46 = stage(46)
-    first = checks._stage_module("job", a46, mine46)
-    assert checks._stage_module("job", a46, mine46) is first  # kept across steps
+    first = checks._child_module("job", a46, mine46)
+    assert checks._child_module("job", a46, mine46) is first  # kept across steps
     a52, mine52 = stage(52)  # same job id, same stage number, another cut
-    second = checks._stage_module("job", a52, mine52)
+    second = checks._child_module("job", a52, mine52)
     assert second is not first and set(second.state_names()) == set(mine52)
     assert set(second.output_names) != set(first.output_names)
     assert len(checks._child_modules) == 1  # the earlier cut's module is dropped
-    checks._stage_module("other", a46, mine46)
+    checks._child_module("other", a46, mine46)
     assert [k[0] for k in checks._child_modules] == ["other"]

@@ -4,12 +4,15 @@ network (tests/memnet.py): no daemons."""
 from __future__ import annotations
 
 import asyncio
+import statistics
 
+import pytest
 import torch
 from memnet import MemNet
 
 from fusionnode.optim.checkpoint import shard_steps
 from fusionnode.optim.host import OptimizerHostService
+from fusionnode.security.guard import GuardConfig
 from fusionnode.train.spec import JobSpec
 from fusionnode.wire.checked import tensor_message
 
@@ -26,7 +29,9 @@ def test_a_rollback_drops_the_shard_checkpoints_of_the_undone_steps(tmp_path):
     async def main():
         net = MemNet()
         driver, h = net.join(DRIVER), net.join(HOST)
-        svc = OptimizerHostService(h, state_dir=tmp_path / "host", step_deadline_s=5.0)
+        svc = OptimizerHostService(
+            h, state_dir=tmp_path / "host", step_deadline_s=5.0, guard=GuardConfig(min_history=2)
+        )
         spec = JobSpec(optimizer="sgd", lr=0.1, weight_decay=0.0, grad_clip=None, job_id=JOB)
         await driver.call(
             HOST,
@@ -60,5 +65,10 @@ def test_a_rollback_drops_the_shard_checkpoints_of_the_undone_steps(tmp_path):
         assert torch.equal(store.get_params(["w"])[1]["w"], marked)
         # the checkpoints of steps 4 and 6 held undone steps: gone; step 2's (the mark's) stays
         assert shard_steps(owner_root, JOB, "h0") == [2]
+        # the norm bound forgot the undone steps' pushes (their replay records them again): the
+        # median is that of steps 1 and 2 only, as in a run that never went past step 2
+        norms = [float(torch.linalg.vector_norm(torch.full((3,), float(s)))) for s in (1, 2)]
+        want = svc.norms.config.norm_factor * statistics.median(norms)
+        assert svc.norms.bound((JOB, "w")) == pytest.approx(want, rel=1e-6)  # not steps 1..6's median
 
     asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import statistics
 
 import pytest
 import torch
@@ -192,3 +193,29 @@ def test_control_socket_is_a_0600_unix_socket_only(tmp_path):
             await server.close()
 
     asyncio.run(main())
+
+
+def test_norm_bound_forgets_undone_steps_so_a_replay_meets_the_same_bound():
+    """A rollback or a re-plan undoes steps whose pushes were recorded: `forget_steps` drops their
+    norms, so the replayed steps record them again and meet the bound an honest run meets; the
+    median reads the last norm_history norms only, whatever slack is kept for replays."""
+    cfg = GuardConfig(norm_factor=10.0, norm_history=4, min_history=2)
+    honest, replayed = NormBound(cfg), NormBound(cfg)
+    norms = [1.0, 2.0, 3.0, 4.0, 100.0, 200.0, 5.0, 6.0]
+    for step, v in enumerate(norms):
+        honest.record("w", v, step)
+    for step, v in enumerate(norms[:6]):  # steps 0..5 pushed, then 3..5 undone (a rollback to 3)
+        replayed.record("w", v, step)
+    replayed.record("other-job", 7.0, 5)
+    replayed.record("other-job", 9.0, 6)
+    assert replayed.forget_steps(lambda k: k == "w", 3) == 3
+    assert replayed.bound("w") == 10 * 2.0  # median of steps 0..2 only
+    assert replayed.bound("other-job") == 10 * 8.0  # another key: untouched
+    for step, v in list(enumerate(norms))[3:]:
+        replayed.record("w", v, step)
+    assert replayed.bound("w") == honest.bound("w") == 10 * statistics.median(norms[-4:])
+    assert replayed.forget_steps(lambda k: k == "w", 100) == 0  # nothing recorded that late
+    legacy = NormBound(cfg)  # norms recorded without a step are never forgotten
+    legacy.record("w", 1.0)
+    legacy.record("w", 3.0)
+    assert legacy.forget_steps(lambda k: True, 0) == 0 and legacy.bound("w") == 20.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import msgpack
 import pytest
@@ -16,11 +17,13 @@ from fusionnode.graph.portable import describe_stage
 from fusionnode.graph.trace import trace_model
 from fusionnode.models import build_model
 from fusionnode.runtime.stage import StageModule, StageRunner
+from fusionnode.train.checks import CheckProcess
+from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, unpack_tensors
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, compare_loss, compare_tensor, relative_error
 from fusionnode.verify.ledger import Ledger
 from fusionnode.verify.liar import Liar
-from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE, resolve_policy
+from fusionnode.verify.policy import DEFAULT_PUBLIC_GRAD_RATE, DEFAULT_PUBLIC_RATE, resolve_policy
 from fusionnode.verify.score import (
     judge_contributions,
     median_clipped_mean,
@@ -130,15 +133,32 @@ def test_catch_statistics_follow_from_the_rate():
     assert catch_probability(0.25, 0) == 0.0
     assert catch_probability(0.25, 17) > 0.99 > catch_probability(0.25, 16)
     # a stage lying on every one of its 4 micro-batches at the default rate: caught within 5 steps
-    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 1.0) == 5
-    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 0.25) <= 20  # a quarter of them: within 20
+    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 1.0) == 6
+    # a quarter of them, spot-checks and the gradient check (all 4 micro-batches) together: within
+    # 20 steps with probability > 0.999; a liar in its pushed gradients only: > 0.999 too
+    miss_step = sum(
+        math.comb(4, k)
+        * 0.25**k
+        * 0.75 ** (4 - k)
+        * (1 if k == 0 else (1 - DEFAULT_PUBLIC_GRAD_RATE) * (1 - DEFAULT_PUBLIC_RATE) ** k)
+        for k in range(5)
+    )
+    assert 1 - miss_step**20 > 0.999 and catch_probability(DEFAULT_PUBLIC_GRAD_RATE, 20) > 0.999
     assert steps_to_catch(0.0, 4, 1.0) == math.inf
     n = steps_to_catch(0.25, 2, 0.5)
     assert 1 - (1 - 0.125) ** (2 * n) >= 0.99 > 1 - (1 - 0.125) ** (2 * (n - 1))
 
 
 def test_policy_defaults_public_on_private_off_and_refuses_nonsense():
-    assert resolve_policy(None, None, private=False).to_dict() == {"policy": "sample", "rate": 0.25}
+    assert resolve_policy(None, None, private=False).to_dict() == {
+        "policy": "sample",
+        "rate": 0.2,
+        "grad_rate": 0.3,
+    }
+    assert resolve_policy("sample", 0.25, private=False).grad_rate == 0.25  # an explicit rate: both
+    assert resolve_policy("sample", 0.2, private=True, grad_rate=0.3).grad_rate == 0.3
+    with pytest.raises(ValueError):
+        resolve_policy("sample", None, private=False, grad_rate=1.5)
     assert not resolve_policy("auto", None, private=True).on
     assert resolve_policy("sample", None, private=True).rate == 0.05
     assert resolve_policy("sample", 0.5, private=True).rate == 0.5
@@ -432,3 +452,92 @@ def test_the_job_policy_follows_the_swarm_and_refuses_checks_over_lossy_links(mo
         job_policy({"verify_policy": "all"}, public, lossy)
     with pytest.raises(ConfigError):
         job_policy({"verify_policy": "sample", "verify_rate": 2.0}, public, dense)
+
+
+# ---- an audit judged off the driver's process (verify/audit.py, train/checks.py) -----------------
+
+
+def test_packed_tensors_travel_as_one_buffer_and_come_back_exactly():
+    tensors = {
+        "w": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.int64),
+        "h": torch.randn(4).to(torch.bfloat16),
+        "empty": torch.zeros(0, 2),
+        "strided": torch.randn(6, 4).t(),  # not contiguous
+    }
+    buf, _index = packed = pack_tensors(tensors)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1  # one storage: one shared segment
+    back = unpack_tensors(packed)
+    assert list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t)
+    assert back["w"].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # views, no copy
+
+
+def _audit(a, parts_of_mbs, mbs, losses, m, step=3):
+    """An audit as a worker answers it (raw-encoded kept messages) and its report's commitments."""
+    commit = {"mbs": [{} for _ in range(m)]}
+    chunk = {}
+    for mb, parts in parts_of_mbs.items():
+        for part, tensors in parts.items():
+            encoded = {n: encode_tensor(t.detach().contiguous(), "raw") for n, t in tensors.items()}
+            commit["mbs"][mb][part] = digest_encoded(encoded)
+            chunk.update({f"{mb}/{part}/{n}": e for n, e in encoded.items()})
+    listed = {str(mb): sorted(parts_of_mbs[mb]) for mb in mbs}
+    a = {**a, "param_specs": {}, "frozen": [], "offload": None}
+    return AuditJob(
+        a, commit, listed, portable([chunk]), a["peer"], mbs, False, None, losses, m, CPU_REL_TOL, step
+    )
+
+
+def test_an_audit_is_judged_against_its_commitments_then_recomputed(stages):
+    m = 4
+    parts, losses = honest_run(stages, batches(5, m))
+    a, params = stages[1]
+    mbs = [0, 2]
+
+    def module_for(a, mine):
+        return StageModule.from_description(a["description"], dict(mine))
+
+    honest = _audit(a, {mb: parts[1][mb] for mb in mbs}, mbs, losses, m)
+    assert judge_audit(honest, params, module_for) == ""
+    # a shown tensor other than the one committed to
+    swapped = _audit(a, {mb: parts[1][mb] for mb in mbs}, mbs, losses, m)
+    key = next(k for k in swapped.chunks[0] if k.startswith("2/out/"))
+    other = _audit(a, {mb: parts[1][mb] for mb in [0]}, [0], losses, m)
+    swapped.chunks[0][key] = other.chunks[0][key.replace("2/", "0/", 1)]
+    assert "other than it committed to" in judge_audit(swapped, params, module_for)
+    # a lie committed to (the worker hashed what it sent): the recompute finds it
+    lied = {mb: dict(parts[1][mb]) for mb in mbs}
+    lied[2]["out"] = {n: t * 1.01 for n, t in lied[2]["out"].items()}
+    why = judge_audit(_audit(a, lied, mbs, losses, m), params, module_for)
+    assert "failed a spot-check at step 3, micro-batch 2" in why
+
+
+def test_the_check_process_judges_at_idle_priority_and_is_lifted_while_waited_for(stages):
+    """The daemon's check process (spawned): an honest audit passes and a lie is caught there; it
+    runs under SCHED_IDLE (only on cores nothing else wants) and `urgent` lifts it while a step
+    waits for it."""
+    import asyncio
+
+    m = 4
+    parts, losses = honest_run(stages, batches(6, m))
+    a, params = stages[1]
+    lied = {1: {**parts[1][1], "out": {n: t * 1.01 for n, t in parts[1][1]["out"].items()}}}
+    proc = CheckProcess("job-audit-test")
+
+    async def go():
+        honest = await proc(_audit(a, {1: parts[1][1]}, [1], losses, m), pack_tensors(params))
+        caught = await proc(_audit(a, lied, [1], losses, m), pack_tensors(params))
+        return honest, caught
+
+    honest, caught = asyncio.run(go())
+    assert honest == "" and "micro-batch 1" in caught
+    pid = CheckProcess._pid
+    assert pid is not None and pid != os.getpid()
+    if hasattr(os, "SCHED_IDLE"):
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        with proc.urgent():
+            lifted = os.sched_getscheduler(pid)
+        assert lifted in (os.SCHED_OTHER, os.SCHED_IDLE)  # SCHED_IDLE: the OS refused (no RLIMIT_NICE)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE

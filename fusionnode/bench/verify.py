@@ -4,12 +4,14 @@ Method (real `fusionnode join --debug` daemons on loopback; 3 peers: the driver'
 also the optimizer host and a worker, and two more workers, one of them a spare; 2 stages, offload
 on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/liar.py):
 
-- overhead: the same honest job with checks off and at the default rate (`--rate`), alternated
-  `--overhead-repeats` times (after one short checked job that starts the driver's check
-  process); median step time over the steps after the first 3 of each run, and each off/on
-  pair's figure (the spread says how much the machine's other load moved it).
+- overhead: the same honest job with checks off and at the default rates (`--rate`, `--grad-rate`),
+  interleaved off/on, on/off, ... for `--overhead-repeats` pairs (after one short checked job that
+  starts the driver's check process); per run the median step time over the steps after its first
+  3 and the swarm's CPU seconds per step (daemons, p2pd, the check process); reported: each pair's
+  on/off ratio as median and range, the ratio of the medians, the CPU ratio and the load average
+  along the way. Time it under the shared lock (`flock`): other load moves it.
   The swarm is unpaced (no `debug_pace`: the paced testbed sleeps, which would hide the cost);
-  every peer shares this machine's cores, so the figure is noisy under other load.
+  every peer shares this machine's cores.
 - lies: for each kind (`--kinds`), `--runs` jobs at the default rate in which the worker of the
   first stage that is not the driver's own peer lies from its first step (`scale` by 1.01 = a 1%
   activation scaling; `noise` of 1% RMS; `stale` tensors of the previous step; `other`: another
@@ -69,10 +71,11 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
 }
 CATCH_WITHIN = 20  # steps: the target
 SECTIONS = ("sim", "overhead", "lies", "seeded", "clean", "contrib")
+FRESH = {"debug_forget_bans": True}  # the driver forgets the bans of earlier jobs (daemons run --debug)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from fusionnode.verify.policy import DEFAULT_PUBLIC_RATE
+    from fusionnode.verify.policy import DEFAULT_PUBLIC_GRAD_RATE, DEFAULT_PUBLIC_RATE
 
     p = argparse.ArgumentParser(
         prog="fusionnode bench verify",
@@ -89,7 +92,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sim-runs", type=int, default=100, help="simulated seeded runs per kind (default %(default)s)"
     )
     p.add_argument("--steps", type=int, default=24, help="steps of each liar job (default %(default)s)")
-    p.add_argument("--rate", type=float, default=DEFAULT_PUBLIC_RATE, help="check rate (default %(default)s)")
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=DEFAULT_PUBLIC_RATE,
+        help="spot-check rate per micro-batch (default: a public swarm's, %(default)s)",
+    )
+    p.add_argument(
+        "--grad-rate",
+        type=float,
+        default=DEFAULT_PUBLIC_GRAD_RATE,
+        help="gradient check rate per stage and step (default: a public swarm's, %(default)s)",
+    )
     p.add_argument(
         "--fraction",
         type=float,
@@ -99,7 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--overhead-steps", type=int, default=30, help="steps of each overhead job (default %(default)s)"
     )
-    p.add_argument("--overhead-repeats", type=int, default=2, help="off/on pairs (default %(default)s)")
+    p.add_argument(
+        "--overhead-repeats", type=int, default=4, help="interleaved off/on pairs (default %(default)s)"
+    )
     p.add_argument(
         "--clean-steps", type=int, default=500, help="steps of the clean run, 0 = skip (default %(default)s)"
     )
@@ -149,8 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sections = sections
     if any(m not in ("diloco", "sparseloco") for m in args.contrib_sync.split(",") if m):
         p.error("--contrib-sync: choose among diloco, sparseloco")
-    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1:
-        p.error("--rate and --fraction must be in (0, 1]")
+    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1 or not 0 <= args.grad_rate <= 1:
+        p.error("--rate and --fraction must be in (0, 1], --grad-rate in [0, 1]")
     for name in (
         "runs",
         "sim_runs",
@@ -209,8 +225,9 @@ async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tu
     raise RuntimeError("the driver closed the job without a result")
 
 
-def _params(spec: Any, policy: str, rate: float | None) -> dict[str, Any]:
+def _params(spec: Any, policy: str, rate: float | None, grad_rate: float | None = None) -> dict[str, Any]:
     return {
+        "verify_grad_rate": grad_rate,
         "spec": spec.to_dict(),
         "stages": 2,
         "offload": "on",
@@ -235,58 +252,14 @@ def _events(events: list[dict], kind: str) -> list[dict]:
     return [e for e in events if e["type"] == "event" and e.get("kind") == kind]
 
 
-def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    per_run: dict[str, list[float]] = {"off": [], "on": []}  # each run's median step time
-    verify_s: list[float] = []
-    losses: dict[str, float] = {}
-    parts: dict[str, float] = {}
-    deferred = None
-    # a short checked job first: the driver's daemon spawns its check process at its first checked job
-    asyncio.run(_train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate)))
-    for r in range(args.overhead_repeats):
-        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # alternated: the load drifts
-            spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
-            result, events = asyncio.run(
-                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate))
-            )
-            steps = _steps(events)
-            times[mode] += [s["step_time_s"] for s in steps[3:]]
-            per_run[mode].append(statistics.median(s["step_time_s"] for s in steps[3:]))
-            if mode == "on":
-                verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
-                for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps", "wait_s"):
-                    parts[k] = parts.get(k, 0.0) + result["verify"][k]
-                deferred = result["verify"].get("deferred")
-            losses[mode] = steps[-1]["loss"]
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    pairs = [b / a - 1 for a, b in zip(per_run["off"], per_run["on"], strict=True)]
-    return {
-        "scenario": "overhead",
-        "rate": args.rate,
-        "median_step_s_off": round(off, 4),
-        "median_step_s_on": round(on, 4),
-        "overhead": round(on / off - 1, 4),
-        "overhead_per_pair": [round(x, 4) for x in pairs],
-        "checks_off_critical_path": deferred,
-        "median_verify_phase_s": round(statistics.median(verify_s), 4),
-        "verify_phase_share_of_step": round(statistics.median(verify_s) / on, 4),
-        "final_loss_off": losses["off"],
-        "final_loss_on": losses["on"],
-        "steps_timed": {k: len(v) for k, v in times.items()},
-        "mean_per_step_s": {
-            k: round(parts[k] / parts["steps"], 4)
-            for k in ("seconds", "params_s", "pushed_s", "audit_s", "recompute_s", "wait_s")
-        },
-    }
-
-
-def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[str, Any]]:
+def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
+    """One row per kind of lie (see the module docstring); each job starts with no bans."""
     from fusionnode.train.local import train_local
 
-    out = []
     driver = swarm.ready[0]["peer_id"]
     refs: dict[int, list[float]] = {}
+    honest: dict[tuple[int, str], tuple[float, float, bool]] = {}
+    swarm_index = {rec["peer_id"]: i for i, rec in enumerate(swarm.ready)}
     for kind in args.kinds:
         rows = []
         modes = ["checked"] * args.runs + (["unchecked"] if args.unchecked else [])
@@ -310,7 +283,14 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             try:
                 result, events = asyncio.run(
                     _train(
-                        swarm, _params(spec, "sample" if mode == "checked" else "off", args.rate), on_event
+                        swarm,
+                        {
+                            **_params(
+                                spec, "sample" if mode == "checked" else "off", args.rate, args.grad_rate
+                            ),
+                            **FRESH,
+                        },
+                        on_event,
                     )
                 )
             finally:
@@ -320,6 +300,20 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
             steps = _steps(events)
             ref, ref_val = refs[seed].losses, refs[seed].val_loss
             final = steps[-1]["loss"]
+            plan = [p for p in events if p["type"] == "plan"][-1]["stages"]  # the plan the run ended on
+            key = (seed, json.dumps([(x["peer"], x["lo"], x["hi"]) for x in plan]))
+            if key not in honest:  # the same job, honest, on the final plan's peers and layout
+                hspec = _spec(
+                    args, f"verify-honest-{kind}-{r}", args.steps, workdir / f"honest-{kind}-{r}.jsonl", seed
+                )
+                hparams = {**_params(hspec, "off", None), "peers": [x["peer"] for x in plan], **FRESH}
+                hres, hev = asyncio.run(_train(swarm, hparams))
+                hplan = [p for p in hev if p["type"] == "plan"][-1]["stages"]
+                same = [(x["peer"], x["lo"], x["hi"]) for x in hplan] == [
+                    (x["peer"], x["lo"], x["hi"]) for x in plan
+                ]
+                honest[key] = (hres["val_loss"], _steps(hev)[-1]["loss"], same)
+            h_val, h_final, h_same = honest[key]
             rows.append(
                 {
                     "mode": mode,
@@ -332,6 +326,14 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     "val_loss": result["val_loss"],
                     "reference_val_loss": ref_val,
                     "val_loss_rel_diff": abs(result["val_loss"] - ref_val) / ref_val,
+                    # the fair baseline: an honest run of the job on the plan this one ended on (same
+                    # peers, same layers per stage: the liar out, as after its ban)
+                    "honest_same_plan_val_loss": h_val,
+                    "val_loss_rel_diff_vs_honest_same_plan": abs(result["val_loss"] - h_val) / h_val,
+                    "final_loss_rel_diff_vs_honest_same_plan": abs(final - h_final) / h_final,
+                    "honest_run_had_the_same_layout": h_same,
+                    "plan_peers": [swarm_index[x["peer"]] for x in plan],
+                    "layout": [(x["lo"], x["hi"]) for x in plan],
                     "final_loss": final,
                     "reference_final_loss": ref[-1],
                     "final_loss_rel_diff": abs(final - ref[-1]) / ref[-1],
@@ -339,8 +341,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> list[dict[s
                     "wall_s": round(time.monotonic() - t0, 1),
                 }
             )
-        out.append({"scenario": f"lie:{kind}", "config": lie_config(kind, args, 0), "runs": rows})
-    return out
+        yield {"scenario": f"lie:{kind}", "config": lie_config(kind, args, 0), "runs": rows}
 
 
 def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -361,14 +362,17 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
             found = None
             for step in range(CATCH_WITHIN * 5):
                 if cfg["kind"] == "random_pseudo_gradient":  # every step; caught when a gradient check
-                    if sel.draw(step, stage, -1) < args.rate:
+                    if sel.draw(step, stage, -1) < args.grad_rate:
                         found = step
                         break
                     continue
                 for mb in range(m):
                     x = {"h": torch.full((1,), float(step * m + mb + 1))}
                     lied = liar.tamper("act", stage, step, mb, False, x)["h"] is not x["h"]
-                    if lied and sel.draw(step, stage, mb) < args.rate:
+                    checked = (
+                        sel.draw(step, stage, mb) < args.rate or sel.draw(step, stage, -1) < args.grad_rate
+                    )
+                    if lied and checked:  # a spot-check of it, or the stage's gradient check
                         found = step
                         break
                 if found is not None:
@@ -392,7 +396,10 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"caught_within_{CATCH_WITHIN}_steps": caught_within,
                 "median_steps_until_caught": statistics.median(done) if done else None,
                 "max_steps_until_caught": max(done) if done else None,
-                "closed_form_p_within_20": round(catch_probability(args.rate, lied_total), 5),
+                # spot-checks alone (a lower bound), gradient checks alone for the gradient liar
+                "closed_form_p_within_20": round(
+                    catch_probability(args.grad_rate if kind == "gradient" else args.rate, lied_total), 5
+                ),
             }
         )
     return out
@@ -407,9 +414,11 @@ def _seeded_run(
     attempt: int,
     driver: str,
     others: list[int],
-) -> tuple[list[dict], list[str]] | None:
+) -> tuple[list[dict], list[str], list[int] | None] | None:
     """One seeded job: (its first `caught` event or none, the peers that carried the lie in its
-    first plan); None when it failed before its liar was caught."""
+    first plan, and when it was not caught the steps at which its revealed secret drew a gradient
+    check of a liar's stage: a check that recomputes all of the stage's work, so any such step
+    where it lied should have caught it); None when it failed before its liar was caught."""
     from fusionnode import control
     from fusionnode.errors import FusionNodeError
 
@@ -420,17 +429,19 @@ def _seeded_run(
         (swarm.state_dir(i) / "debug_lie").write_text(json.dumps(lie_config(kind, args, seed)))
     caught: list[dict] = []
     liars: list[str] = []
+    liar_stages: list[int] = []
 
     async def on_event(ev: dict) -> None:
         if ev["type"] == "plan" and not liars:
             liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
+            liar_stages.extend(s["stage"] for s in ev["stages"] if s["peer"] != driver)
         if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
-    params = {**_params(spec, "sample", args.rate), "debug_forget_bans": True}
+    params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH}
     try:
-        asyncio.run(_train(swarm, params, on_event))
+        result, _events = asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:
         if not caught:  # a cancelled job ends its stream with an error: expected then
             print(f"  seeded run {job_id} failed: {exc}", file=sys.stderr, flush=True)
@@ -438,7 +449,15 @@ def _seeded_run(
     finally:
         for i in others:
             (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
-    return caught, liars
+    drawn = None
+    if not caught:
+        from fusionnode.verify.selector import CheckSelector
+
+        sel = CheckSelector(bytes.fromhex(result["verify"]["secret"]))
+        drawn = [
+            st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.grad_rate for g in liar_stages)
+        ]
+    return caught, liars, drawn
 
 
 def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
@@ -456,12 +475,15 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
     for kind in args.kinds:
         steps_needed: list[int | None] = []
         wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
+        uncaught_draws: list[list[int]] = []
         for r in range(args.seeded_runs):
             for attempt in range(3):
                 got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
                 if got is not None:
-                    caught, liars = got
+                    caught, liars, drawn = got
                     steps_needed.append(caught[0]["step"] + 1 if caught else None)
+                    if drawn is not None:
+                        uncaught_draws.append(drawn)
                     wrong_peer += bool(caught) and caught[0]["peer"] not in liars
                     break
                 retried += 1
@@ -479,6 +501,9 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                 "max_steps_until_caught": max(done) if done else None,
                 "caught_peer_not_the_liar": wrong_peer,
                 "steps_until_caught": steps_needed,
+                # per uncaught run, the steps its revealed secret drew a gradient check of the liar's
+                # stage ([]: bad luck, (1 - rate)^20 per run; a step listed: a lie that got through)
+                "uncaught_runs_gradient_checks_drawn": uncaught_draws,
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )
@@ -487,7 +512,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
-    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate)))
+    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate, args.grad_rate)))
     v = result.get("verify", {})
     return {
         "scenario": "clean",
@@ -529,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         swarm.start()
         asyncio.run(swarm.wait_connected())
         if "overhead" in args.sections:
+            from fusionnode.bench.verify_overhead import run_overhead
+
             _print(run_overhead(args, swarm), args.json)
         if "lies" in args.sections:
             for res in run_lies(args, swarm, workdir):

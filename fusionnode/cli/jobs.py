@@ -109,8 +109,9 @@ def add_train_command(sub: Any) -> None:
         type=fraction,
         default=None,
         metavar="P",
-        help="with --verify-policy sample: probability that a micro-batch of a stage is checked "
-        "(default 0.25 in a public swarm, 0.05 in a private or local one)",
+        help="with --verify-policy sample: probability that a micro-batch of a stage is checked, and "
+        "that a stage's parameter gradients are in a step (default 0.2 and 0.3 in a public swarm, "
+        "0.05 in a private or local one)",
     )
     p.add_argument(
         "--contrib-policy",

@@ -425,7 +425,7 @@ class OptimizerHostService(HostRounds):
                 norm = None
             res = shard.store.push(int(m["step"]), key, name, grad, int(m.get("samples", 0)), owned=True)
             if res.accepted and norm is not None:
-                self.norms.record((shard.job, name), norm)
+                self.norms.record((shard.job, name), norm, int(m["step"]))
             elif not res.accepted and not res.duplicate:
                 if res.reason in BANNABLE:
                     self._offence(shard, sender, res.reason, f"{name} as {enc.dtype}{list(enc.shape)}")
@@ -536,6 +536,8 @@ class OptimizerHostService(HostRounds):
             raise JobError(ErrorCode.BAD_REQUEST, str(exc)) from None
         for s in [s for s in shard.push_digests if s > req.step]:
             del shard.push_digests[s]
+        # the undone steps' norms go too: their replay records them again (security/guard.py)
+        self.norms.forget_steps(lambda k: k[0] == shard.job, shard.store.applied_step + 1)
         if undone and shard.save_dir is not None:
             # the shard checkpoints written since (at apply, before those steps' checks were judged)
             # hold the undone steps: a host restored from one would bring the lie back
@@ -550,6 +552,8 @@ class OptimizerHostService(HostRounds):
         shard = self._shard(req.job, sender)
         expected = _expected(req.expected)
         dropped = shard.store.replan(expected)
+        # the dropped pushes' norms: the replayed step records them again (security/guard.py)
+        self.norms.forget_steps(lambda k: k[0] == shard.job, shard.store.applied_step + 1)
         shard.peers = {key: c["peer"] for contribs in req.expected.values() for key, c in contribs.items()}
         if shard.rounds is not None:
             # the open round is redone by the new plan's stages: its contributions so far are dropped

@@ -41,18 +41,26 @@ class GuardConfig:
 
 
 class NormBound:
-    """Running median of accepted contribution norms per key (e.g. (job, parameter name))."""
+    """Running median of accepted contribution norms per key (e.g. (job, parameter name)).
+
+    Each norm is kept with the step it was pushed for, so that steps a job undoes (a rollback after
+    a spot-check, pending pushes dropped at a re-plan) leave no trace (`forget_steps`): their replay
+    records them again, and the bound a replayed step meets is the one it met the first time. A
+    few more norms than the median reads are kept for that (REPLAY_SLACK)."""
+
+    REPLAY_SLACK = 128  # norms kept beyond norm_history: a rollback of up to this many steps is exact
 
     def __init__(self, config: GuardConfig = GuardConfig()):
         self.config = config
-        self._norms: dict[Any, deque[float]] = {}
+        self._norms: dict[Any, deque[tuple[int | None, float]]] = {}
 
     def bound(self, key: Any) -> float | None:
         """The largest acceptable norm for `key`, or None while too few norms are known."""
         hist = self._norms.get(key)
         if hist is None or len(hist) < self.config.min_history:
             return None
-        median = statistics.median(hist)
+        last = list(hist)[-self.config.norm_history :]
+        median = statistics.median(n for _step, n in last)
         if median <= 0.0:  # all-zero history (an unused parameter): no scale to compare with
             return None
         return self.config.norm_factor * median
@@ -68,12 +76,26 @@ class NormBound:
             )
         return None
 
-    def record(self, key: Any, norm: float) -> None:
-        self._norms.setdefault(key, deque(maxlen=self.config.norm_history)).append(float(norm))
+    def record(self, key: Any, norm: float, step: int | None = None) -> None:
+        maxlen = self.config.norm_history + self.REPLAY_SLACK
+        self._norms.setdefault(key, deque(maxlen=maxlen)).append((step, float(norm)))
 
     def forget(self, pred: Callable[[Any], bool]) -> None:
         for key in [k for k in self._norms if pred(k)]:
             del self._norms[key]
+
+    def forget_steps(self, pred: Callable[[Any], bool], from_step: int) -> int:
+        """Drops the norms of the keys matching `pred` recorded for steps >= `from_step` (undone
+        steps, replayed later); how many."""
+        dropped = 0
+        for key in [k for k in self._norms if pred(k)]:
+            hist = self._norms[key]
+            kept = [(s, n) for s, n in hist if s is None or s < from_step]
+            dropped += len(hist) - len(kept)
+            if len(kept) != len(hist):
+                hist.clear()
+                hist.extend(kept)
+        return dropped
 
 
 @dataclasses.dataclass

@@ -51,7 +51,12 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     local = loopback_only(tuple(getattr(config, "listen", ()) or ()))
     private = local or bool(getattr(config, "swarm_key_file", None) or os.environ.get(SWARM_KEY_ENV))
     try:
-        policy = resolve_policy(params.get("verify_policy"), params.get("verify_rate"), private=private)
+        policy = resolve_policy(
+            params.get("verify_policy"),
+            params.get("verify_rate"),
+            private=private,
+            grad_rate=params.get("verify_grad_rate"),
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sync = SyncConfig.from_dict(params.get("sync")).mode
@@ -64,7 +69,7 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
                 "train on their own parameters between rounds): use --sync step with checks"
             )
         reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
-        return dataclasses.replace(policy, policy="off", rate=0.0), reason
+        return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
     if not policy.on or spec.compress == "none":
         return policy, None
     if params.get("verify_policy") in ("sample", "all"):
@@ -77,7 +82,7 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         f"spot-checks are off for this job: its links are compressed ({spec.compress}), and the "
         "checks compare exact tensors (use --compress none to have the work checked)"
     )
-    return dataclasses.replace(policy, policy="off", rate=0.0), reason
+    return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
 
 
 def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> Any:
@@ -87,35 +92,50 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
 
 
 MAX_LAG = 8  # checked steps whose recomputes may still run while the job goes on
-CHECK_NICE = 10  # the check process's niceness: its recomputes take the cores the stages leave idle
+CHECK_NICE = 19  # the check process's niceness where SCHED_IDLE is not to be had (not undone)
 # in the check process: (job, stage, description digest) -> its module. A job id names a spec, not a
 # layout: the same spec run again on other cuts (the testbed's configurations, a user's rerun) reuses
 # the id and the stage numbers, so the description is part of the key
 _child_modules: dict[tuple[str, int, str], Any] = {}
 
 
-def _child_init() -> None:
-    torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.nice(CHECK_NICE)
+def idle_priority(pid: int = 0) -> str:
+    """Puts process `pid` (0: this one) at idle priority: SCHED_IDLE where the OS has it (it runs only
+    on a core nothing else wants), else nice CHECK_NICE; which one it got."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, CHECK_NICE)
+        return f"nice {CHECK_NICE}"
+    return "normal"
 
 
-def _child_ready() -> bool:
-    from fusionnode.runtime.stage import StageModule  # noqa: F401 - imported once, before the first check
-
+def normal_priority(pid: int) -> bool:
+    """Process `pid` back from SCHED_IDLE to the normal policy while the driver waits for it (the step
+    is waiting: it is the critical path then); whether the OS allowed it (an unprivileged process
+    needs RLIMIT_NICE for it)."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
     return True
 
 
-def _child_check(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor], *rest: Any) -> str:
-    """In the check process: `check_stage_work` with the stage's module kept across steps."""
-    from fusionnode.verify.verifier import check_stage_work
-
-    return check_stage_work(_stage_module(job_id, a, mine), a, mine, *rest)
+def _child_init() -> None:
+    torch.set_num_threads(1)
+    idle_priority()
 
 
-def _stage_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor]) -> Any:
-    """The check process's module of stage `a` holding `mine`: kept across steps, rebuilt when the
-    job or the stage's description (its cut) changes."""
+def _child_ready() -> int:
+    from fusionnode.runtime.stage import StageModule  # noqa: F401 - imported once, before the first check
+
+    return os.getpid()
+
+
+def _child_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor]) -> Any:
+    """In the check process: the module of stage `a` holding `mine`, kept across steps, rebuilt when
+    the job or the stage's description (its cut) changes."""
     digest = hashlib.sha256(json.dumps(a["description"], sort_keys=True, default=str).encode()).hexdigest()
     key = (job_id, a["stage"], digest)
     for old in [k for k in _child_modules if (k[:2] == key[:2] and k != key) or k[0] != job_id]:
@@ -128,12 +148,21 @@ def _stage_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor])
     return module
 
 
+def _child_check(job_id: str, audit: Any, packed: Any) -> str:
+    """In the check process: verify.audit.judge_audit of one stage's audit."""
+    from fusionnode.verify.audit import judge_audit, unpack_tensors
+
+    return judge_audit(audit, unpack_tensors(packed), lambda a, mine: _child_module(job_id, a, mine))
+
+
 class CheckProcess:
-    """One process of this daemon (spawned at its first checked job, at low priority) that runs the
-    checks' recomputes: on a thread of the daemon they would hold its GIL against the driver's own
-    stage and optimizer host (latency on every step), and compete at the same priority for cores."""
+    """One process of this daemon (spawned at its first checked job, at idle priority) that judges the
+    checks' audits (digests, decoding, recomputes): on a thread of the daemon they would hold its GIL
+    against the driver's own stage and optimizer host (latency on every step), and compete at the
+    same priority for cores. `urgent` lifts its priority while the driver waits for it."""
 
     _pool: Any = None
+    _pid: int | None = None
 
     def __init__(self, job_id: str) -> None:
         import concurrent.futures
@@ -144,11 +173,25 @@ class CheckProcess:
             CheckProcess._pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init
             )
-            CheckProcess._pool.submit(_child_ready)  # starts it (and imports torch) now
+            started = CheckProcess._pool.submit(_child_ready)  # starts it (and imports torch) now
+            started.add_done_callback(
+                lambda f: setattr(CheckProcess, "_pid", f.result() if not f.exception() else None)
+            )
 
-    async def __call__(self, a: Any, mine: Any, *rest: Any) -> str:
+    async def __call__(self, audit: Any, packed: Any) -> str:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, dict(a), mine, *rest)
+        return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, audit, packed)
+
+    @contextlib.contextmanager
+    def urgent(self) -> Any:
+        """While the driver waits for the checks: the process at normal policy (if allowed)."""
+        pid = CheckProcess._pid
+        lifted = pid is not None and normal_priority(pid)
+        try:
+            yield
+        finally:
+            if lifted and pid is not None:
+                idle_priority(pid)
 
 
 def start(transport: Any, job_id: str, policy: Any, timeout_s: float, elsewhere: bool = True) -> Any:
@@ -300,7 +343,12 @@ class StepChecks:
                 if not (everything or verdict.done or len(self.lagging) > MAX_LAG):
                     break
                 self.lagging.pop(0)
-                await self.v.conclude(verdict)
+                if verdict.done:
+                    await self.v.conclude(verdict)
+                else:  # the step waits for the check process: at normal priority meanwhile
+                    urgent = getattr(self.v.run_elsewhere, "urgent", contextlib.nullcontext)
+                    with urgent():
+                        await self.v.conclude(verdict)
                 if not verdict.ok:
                     self.cancel()  # the steps after it are undone with it
                     return step, verdict

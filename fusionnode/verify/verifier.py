@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from fusionnode.errors import FusionNodeError
+from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
-from fusionnode.verify.ledger import AUDIT_KIND, GRADS, unpack_audit
+from fusionnode.verify.ledger import AUDIT_KIND
 from fusionnode.verify.policy import VerifyPolicy
 from fusionnode.verify.recompute import recompute
 from fusionnode.verify.selector import CheckSelector
@@ -480,7 +481,7 @@ class Verifier:
 
     def grad_checked(self, step: int, stage: int) -> bool:
         """Whether this step checks the stage's parameter gradients (all its micro-batches)."""
-        return self.selector.draw(step, stage, -1) < self.policy.rate
+        return self.selector.draw(step, stage, -1) < self.policy.grad_rate
 
     async def _check_stage(
         self,
@@ -513,6 +514,10 @@ class Verifier:
                 "grads": grads,
             },
             timeout=self.timeout_s,
+            # a stream reset is not a refusal: asked once more (it only resends the kept messages,
+            # which replace the first ones in the mailbox); a worker that does not answer twice is
+            # caught (an audit it escapes would hide a lie)
+            idempotent=True,
         )
         listed = res.get("parts") if isinstance(res, dict) else None
         n_chunks = res.get("chunks") if isinstance(res, dict) else None
@@ -529,67 +534,30 @@ class Verifier:
             )
             chunks.append(msg.tensors)
 
-        def examine() -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
-            """The shown tensors against their commitments, decoded (hashing: on a thread)."""
-            try:
-                shown_parts = unpack_audit(chunks)
-            except ValueError as exc:
-                return f"stage {a['stage']} answered the audit with {exc}"
-            parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-            for mb in mbs:
-                want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
-                if sorted(listed.get(str(mb)) or []) != sorted(want):
-                    return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
-                parts_of[mb] = {}
-                for part in want:
-                    tensors = shown_parts.get((mb, part), {})
-                    if digest_encoded(tensors) != commit["mbs"][mb][part]:
-                        return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
-                    parts_of[mb][part] = decode_shown(tensors, None, src)
-            shown: dict[str, torch.Tensor] | None = None
-            if grads:
-                grads_enc = shown_parts.get((-1, GRADS), {})
-                trained = set(a["param_specs"]) - set(a.get("frozen") or [])
-                if set(grads_enc) != trained:
-                    return f"stage {a['stage']} did not show its parameter gradients"
-                shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
-                contributor = (a.get("offload") or {}).get("contributor")
-                if pushed is not None and contributor is not None:
-                    mine_pushed = pushed.get(contributor, {})
-                    for name, g in shown.items():
-                        if mine_pushed.get(name) != digest_tensors({name: g}):
-                            return (
-                                f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
-                                f"than the one it holds (or none with its commitment) at step {step}"
-                            )
-            return parts_of, shown
-
-        examined = await asyncio.to_thread(examine)
-        if isinstance(examined, str):
-            return examined
-        parts_of, shown = examined
-        losses = report.get("losses") or []
+        audit = AuditJob(
+            dict(a), dict(commit), listed, portable(chunks), src, mbs, grads, pushed,
+            list(report.get("losses") or []), m, rel_tol, step,
+        )  # fmt: skip
         self.totals["audit_s"] += time.perf_counter() - t1
-        t1 = time.perf_counter()
-        job = (a, mine, parts_of, mbs, losses, m, rel_tol, shown, step)
         if defer:
-            return asyncio.ensure_future(self._recompute(job))
-        return await self._recompute(job)
+            return asyncio.ensure_future(self._recompute(audit, mine))
+        return await self._recompute(audit, mine)
 
-    async def _recompute(self, job: tuple) -> str:
-        a, mine = job[0], job[1]
+    async def _recompute(self, audit: AuditJob, mine: dict[str, torch.Tensor]) -> str:
+        """The audit judged (`judge_audit`: commitments, decoding, recomputes) in the check process
+        when there is one (off this process's GIL and at idle priority), else on a thread."""
         t1 = time.perf_counter()
         try:
             if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
                 try:
-                    return await self.run_elsewhere(*job)
+                    return await self.run_elsewhere(audit, pack_tensors(mine))
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
                     self.run_elsewhere = None
 
             def run() -> str:
                 with self._thread_lock:  # one module per stage: recomputes of two steps take turns
-                    return check_stage_work(self._module(a, mine), *job)
+                    return judge_audit(audit, mine, self._module)
 
             return await asyncio.to_thread(run)
         finally:

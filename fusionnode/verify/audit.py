@@ -1,0 +1,157 @@
+"""What the driver does with a stage's audit once its messages arrived: off the driver's process.
+
+An audit is the kept messages of a stage's checked micro-batches (and, for a gradient check, the
+parameter gradients it pushed), as encoded on the wire. Judging it (`judge_audit`) means: every
+shown message must match the commitment the stage made in its report (BLAKE2b of the encoded
+tensors), the gradients must match what the optimizer hosts received, then the micro-batches are
+recomputed and compared (verifier.check_stage_work). All of that is CPU work the driver's process
+need not do: `AuditJob` carries it, as plain bytes and one flat buffer of parameters (one
+shared-memory segment instead of one per tensor when it crosses to the check process), to the
+daemon's low-priority check process (train/checks.py), or to a thread when there is none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusionnode.verify.commitment import digest_encoded, digest_tensors
+from fusionnode.verify.ledger import GRADS, unpack_audit
+from fusionnode.wire.codec_api import EncodedTensor
+
+PackedTensors = tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]
+
+
+ALIGN = 16  # bytes: each tensor's offset in a packed buffer (a view as any dtype needs its alignment)
+
+
+def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> PackedTensors:
+    """The tensors as one flat byte buffer and an index (name, dtype, shape, offset, bytes): one
+    storage to share with another process (torch shares each storage as its own segment)."""
+    index = []
+    parts = []
+    offset = 0
+    for name, t in tensors.items():
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
+        size = 0 if flat is None else flat.numel()
+        index.append((name, t.dtype, tuple(t.shape), offset, size))
+        if flat is not None:
+            parts.append(flat)
+        pad = -size % ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8))
+        offset += size + pad
+    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return buf, index
+
+
+def unpack_tensors(packed: PackedTensors) -> dict[str, torch.Tensor]:
+    """`pack_tensors`'s tensors again: views of its buffer (no copy)."""
+    buf, index = packed
+    out = {}
+    for name, dtype, shape, offset, size in index:
+        if size == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        else:
+            out[name] = buf[offset : offset + size].view(dtype).reshape(shape)
+    return out
+
+
+def portable(chunks: list[dict[str, EncodedTensor]]) -> list[dict[str, EncodedTensor]]:
+    """The audit's chunks with their payloads as bytes (a received frame's memoryviews do not pickle)."""
+    return [
+        {k: e if isinstance(e.data, bytes) else EncodedTensor(e.dtype, e.shape, e.codec, e.params, bytes(e.data))
+         for k, e in chunk.items()}
+        for chunk in chunks
+    ]  # fmt: skip
+
+
+@dataclass
+class AuditJob:
+    """One stage's audit of one step, with all that judging it needs (picklable)."""
+
+    a: dict[str, Any]  # the stage (verifier's map of a StageAssignment)
+    commit: dict[str, Any]  # its report's commitments
+    listed: dict[str, Any]  # the audit reply's parts: mb -> parts shown
+    chunks: list[dict[str, EncodedTensor]]  # the audit's tensors (portable)
+    src: str  # the peer that sent them
+    mbs: list[int]  # micro-batches checked
+    grads: bool  # a gradient check (all micro-batches, the parameter gradients shown)
+    pushed: dict[str, dict[str, str]] | None  # hosts' digests: contributor -> name -> digest
+    losses: list[float]  # the stage's reported losses (last stage)
+    m: int  # micro-batches of the step
+    rel_tol: float
+    step: int
+
+
+def examine_audit(job: AuditJob) -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
+    """The shown tensors against their commitments, decoded: (parts per micro-batch, the shown
+    parameter gradients or None), or why the audit is refused."""
+    from fusionnode.verify.verifier import decode_shown
+
+    a, commit, listed, mbs = job.a, job.commit, job.listed, job.mbs
+    try:
+        shown_parts = unpack_audit(job.chunks)
+    except ValueError as exc:
+        return f"stage {a['stage']} answered the audit with {exc}"
+    parts_of: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for mb in mbs:
+        want = [p for p in ("in", "target", "gin", "out", "gout") if p in commit["mbs"][mb]]
+        if sorted(listed.get(str(mb)) or []) != sorted(want):
+            return f"stage {a['stage']} did not show micro-batch {mb}'s {want} (showed {listed.get(str(mb))})"
+        parts_of[mb] = {}
+        for part in want:
+            tensors = shown_parts.get((mb, part), {})
+            if digest_encoded(tensors) != commit["mbs"][mb][part]:
+                return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
+            parts_of[mb][part] = decode_shown(tensors, None, job.src)
+    shown: dict[str, torch.Tensor] | None = None
+    if job.grads:
+        grads_enc = shown_parts.get((-1, GRADS), {})
+        trained = set(a["param_specs"]) - set(a.get("frozen") or [])
+        if set(grads_enc) != trained:
+            return f"stage {a['stage']} did not show its parameter gradients"
+        shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
+        contributor = (a.get("offload") or {}).get("contributor")
+        if job.pushed is not None and contributor is not None:
+            mine_pushed = job.pushed.get(contributor, {})
+            for name, g in shown.items():
+                if mine_pushed.get(name) != digest_tensors({name: g}):
+                    return (
+                        f"stage {a['stage']} (peer {a['peer'][:12]}…) pushed a gradient of {name!r} other "
+                        f"than the one it holds (or none with its commitment) at step {job.step}"
+                    )
+    return parts_of, shown
+
+
+def judge_audit(job: AuditJob, mine: Mapping[str, torch.Tensor], module_for: Callable[..., Any]) -> str:
+    """'' when the stage's audit matches its commitments and every checked micro-batch its
+    recompute with parameters `mine`; else why not. `module_for(a, mine)`: the stage's module with
+    `mine` loaded."""
+    from fusionnode.errors import FusionNodeError
+    from fusionnode.verify.verifier import check_stage_work
+
+    try:
+        examined = examine_audit(job)
+    except FusionNodeError as exc:  # undecodable or non-finite tensors shown
+        return f"verification of stage {job.a['stage']}: {exc}"
+    if isinstance(examined, str):
+        return examined
+    parts_of, shown = examined
+    module = module_for(job.a, mine)
+    return check_stage_work(
+        module, job.a, mine, parts_of, job.mbs, job.losses, job.m, job.rel_tol, shown, job.step
+    )
+
+
+__all__ = [
+    "AuditJob",
+    "examine_audit",
+    "judge_audit",
+    "pack_tensors",
+    "portable",
+    "unpack_tensors",
+]
