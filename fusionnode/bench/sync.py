@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tag",
         default="",
-        help="appended to the round modes' names (--tag=-h10), to combine runs of several H in one table",
+        help="appended to the round modes' names (--tag=-h10), to combine runs of several H in one table (default: none)",
     )
     p.add_argument("--rows-out", default=None, help="also write the trained rows (JSON) here, for --combine")
     p.add_argument(
