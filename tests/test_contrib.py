@@ -49,6 +49,23 @@ def test_the_verdict_drops_what_does_not_help_and_keeps_all_when_nothing_helps()
     assert not conclusive([-0.052, 0.0009]) and conclusive([0.1, 0.0009]) and not conclusive([-0.1, -0.2])
 
 
+def test_a_zero_contribution_does_not_scale_the_others_down():
+    """A liar sending zeros contributes nothing; it used to make the bound 0 and every honest replica's
+    weight 0 (two replicas: [0, 1]; four: two liars)."""
+    assert clip_scales([1.0, 0.0]) == [1.0, 1.0]
+    assert clip_scales([1.0, 1.2, 0.0, 0.0]) == [1.0, 1.0, 1.0, 1.0]
+    assert clip_scales([1.0, 0.0, 0.0, 10.0]) == [1.0, 1.0, 1.0, 0.2]  # a big one: still bounded
+    assert clip_scales([math.inf, 0.0]) == [0.0, 1.0]
+
+
+def test_agreement_does_not_rescue_a_clearly_harmful_gain():
+    """A liar mixing ~12% of its honest delta into junk agrees a little (cos 0.058 >= 0.03) but raises
+    the loss clearly: dropped. A gain within noise (over -keep_ratio x the best) is still rescued."""
+    assert verdict([0.3, -0.2], agree=[0.058, 0.058]) == [1.0, 0.0]
+    assert verdict([0.3, -0.08], agree=[0.5, 0.5]) == [1.0, 0.0]
+    assert verdict([0.3, -0.07], agree=[0.5, 0.5]) == [1.0, 1.0]  # -0.07 > -0.25 x 0.3
+
+
 def test_agreement_is_the_largest_cosine_with_another_contribution():
     a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, -1.0])
     gram = [[float(x @ y) for y in (a, b, c)] for x in (a, b, c)]
@@ -126,6 +143,22 @@ def test_a_verdict_leaves_a_replica_out_and_sparseloco_relays_only_the_kept():
     assert set(update_tensors(update, ["w", "b"])) == {"w", "b"}  # what every receiver computes
 
 
+def test_a_dropped_tiny_or_zero_contribution_never_takes_the_round():
+    """The verdict drops a liar sending zeros or a tiny contribution: the floor's reference is the kept
+    replicas' norms, so the honest one keeps its full weight and the liar gets none (it used to be
+    given the whole round: the honest weight floored to 0, then the floor alone weighed the round)."""
+    honest = _deltas(2, seed=4)
+    _, _, alone = _round(DILOCO, honest[:1], 2.0)
+    for lie in (0.0, 1e-3):
+        liar = {n: lie * t for n, t in honest[1].items()}
+        comb, _, judged = _round(DILOCO, [honest[0], liar], 2.0, [1, 0])
+        assert comb.last_weights == [4.0, 0.0], lie
+        assert all(torch.allclose(alone[n], judged[n], atol=1e-6) for n in alone)
+    zero = {n: 0.0 * t for n, t in honest[1].items()}
+    comb, _, _ = _round(DILOCO, [honest[0], zero], 2.0)  # the floor alone: zeros weigh, scale nobody
+    assert comb.last_weights == [4.0, 4.0]
+
+
 # ---- a 2 x 2 diloco job on an in-memory swarm (driver, workers, hosts: tests/memnet.py) -----------
 def _run(
     tmp_path, sync: SyncConfig, policy: str | None, liar: dict | None, steps: int = 6, replicas: int = 2
@@ -174,6 +207,29 @@ def test_an_honest_scored_job_keeps_every_replica_and_follows_the_local_referenc
     assert result["contrib"]["judge_s"] > 0
     ref = train_local_replicas(small_spec(steps=6, micro_batches=2), DILOCO, replicas=2).losses
     assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("failure", ["malformed", "slow"])
+def test_a_round_whose_scoring_fails_or_overruns_closes_on_the_floor(tmp_path, monkeypatch, failure):
+    """Any exception while scoring (a KeyError from a malformed reply here), or scoring past its
+    budget, sends the all-kept verdict: the job runs on, every round closed on the floor alone. A
+    KeyError used to escape `judge`: no verdict, the hosts held the round past the pulls' deadline."""
+    from fusionnode.train import scoring
+
+    if failure == "malformed":
+
+        async def malformed(self, *args):
+            raise KeyError("tensors")
+
+        monkeypatch.setattr(scoring.RoundScorer, "_fetch", malformed)
+    else:
+        monkeypatch.setattr(scoring, "SCORE_BUDGET", 1e-4)  # of the 20 s step timeout: 2 ms
+    result, scored, _ = _run(tmp_path, DILOCO, "score", None)
+    assert [e["round"] for e in scored] == [0, 1, 2]
+    for e in scored:
+        assert e["error"].startswith("KeyError" if failure == "malformed" else "TimeoutError"), e
+        assert e["weights"] == [[4.0, 4.0], [4.0, 4.0]]
+    assert result["contrib"]["failed"] == 3
 
 
 @pytest.mark.parametrize(
@@ -243,6 +299,16 @@ def test_the_step_floor_on_a_store_scales_a_huge_replica_and_leaves_honest_ones(
     size = lambda m: math.sqrt(sum(float(t.pow(2).sum()) for t in m.values()))  # noqa: E731
     assert size(wild) > 100 * size(honest_plain)
     assert size(floored) < 2 * size(honest_plain)
+
+
+def test_the_step_floor_with_a_replica_sending_zeros_keeps_the_honest_gradient():
+    from fusionnode.optim.robust import floor_mean
+
+    g = _deltas(1, seed=5)[0]
+    apart = {n: {"a": (g[n], 2), "b": (torch.zeros_like(g[n]), 2)} for n in g}
+    mean, _weight, scales = floor_mean(apart, 5.0)
+    assert scales == {"a": 1.0, "b": 1.0}  # it used to be {"a": 0.0, ...}: a zero step
+    assert all(torch.allclose(mean[n], g[n] / 2) for n in g)
 
 
 def test_a_step_job_in_a_public_swarm_has_the_floor_which_bounds_a_huge_random_gradient(tmp_path):

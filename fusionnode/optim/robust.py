@@ -4,7 +4,8 @@ replicas' gradients of a step, held apart by (name, replica), are combined as
     g(name) = sum_r n_r s_r g_r / sum_r n_r s_r,   s_r = min(1, clip x m / |g_r|)
 
 where |g_r| is replica r's gradient norm over the names of the shard it completed and m the lower
-median of those norms (verify.contrib.clip_scales): a replica whose gradient is more than `clip`
+median of the positive ones (verify.contrib.clip_scales: a replica sending zeros scales nobody
+down; with two replicas a tiny nonzero one still bounds the other, see SECURITY.md): a replica whose gradient is more than `clip`
 times the median is scaled down, the others weigh their samples as without the floor (the bits
 may differ in the last place: the sum runs in replica order rather than in arrival order)."""
 

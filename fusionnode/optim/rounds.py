@@ -245,17 +245,31 @@ class RoundCombiner:
 
     def weights(self, verdict: list[float] | None = None) -> tuple[list[float], list[float]]:
         """(each replica's weight in the outer step's mean, the floor's scale of it): the plan's
-        tokens x the floor's norm scale (`clip`) x the driver's verdict (1 kept, 0 dropped); a
-        verdict that drops every replica is ignored (the floor alone weighs the round)."""
+        tokens x the floor's norm scale (`clip`) x the driver's verdict (1 kept, 0 dropped). With a
+        verdict the floor's reference is the kept replicas' norms only (a dropped one, a liar sending
+        a tiny contribution, must not scale the kept ones down), and a dropped replica never gets a
+        weight: a round whose kept replicas weigh nothing is a RoundError, not the floor's. A
+        verdict that drops every replica (the driver never sends one) counts as all kept."""
         tokens = [self.pending[r][0] for r in range(self.replicas)]
-        scales = clip_scales(self.norms(), self.clip) if self.clip is not None else [1.0] * self.replicas
-        floor = [w * s for w, s in zip(tokens, scales, strict=True)]
+        norms = self.norms() if self.clip is not None else None
         if verdict is not None:
             if len(verdict) != self.replicas or any(not 0 <= v <= 1 for v in verdict):
                 raise RoundError(f"a verdict needs one weight in [0, 1] per replica, got {verdict}")
-            judged = [w * float(v) for w, v in zip(floor, verdict, strict=True)]
-            if sum(judged) > 0:
+            kept = [r for r, v in enumerate(verdict) if v > 0]
+            if kept:
+                scales = [0.0] * self.replicas
+                if norms is not None:
+                    for r, sc in zip(kept, clip_scales([norms[r] for r in kept], self.clip), strict=True):
+                        scales[r] = sc
+                else:
+                    for r in kept:
+                        scales[r] = 1.0
+                judged = [w * s * float(v) for w, s, v in zip(tokens, scales, verdict, strict=True)]
+                if not sum(judged) > 0:
+                    raise RoundError(f"round {self.round}: no kept contribution keeps a weight")
                 return judged, scales
+        scales = clip_scales(norms, self.clip) if norms is not None else [1.0] * self.replicas
+        floor = [w * s for w, s in zip(tokens, scales, strict=True)]
         if not sum(floor) > 0:
             raise RoundError(f"round {self.round}: no contribution keeps a weight")
         return floor, scales

@@ -17,8 +17,9 @@ stages' commits (whose round pulls wait for the close):
    and the gains summed, up to EVAL_TRIES batches); every host closes the round with the verdict times its norm floor
    (`opt.round_verdict`), and the round's updates go out to the workers' pulls.
 
-Anything that fails in 1-2 sends the verdict "all kept" (the floor alone weighs the round) rather
-than leaving the round held. A `scored` event records each round: scores, verdict, weights.
+Anything that fails in 1-2 (any exception, a malformed reply included), or scoring that takes
+longer than SCORE_BUDGET x the step timeout, sends the verdict "all kept" (the floor alone weighs
+the round) rather than leaving the round held. A `scored` event records each round: scores, verdict, weights.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ logger = logging.getLogger(__name__)
 EVAL_INDEX_BASE = 1 << 20  # held-out batches: validation indices far from the val-loss ones (0..)
 EVAL_BATCH_MULT = 2  # the held-out batch: this many times the job's batch (less noise in the gains)
 EVAL_TRIES = 3  # held-out batches at most per round: another while a disagreeing replica's case is open
+# scoring a round gets this fraction of the step timeout (the hosts hold the workers' round pulls up
+# to their step deadline, as long): past it the round closes on the floor alone
+SCORE_BUDGET = 0.5
 
 
 def job_contrib(params: dict[str, Any], config: Any, sync: Any) -> ContribPolicy | None:
@@ -105,13 +109,23 @@ class RoundScorer:
         record: dict[str, Any] = {"round": round_id}
         t0 = time.perf_counter()
         try:
-            record.update(await self.score(job, run, round_id))
-            weights = record["verdict"]
-        except (FusionNodeError, OSError, TimeoutError, RuntimeError) as exc:
+            # within a budget shorter than the hosts' deadline on the workers' round pulls
+            scored = await asyncio.wait_for(self.score(job, run, round_id), SCORE_BUDGET * self.timeout_s)
+            weights = [float(w) for w in scored["verdict"]]
+            if len(weights) != replicas:
+                raise FusionNodeError(f"a verdict of {len(weights)} weights for {replicas} replicas")
+            record.update(scored)
+        except Exception as exc:  # any failure (a malformed reply too): the round must not stay held
+            if isinstance(exc, TimeoutError):
+                exc = TimeoutError(f"scoring took over {SCORE_BUDGET * self.timeout_s:.0f} s")
             logger.warning(
-                "job %s: round %d not scored (%s): the floor alone weighs it", job.spec.job_id, round_id, exc
+                "job %s: round %d not scored (%s: %s): the floor alone weighs it",
+                job.spec.job_id,
+                round_id,
+                type(exc).__name__,
+                exc,
             )
-            record["error"] = str(exc)[:300]
+            record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             self.failed += 1
             weights = [1.0] * replicas
         req = jp.OptRoundVerdict(job=job.spec.job_id, round=round_id, weights=weights)
@@ -232,4 +246,4 @@ class RoundScorer:
         }
 
 
-__all__ = ["EVAL_INDEX_BASE", "RoundScorer", "job_contrib"]
+__all__ = ["EVAL_INDEX_BASE", "SCORE_BUDGET", "RoundScorer", "job_contrib"]

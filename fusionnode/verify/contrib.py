@@ -4,8 +4,9 @@ Two layers for the rounds of ``--sync diloco|sparseloco`` (where each replica's 
 arrives apart, held by the host until the round closes):
 
 - the floor, on every host (``clip`` and ``score``): each replica's pseudo-gradient norm over the
-  host's shard is compared with the median of the replicas' norms (the lower median: with two
-  replicas, the smaller one), and a contribution above ``clip`` x that median has its weight scaled
+  host's shard is compared with the median of the replicas' positive norms (the lower median: with
+  two replicas, the smaller one; a zero contribution scales nobody down; with a verdict, of the kept
+  replicas' norms only: a dropped tiny one cannot shrink the kept ones, optim/rounds.py), and a contribution above ``clip`` x that median has its weight scaled
   by ``clip x median / norm``: a liar that scales its contribution up is scaled back down, whatever
   it sends. Honest replicas' norms differ by far less than 2x, so their weights, and the bits of the
   outer step, are what they were without the floor.
@@ -14,7 +15,8 @@ arrives apart, held by the host until the round closes):
   trained on (a validation batch it draws at random) the loss at the round's start and at the
   round's start moved by each replica's contribution alone; a contribution that does not help and
   points away from every other replica's (``verdict``: its gain under a quarter of the best, and its
-  largest cosine with another one, from the hosts' Gram matrices, under 0.03) gets weight 0, and the
+  largest cosine with another one, from the hosts' Gram matrices, under 0.03), or whose gain is
+  clearly negative (at most -0.25 x the best, whatever its direction) gets weight 0, and the
   hosts close the round with the driver's verdict times the floor's weights (`opt.round_verdict`).
   Measured on gpt2-tiny (tests/test_contrib.py): honest replicas' cosines 0.29-0.65 (diloco) and
   0.06-0.11 (sparseloco's sparse messages), a random pseudo-gradient's 0.0003-0.003; honest gains on
@@ -98,17 +100,17 @@ def resolve_contrib_policy(
 
 
 def clip_scales(norms: Sequence[float], mult: float = DEFAULT_CLIP_MULT) -> list[float]:
-    """Per contribution, min(1, mult x lower-median norm / its norm): 1 for every contribution within
-    `mult` x the lower median (with two, the smaller norm). A non-finite norm gets 0."""
-    finite = [n for n in norms if math.isfinite(n)]
-    if not finite:
-        return [0.0] * len(norms)
-    bound = mult * statistics.median_low(finite)
+    """Per contribution, min(1, mult x reference / its norm), the reference being the lower median of
+    the positive norms (with two, the smaller one): 1 for every contribution within `mult` x the
+    reference. A zero norm contributes nothing and is left out of the reference (a replica sending
+    zeros must not scale the others down to nothing); a non-finite norm gets 0."""
+    positive = [n for n in norms if math.isfinite(n) and n > 0]
+    bound = mult * statistics.median_low(positive) if positive else math.inf
     out = []
     for n in norms:
         if not math.isfinite(n):
             out.append(0.0)
-        elif n > bound and n > 0:
+        elif n > bound:
             out.append(bound / n)
         else:
             out.append(1.0)
@@ -145,7 +147,9 @@ def verdict(
 ) -> list[float]:
     """Weight 0 for a contribution that does not help: its loss gain (score) is not positive or under
     `keep_ratio` of the best gain, and (with `agree`) it points away from every other replica's (its
-    largest cosine similarity with another one is under `min_agree`); 1 otherwise. All 1 when none
+    largest cosine similarity with another one is under `min_agree`) or its gain is clearly negative
+    (at most -`keep_ratio` x the best: agreement rescues a gain within noise, not a harmful one); 1
+    otherwise. All 1 when none
     gains, or when the best gain is under `keep_ratio` of the largest loss change (a held-out batch
     that tells nothing: the floor alone weighs the round).
 
@@ -159,8 +163,9 @@ def verdict(
     out = []
     for r, s in enumerate(scores):
         helps = math.isfinite(s) and s > 0 and s >= keep_ratio * best
+        noise = math.isfinite(s) and s > -keep_ratio * best  # a gain within one batch's noise
         agrees = agree is not None and math.isfinite(agree[r]) and agree[r] >= min_agree
-        out.append(1.0 if helps or agrees else 0.0)
+        out.append(1.0 if helps or (agrees and noise) else 0.0)
     return out
 
 
