@@ -361,6 +361,18 @@ def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
     the CLI skips `sync_from_args`): ConfigError naming the option."""
     if sync.rounds and int(params.get("rebalance_every") or 0) > 0:
         raise ConfigError(f"--rebalance-every: --sync {sync.mode} does not rebalance yet")
+    if sync.budget is not None and (params.get("planner") or "simple") != "fusion":
+        raise ConfigError(
+            f"--sync-budget: only the planner prices the sync to choose H (use --planner fusion on the "
+            f"swarm), or give --inner-steps (default {DEFAULT_INNER_STEPS})"
+        )
+    # with a budget, inner_steps holds a placeholder until the planner chooses H: the CLI's
+    # DEFAULT_INNER_STEPS, or SyncConfig's 1 from a client that gave none; any other H is the user's
+    if sync.budget is not None and sync.inner_steps not in (1, DEFAULT_INNER_STEPS):
+        raise ConfigError(
+            f"--sync-budget {sync.budget:g} with --inner-steps {sync.inner_steps}: give one (the budget "
+            "lets the planner choose H)"
+        )
     if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
         raise ConfigError(
             f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "

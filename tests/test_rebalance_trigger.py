@@ -226,6 +226,67 @@ def test_a_share_move_keeps_every_stage_and_the_loss_of_one_process(tmp_path, mo
         assert abs(a - b) < 1e-5, (losses, ref)
 
 
+def test_a_refused_share_move_whose_revert_one_stage_misses_re_places_the_job(tmp_path, monkeypatch, caplog):
+    """A share move that one stage refuses: the others are told their old share back; one that misses
+    that revert would keep the new samples, so the job is re-placed (`adopt`: every stage released,
+    new ones assigned), the miss is logged, and the losses stay those of one process."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_components import Swarm, small_spec
+
+    from fusionnode.train import rebalance
+    from fusionnode.train.local import train_local
+    from fusionnode.train.rebalance import Check, JobDecision
+    from fusionnode.wire.job import ErrorCode, JobError, Rpc
+
+    real, calls = rebalance.check_job, []
+
+    def forced(book, trigger, current, *args, **kw):
+        c = real(book, trigger, current, *args, **kw)
+        calls.append(kw["shares"])
+        if len(calls) == 1:
+            d = JobDecision(True, "forced by the test", 1.0, 0.5, tuple(current), (12, 4), None)
+            return Check(d, True, "forced", 0.0, 0.0, None)
+        return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
+
+    monkeypatch.setattr(rebalance, "check_job", forced)
+    spec = small_spec(steps=6, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4, hosts=1)
+    refuser, misser = list(s.workers)[:2]
+    seen = {refuser: 0, misser: 0}
+    resize = s.net.peers[misser]._rpc[Rpc.JOB_RESIZE]
+
+    async def refuse(args, sender):
+        seen[refuser] += 1
+        raise JobError(ErrorCode.NO_ROOM, "no room for the larger micro-batches")
+
+    async def miss_the_revert(args, sender):
+        seen[misser] += 1
+        if seen[misser] == 2:
+            raise JobError(ErrorCode.FAILED, "the revert was lost")
+        return await resize(args, sender)
+
+    s.net.peers[refuser]._rpc[Rpc.JOB_RESIZE] = refuse
+    s.net.peers[misser]._rpc[Rpc.JOB_RESIZE] = miss_the_revert
+    params = {"spec": spec.to_dict(), "stages": 2, "replicas": 2, "offload": "on", "rebalance_every": 2}
+    with caplog.at_level("WARNING", logger="fusionnode.train.recovery"):
+        asyncio.run(s.driver.run_job(params, s.emit))
+    assert seen == {refuser: 2, misser: 2}  # the move, then the revert
+    missed = [r.getMessage() for r in caplog.records if "share move revert missed by" in r.getMessage()]
+    assert len(missed) == 1 and repr(misser[:12]) in missed[0]
+    replans = [e for e in s.events if e.get("kind") == "replan"]
+    assert len(replans) == 1 and replans[0].get("moved") is None and replans[0]["shares"] == [12, 4]
+    assigned = sum(s.net.peers[pid].calls.count(Rpc.JOB_ASSIGN) for pid in s.workers)
+    assert assigned == 8  # 4 stages, then 4 new ones
+    ref = train_local(spec).losses
+    losses = [e["loss"] for e in s.steps()]
+    assert len(losses) == spec.steps
+    for a, b in zip(losses, ref, strict=True):
+        assert abs(a - b) < 1e-5, (losses, ref)
+
+
 def test_a_worker_resizes_only_a_held_offloaded_stage_that_fits(tmp_path):
     import sys
     from pathlib import Path

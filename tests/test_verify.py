@@ -17,7 +17,7 @@ from fusionnode.graph.portable import describe_stage
 from fusionnode.graph.trace import trace_model
 from fusionnode.models import build_model
 from fusionnode.runtime.stage import StageModule, StageRunner
-from fusionnode.train.checks import CheckProcess
+from fusionnode.train.checks import CHECK_NICE, CheckProcess, can_lift, idle_priority
 from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, unpack_tensors
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, compare_loss, compare_tensor, relative_error
@@ -535,9 +535,36 @@ def test_the_check_process_judges_at_idle_priority_and_is_lifted_while_waited_fo
     assert honest == "" and "micro-batch 1" in caught
     pid = CheckProcess._pid
     assert pid is not None and pid != os.getpid()
-    if hasattr(os, "SCHED_IDLE"):
+    if hasattr(os, "SCHED_IDLE") and can_lift():
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
         with proc.urgent():
             lifted = os.sched_getscheduler(pid)
         assert lifted in (os.SCHED_OTHER, os.SCHED_IDLE)  # SCHED_IDLE: the OS refused (no RLIMIT_NICE)
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+
+
+def test_sched_idle_only_where_the_check_process_can_be_lifted_from_it():
+    """SCHED_IDLE only for root or an RLIMIT_NICE of 20 (what lifting it back to SCHED_OTHER needs);
+    otherwise nice CHECK_NICE, so a step never waits on a process it cannot lift."""
+    import resource
+    import subprocess
+    import sys
+
+    assert can_lift(euid=0, nice_limit=0)
+    assert can_lift(euid=1000, nice_limit=20)
+    assert can_lift(euid=1000, nice_limit=resource.RLIM_INFINITY)
+    assert not can_lift(euid=1000, nice_limit=0)
+    assert not can_lift(euid=1000, nice_limit=19)
+    if not hasattr(os, "SCHED_IDLE"):
+        return
+    for liftable, want in ((False, f"nice {CHECK_NICE}"), (True, "idle")):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert idle_priority(child.pid, liftable=liftable) == want
+            policy = os.sched_getscheduler(child.pid)
+            assert policy == (os.SCHED_IDLE if liftable else os.SCHED_OTHER)
+            if not liftable:
+                assert os.getpriority(os.PRIO_PROCESS, child.pid) == CHECK_NICE
+        finally:
+            child.kill()
+            child.wait()

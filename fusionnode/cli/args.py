@@ -93,6 +93,8 @@ def compress_arg(text: str) -> str:
     """An argparse type for --compress: checked here, so a bad value never reaches the workers."""
     from fusionnode.compress.policy import parse_compress
 
+    if text == "auto":  # train's default: the driver chooses (train/jobdefaults.py)
+        return text
     try:
         parse_compress(text)
     except FusionNodeError as exc:

@@ -322,6 +322,8 @@ def save_job(
     error-feedback accumulators, by name (the outer state the workers keep)."""
     full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
     state: dict[str, Any] = {"job_secret": job.secret}
+    if job.sync.rounds:  # the job's H: a --resume keeps it (train/jobdefaults.py)
+        state["sync"] = job.sync.to_dict()
     if feedback:
         state["feedback"] = {int(r): dict(acc) for r, acc in feedback.items()}
     path = save_checkpoint(job.spec.save_dir, step, full, state, source.state(step), job.spec)

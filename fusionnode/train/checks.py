@@ -92,19 +92,36 @@ def _cpu_stage(description: dict[str, Any], params: dict[str, torch.Tensor]) -> 
 
 
 MAX_LAG = 8  # checked steps whose recomputes may still run while the job goes on
-CHECK_NICE = 19  # the check process's niceness where SCHED_IDLE is not to be had (not undone)
+CHECK_NICE = 10  # the check process's niceness where it could not be lifted from SCHED_IDLE (not undone)
 # in the check process: (job, stage, description digest) -> its module. A job id names a spec, not a
 # layout: the same spec run again on other cuts (the testbed's configurations, a user's rerun) reuses
 # the id and the stage numbers, so the description is part of the key
 _child_modules: dict[tuple[str, int, str], Any] = {}
 
 
-def idle_priority(pid: int = 0) -> str:
-    """Puts process `pid` (0: this one) at idle priority: SCHED_IDLE where the OS has it (it runs only
-    on a core nothing else wants), else nice CHECK_NICE; which one it got."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
-        return "idle"
+def can_lift(euid: int | None = None, nice_limit: int | None = None) -> bool:
+    """Whether a process of this user may be lifted from SCHED_IDLE back to SCHED_OTHER (`urgent`):
+    root, or an RLIMIT_NICE soft limit of at least 20 (the kernel treats SCHED_IDLE as nice 20 and
+    lets a process leave it only as far as RLIMIT_NICE allows). Defaults: this process's."""
+    import resource
+
+    if euid is None:
+        euid = os.geteuid()
+    if nice_limit is None:
+        nice_limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return euid == 0 or nice_limit == resource.RLIM_INFINITY or nice_limit >= 20
+
+
+def idle_priority(pid: int = 0, liftable: bool | None = None) -> str:
+    """Puts process `pid` (0: this one) at idle priority: SCHED_IDLE where the OS has it and the
+    process can be lifted from it while a step waits for it (`can_lift`: otherwise the step would
+    wait on a process that barely runs on a loaded machine), else nice CHECK_NICE; which one it got."""
+    if liftable is None:
+        liftable = can_lift()
+    if liftable:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, pid, CHECK_NICE)
         return f"nice {CHECK_NICE}"

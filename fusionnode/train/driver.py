@@ -49,6 +49,7 @@ from fusionnode.train.checkpoint import (
     save_at,
     save_job,
 )
+from fusionnode.train.jobdefaults import job_defaults
 from fusionnode.train.placement import (
     PLANNERS,
     STAGE_ID_STRIDE,
@@ -66,7 +67,6 @@ from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
 
-ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
 OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
@@ -126,10 +126,7 @@ class Driver:
             # more steps, a longer schedule, another metrics file: the same job, whose optimizer shards
             # the hosts keep under the checkpoint's job id
             spec = dataclasses.replace(spec, job_id=ckpt.spec.job_id)
-        if spec.compress == "adatopk":  # warm-up on 8-bit links first: what kept convergence (COMPRESSION.md)
-            link_options = dict(params.get("link_options") or {})
-            link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
-            params = {**params, "link_options": link_options}
+        spec, params = job_defaults(spec, params, ckpt, self.config)  # --compress auto, a resume's H
         offload_choice = params.get("offload") or "auto"
         if offload_choice not in OFFLOAD_CHOICES:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")

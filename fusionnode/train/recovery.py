@@ -357,8 +357,9 @@ class Recovery:
         released and no parameter moves; each stage is told its pipeline's new samples per step and
         memory need (`job.resize`: the activations scale with the micro-batch size), the optimizer
         hosts the contributors' new sample counts (`opt.replan`: nothing is pending between steps).
-        False, with the old shares back in force, when a stage refuses (no room for the larger
-        micro-batches, or gone): the caller then re-places the job."""
+        False when a stage refuses (no room for the larger micro-batches, or gone): the stages are told
+        the old shares back, and the caller must re-place the job (`adopt`), which also clears a stage
+        that missed that revert."""
         t0 = time.perf_counter()
         graph = run.traced.graph
         old = [dataclasses.replace(p) for p in job.pipelines]
@@ -400,8 +401,16 @@ class Recovery:
         replies = await tell(args, new)
         refused = [a.peer for a, r in zip(args, replies, strict=True) if isinstance(r, BaseException)]
         if refused:
-            await tell(run.stage_args, old)  # the stages that took the new share go back to the old
             logger.info("share move refused by %s: %s", [p[:12] for p in refused], replies)
+            # the stages that took the new share go back to the old; one that misses the revert would
+            # keep the new samples, which the caller's re-place (`adopt`: every stage released, new
+            # ones laid out) clears: so False whatever the revert's replies, and a miss is said
+            back = await tell(run.stage_args, old)
+            missed = [
+                a.peer for a, r in zip(run.stage_args, back, strict=True) if isinstance(r, BaseException)
+            ]
+            if missed:
+                logger.warning("share move revert missed by %s: re-placing the job", [p[:12] for p in missed])
             return False
         job.pipelines, run.stage_args, run.shares = new, args, [p.samples for p in new]
         job.hosts_applied = await self.hosts.replan(

@@ -1,0 +1,68 @@
+"""What the driver settles of a job's request before it plans it, where the swarm is known.
+
+- `--compress auto` (train's default): AdaTopK, except where the job's spot-checks will run (a public
+  swarm, or `--verify-policy sample|all`): the checks compare exact tensors, so those jobs keep dense
+  links (`none`). An explicit `--compress adatopk` with checks is refused as before (checks.py).
+- AdaTopK's warm-up on 8-bit links (what kept convergence: protocol/COMPRESSION.md).
+- `--resume` of a round mode: the job's H is the one its checkpoint recorded (`save_job`), not one
+  chosen anew for `--sync-budget` (the optimizer hosts' round ids were counted at the old H).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fusionnode.errors import ConfigError
+from fusionnode.sync import SyncConfig
+
+AUTO_COMPRESS = "auto"  # the driver chooses: adatopk, or none where the job is spot-checked
+ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
+
+
+def resolve_compress(spec: Any, params: Mapping[str, Any], config: Any) -> Any:
+    """`spec` with `--compress auto` resolved: `none` when the job's checks will run (its verify
+    policy resolves to checking with dense links: a public swarm, or --verify-policy sample|all),
+    else `adatopk`. Any other setting is the user's and stays."""
+    if spec.compress != AUTO_COMPRESS:
+        return spec
+    from fusionnode.train import checks
+
+    dense = dataclasses.replace(spec, compress="none")
+    policy, _ = checks.job_policy(dict(params), config, dense)
+    return dataclasses.replace(spec, compress="none" if policy.on else "adatopk")
+
+
+def resumed_sync(params: Mapping[str, Any], saved: Any) -> dict[str, Any]:
+    """`params` with the sync a resumed job ran (`saved`: the checkpoint's record, None for one written
+    before H was recorded). A round mode's H stays the checkpoint's: a --sync-budget (H to be chosen)
+    takes it; an explicit H that differs is refused (ConfigError naming --inner-steps)."""
+    out = dict(params)
+    if not isinstance(saved, Mapping):
+        return out
+    old = SyncConfig.from_dict(saved)
+    new = SyncConfig.from_dict(params.get("sync"))
+    if not (old.rounds and new.rounds):
+        return out
+    if new.budget is not None:
+        out["sync"] = dataclasses.replace(new, inner_steps=old.inner_steps, budget=None).to_dict()
+    elif new.inner_steps != old.inner_steps:
+        raise ConfigError(
+            f"--inner-steps {new.inner_steps}: the checkpoint's job ran rounds of H = {old.inner_steps}, "
+            f"and its optimizer hosts count rounds at that H; resume with --inner-steps {old.inner_steps} "
+            "(or with --sync-budget, which keeps the checkpoint's H)"
+        )
+    return out
+
+
+def job_defaults(spec: Any, params: dict[str, Any], ckpt: Any, config: Any) -> tuple[Any, dict[str, Any]]:
+    """(spec, params) of a job with the driver's defaults settled (the module's docstring)."""
+    if ckpt is not None:
+        params = resumed_sync(params, (ckpt.optimizer_state or {}).get("sync"))
+    spec = resolve_compress(spec, params, config)
+    if spec.compress == "adatopk":
+        link_options = dict(params.get("link_options") or {})
+        link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
+        params = {**params, "link_options": link_options}
+    return spec, params
