@@ -60,10 +60,16 @@ def test_a_zero_contribution_does_not_scale_the_others_down():
 
 def test_agreement_does_not_rescue_a_clearly_harmful_gain():
     """A liar mixing ~12% of its honest delta into junk agrees a little (cos 0.058 >= 0.03) but raises
-    the loss clearly: dropped. A gain within noise (over -keep_ratio x the best) is still rescued."""
+    the loss clearly: dropped. A gain within noise (over -keep_ratio x the best) is still rescued by
+    weak agreement; a clearly negative one only by strong agreement (STRONG_AGREE), as an honest
+    diloco pair needed in tests/test_sync_components.py (scores [-0.113, 0.034] at cosine 0.45)."""
+    from fusionnode.verify.contrib import STRONG_AGREE
+
     assert verdict([0.3, -0.2], agree=[0.058, 0.058]) == [1.0, 0.0]
-    assert verdict([0.3, -0.08], agree=[0.5, 0.5]) == [1.0, 0.0]
-    assert verdict([0.3, -0.07], agree=[0.5, 0.5]) == [1.0, 1.0]  # -0.07 > -0.25 x 0.3
+    assert verdict([0.3, -0.08], agree=[0.1, 0.1]) == [1.0, 0.0]
+    assert verdict([0.3, -0.07], agree=[0.1, 0.1]) == [1.0, 1.0]  # -0.07 > -0.25 x 0.3
+    assert verdict([-0.1132, 0.0342], agree=[0.4508, 0.4508]) == [1.0, 1.0]
+    assert verdict([0.3, -0.2], agree=[STRONG_AGREE, STRONG_AGREE]) == [1.0, 1.0]
 
 
 def test_agreement_is_the_largest_cosine_with_another_contribution():

@@ -32,6 +32,7 @@ BENCHMARKS = {
     "faults": "fusionnode.bench.faults",
     "verify": "fusionnode.bench.verify",
     "sync": "fusionnode.bench.sync",  # issue 19
+    "defaults": "fusionnode.bench.defaults",  # issue 18: train's defaults vs simple on one machine
 }
 
 

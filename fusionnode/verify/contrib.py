@@ -51,6 +51,12 @@ DEFAULT_CLIP_MULT = 2.0  # a contribution's norm above this multiple of the medi
 DEFAULT_STEP_CLIP_MULT = 5.0
 DEFAULT_KEEP_RATIO = 0.25  # a scored contribution is kept when it gains >= this fraction of the best
 DEFAULT_MIN_AGREE = 0.03  # ... or when its cosine with another replica's contribution is at least this
+# a cosine with another replica this high rescues any gain, however negative: one small held-out batch
+# can rank honest replicas either way (an honest diloco pair scored [-0.113, 0.034] at cosine 0.45 in
+# tests/test_sync_components.py), while a liar needs most of its norm off the honest direction to do
+# harm (a 12%-honest, 2x-norm mix: cosine 0.058). Honest cosines measured: diloco 0.29-0.84,
+# sparseloco (1/16 top-k, 2-bit) 0.077-0.10, so under sparseloco only gains within noise are rescued
+STRONG_AGREE = 0.2
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,8 @@ def verdict(
     """Weight 0 for a contribution that does not help: its loss gain (score) is not positive or under
     `keep_ratio` of the best gain, and (with `agree`) it points away from every other replica's (its
     largest cosine similarity with another one is under `min_agree`) or its gain is clearly negative
-    (at most -`keep_ratio` x the best: agreement rescues a gain within noise, not a harmful one); 1
-    otherwise. All 1 when none
+    (at most -`keep_ratio` x the best: agreement over `min_agree` rescues a gain within noise, and only
+    agreement over STRONG_AGREE a clearly negative one); 1 otherwise. All 1 when none
     gains, or when the best gain is under `keep_ratio` of the largest loss change (a held-out batch
     that tells nothing: the floor alone weighs the round).
 
@@ -164,8 +170,9 @@ def verdict(
     for r, s in enumerate(scores):
         helps = math.isfinite(s) and s > 0 and s >= keep_ratio * best
         noise = math.isfinite(s) and s > -keep_ratio * best  # a gain within one batch's noise
-        agrees = agree is not None and math.isfinite(agree[r]) and agree[r] >= min_agree
-        out.append(1.0 if helps or (agrees and noise) else 0.0)
+        cos = agree[r] if agree is not None and math.isfinite(agree[r]) else -math.inf
+        rescued = cos >= STRONG_AGREE or (cos >= min_agree and noise)
+        out.append(1.0 if helps or rescued else 0.0)
     return out
 
 
