@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)"
     )
     p.add_argument("--seed", type=int, default=11, help="seed of the jobs (default %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
     p.add_argument(
         "--workdir", default=None, help="where the peers keep state (default: a new temporary directory)"
     )
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.json:
                     print(
                         f"round {r} {run['config']:16s} {run['tokens_per_s']:9.0f} tokens/s "
-                        f"step {run['step_s']:.3f} s, {run['pipelines']} pipeline(s) of "
-                        f"{run['stages']} stage(s), {run['optimizer_hosts']} host(s), "
+                        f"step {run['step_s']:.3f} s, {run['pipelines']} pipeline(s), "
+                        f"{run['stages']} stage(s) in all, {run['optimizer_hosts']} host(s), "
                         f"loss {run['loss']:.4f}, load {run['load_avg']:.1f}",
                         flush=True,
                     )
