@@ -180,6 +180,26 @@ def test_shares_move_unless_resplitting_is_clearly_better():
 # ---- the cheap move on real workers and hosts (in-memory network) ------------------------------
 
 
+def _force_one_share_move(monkeypatch) -> list:
+    """Makes the driver's first rebalance check move the batch shares to [12, 4] and no later one
+    move anything; returns the list of the shares each check saw."""
+    from fusionnode.train import rebalance
+    from fusionnode.train.rebalance import Check, JobDecision
+
+    real, calls = rebalance.check_job, []
+
+    def forced(book, trigger, current, *args, **kw):
+        c = real(book, trigger, current, *args, **kw)
+        calls.append(kw["shares"])
+        if len(calls) == 1:
+            d = JobDecision(True, "forced by the test", 1.0, 0.5, tuple(current), (12, 4), None)
+            return Check(d, True, "forced", 0.0, 0.0, None)
+        return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
+
+    monkeypatch.setattr(rebalance, "check_job", forced)
+    return calls
+
+
 def test_a_share_move_keeps_every_stage_and_the_loss_of_one_process(tmp_path, monkeypatch):
     """2 pipelines x 2 stages, offloaded to an optimizer host; the rebalance check at step 2 is made to
     move the batch shares [8, 8] -> [12, 4]: no stage is assigned again and no parameter is shipped
@@ -191,23 +211,10 @@ def test_a_share_move_keeps_every_stage_and_the_loss_of_one_process(tmp_path, mo
     sys.path.insert(0, str(Path(__file__).parent))
     from test_components import Swarm, small_spec
 
-    from fusionnode.train import rebalance
     from fusionnode.train.local import train_local
-    from fusionnode.train.rebalance import Check, JobDecision
     from fusionnode.wire.job import Rpc
 
-    real = rebalance.check_job
-    calls = []
-
-    def forced(book, trigger, current, *args, **kw):
-        c = real(book, trigger, current, *args, **kw)
-        calls.append(kw["shares"])
-        if len(calls) == 1:
-            d = JobDecision(True, "forced by the test", 1.0, 0.5, tuple(current), (12, 4), None)
-            return Check(d, True, "forced", 0.0, 0.0, None)
-        return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
-
-    monkeypatch.setattr(rebalance, "check_job", forced)
+    calls = _force_one_share_move(monkeypatch)
     spec = small_spec(steps=8, batch_size=16, micro_batches=2)
     s = Swarm(tmp_path, workers=4, hosts=1)
     params = {"spec": spec.to_dict(), "stages": 2, "replicas": 2, "offload": "on", "rebalance_every": 2}
@@ -236,22 +243,10 @@ def test_a_refused_share_move_whose_revert_one_stage_misses_re_places_the_job(tm
     sys.path.insert(0, str(Path(__file__).parent))
     from test_components import Swarm, small_spec
 
-    from fusionnode.train import rebalance
     from fusionnode.train.local import train_local
-    from fusionnode.train.rebalance import Check, JobDecision
     from fusionnode.wire.job import ErrorCode, JobError, Rpc
 
-    real, calls = rebalance.check_job, []
-
-    def forced(book, trigger, current, *args, **kw):
-        c = real(book, trigger, current, *args, **kw)
-        calls.append(kw["shares"])
-        if len(calls) == 1:
-            d = JobDecision(True, "forced by the test", 1.0, 0.5, tuple(current), (12, 4), None)
-            return Check(d, True, "forced", 0.0, 0.0, None)
-        return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
-
-    monkeypatch.setattr(rebalance, "check_job", forced)
+    _force_one_share_move(monkeypatch)
     spec = small_spec(steps=6, batch_size=16, micro_batches=2)
     s = Swarm(tmp_path, workers=4, hosts=1)
     refuser, misser = list(s.workers)[:2]
