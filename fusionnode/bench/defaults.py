@@ -29,6 +29,8 @@ WARM_STEPS = 3  # steps left out of the median (compile, first allocations, the 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from fusionnode.bench.faults import add_job_options
+
     p = argparse.ArgumentParser(
         prog="fusionnode bench defaults",
         description=__doc__,
@@ -44,17 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rounds", type=int, default=3, help="rounds of every configuration (default %(default)s)"
     )
     p.add_argument("--steps", type=int, default=16, help="steps of each job (default %(default)s)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
-    p.add_argument(
-        "--micro-batches", type=int, default=4, help="micro-batches per step (default %(default)s)"
-    )
-    p.add_argument("--seed", type=int, default=11, help="seed of the jobs (default %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default %(default)s)")
-    p.add_argument(
-        "--workdir", default=None, help="where the peers keep state (default: a new temporary directory)"
-    )
-    p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
+    add_job_options(p)
     args = p.parse_args(argv)
     configs = []
     for item in (x for x in args.configs.split(",") if x):

@@ -79,6 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kills", type=int, default=5, help="workers SIGKILLed in the kill scenario (default %(default)s)"
     )
+    add_job_options(p)
+    return p.parse_args(argv)
+
+
+def add_job_options(p: argparse.ArgumentParser) -> None:
+    """The gpt2-tiny job's options that `_spec` reads, the workdir and --json (shared with
+    bench/defaults.py, which runs its jobs the same way)."""
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default %(default)s)")
     p.add_argument(
@@ -92,7 +99,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where the peers keep state and logs (default: a new temporary directory)",
     )
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
-    return p.parse_args(argv)
 
 
 def _spec(args: argparse.Namespace, metrics: Path) -> Any:
