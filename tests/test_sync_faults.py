@@ -46,6 +46,17 @@ def recovered(s: Swarm) -> list[dict]:
     return [e for e in s.events if e["type"] == "event" and e["kind"] == "recovered"]
 
 
+def _a_worker(s: Swarm) -> str:
+    """A worker of the job's first plan that is not the driver's own peer."""
+    plan = next(e for e in s.events if e["type"] == "plan")
+    return next(st["peer"] for st in plan["stages"] if st["peer"] != s.ids[0])
+
+
+def _first_host(s: Swarm) -> str:
+    """The first optimizer host of the job's first plan."""
+    return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
+
+
 @pytest.mark.parametrize(
     ("sync", "tol", "save"),
     [
@@ -64,11 +75,7 @@ def test_a_worker_dying_mid_round_redoes_the_round_and_applies_each_round_once(t
     kw = {"save_dir": str(tmp_path / "ck"), "save_every": 3} if save else {}
     spec = small_spec(steps=7, micro_batches=2, **kw)
 
-    def victim(s: Swarm) -> str:  # a worker of the plan that is not the driver's own peer
-        plan = next(e for e in s.events if e["type"] == "plan")
-        return next(st["peer"] for st in plan["stages"] if st["peer"] != s.ids[0])
-
-    s = FaultySwarm(tmp_path, workers=5, hosts=2, at=3, victim=victim)  # step 4, in round 1, fails
+    s = FaultySwarm(tmp_path, workers=5, hosts=2, at=3, victim=_a_worker)  # step 4, in round 1, fails
     params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert s.downed and result["steps"] == spec.steps
@@ -103,10 +110,7 @@ def test_an_optimizer_host_dying_mid_round_is_replaced_from_the_checkpoints(tmp_
     sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
     spec = small_spec(steps=9, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
 
-    def victim(s: Swarm) -> str:
-        return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
-
-    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=victim)
+    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=_first_host)
     params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert s.downed and result["steps"] == spec.steps
@@ -200,10 +204,7 @@ def test_an_optimizer_host_dying_under_sync_overlap_is_replaced_from_the_checkpo
     )
     spec = small_spec(steps=8, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=4)
 
-    def victim(s: Swarm) -> str:
-        return next(e for e in s.events if e["type"] == "plan")["optimizer_hosts"][0]
-
-    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=victim)
+    s = FaultySwarm(tmp_path, workers=4, hosts=3, at=4, victim=_first_host)
     params = round_job(spec, sync, rebalance_every=0)
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert s.downed and result["steps"] == spec.steps
@@ -308,11 +309,7 @@ def test_a_job_that_cannot_go_on_mid_round_checkpoints_the_round_start_as_its_st
     sync = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
     spec = small_spec(steps=7, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=6)
 
-    def victim(s: Swarm) -> str:
-        plan = next(e for e in s.events if e["type"] == "plan")
-        return next(st["peer"] for st in plan["stages"] if st["peer"] != s.ids[0])
-
-    s = FaultySwarm(tmp_path, workers=2, hosts=1, at=3, victim=victim)
+    s = FaultySwarm(tmp_path, workers=2, hosts=1, at=3, victim=_a_worker)
     params = {
         "spec": spec.to_dict(),
         "stages": 1,
