@@ -23,35 +23,35 @@ PRIVATE = SimpleNamespace(swarm_key_file="/k", listen=("/ip4/0.0.0.0/tcp/0",))
 LOCAL = SimpleNamespace(swarm_key_file=None, listen=("/ip4/127.0.0.1/tcp/0",))
 
 
-def test_train_compress_defaults_to_auto_and_the_driver_keeps_public_jobs_checked(monkeypatch):
+def test_train_compress_defaults_to_auto_and_public_jobs_get_adatopk_with_checks(monkeypatch):
     monkeypatch.delenv(SWARM_KEY_ENV, raising=False)
     args = build_parser().parse_args(["train", "--steps", "2"])
     assert args.compress == "auto"
     auto = JobSpec(model="gpt2-tiny", compress=args.compress)
-    # a public swarm: dense links, so the spot-checks run
+    # a public swarm: AdaTopK, and the spot-checks still run (verify/lossy.py judges lossy links)
     spec = resolve_compress(auto, {}, PUBLIC)
-    assert spec.compress == "none" and spec.job_id == auto.job_id
-    assert job_policy({}, PUBLIC, spec)[0].on
+    assert spec.compress == "adatopk" and spec.job_id == auto.job_id
+    policy, why = job_policy({}, PUBLIC, spec)
+    assert policy.on and why is None
     # private and local swarms: AdaTopK, checks off as before
     assert resolve_compress(auto, {}, PRIVATE).compress == "adatopk"
     assert resolve_compress(auto, {}, LOCAL).compress == "adatopk"
-    # --verify-policy sample without --compress: dense, and not refused
+    # asked-for checks with AdaTopK: not refused, warm-up set
     asked = {"verify_policy": "sample"}
-    spec = resolve_compress(auto, asked, LOCAL)
-    assert spec.compress == "none" and job_policy(asked, LOCAL, spec)[0].on
-    # --verify-policy off in a public swarm: nothing to check, AdaTopK
-    assert resolve_compress(auto, {"verify_policy": "off"}, PUBLIC).compress == "adatopk"
-    # a round mode is not checked yet: AdaTopK
-    diloco = {"sync": SyncConfig(mode="diloco", inner_steps=4).to_dict()}
-    assert resolve_compress(auto, diloco, PUBLIC).compress == "adatopk"
-    # an explicit --compress stays the user's; adatopk with asked-for checks is still refused
     explicit = JobSpec(model="gpt2-tiny", compress="adatopk")
     spec, params = job_defaults(explicit, dict(asked), None, LOCAL)
     assert spec.compress == "adatopk" and params["link_options"]["warmup_steps"] == int(0.3 * spec.steps)
-    with pytest.raises(ConfigError, match="--compress none"):
-        job_policy(params, LOCAL, spec)
+    assert job_policy(params, LOCAL, spec)[0].on
     spec, params = job_defaults(auto, {}, None, PUBLIC)
-    assert spec.compress == "none" and "link_options" not in params  # no warm-up on dense links
+    assert spec.compress == "adatopk" and params["link_options"]["warmup_steps"] == int(0.3 * spec.steps)
+    # error feedback cannot be recomputed: asked-for checks refused, public default checks off
+    feedback = {"link_options": {"error_feedback": True}}
+    with pytest.raises(ConfigError, match="error feedback"):
+        job_policy({**feedback, **asked}, LOCAL, spec)
+    policy, why = job_policy(feedback, PUBLIC, spec)
+    assert not policy.on and "error feedback" in why
+    # an explicit --compress none stays the user's
+    assert resolve_compress(JobSpec(model="gpt2-tiny", compress="none"), {}, PUBLIC).compress == "none"
 
 
 def _diloco(**kw):

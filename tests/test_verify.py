@@ -426,7 +426,7 @@ def test_a_worker_claiming_a_gpu_its_record_does_not_name_is_compared_at_the_cpu
     assert v.tolerance("cpu-peer", {"device": "cpu"}) == CPU_REL_TOL
 
 
-def test_the_job_policy_follows_the_swarm_and_refuses_checks_over_lossy_links(monkeypatch):
+def test_the_job_policy_follows_the_swarm_and_checks_lossy_links_but_not_error_feedback(monkeypatch):
     from types import SimpleNamespace
 
     from fusionnode.errors import ConfigError
@@ -446,10 +446,14 @@ def test_the_job_policy_follows_the_swarm_and_refuses_checks_over_lossy_links(mo
     monkeypatch.setenv(SWARM_KEY_ENV, "/k")
     assert not job_policy({}, public, dense)[0].on  # the key from the environment: private too
     monkeypatch.delenv(SWARM_KEY_ENV)
-    policy, why = job_policy({}, public, lossy)  # auto over lossy links: off, and said
-    assert not policy.on and "compressed" in why
-    with pytest.raises(ConfigError, match="--compress none"):
-        job_policy({"verify_policy": "all"}, public, lossy)
+    # lossy links are checked within their codec's bounds (verify/lossy.py)
+    assert job_policy({}, public, lossy) == (resolve_policy("sample", None, private=False), None)
+    assert job_policy({"verify_policy": "all"}, public, lossy)[0].on
+    feedback = {"link_options": {"error_feedback": True}}  # not reproducible by a recompute
+    policy, why = job_policy(feedback, public, lossy)
+    assert not policy.on and "error feedback" in why
+    with pytest.raises(ConfigError, match="error feedback"):
+        job_policy({**feedback, "verify_policy": "all"}, public, lossy)
     with pytest.raises(ConfigError):
         job_policy({"verify_policy": "sample", "verify_rate": 2.0}, public, dense)
 

@@ -1,7 +1,7 @@
 """The driver's spot-checks of a job's work (fusionnode/verify/), wired into its steps.
 
 `job_policy` resolves `--verify-policy` / `--verify-rate` for a job (off with a notice when its links
-are lossy); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
+use error feedback; lossy codecs are checked within their own bounds: verify/lossy.py); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
 and target it sends), `prefetch` (once the stages run), then after the stages reported:
 
 - with offload (`deferred`): `launch` before the optimizer (the draw, the checked stages'
@@ -70,18 +70,17 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
             )
         reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
         return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
-    if not policy.on or spec.compress == "none":
+    feedback = bool((params.get("link_options") or {}).get("error_feedback"))
+    if not policy.on or spec.compress == "none" or not feedback:
+        # lossy links are checked as their codec makes of the recompute (verify/lossy.py)
         return policy, None
+    # error feedback sends what earlier messages dropped: no recompute can reproduce a message
     if params.get("verify_policy") in ("sample", "all"):
         raise ConfigError(
-            f"--verify-policy {params['verify_policy']} compares the tensors workers send with a "
-            f"recompute, which a lossy link codec (--compress {spec.compress}) would fail: use "
-            "--compress none with checks"
+            f"--verify-policy {params['verify_policy']} cannot check links with error feedback (what "
+            "they send depends on earlier messages): turn error_feedback off with checks"
         )
-    reason = (
-        f"spot-checks are off for this job: its links are compressed ({spec.compress}), and the "
-        "checks compare exact tensors (use --compress none to have the work checked)"
-    )
+    reason = "spot-checks are off for this job: its links use error feedback, which no recompute reproduces"
     return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
 
 
@@ -234,6 +233,9 @@ def _as_map(a: StageAssignment) -> dict[str, Any]:
         "param_specs": a.param_specs,
         "frozen": a.frozen,
         "offload": a.offload,
+        # the link codec the driver set: what the checks expect the stage to send (verify/lossy.py)
+        "compress": str((a.spec or {}).get("compress") or "none"),
+        "link_options": dict(a.link_options or {}),
     }
 
 

@@ -1,8 +1,8 @@
 """What the driver settles of a job's request before it plans it, where the swarm is known.
 
-- `--compress auto` (train's default): AdaTopK, except where the job's spot-checks will run (a public
-  swarm, or `--verify-policy sample|all`): the checks compare exact tensors, so those jobs keep dense
-  links (`none`). An explicit `--compress adatopk` with checks is refused as before (checks.py).
+- `--compress auto` (train's default): AdaTopK, also where the job's spot-checks run (a public swarm,
+  or `--verify-policy sample|all`): the checks compare what a stage sent with what its link codec
+  makes of the recompute (verify/lossy.py).
 - AdaTopK's warm-up on 8-bit links (what kept convergence: protocol/COMPRESSION.md).
 - `--resume` of a round mode: the job's H is the one its checkpoint recorded (`save_job`), not one
   chosen anew for `--sync-budget` (the optimizer hosts' round ids were counted at the old H).
@@ -17,21 +17,17 @@ from typing import Any
 from fusionnode.errors import ConfigError
 from fusionnode.sync import SyncConfig
 
-AUTO_COMPRESS = "auto"  # the driver chooses: adatopk, or none where the job is spot-checked
+AUTO_COMPRESS = "auto"  # the driver chooses: adatopk (spot-checked jobs included)
 ADATOPK_WARMUP_FRACTION = 0.3  # share of a job's steps sent with the warm-up codec before top-k starts
 
 
 def resolve_compress(spec: Any, params: Mapping[str, Any], config: Any) -> Any:
-    """`spec` with `--compress auto` resolved: `none` when the job's checks will run (its verify
-    policy resolves to checking with dense links: a public swarm, or --verify-policy sample|all),
-    else `adatopk`. Any other setting is the user's and stays."""
+    """`spec` with `--compress auto` resolved to `adatopk` (the spot-checks judge lossy links within
+    their codec's bounds, so a checked job need not keep dense links). Any other setting is the
+    user's and stays."""
     if spec.compress != AUTO_COMPRESS:
         return spec
-    from fusionnode.train import checks
-
-    dense = dataclasses.replace(spec, compress="none")
-    policy, _ = checks.job_policy(dict(params), config, dense)
-    return dataclasses.replace(spec, compress="none" if policy.on else "adatopk")
+    return dataclasses.replace(spec, compress="adatopk")
 
 
 def resumed_sync(params: Mapping[str, Any], saved: Any) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.ledger import GRADS, unpack_audit
 from fusionnode.wire.codec_api import EncodedTensor
 
+SENT = "sent:"  # a part's key prefix for the encoded form of the message it sent ("sent:out", "sent:gout")
 PackedTensors = tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...], int, int]]]
 
 
@@ -85,6 +86,7 @@ class AuditJob:
     m: int  # micro-batches of the step
     rel_tol: float
     step: int
+    link: dict[str, Any] | None = None  # the job's link codec: {"compress", "link_options"} (lossy.py)
 
 
 def examine_audit(job: AuditJob) -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
@@ -108,6 +110,8 @@ def examine_audit(job: AuditJob) -> str | tuple[dict[int, dict[str, dict[str, to
             if digest_encoded(tensors) != commit["mbs"][mb][part]:
                 return f"stage {a['stage']} showed a micro-batch {mb} {part!r} other than it committed to"
             parts_of[mb][part] = decode_shown(tensors, None, job.src)
+            if part in ("out", "gout"):  # what it sent: compared in its encoded form (verify/lossy.py)
+                parts_of[mb][SENT + part] = tensors
     shown: dict[str, torch.Tensor] | None = None
     if job.grads:
         grads_enc = shown_parts.get((-1, GRADS), {})
@@ -132,6 +136,7 @@ def judge_audit(job: AuditJob, mine: Mapping[str, torch.Tensor], module_for: Cal
     recompute with parameters `mine`; else why not. `module_for(a, mine)`: the stage's module with
     `mine` loaded."""
     from fusionnode.errors import FusionNodeError
+    from fusionnode.verify.lossy import LinkRules
     from fusionnode.verify.verifier import check_stage_work
 
     try:
@@ -142,12 +147,15 @@ def judge_audit(job: AuditJob, mine: Mapping[str, torch.Tensor], module_for: Cal
         return examined
     parts_of, shown = examined
     module = module_for(job.a, mine)
+    link = job.link or {}
+    rules = LinkRules.of(link.get("compress"), link.get("link_options"))
     return check_stage_work(
-        module, job.a, mine, parts_of, job.mbs, job.losses, job.m, job.rel_tol, shown, job.step
+        module, job.a, mine, parts_of, job.mbs, job.losses, job.m, job.rel_tol, shown, job.step, rules
     )
 
 
 __all__ = [
+    "SENT",
     "AuditJob",
     "examine_audit",
     "judge_audit",

@@ -38,6 +38,7 @@ from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portabl
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
 from fusionnode.verify.ledger import AUDIT_KIND
+from fusionnode.verify.lossy import compare_sent_all
 from fusionnode.verify.policy import VerifyPolicy
 from fusionnode.verify.recompute import recompute
 from fusionnode.verify.selector import CheckSelector
@@ -157,9 +158,12 @@ def check_micro_batch(
     reported_loss: float | None,
     rel_tol: float = CPU_REL_TOL,
     accumulate: bool = False,
+    rules: Any = None,
 ) -> list[Mismatch]:
     """Pure: recomputes one micro-batch of stage `a` from `parts` (its ledger's decoded messages)
-    and lists what differs from what the worker sent (and, on the last stage, reported)."""
+    and lists what differs from what the worker sent (and, on the last stage, reported). With
+    `rules` (verify/lossy.LinkRules of a lossy job) and the sent messages' encoded forms in `parts`
+    ("sent:out", "sent:gout"), what it sent is compared as its link codec makes of the recompute."""
     last, first = a["pos"] == a["num_stages"] - 1, a["pos"] == 0
     target = parts.get("target", {}).get("target") if last else None
     res = recompute(
@@ -174,8 +178,15 @@ def check_micro_batch(
         accumulate=accumulate,
     )
     out: list[Mismatch] = []
+
+    def compare(part: str, want: Mapping[str, torch.Tensor], key: str, what: str) -> list[Mismatch]:
+        sent = parts.get("sent:" + part)
+        if rules is not None and rules.lossy and sent is not None:
+            return compare_sent_all(parts.get(part, {}), sent, want, rules, key, rel_tol, what)
+        return compare_tensors(parts.get(part, {}), want, rel_tol, what)
+
     if not last:
-        out += compare_tensors(parts.get("out", {}), res.outputs, rel_tol, "activation")
+        out += compare("out", res.outputs, "act", "activation")
     elif reported_loss is None:
         out.append(Mismatch("loss", "not reported"))
     else:
@@ -183,7 +194,7 @@ def check_micro_batch(
         if m is not None:
             out.append(m)
     if not first:
-        out += compare_tensors(parts.get("gout", {}), res.input_grads, rel_tol, "gradient")
+        out += compare("gout", res.input_grads, "grad", "gradient")
     return out
 
 
@@ -198,6 +209,7 @@ def check_stage_work(
     rel_tol: float,
     shown: Mapping[str, torch.Tensor] | None,
     step: int,
+    rules: Any = None,
 ) -> str:
     """Pure: recomputes the checked micro-batches of stage `a` with `module` (its parameters
     `mine` loaded) and, when `shown`, compares the accumulated parameter gradients; '' when every
@@ -206,7 +218,7 @@ def check_stage_work(
         p.grad = None
     for mb in mbs:
         loss = losses[mb] if mb < len(losses) else None
-        bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True)
+        bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True, rules=rules)
         if bad:
             return (
                 f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
@@ -537,6 +549,7 @@ class Verifier:
         audit = AuditJob(
             dict(a), dict(commit), listed, portable(chunks), src, mbs, grads, pushed,
             list(report.get("losses") or []), m, rel_tol, step,
+            {"compress": a.get("compress"), "link_options": a.get("link_options")},
         )  # fmt: skip
         self.totals["audit_s"] += time.perf_counter() - t1
         if defer:
