@@ -38,6 +38,10 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
 - clean: one honest job of `--clean-steps` steps under `--clean-policy` (default: every micro-batch
   checked); reported: micro-batches checked, peers caught (false positives), disputes, rollbacks.
 
+`--compress adatopk` (or `topk:R`, `fp16`): every job over that link codec, told its links are slow
+so AdaTopK compresses on loopback too (bench/verify_links.py); the checks judge it within the codec's
+bounds (verify/lossy.py).
+
 With offload the driver checks a step while the next one runs, its recomputes in a low-priority
 process of its daemon; a lie found that way rolls the lied step back on the optimizer hosts (the
 `rollback` event) and the job replays from it (train/checks.py).
@@ -59,6 +63,7 @@ from typing import Any
 
 from fusionnode.bench.verify_contrib import add_args as add_contrib_args
 from fusionnode.bench.verify_contrib import run_contrib
+from fusionnode.bench.verify_links import add_link_args, check_link_args, link_params, reason_kind
 
 DEBUG_ENV = "FUSIONNODE_DEBUG"
 KIND_CONFIGS: dict[str, dict[str, Any]] = {
@@ -153,8 +158,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=100,
         help="real seeded runs per kind of lie in the 'seeded' section (default %(default)s)",
     )
+    add_link_args(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = p.parse_args(argv)
+    check_link_args(p, args)
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KIND_CONFIGS for k in kinds):
         p.error(f"--kinds: choose among {', '.join(KIND_CONFIGS)}")
@@ -209,6 +216,7 @@ def _spec(
         warmup_steps=2,
         metrics_out=str(metrics) if metrics else None,
         job_id=job_id,
+        compress=getattr(args, "compress", "none"),
     )
 
 
@@ -289,6 +297,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                                 spec, "sample" if mode == "checked" else "off", args.rate, args.grad_rate
                             ),
                             **FRESH,
+                            **link_params(args, swarm),
                         },
                         on_event,
                     )
@@ -306,7 +315,12 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                 hspec = _spec(
                     args, f"verify-honest-{kind}-{r}", args.steps, workdir / f"honest-{kind}-{r}.jsonl", seed
                 )
-                hparams = {**_params(hspec, "off", None), "peers": [x["peer"] for x in plan], **FRESH}
+                hparams = {
+                    **_params(hspec, "off", None),
+                    "peers": [x["peer"] for x in plan],
+                    **FRESH,
+                    **link_params(args, swarm),
+                }
                 hres, hev = asyncio.run(_train(swarm, hparams))
                 hplan = [p for p in hev if p["type"] == "plan"][-1]["stages"]
                 same = [(x["peer"], x["lo"], x["hi"]) for x in hplan] == [
@@ -439,7 +453,7 @@ def _seeded_run(
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
-    params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH}
+    params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH, **link_params(args, swarm)}
     try:
         result, _events = asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:
@@ -476,6 +490,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
         steps_needed: list[int | None] = []
         wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
         uncaught_draws: list[list[int]] = []
+        reasons: dict[str, int] = {}
         for r in range(args.seeded_runs):
             for attempt in range(3):
                 got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
@@ -485,6 +500,9 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                     if drawn is not None:
                         uncaught_draws.append(drawn)
                     wrong_peer += bool(caught) and caught[0]["peer"] not in liars
+                    if caught:
+                        why = reason_kind(caught[0].get("reason", ""))
+                        reasons[why] = reasons.get(why, 0) + 1
                     break
                 retried += 1
             else:
@@ -493,6 +511,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
         yield (
             {
                 "scenario": f"seeded:{kind}",
+                "compress": args.compress,
                 "runs": len(steps_needed),
                 "runs_failed_to_run": failed,
                 "attempts_retried": retried,
@@ -504,6 +523,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                 # per uncaught run, the steps its revealed secret drew a gradient check of the liar's
                 # stage ([]: bad luck, (1 - rate)^20 per run; a step listed: a lie that got through)
                 "uncaught_runs_gradient_checks_drawn": uncaught_draws,
+                "caught_by": reasons,  # what the first check that caught each run found (numbers as #)
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )
@@ -512,11 +532,13 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
-    result, events = asyncio.run(_train(swarm, _params(spec, args.clean_policy, args.rate, args.grad_rate)))
+    params = {**_params(spec, args.clean_policy, args.rate, args.grad_rate), **link_params(args, swarm)}
+    result, events = asyncio.run(_train(swarm, params))
     v = result.get("verify", {})
     return {
         "scenario": "clean",
         "policy": args.clean_policy,
+        "compress": args.compress,
         "steps": len(_steps(events)),
         "micro_batches_checked": v.get("checked"),
         "false_positives_caught": len(_events(events, "caught")),

@@ -1,0 +1,64 @@
+"""`fusionnode bench verify --compress`: its jobs over a lossy link codec (verify/lossy.py judges them).
+
+On loopback AdaTopK would send dense (the links keep up), so the jobs are told their links carry
+`--link-mbps` (a cluster document, as `fusionnode demo --link-limit` does): AdaTopK then sends q8 both
+ways during its warm-up (30% of a job's steps), then centered top-k activations at its floor and q8
+gradients. `reason_kind` sums up what caught each seeded run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+
+def add_link_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compress",
+        default="none",
+        help="link codec of every job: none, adatopk, topk:R or fp16 (default %(default)s)",
+    )
+    p.add_argument(
+        "--link-mbps",
+        type=float,
+        default=1.0,
+        help="with a lossy --compress, the link bandwidth the jobs are told (default %(default)s Mbit/s)",
+    )
+
+
+def check_link_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from fusionnode.compress.policy import parse_compress
+    from fusionnode.errors import ConfigError
+
+    try:
+        parse_compress(args.compress)
+    except ConfigError as exc:
+        p.error(f"--compress: {exc}")
+    if not args.link_mbps > 0:
+        p.error("--link-mbps must be > 0")
+
+
+def link_params(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
+    """With a lossy `--compress`: the jobs' links declared at `--link-mbps` (so AdaTopK compresses)."""
+    if getattr(args, "compress", "none") == "none":
+        return {}
+    ids = [r["peer_id"] for r in swarm.ready]
+    return {
+        "cluster": {
+            "version": 1,
+            "name": "bench-verify",
+            "devices": [{"id": pid, "tflops": 0.05, "memory_gb": 4} for pid in ids],
+            "links": {"inter_site": {"bandwidth_gbps": args.link_mbps / 1e3, "latency_ms": 0.1}},
+        }
+    }
+
+
+def reason_kind(reason: str) -> str:
+    """A caught event's reason without its peer, step, micro-batch and figures (to count kinds)."""
+    tail = reason.split("…)", 1)[-1]
+    tail = re.sub(r"[-+]?\d+(\.\d+)?(e[-+]?\d+)?", "#", tail)
+    return re.sub(r"'[^']*'", "'_'", tail).strip()[:140]
+
+
+__all__ = ["add_link_args", "check_link_args", "link_params", "reason_kind"]
