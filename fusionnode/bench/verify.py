@@ -63,7 +63,13 @@ from typing import Any
 
 from fusionnode.bench.verify_contrib import add_args as add_contrib_args
 from fusionnode.bench.verify_contrib import run_contrib
-from fusionnode.bench.verify_links import add_link_args, check_link_args, link_params, reason_kind
+from fusionnode.bench.verify_links import (
+    add_link_args,
+    check_link_args,
+    link_params,
+    link_summary,
+    reason_kind,
+)
 
 DEBUG_ENV = "FUSIONNODE_DEBUG"
 KIND_CONFIGS: dict[str, dict[str, Any]] = {
@@ -120,6 +126,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--overhead-repeats", type=int, default=4, help="interleaved off/on pairs (default %(default)s)"
+    )
+    p.add_argument(
+        "--pin-checks",
+        action="store_true",
+        help="overhead: the swarm on CPU 0, the driver's check process on CPU 1 (both modes)",
     )
     p.add_argument(
         "--clean-steps", type=int, default=500, help="steps of the clean run, 0 = skip (default %(default)s)"
@@ -189,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.clean_steps < 0:
         p.error("--clean-steps must be >= 0")
+    if args.pin_checks and not {0, 1} <= os.sched_getaffinity(0):
+        p.error("--pin-checks needs CPUs 0 and 1")
     return args
 
 
@@ -546,6 +559,7 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "rollbacks": len(_events(events, "rollback")),
         "failures": len(_events(events, "failure")),
         "steps_checked": v.get("steps"),
+        "links": link_summary(_steps(events)),
         "check_seconds_total": round(v.get("seconds", 0.0), 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }

@@ -54,6 +54,20 @@ def link_params(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     }
 
 
+def link_summary(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The activation links of a job's last step: keep ratio in force, wire / dense bytes so far."""
+    if not steps:
+        return None
+    fwd = [s["links"]["fwd"] for s in steps[-1].get("stages", []) if (s.get("links") or {}).get("fwd")]
+    fwd = [f for f in fwd if f.get("dense_bytes")]
+    if not fwd:
+        return None
+    return {
+        "act_keep_ratio_last_step": [f["ratio"] for f in fwd],
+        "act_wire_over_dense_bytes": [round(f["wire_bytes"] / f["dense_bytes"], 4) for f in fwd],
+    }
+
+
 def reason_kind(reason: str) -> str:
     """A caught event's reason without its peer, step, micro-batch and figures (to count kinds)."""
     tail = reason.split("…)", 1)[-1]
@@ -61,4 +75,4 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"'[^']*'", "'_'", tail).strip()[:140]
 
 
-__all__ = ["add_link_args", "check_link_args", "link_params", "reason_kind"]
+__all__ = ["add_link_args", "check_link_args", "link_params", "link_summary", "reason_kind"]

@@ -1,5 +1,11 @@
 """`fusionnode bench verify`'s overhead section (see fusionnode/bench/verify.py's help): the same
-honest job with checks off and on, interleaved, timed on an unpaced local swarm."""
+honest job with checks off and on, interleaved, timed on an unpaced local swarm.
+
+With `--pin-checks` the check process gets a core of its own: every process of the swarm (daemons,
+their p2pd and DHT children: workers, driver, optimizer hosts) runs on CPU 0 only and the driver's
+check process on CPU 1 only (each thread's affinity, `os.sched_setaffinity`), for the checks-off and
+the checks-on runs alike, so the baseline is like for like. It shows the checks' cost where a spare
+core exists (the idle-priority check process's design); the per-core busy share is reported too."""
 
 from __future__ import annotations
 
@@ -32,6 +38,55 @@ def _swarm_cpu_s(swarm: Any) -> float:
     return total
 
 
+def _family(swarm: Any) -> list[Any]:
+    """Every live process of the swarm: its daemons and their children."""
+    import psutil
+
+    out = []
+    for proc in swarm.procs:
+        try:
+            top = psutil.Process(proc.pid)
+            out += [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _pin(proc: Any, cpus: set[int]) -> None:
+    """Every thread of `proc` on `cpus` (a process's affinity call covers one thread only)."""
+    import psutil
+
+    try:
+        for t in proc.threads():
+            try:
+                os.sched_setaffinity(t.id, cpus)
+            except (ProcessLookupError, PermissionError):
+                continue
+    except psutil.NoSuchProcess:
+        return
+
+
+def pin_swarm(swarm: Any, before: set[int]) -> int | None:
+    """The swarm on CPU 0 and its check process (a `spawn_main` child of the driver's daemon that was
+    not there in `before`) on CPU 1; the check process's pid (None when none was found)."""
+    import psutil
+
+    driver = psutil.Process(swarm.procs[0].pid)
+    checker = None
+    for q in driver.children(recursive=True):
+        try:
+            if q.pid not in before and any("spawn_main" in part for part in q.cmdline()):
+                checker = q
+        except psutil.NoSuchProcess:
+            continue
+    for q in _family(swarm):
+        if checker is None or q.pid != checker.pid:
+            _pin(q, {0})
+    if checker is not None:
+        _pin(checker, {1})
+    return None if checker is None else checker.pid
+
+
 def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(xs), 4), "min": round(min(xs), 4), "max": round(max(xs), 4)}
 
@@ -47,11 +102,21 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
     deferred = None
+    import psutil
+
     load = [round(os.getloadavg()[0], 2)]
+    pin = getattr(args, "pin_checks", False)
+    before = {q.pid for q in _family(swarm)}
+    if pin:
+        pin_swarm(swarm, before)  # the check process, spawned below, inherits CPU 0: moved after
     # a short checked job first: the driver's daemon spawns its check process at its first checked job
     asyncio.run(
         _train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate))
     )
+    check_pid = pin_swarm(swarm, before) if pin else None
+    if pin and check_pid is None:
+        raise RuntimeError("--pin-checks: the driver's check process was not found")
+    psutil.cpu_percent(percpu=True)  # starts the per-core busy count
     for r in range(args.overhead_repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # interleaved: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
@@ -69,6 +134,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
                 deferred = result["verify"].get("deferred")
             losses[mode] = steps[-1]["loss"]
             load.append(round(os.getloadavg()[0], 2))
+    busy = psutil.cpu_percent(percpu=True)
     off, on = statistics.median(per_run["off"]), statistics.median(per_run["on"])
     pairs = [b / a - 1 for a, b in zip(per_run["off"], per_run["on"], strict=True)]
     cpu_pairs = [b / a - 1 for a, b in zip(cpu["off"], cpu["on"], strict=True)]
@@ -85,6 +151,8 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "cpu_s_per_step_off": _spread(cpu["off"]),
         "cpu_s_per_step_on": _spread(cpu["on"]),
         "load_avg_1min": load,
+        "pinned": {"swarm_cpus": [0], "check_cpus": [1], "check_pid": check_pid} if pin else None,
+        "busy_percent_per_core": busy,  # over the timed runs, whatever ran on each core (others' too)
         "checks_off_critical_path": deferred,
         "median_verify_phase_s": round(statistics.median(verify_s), 4),
         "final_loss_off": losses["off"],
