@@ -128,6 +128,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--overhead-repeats", type=int, default=4, help="interleaved off/on pairs (default %(default)s)"
     )
     p.add_argument(
+        "--liar-stage",
+        choices=["plan", "first"],
+        default="plan",
+        help="seeded: where the liar sits: as the plan puts it (the last stage: it lies on the gradients "
+        "it sends back), or on the first stage (it lies on its activations) (default %(default)s)",
+    )
+    p.add_argument(
         "--pin-checks",
         action="store_true",
         help="overhead: the swarm on CPU 0, the driver's check process on CPU 1 (both modes)",
@@ -467,6 +474,9 @@ def _seeded_run(
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
     params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH, **link_params(args, swarm)}
+    if args.liar_stage == "first":  # a liar's peer holds stage 0: it lies on the activations it sends
+        ids = [swarm.ready[i]["peer_id"] for i in others]
+        params["peers"] = [ids[0], driver, *ids[1:]]
     try:
         result, _events = asyncio.run(_train(swarm, params, on_event))
     except (FusionNodeError, OSError) as exc:
@@ -525,6 +535,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
             {
                 "scenario": f"seeded:{kind}",
                 "compress": args.compress,
+                "liar_stage": args.liar_stage,
                 "runs": len(steps_needed),
                 "runs_failed_to_run": failed,
                 "attempts_retried": retried,

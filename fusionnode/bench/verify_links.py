@@ -25,6 +25,13 @@ def add_link_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="with a lossy --compress, the link bandwidth the jobs are told (default %(default)s Mbit/s)",
     )
+    p.add_argument(
+        "--link-warmup",
+        type=int,
+        default=None,
+        help="with --compress adatopk, its warm-up steps (q8 both ways; default: the driver's, 30%% of "
+        "a job's steps; 0 = top-k activations from the start)",
+    )
 
 
 def check_link_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -37,6 +44,8 @@ def check_link_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--compress: {exc}")
     if not args.link_mbps > 0:
         p.error("--link-mbps must be > 0")
+    if args.link_warmup is not None and args.link_warmup < 0:
+        p.error("--link-warmup must be >= 0")
 
 
 def link_params(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
@@ -44,13 +53,15 @@ def link_params(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     if getattr(args, "compress", "none") == "none":
         return {}
     ids = [r["peer_id"] for r in swarm.ready]
+    warmup = getattr(args, "link_warmup", None)
     return {
+        **({"link_options": {"warmup_steps": warmup}} if warmup is not None else {}),
         "cluster": {
             "version": 1,
             "name": "bench-verify",
             "devices": [{"id": pid, "tflops": 0.05, "memory_gb": 4} for pid in ids],
             "links": {"inter_site": {"bandwidth_gbps": args.link_mbps / 1e3, "latency_ms": 0.1}},
-        }
+        },
     }
 
 
