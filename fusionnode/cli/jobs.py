@@ -308,9 +308,8 @@ def add_train_job_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="activations and their gradients between stages: none, fp16, topk:RATIO, adatopk (ratio "
         "chosen per link from its measured bandwidth, dense where the link keeps up, never below "
-        "AdaTopK's keep-ratio floor), or auto (the default: adatopk in private and local swarms; none "
-        "where the job is spot-checked, i.e. public swarms or --verify-policy sample|all, since the "
-        "checks compare exact tensors)",
+        "AdaTopK's keep-ratio floor), or auto (the default: adatopk, spot-checked jobs included: the "
+        "checks judge what a stage sent within its link codec's error bound)",
     )
 
 
