@@ -241,3 +241,59 @@ def test_swarm_follows_the_replay_of_its_schedule(swarm, sync, tol) -> None:
         for x, y in zip(rounds[q]["replicas"], ref.records[q]["replicas"], strict=True):
             assert abs(x["loss"] - y["loss"]) < tol, (q, x, y)
     assert abs(result["val_loss"] - ref.val_loss) < tol
+
+
+def test_a_swarm_job_sent_without_the_cli_is_refused_the_same_way() -> None:
+    from fusionnode.sync import job_refusals
+
+    sync = _timed(SyncConfig("sparseloco", inner_steps=5))
+    for params, says in [
+        ({"resume": True}, "--round-close time with --resume"),
+        ({"spec": {"save_dir": "/tmp/x"}}, "--round-close time with --save-dir"),
+        ({"contrib_policy": "score"}, "--contrib-policy score"),
+        ({"offload": "off"}, "--offload on or auto"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            job_refusals(sync, params)
+    job_refusals(sync, {"offload": "on", "planner": "simple"})
+    with pytest.raises(ConfigError, match="--round-close 'hourly'"):
+        SyncConfig.from_dict({**sync.to_dict(), "round_close": "hourly"})
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_dead_worker_ends_the_job_with_an_error_naming_the_option(tmp_path) -> None:
+    # recovery of rounds closed by time is not built: the job stops with a clear error (no round
+    # applied twice or lost in silence), naming --round-close steps, which recovers
+    s = LocalSwarm(tmp_path, N_PEERS, log=sys.stderr)
+    try:
+        s.start()
+        asyncio.run(s.wait_connected())
+        ids = [s.ready[i]["peer_id"] for i in range(N_PEERS)]
+        spec = JobSpec(model="gpt2-tiny", steps=40, batch_size=4, seq_len=32, seed=5, warmup_steps=3)
+        sync = _timed(SyncConfig("diloco", inner_steps=4))
+
+        async def go():
+            params = {
+                "spec": spec.to_dict(),
+                "stages": 2,
+                "replicas": 2,
+                "offload": "on",
+                "optimizer_hosts": 1,
+                "optimizer_peers": ids[:1],
+                "sync": sync.to_dict(),
+            }
+            victim = None
+            async for obj in control.call_stream(s.control(0), "train", params, timeout=600):
+                ev = obj.get("event") or {}
+                if ev.get("type") == "plan":
+                    victim = next(ids.index(st["peer"]) for st in ev["stages"] if st["peer"] != ids[0])
+                if ev.get("type") == "step" and ev["round_closed"] == 1:
+                    s.procs[victim].kill()
+            raise AssertionError("the job finished")
+
+        with pytest.raises(Exception, match="--round-close steps") as info:
+            asyncio.run(go())
+        assert "under --round-close time" in str(info.value)
+    finally:
+        s.stop()
