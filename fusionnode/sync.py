@@ -376,7 +376,6 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
         time_close_refusals(
             resume=bool(getattr(args, "resume", False)),
             save_dir=getattr(args, "save_dir", None),
-            contrib_policy=getattr(args, "contrib_policy", None),
             offload=getattr(args, "offload", "auto"),
             local=bool(getattr(args, "local", False)),
             round_steps=round_steps,
@@ -400,23 +399,17 @@ def time_close_refusals(
     *,
     resume: bool,
     save_dir: Any,
-    contrib_policy: Any,
     offload: Any,
     local: bool = False,
     round_steps: Any = None,
 ) -> None:
     """What --round-close time cannot be combined with yet (ConfigError naming the options): its
-    rounds are not checkpointed (so no --save-dir, no --resume) and not scored; a failed worker ends
+    rounds are not checkpointed (so no --save-dir, no --resume); a failed worker ends
     the job (train/free_rounds.py). The --local reference replays a swarm run's step counts."""
     if resume or save_dir:
         raise ConfigError(
             f"--round-close time with {'--resume' if resume else '--save-dir'}: rounds closed by time are "
             "not checkpointed yet; use --round-close steps"
-        )
-    if contrib_policy == "score":
-        raise ConfigError(
-            "--round-close time with --contrib-policy score: rounds closed by time are not scored yet; "
-            "use --contrib-policy clip or off, or --round-close steps"
         )
     if offload == "off":
         raise ConfigError("--round-close time closes rounds on the optimizer hosts: use --offload on or auto")
@@ -451,7 +444,6 @@ def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
         time_close_refusals(
             resume=bool(params.get("resume")),
             save_dir=spec.get("save_dir") if isinstance(spec, Mapping) else None,
-            contrib_policy=params.get("contrib_policy"),
             offload=params.get("offload"),
         )
     if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:

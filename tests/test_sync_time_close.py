@@ -107,10 +107,6 @@ def test_schedules_that_do_not_fit_the_job_are_refused(tmp_path) -> None:
         ),
         (["--sync", "diloco", "--round-close", "time", "--save", "ck"], "--round-close time with --save-dir"),
         (
-            ["--sync", "diloco", "--round-close", "time", "--contrib-policy", "score"],
-            "--round-close time with --contrib-policy score",
-        ),
-        (
             ["--sync", "diloco", "--round-close", "time", "--round-steps", "nope.json"],
             "--round-steps nope.json",
         ),
@@ -250,7 +246,6 @@ def test_a_swarm_job_sent_without_the_cli_is_refused_the_same_way() -> None:
     for params, says in [
         ({"resume": True}, "--round-close time with --resume"),
         ({"spec": {"save_dir": "/tmp/x"}}, "--round-close time with --save-dir"),
-        ({"contrib_policy": "score"}, "--contrib-policy score"),
         ({"offload": "off"}, "--offload on or auto"),
     ]:
         with pytest.raises(ConfigError, match=says):

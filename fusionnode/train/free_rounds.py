@@ -15,7 +15,8 @@ The driver counts the steps it fed each replica; the hosts hold every round (`op
 `score`, `HeldRounds`) until the driver's `opt.round_verdict` gives each replica its steps over the
 round's most (`free_rounds_local.token_verdict`), which the hosts multiply by the plan's samples per
 step: each pseudo-gradient weighs the tokens the driver fed that replica, never what a worker
-claims (the `tokens` a stage puts in its messages stay informational).
+claims (the `tokens` a stage puts in its messages stay informational). Under `--contrib-policy
+score` the scorer's verdict (1 kept, 0 dropped: train/scoring.py) is multiplied by those fractions.
 
 Records: one per round, emitted in round order when every replica has closed it: `step` is the
 round's last step of the fastest replica, `loss` the token-weighted mean of the replicas' step
@@ -24,7 +25,7 @@ record, each stage's compute, wait and link seconds summed over its steps in the
 `replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
 replays: train/free_rounds_local.py).
 
-Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`, scoring;
+Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`;
 a worker or host that fails ends the job with an error naming `--round-close steps` (which
 recovers), rather than a round applied twice or lost in silence.
 """
@@ -106,10 +107,8 @@ class _Round:
 async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: int) -> None:
     """The job's rounds closed by time: a task per replica, the records in round order."""
     spec, sync = job.spec, job.sync
-    if start_step or run.checks is not None or run.scorer is not None or not job.offload:
-        raise ConfigError(
-            "--round-close time: runs from step 0, on optimizer hosts, without spot-checks or scoring"
-        )
+    if start_step or run.checks is not None or not job.offload:
+        raise ConfigError("--round-close time: runs from step 0, on optimizer hosts, without spot-checks")
     if run.names_by_stage is None:
         run.names_by_stage = contributing_names(run.stage_args)
     n_rounds = round_count(spec, sync)
@@ -123,6 +122,10 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
 
     async def verdict(rd: _Round) -> None:
         weights = token_verdict([int(c or 0) for c in rd.counts])
+        if run.scorer is not None:  # --contrib-policy score: its verdict (kept 1, dropped 0) x these
+            await run.scorer.launch(job, run, rd.q, weights)
+            closed[0] = max(closed[0], rd.q + 1)
+            return
         req = jp.OptRoundVerdict(job=spec.job_id, round=rd.q, weights=weights)
         timeout = driver.stepper.step_timeout_s
         calls = {
