@@ -152,7 +152,9 @@ def swarm(tmp_path_factory):
         s.stop()
 
 
-def _run(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares: list[int]) -> tuple[dict, list[dict]]:
+def _run(
+    swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares: list[int], **extra
+) -> tuple[dict, list[dict]]:
     ids = [swarm.ready[i]["peer_id"] for i in range(N_PEERS)]
     for i in range(N_PEERS):
         (swarm.state_dir(i) / DEBUG_SLOW_FILE).unlink(missing_ok=True)
@@ -167,6 +169,7 @@ def _run(swarm: LocalSwarm, spec: JobSpec, sync: SyncConfig, shares: list[int]) 
             "offload": "on",
             "optimizer_hosts": 2,
             "sync": sync.to_dict(),
+            **extra,
         }
         async for obj in control.call_stream(swarm.control(0), "train", params, timeout=600):
             if "event" in obj:
@@ -237,6 +240,30 @@ def test_swarm_follows_the_replay_of_its_schedule(swarm, sync, tol) -> None:
         for x, y in zip(rounds[q]["replicas"], ref.records[q]["replicas"], strict=True):
             assert abs(x["loss"] - y["loss"]) < tol, (q, x, y)
     assert abs(result["val_loss"] - ref.val_loss) < tol
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_scored_rounds_weigh_the_verdict_times_the_tokens_fed(swarm) -> None:
+    # --contrib-policy score (auto in a public swarm): the hosts' weights are the plan's samples x the
+    # floor x the scorer's verdict x each replica's steps over the round's most
+    spec = JobSpec(
+        model="gpt2-tiny", steps=12, batch_size=8, micro_batches=2, seq_len=32, seed=5, warmup_steps=3
+    )
+    sync = _timed(SyncConfig("diloco", inner_steps=4))
+    shares = [2, 6]
+    result, events = _run(swarm, spec, sync, shares, contrib_policy="score")
+    rounds = [e for e in events if e["type"] == "step"]
+    scored = [e for e in events if e["type"] == "event" and e.get("kind") == "scored"]
+    assert len(rounds) == len(scored) == 3 and result["contrib"]["rounds_scored"] == 3
+    for r, ev in zip(rounds, sorted(scored, key=lambda e: e["round"]), strict=True):
+        steps = [rep["steps"] for rep in r["replicas"]]
+        for per_host, scales in zip(ev["weights"], ev["scales"], strict=True):
+            want = [
+                n * c / max(steps) * v * sc
+                for n, c, v, sc in zip(shares, steps, ev["verdict"], scales, strict=True)
+            ]
+            assert per_host == pytest.approx(want, rel=1e-5, abs=2e-6), (steps, ev)
 
 
 def test_a_swarm_job_sent_without_the_cli_is_refused_the_same_way() -> None:

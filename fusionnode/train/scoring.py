@@ -67,13 +67,9 @@ def job_contrib(params: dict[str, Any], config: Any, sync: Any) -> ContribPolicy
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if getattr(sync, "round_close", "steps") == "time":  # the hosts hold each round for its token weights
-        from fusionnode.train.free_rounds import HeldRounds
+    if getattr(sync, "round_close", "steps") == "time" and not policy.score:
+        from fusionnode.train.free_rounds import HeldRounds  # the hosts hold each round for its token weights
 
-        if policy.score:
-            raise ConfigError(
-                "--round-close time with --contrib-policy score: not scored yet; use clip or off"
-            )
         return HeldRounds(policy if policy.floor else None)
     return policy if policy.floor else None
 
