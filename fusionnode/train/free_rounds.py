@@ -140,37 +140,53 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
     async def replica(idx: int) -> None:
         pipe = job.pipelines[idx]
         mine = sorted((a for a in run.stage_args if a.replica == pipe.replica), key=lambda a: a.pos)
-        for q in range(n_rounds):
-            rd = round_at(q)
-            k = 0
-            while True:
-                step = q * sync.inner_steps + k
-                lr = lr_at(step, spec)
-                reports, loss, norm, clip = await _compute(driver, job, run, pipe, idx, mine, step)
-                rd.add(reports, mine)
-                rd.losses[idx].append(loss)
-                rd.norms.append(norm)
-                k += 1
-                last = k >= rd.limit or rd.closing
-                rd.closing = rd.closing or k >= rd.limit
-                info = None
-                if last:
-                    rd.counts[idx] = k
-                    if all(c is not None for c in rd.counts):
-                        rd.verdict = asyncio.ensure_future(verdict(rd))
-                    info = {
-                        "id": q,
-                        "tokens": pipe.samples * run.seq_len * k,  # informational: the hosts take the verdict
-                        "final": sync.overlap and q == n_rounds - 1,
-                    }
-                await _commit(driver, job, run, mine, step, lr, clip, info, closed)
-                rd.wire += job.round_bytes
-                if last:
-                    break
-            rd.finished += 1
-            if rd.finished == len(job.pipelines):
-                rd.t_done = time.perf_counter()
-                rd.done.set()
+        # the next step's inputs go out while this step's commit runs (its step id is known once this
+        # step decided whether it closes the round)
+        feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
+        try:
+            for q in range(n_rounds):
+                rd = round_at(q)
+                k = 0
+                while True:
+                    step = q * sync.inner_steps + k
+                    lr = lr_at(step, spec)
+                    assert feeding is not None
+                    await feeding
+                    reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
+                    rd.add(reports, mine)
+                    rd.losses[idx].append(loss)
+                    rd.norms.append(norm)
+                    k += 1
+                    last = k >= rd.limit or rd.closing
+                    rd.closing = rd.closing or k >= rd.limit
+                    info = None
+                    if last:
+                        rd.counts[idx] = k
+                        if all(c is not None for c in rd.counts):
+                            rd.verdict = asyncio.ensure_future(verdict(rd))
+                        info = {
+                            "id": q,
+                            "tokens": pipe.samples
+                            * run.seq_len
+                            * k,  # informational: the hosts take the verdict
+                            "final": sync.overlap and q == n_rounds - 1,
+                        }
+                    following = (q + 1) * sync.inner_steps if last else step + 1
+                    feeding = None
+                    if not (last and q == n_rounds - 1):
+                        feeding = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, following))
+                    await _commit(driver, job, run, mine, step, lr, clip, info, closed)
+                    rd.wire += job.round_bytes
+                    if last:
+                        break
+                rd.finished += 1
+                if rd.finished == len(job.pipelines):
+                    rd.t_done = time.perf_counter()
+                    rd.done.set()
+        finally:
+            if feeding is not None and not feeding.done():
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
 
     async def records() -> None:
         t_prev = time.perf_counter()
@@ -213,13 +229,9 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         await asyncio.gather(*tasks, *pending, return_exceptions=True)
 
 
-async def _compute(
-    driver: Any, job: Job, run: Run, pipe: Any, idx: int, mine: list[Any], step: int
-) -> tuple[list[Any], float, float, float]:
-    """Replica `idx`'s inner step `step` up to its optimizer: its share of the step's batch in, `job.step`
-    on its stages, its tied-weight sums out. Returns (reports in `mine` order, its mean micro-batch
-    loss, its gradient norm, its clip factor)."""
-    spec, jid = job.spec, job.spec.job_id
+async def _feed(driver: Any, job: Job, run: Run, pipe: Any, idx: int, mine: list[Any], step: int) -> None:
+    """Replica `idx`'s share of step `step`'s batch to its first stage (inputs) and last (targets)."""
+    jid = job.spec.job_id
     xs, ys = run.source.shard_batches(step, [p.samples for p in job.pipelines])[idx]
     first, last = mine[0], mine[-1]
     input_name = next(iter(first.recv_specs))
@@ -233,14 +245,22 @@ async def _compute(
             tensor_message(TensorKind.TARGET, {**meta, "stage": last.stage}, {"target": y})
         )
 
-    async def feed(peer: str, batch: list[Any]) -> None:
+    async def send(peer: str, batch: list[Any]) -> None:
         for msg in batch:
             await driver.t.send(peer, msg)
 
+    calls = {("send", p): send(p, b) for p, b in msgs.items()}
+    await driver.stepper.gather_or_fail(job, run, step, calls, {("send", p): p for p in msgs})
+
+
+async def _compute(
+    driver: Any, job: Job, run: Run, pipe: Any, mine: list[Any], step: int
+) -> tuple[list[Any], float, float, float]:
+    """A replica's inner step `step` up to its optimizer (its inputs fed: `_feed`): `job.step` on its
+    stages, its tied-weight sums out. Returns (reports in `mine` order, its mean micro-batch loss,
+    its gradient norm, its clip factor)."""
+    spec, jid = job.spec, job.spec.job_id
     gather = driver.stepper.gather_or_fail
-    await gather(
-        job, run, step, {("send", p): feed(p, b) for p, b in msgs.items()}, {("send", p): p for p in msgs}
-    )
     timeout = driver.stepper.step_timeout_s
     calls = {
         ("step", a.stage): jp.call(
