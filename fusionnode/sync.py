@@ -28,6 +28,9 @@ DEFAULT_OUTER_MOMENTUM = 0.9  # DiLoCo paper
 DEFAULT_TOPK_DENSITY = 1 / 64  # SparseLoCo keeps 1-3% per chunk
 DEFAULT_CHUNK = 4096  # elements per top-k chunk (SparseLoCo: 64x64 blocks)
 DEFAULT_EF_DECAY = 0.95  # error-feedback decay β (SparseLoCo)
+# what closes a round (issue 19): H inner steps of every replica, in step (the default); or time:
+# each replica steps at its own pace and the round closes when the fastest has done H (train/free_rounds.py)
+ROUND_CLOSES = ("steps", "time")
 # codecs a pseudo-gradient may travel in, per sync mode (the first is the default)
 SYNC_CODECS: dict[str, tuple[str, ...]] = {
     "step": ("raw",),
@@ -69,6 +72,7 @@ class SyncConfig:
     # amortised over H, takes at most this share of a step (plan/choose_h.py); until then
     # inner_steps holds DEFAULT_INNER_STEPS. None: H is the user's (or chosen already)
     budget: float | None = None
+    round_close: str = "steps"  # ROUND_CLOSES
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -120,6 +124,14 @@ class SyncConfig:
         if d is not None and not 1 <= d <= self.inner_steps:
             raise ConfigError(f"--overlap-steps {d}: must lie in [1, H = {self.inner_steps}]")
 
+        if self.round_close not in ROUND_CLOSES:
+            raise ConfigError(
+                f"--round-close {self.round_close!r}: expected one of {', '.join(ROUND_CLOSES)}"
+            )
+        if self.round_close == "time" and not self.rounds:
+            raise ConfigError(
+                "--round-close time: --sync step has no rounds to close; use diloco or sparseloco"
+            )
         if self.budget is not None:
             if not self.rounds:
                 raise ConfigError(
@@ -285,6 +297,21 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         help="with --sync-overlap: inner steps of the next round a round's exchange may take, 1..H "
         "(default H: the update is applied one round late)",
     )
+    g.add_argument(
+        "--round-close",
+        choices=ROUND_CLOSES,
+        default="steps",
+        help="diloco/sparseloco: what closes a round: H inner steps of every replica in step (steps, "
+        "the default), or time: each replica steps at its own pace, the round closes when the fastest "
+        "has done H, and each replica's pseudo-gradient weighs the tokens the driver fed it",
+    )
+    g.add_argument(
+        "--round-steps",
+        default=None,
+        metavar="FILE",
+        help="--local --round-close time: replay a swarm run's inner steps per replica and round, "
+        "from its metrics file (--metrics-out) or a JSON list of per-round lists",
+    )
 
 
 def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncConfig:
@@ -331,6 +358,7 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
         overlap=bool(getattr(args, "sync_overlap", False)),
         overlap_steps=getattr(args, "overlap_steps", None),
         budget=budget,
+        round_close=getattr(args, "round_close", "steps"),
     )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")
@@ -343,6 +371,17 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
             raise ConfigError(f"--sync {mode} closes rounds on the optimizer hosts: use --offload on or auto")
         if getattr(args, "rebalance_every", 0):
             raise ConfigError(f"--rebalance-every cannot move stages in the middle of a --sync {mode} round")
+    round_steps = getattr(args, "round_steps", None)
+    if cfg.round_close == "time":
+        time_close_refusals(
+            resume=bool(getattr(args, "resume", False)),
+            save_dir=getattr(args, "save_dir", None),
+            offload=getattr(args, "offload", "auto"),
+            local=bool(getattr(args, "local", False)),
+            round_steps=round_steps,
+        )
+    elif round_steps is not None:
+        raise ConfigError("--round-steps: a schedule of rounds closed by time; needs --round-close time")
     return cfg
 
 
@@ -354,6 +393,33 @@ def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
     if mode == "step":
         return 2 if offload else 4
     return 6 if mode == "sparseloco" else 5
+
+
+def time_close_refusals(
+    *,
+    resume: bool,
+    save_dir: Any,
+    offload: Any,
+    local: bool = False,
+    round_steps: Any = None,
+) -> None:
+    """What --round-close time cannot be combined with yet (ConfigError naming the options): its
+    rounds are not checkpointed (so no --save-dir, no --resume); a failed worker ends
+    the job (train/free_rounds.py). The --local reference replays a swarm run's step counts."""
+    if resume or save_dir:
+        raise ConfigError(
+            f"--round-close time with {'--resume' if resume else '--save-dir'}: rounds closed by time are "
+            "not checkpointed yet; use --round-close steps"
+        )
+    if offload == "off":
+        raise ConfigError("--round-close time closes rounds on the optimizer hosts: use --offload on or auto")
+    if local and round_steps is None:
+        raise ConfigError(
+            "--round-close time with --local: the reference replays a swarm run's inner steps per round; "
+            "give --round-steps (that run's metrics file, or a JSON list of per-round step counts)"
+        )
+    if round_steps is not None and not local:
+        raise ConfigError("--round-steps: only the --local reference replays a schedule")
 
 
 def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
@@ -372,6 +438,13 @@ def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"--sync-budget {sync.budget:g} with --inner-steps {sync.inner_steps}: give one (the budget "
             "lets the planner choose H)"
+        )
+    if sync.round_close == "time":
+        spec = params.get("spec") or {}
+        time_close_refusals(
+            resume=bool(params.get("resume")),
+            save_dir=spec.get("save_dir") if isinstance(spec, Mapping) else None,
+            offload=params.get("offload"),
         )
     if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
         raise ConfigError(

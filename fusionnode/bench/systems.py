@@ -85,6 +85,12 @@ OPTIONAL_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
         {},
     )
 ]
+# run only when named in --configs: fusionnode-dp with rounds closed by time (train/free_rounds.py):
+# each replica steps at its own pace, a round closes when the fastest has done H = 5, each replica's
+# pseudo-gradient weighs the tokens fed to it; what lifts the devices' computing share above the
+# bound of replicas stepping together (issue 19's utilisation criterion)
+DP_TIMED = SyncConfig(**{**DP_SYNC.to_dict(), "round_close": "time"})
+OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_dict()}, "none", {}))
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 
@@ -185,6 +191,8 @@ def settings_of(options: dict[str, Any]) -> dict[str, Any]:
             out["overlap"] = (
                 f"the update {sync.get('overlap_steps') or sync['inner_steps']} inner step(s) late"
             )
+        if sync.get("round_close") == "time":
+            out["round_close"] = "time: the fastest replica's H steps, weights = tokens fed"
         out["why"] = DP_WHY if options.get("stages") == 1 else SYNC_WHY[sync["mode"]]
     return out
 
@@ -209,7 +217,7 @@ def fusionnode_row(
         kind="fusionnode",
         curve=compare.fusionnode_curve(steps),
         wall_s=sum(s["step_time_s"] for s in steps),
-        tokens=len(steps) * args.batch_size * args.seq_len,
+        tokens=sum(s["tokens"] for s in steps),  # a record per step, or per round (--round-close time)
         bytes_sent=sent,
         val_loss=(run.get("result") or {}).get("val_loss"),
         utilisation=compare.fusionnode_utilisation(steps, peer_ids),

@@ -142,6 +142,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds a hivemind run may take before its peers are stopped (default %(default)s)",
     )
     p.add_argument(
+        "--contrib-policy",
+        choices=["auto", "off", "clip", "score"],
+        default="auto",
+        help="FusionNode's weighing of round contributions (train --contrib-policy); auto scores them, "
+        "the testbed's swarm being public (no swarm key) (default %(default)s)",
+    )
+    p.add_argument(
         "--out",
         default="testbed-results",
         help="directory for results.json (the table), runs.json (every step) and testbed.png (default %(default)s)",
@@ -421,7 +428,7 @@ def bench_cluster(
             run = run_config(
                 bed.controls[0],
                 job(args.steps, compress, fields),
-                {**params, "cluster": planned, "peers": bed.peer_ids},
+                {**params, "cluster": planned, "peers": bed.peer_ids, "contrib_policy": args.contrib_policy},
             )
             tx1 = bed.tx_bytes()
             rows.append(summarize(name, run, args.warmup))

@@ -379,7 +379,18 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "--contrib-policy score judges round contributions: use --sync diloco|sparseloco (or clip)"
         )
     if args.local and (sync.rounds or args.replicas > 1 or args.shares):
-        return _train_local_replicas(spec, sync, args, _parse_shares(args.shares, parser))
+        shares = _parse_shares(args.shares, parser)
+        if (
+            args.round_steps
+        ):  # --round-close time: a swarm run's schedule, replayed (train/free_rounds_local.py)
+            from fusionnode.train.free_rounds_local import check_schedule, load_schedule
+
+            try:
+                args.round_steps = load_schedule(args.round_steps)
+                check_schedule(spec, sync, len(shares) if shares else args.replicas, args.round_steps)
+            except FusionNodeError as exc:
+                parser.error(str(exc))
+        return _train_local_replicas(spec, sync, args, shares)
     if args.local:
         return _train_local(spec, args)
 
@@ -507,7 +518,9 @@ def _train_local_replicas(spec: Any, sync: Any, args: argparse.Namespace, shares
         progress.update({"tokens_per_s": tokens_per_s, **rec})
 
     try:
-        res = train_local_replicas(spec, sync, replicas=args.replicas, shares=shares, progress=show)
+        res = train_local_replicas(
+            spec, sync, replicas=args.replicas, shares=shares, progress=show, round_steps=args.round_steps
+        )
     finally:
         progress.close()
     print(

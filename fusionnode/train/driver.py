@@ -40,7 +40,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig, job_refusals
-from fusionnode.train import checks, scoring
+from fusionnode.train import checks, free_rounds, scoring
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
     job_secret,
@@ -430,6 +430,8 @@ class Driver:
     async def _steps(self, job: Job, run: Run, source: Any, start_step: int) -> None:
         from fusionnode.train.spec import lr_at
 
+        if job.sync.round_close == "time":  # each replica at its own pace (issue 19)
+            return await free_rounds.run_rounds(self, job, run, source, start_step)
         spec = job.spec
         jid = spec.job_id
         tokens_total, time_total = 0, 0.0

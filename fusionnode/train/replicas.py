@@ -139,6 +139,7 @@ def train_local_replicas(
     fresh_outer_rounds: Collection[int] = (),
     fresh_feedback_rounds: Collection[int] = (),
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    round_steps: list[list[int]] | None = None,
 ) -> ReplicasResult:
     """Train `spec` as `replicas` data-parallel replicas synchronised by `sync`, in this process.
 
@@ -169,7 +170,19 @@ def train_local_replicas(
             if progress is not None:
                 progress(rec)
 
-        if sync.rounds:
+        if sync.round_close == "time":
+            from fusionnode.train.free_rounds_local import replay_rounds
+
+            if round_steps is None:
+                raise ConfigError("--round-close time: the reference replays a schedule; give --round-steps")
+            losses, val, theta, host = replay_rounds(
+                spec, sync, shares, seq_len, round_steps, emit, eval_batches, on_round
+            )
+            res = ReplicasResult(
+                spec, sync, replicas, tuple(losses), val, theta, tuple(records),
+                host.received_bytes, host.sent_bytes, host.round,
+            )  # fmt: skip
+        elif sync.rounds:
             res = _round_modes(
                 spec,
                 sync,

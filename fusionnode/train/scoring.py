@@ -67,6 +67,10 @@ def job_contrib(params: dict[str, Any], config: Any, sync: Any) -> ContribPolicy
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if getattr(sync, "round_close", "steps") == "time" and not policy.score:
+        from fusionnode.train.free_rounds import HeldRounds  # the hosts hold each round for its token weights
+
+        return HeldRounds(policy if policy.floor else None)
     return policy if policy.floor else None
 
 
@@ -99,12 +103,15 @@ class RoundScorer:
         self.failed = 0  # rounds closed on the floor alone because scoring failed
         self.seconds = 0.0  # judging, summed over the rounds
 
-    def launch(self, job: Any, run: Any, round_id: int) -> asyncio.Task[None]:
-        self.task = asyncio.get_running_loop().create_task(self.judge(job, run, round_id))
+    def launch(
+        self, job: Any, run: Any, round_id: int, scale: list[float] | None = None
+    ) -> asyncio.Task[None]:
+        self.task = asyncio.get_running_loop().create_task(self.judge(job, run, round_id, scale))
         return self.task
 
-    async def judge(self, job: Any, run: Any, round_id: int) -> None:
-        """Scores round `round_id`, then sends every host the verdict (all kept when scoring failed)."""
+    async def judge(self, job: Any, run: Any, round_id: int, scale: list[float] | None = None) -> None:
+        """Scores round `round_id`, then sends every host the verdict (all kept when scoring failed)
+        times `scale` (--round-close time: each replica's steps over the round's most)."""
         replicas = len(job.pipelines)
         record: dict[str, Any] = {"round": round_id}
         t0 = time.perf_counter()
@@ -128,6 +135,8 @@ class RoundScorer:
             record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             self.failed += 1
             weights = [1.0] * replicas
+        if scale is not None:
+            weights = [w * x for w, x in zip(weights, scale, strict=True)]
         req = jp.OptRoundVerdict(job=job.spec.job_id, round=round_id, weights=weights)
         replies = await asyncio.gather(
             *(jp.call(self.t, h, Rpc.OPT_ROUND_VERDICT, req, timeout=self.timeout_s + 5) for h in job.hosts),

@@ -1,0 +1,358 @@
+"""Rounds closed by time (`train --sync diloco|sparseloco --round-close time`, issue 19).
+
+Under `--round-close steps` (the default) the driver steps every replica together, so a device
+computes at most its share of the slowest replica's step. Here each replica (pipeline) runs its own
+inner steps at its own pace, a task per replica, and round q closes when the fastest replica has
+done H inner steps (fewer in the job's last round: the job's `steps` are the fastest replica's).
+That is the round's time budget: the time the fastest replica needs for H steps, measured as the
+round runs rather than planned, so a replica slower than planned (or a loaded machine) changes the
+counts, not the budget's meaning, and no clock is compared across peers. Each other replica
+finishes the step it is in and closes too; then every replica's pseudo-gradient goes to the hosts.
+
+Replica r's k-th step of round q is the job's step q·H + k (its share of that step's batch, that
+step's learning rate and seeds): with replicas of equal pace this is exactly `--round-close steps`.
+The driver counts the steps it fed each replica; the hosts hold every round (`opt.init`'s contrib
+`score`, `HeldRounds`) until the driver's `opt.round_verdict` gives each replica its steps over the
+round's most (`free_rounds_local.token_verdict`), which the hosts multiply by the plan's samples per
+step: each pseudo-gradient weighs the tokens the driver fed that replica, never what a worker
+claims (the `tokens` a stage puts in its messages stay informational). Under `--contrib-policy
+score` the scorer's verdict (1 kept, 0 dropped: train/scoring.py) is multiplied by those fractions.
+
+Records: one per round, emitted in round order when every replica has closed it: `step` is the
+round's last step of the fastest replica, `loss` the token-weighted mean of the replicas' step
+losses, `tokens` every token fed in the round, `step_time_s` the time since the previous round's
+record, each stage's compute, wait and link seconds summed over its steps in the round, and
+`replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
+replays: train/free_rounds_local.py).
+
+Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`;
+a worker or host that fails ends the job with an error naming `--round-close steps` (which
+recovers), rather than a round applied twice or lost in silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fusionnode.errors import ConfigError, PeerError
+from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.optim.rounds import contributing_names
+from fusionnode.train.free_rounds_local import round_count, round_limit, token_verdict
+from fusionnode.train.spec import lr_at
+from fusionnode.train.state import HISTORY_KEPT, Job, Run
+from fusionnode.train.step import StepFailed
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import tensor_message
+from fusionnode.wire.job import Rpc, TensorKind
+
+
+@dataclass(frozen=True)
+class HeldRounds:
+    """The job's contrib settings under --round-close time: the hosts hold every round for the
+    driver's token verdict, with the norm floor of `inner` (--contrib-policy clip) when it is on."""
+
+    inner: Any = None  # verify.contrib.ContribPolicy | None
+
+    score = False  # no RoundScorer: the verdict is the driver's token count
+
+    @property
+    def floor(self) -> bool:
+        return self.inner is not None and self.inner.floor
+
+    def host_config(self) -> dict[str, object]:
+        return {"clip": self.inner.clip if self.floor else None, "score": True}
+
+    def to_dict(self) -> dict[str, object]:
+        base = self.inner.to_dict() if self.inner is not None else {"policy": "off"}
+        return {**base, "weights": "tokens fed (--round-close time)"}
+
+
+class _Round:
+    """What the driver knows of one round while its replicas run it."""
+
+    def __init__(self, q: int, limit: int, job: Job, run: Run) -> None:
+        self.q, self.limit = q, limit
+        self.closing = False  # a replica did `limit` steps: the others finish the step they are in
+        self.counts: list[int | None] = [None] * len(job.pipelines)
+        self.losses: list[list[float]] = [[] for _ in job.pipelines]
+        self.norms: list[float] = []
+        self.stages = {
+            a.stage: {"stage": a.stage, "peer": a.peer, "compute_s": 0.0, "wait_s": 0.0, "link_s": 0.0,
+                      "sent_bytes": 0, "optimizer_bytes": 0, "links": {}, "steps": 0}
+            for a in run.stage_args
+        }  # fmt: skip
+        self.wire = 0
+        self.finished = 0
+        self.done = asyncio.Event()
+        self.t_done = 0.0
+        self.verdict: asyncio.Task | None = None
+
+    def add(self, reports: list[Any], args: list[Any]) -> None:
+        for a, r in zip(args, reports, strict=True):
+            st = self.stages[a.stage]
+            st["compute_s"] += r.compute_s
+            st["wait_s"] += r.wait_s
+            st["link_s"] += max(0.0, r.total_s - r.compute_s - r.wait_s)
+            st["sent_bytes"] += r.sent_bytes
+            st["optimizer_bytes"] += r.optimizer_bytes
+            st["links"] = r.links
+            st["steps"] += 1
+            self.wire += r.sent_bytes
+
+
+async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: int) -> None:
+    """The job's rounds closed by time: a task per replica, the records in round order."""
+    spec, sync = job.spec, job.sync
+    if start_step or run.checks is not None or not job.offload:
+        raise ConfigError("--round-close time: runs from step 0, on optimizer hosts, without spot-checks")
+    if run.names_by_stage is None:
+        run.names_by_stage = contributing_names(run.stage_args)
+    n_rounds = round_count(spec, sync)
+    rounds: dict[int, _Round] = {}
+    closed = [0]  # rounds the hosts closed (their verdicts answered)
+
+    def round_at(q: int) -> _Round:
+        if q not in rounds:
+            rounds[q] = _Round(q, round_limit(spec, sync, q), job, run)
+        return rounds[q]
+
+    async def verdict(rd: _Round) -> None:
+        weights = token_verdict([int(c or 0) for c in rd.counts])
+        if run.scorer is not None:  # --contrib-policy score: its verdict (kept 1, dropped 0) x these
+            await run.scorer.launch(job, run, rd.q, weights)
+            closed[0] = max(closed[0], rd.q + 1)
+            return
+        req = jp.OptRoundVerdict(job=spec.job_id, round=rd.q, weights=weights)
+        timeout = driver.stepper.step_timeout_s
+        calls = {
+            ("verdict", h): jp.call(driver.t, h, Rpc.OPT_ROUND_VERDICT, req, timeout=timeout + 5)
+            for h in job.hosts
+        }
+        await driver.stepper.gather_or_fail(
+            job, run, rd.q * sync.inner_steps, calls, {k: k[1] for k in calls}
+        )
+        closed[0] = max(closed[0], rd.q + 1)
+
+    async def replica(idx: int) -> None:
+        pipe = job.pipelines[idx]
+        mine = sorted((a for a in run.stage_args if a.replica == pipe.replica), key=lambda a: a.pos)
+        # the next step's inputs go out while this step's commit runs (its step id is known once this
+        # step decided whether it closes the round)
+        feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
+        try:
+            for q in range(n_rounds):
+                rd = round_at(q)
+                k = 0
+                while True:
+                    step = q * sync.inner_steps + k
+                    lr = lr_at(step, spec)
+                    assert feeding is not None
+                    await feeding
+                    reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
+                    rd.add(reports, mine)
+                    rd.losses[idx].append(loss)
+                    rd.norms.append(norm)
+                    k += 1
+                    last = k >= rd.limit or rd.closing
+                    rd.closing = rd.closing or k >= rd.limit
+                    info = None
+                    if last:
+                        rd.counts[idx] = k
+                        if all(c is not None for c in rd.counts):
+                            rd.verdict = asyncio.ensure_future(verdict(rd))
+                        info = {
+                            "id": q,
+                            "tokens": pipe.samples
+                            * run.seq_len
+                            * k,  # informational: the hosts take the verdict
+                            "final": sync.overlap and q == n_rounds - 1,
+                        }
+                    following = (q + 1) * sync.inner_steps if last else step + 1
+                    feeding = None
+                    if not (last and q == n_rounds - 1):
+                        feeding = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, following))
+                    await _commit(driver, job, run, mine, step, lr, clip, info, closed)
+                    rd.wire += job.round_bytes
+                    if last:
+                        break
+                rd.finished += 1
+                if rd.finished == len(job.pipelines):
+                    rd.t_done = time.perf_counter()
+                    rd.done.set()
+        finally:
+            if feeding is not None and not feeding.done():
+                feeding.cancel()
+                await asyncio.gather(feeding, return_exceptions=True)
+
+    async def records() -> None:
+        t_prev = time.perf_counter()
+        sent0 = driver.t.bytes_sent.get(spec.job_id, 0)
+        tokens_total, time_total = 0, 0.0
+        for q in range(n_rounds):
+            rd = round_at(q)
+            await rd.done.wait()
+            assert rd.verdict is not None
+            await rd.verdict
+            t_done = max(rd.t_done, t_prev)
+            sent = driver.t.bytes_sent.get(spec.job_id, 0)
+            rec = _record(job, run, rd, t_done - t_prev, rd.wire + sent - sent0, closed[0])
+            t_prev, sent0 = t_done, sent
+            tokens_total += rec["tokens"]
+            time_total += rec["step_time_s"]
+            run.metrics.step(rec)
+            job.history.append(rec)
+            if len(job.history) > 2 * HISTORY_KEPT:
+                del job.history[:-HISTORY_KEPT]
+            job.step, job.loss = rec["step"] + 1, rec["loss"]
+            job.tokens_per_s = tokens_total / max(time_total, 1e-9)
+            await run.emit({"type": "step", **rec, "steps": spec.steps})
+
+    tasks = [asyncio.ensure_future(replica(i)) for i in range(len(job.pipelines))]
+    tasks.append(asyncio.ensure_future(records()))
+    try:
+        await asyncio.gather(*tasks)
+    except StepFailed as fail:
+        raise PeerError(
+            f"step {fail.step} failed under --round-close time ({fail.summary()}); a replica's failure "
+            "ends a job whose rounds close by time (not recovered yet): use --round-close steps"
+        ) from None
+    finally:
+        for t in tasks:
+            t.cancel()
+        pending = [rd.verdict for rd in rounds.values() if rd.verdict is not None]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, *pending, return_exceptions=True)
+
+
+async def _feed(driver: Any, job: Job, run: Run, pipe: Any, idx: int, mine: list[Any], step: int) -> None:
+    """Replica `idx`'s share of step `step`'s batch to its first stage (inputs) and last (targets)."""
+    jid = job.spec.job_id
+    xs, ys = run.source.shard_batches(step, [p.samples for p in job.pipelines])[idx]
+    first, last = mine[0], mine[-1]
+    input_name = next(iter(first.recv_specs))
+    msgs: dict[str, list[Any]] = {}
+    for mb, (x, y) in enumerate(zip(xs.chunk(pipe.micro_batches), ys.chunk(pipe.micro_batches), strict=True)):
+        meta = {"job": jid, "step": step, "mb": mb}
+        msgs.setdefault(first.peer, []).append(
+            tensor_message(TensorKind.INPUT, {**meta, "stage": first.stage}, {input_name: x})
+        )
+        msgs.setdefault(last.peer, []).append(
+            tensor_message(TensorKind.TARGET, {**meta, "stage": last.stage}, {"target": y})
+        )
+
+    async def send(peer: str, batch: list[Any]) -> None:
+        for msg in batch:
+            await driver.t.send(peer, msg)
+
+    calls = {("send", p): send(p, b) for p, b in msgs.items()}
+    await driver.stepper.gather_or_fail(job, run, step, calls, {("send", p): p for p in msgs})
+
+
+async def _compute(
+    driver: Any, job: Job, run: Run, pipe: Any, mine: list[Any], step: int
+) -> tuple[list[Any], float, float, float]:
+    """A replica's inner step `step` up to its optimizer (its inputs fed: `_feed`): `job.step` on its
+    stages, its tied-weight sums out. Returns (reports in `mine` order, its mean micro-batch loss,
+    its gradient norm, its clip factor)."""
+    spec, jid = job.spec, job.spec.job_id
+    gather = driver.stepper.gather_or_fail
+    timeout = driver.stepper.step_timeout_s
+    calls = {
+        ("step", a.stage): jp.call(
+            driver.t,
+            a.peer,
+            Rpc.JOB_STEP,
+            jp.StepRequest(
+                job=jid, stage=a.stage, step=step, micro_batches=pipe.micro_batches, mb_size=pipe.mb_size
+            ),
+            timeout=timeout * 2,
+            recall=Rpc.JOB_STEP_RESULT,
+        )
+        for a in mine
+    }
+    got = await gather(job, run, step, calls, {("step", a.stage): a.peer for a in mine})
+    reports = [got[("step", a.stage)] for a in mine]
+    shared_sum = await driver.stepper.sum_shared(job, mine, step)
+    norm = math.sqrt(sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum))
+    clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
+    for a in mine:
+        part = {n: shared_sum[n] for n in a.shared_names}
+        if part:
+            meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
+            await driver.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
+    losses = reports[-1].losses
+    return reports, sum(losses) / len(losses), norm, clip
+
+
+async def _commit(
+    driver: Any,
+    job: Job,
+    run: Run,
+    mine: list[Any],
+    step: int,
+    lr: float,
+    clip: float,
+    info: dict[str, Any] | None,
+    closed: list[int],
+) -> None:
+    """The replica's commits of `step` (its inner optimizer; `info`: it closes its round); the round
+    bytes they report folded into the job's host counters."""
+    timeout = driver.stepper.step_timeout_s
+    calls = {}
+    for a in mine:
+        rnd = {**info, "names": run.names_by_stage[a.stage]} if info is not None else None
+        req = jp.CommitRequest(
+            job=job.spec.job_id, stage=a.stage, step=step, lr=lr, clip_coef=clip, round=rnd
+        )
+        calls[("commit", a.stage)] = jp.call(
+            driver.t, a.peer, Rpc.JOB_COMMIT, req, timeout=timeout, idempotent=True
+        )
+    got = await driver.stepper.gather_or_fail(
+        job, run, step, calls, {("commit", a.stage): a.peer for a in mine}
+    )
+    job.count_round(step, [r.round_bytes for r in got.values()], closed[0])
+
+
+def _record(job: Job, run: Run, rd: _Round, seconds: float, wire: int, closed: int) -> dict[str, Any]:
+    """Round `rd`'s record (see the module's docstring)."""
+    spec = job.spec
+    reps = []
+    for idx, pipe in enumerate(job.pipelines):
+        steps = int(rd.counts[idx] or 0)
+        losses = rd.losses[idx]
+        reps.append(
+            {
+                "replica": pipe.replica,
+                "steps": steps,
+                "tokens": pipe.samples * run.seq_len * steps,
+                "loss": sum(losses) / len(losses),
+            }
+        )
+    tokens = sum(r["tokens"] for r in reps)
+    step = rd.q * job.sync.inner_steps + rd.limit - 1
+    return {
+        "step": step,
+        "loss": sum(r["loss"] * r["tokens"] for r in reps) / tokens,
+        "tokens": tokens,
+        "step_time_s": seconds,
+        "wire_bytes": wire,
+        "plan_version": job.plan_version,
+        "lr": lr_at(step, spec),
+        "grad_norm": sum(rd.norms) / len(rd.norms),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "phases": {},
+        "stages": [
+            {k: round(v, 4) if isinstance(v, float) else v for k, v in st.items()}
+            for st in rd.stages.values()
+        ],
+        "optimizer_hosts": job.host_counters,
+        "rounds_applied": job.rounds_closed,
+        "round_closed": rd.q,
+        "round_close": "time",
+        "replicas": reps,
+    }

@@ -1,0 +1,207 @@
+"""The in-process reference of rounds closed by time (`train --local --round-close time --round-steps`).
+
+Under ``--round-close time`` (train/free_rounds.py) each replica runs its own inner steps at its own
+pace, and round q closes when the fastest replica has done H of them (fewer in the job's last round):
+the others finish the step they are in and send their pseudo-gradients too. Which replica did how
+many steps in which round depends on the machines, so the swarm records it (each round's record
+lists every replica's `steps`) and this reference replays a given schedule: `round_steps[q][r]`,
+the inner steps replica r did in round q.
+
+Replica r's k-th inner step of round q is the job's step s = q·H + k (as if rounds closed by step
+count): its data is replica r's share of step s's batch (`BatchSource.shard_batches`), its learning
+rate `lr_at(s)`, its dropout seed step s's. Its pseudo-gradient weighs the tokens fed to it in the
+round (its share x the sequence length x its steps). Everything else is `train/replicas.py`'s: the
+outer step of `optim.rounds`, and with `sync.overlap` the round's update applied after the D-th inner
+step of the next round, or at the replica's next close if it does fewer (each replica on its own, as
+each stage does on the workers: `runtime/rounds.py`); the job's last round is installed at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusionnode.errors import ConfigError
+from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
+from fusionnode.sync import SyncConfig
+from fusionnode.train.data import BatchSource
+from fusionnode.train.local import DivergenceError, build_job_model, evaluate, make_optimizer
+from fusionnode.train.spec import JobSpec
+
+
+def round_count(spec: JobSpec, sync: SyncConfig) -> int:
+    """Rounds of a job of `spec.steps` steps of the fastest replica: ceil(steps / H)."""
+    return -(-spec.steps // sync.inner_steps)
+
+
+def round_limit(spec: JobSpec, sync: SyncConfig, q: int) -> int:
+    """Inner steps of the fastest replica in round q: H, or what is left of the job in its last."""
+    return min(sync.inner_steps, spec.steps - q * sync.inner_steps)
+
+
+def check_schedule(spec: JobSpec, sync: SyncConfig, replicas: int, schedule: Any) -> list[list[int]]:
+    """`schedule` as a list of per-round lists of step counts; ConfigError naming --round-steps when
+    it does not fit the job: one round per ceil(steps / H), one count per replica, each in
+    [1, the round's limit], and some replica at the limit (the one that closed the round)."""
+    rounds = round_count(spec, sync)
+    if not isinstance(schedule, list) or len(schedule) != rounds:
+        n = len(schedule) if isinstance(schedule, list) else type(schedule).__name__
+        raise ConfigError(f"--round-steps: {n} rounds given; the job has {rounds} (steps {spec.steps}, H)")
+    out = []
+    for q, counts in enumerate(schedule):
+        limit = round_limit(spec, sync, q)
+        if (
+            not isinstance(counts, list)
+            or len(counts) != replicas
+            or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= limit for c in counts)
+        ):
+            raise ConfigError(
+                f"--round-steps: round {q} needs {replicas} step counts in [1, {limit}], got {counts!r:.80}"
+            )
+        if max(counts) != limit:
+            raise ConfigError(f"--round-steps: round {q}: no replica did the round's {limit} steps")
+        out.append([int(c) for c in counts])
+    return out
+
+
+def load_schedule(path: str) -> list[list[int]]:
+    """The per-round step counts of `path`: a JSON list of lists, or a metrics file (JSON lines) of a
+    swarm run under --round-close time (each round's record: `replicas[i].steps`). ConfigError."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--round-steps {path}: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, list):
+        return doc
+    rounds = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise ConfigError(f"--round-steps {path}: neither a JSON list nor a metrics file") from None
+        if isinstance(rec, dict) and rec.get("type") == "step" and isinstance(rec.get("replicas"), list):
+            rounds.append([rep.get("steps") for rep in rec["replicas"]])
+    if not rounds:
+        raise ConfigError(f"--round-steps {path}: no round records (a run under --round-close time)")
+    return rounds
+
+
+def replay_rounds(
+    spec: JobSpec,
+    sync: SyncConfig,
+    shares: list[int],
+    seq_len: int,
+    schedule: list[list[int]],
+    emit: Callable[[dict[str, Any]], None],
+    eval_batches: int,
+    on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+) -> tuple[list[float], float, dict[str, torch.Tensor], RoundCombiner]:
+    """Rounds closed by time, replaying `schedule`; emits one record per round (its last step of the
+    fastest replica, the token-weighted loss, each replica's steps, tokens and loss). Returns (the
+    rounds' losses, the validation loss, θ, the combiner)."""
+    from fusionnode.train.replicas import _divisor_at_most, _replica_step
+
+    replicas = len(shares)
+    schedule = check_schedule(spec, sync, replicas, schedule)
+    h = sync.inner_steps
+    base = build_job_model(spec)
+    source = BatchSource.from_spec(spec, seq_len)
+    models = [copy.deepcopy(base) for _ in range(replicas)]
+    for mdl in models:
+        mdl.train()
+    opts = [make_optimizer(mdl, spec) for mdl in models]
+    theta = {n: p.detach().clone().float() for n, p in base.named_parameters() if p.requires_grad}
+    senders = [ReplicaSync(sync) for _ in range(replicas)]
+    host = RoundCombiner(sync, replicas)
+    ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
+    starts = [dict(theta) for _ in range(replicas)]
+    ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+    pending = [False] * replicas
+    losses: list[float] = []
+
+    def settle(r: int) -> None:  # θ_r ← θ_global + (θ_r − θ_end,r), θ_start,r ← θ_global
+        with torch.no_grad():
+            for n, p in models[r].named_parameters():
+                if n in theta:
+                    p.copy_(theta[n] + (p.detach().float() - ends[r][n]))
+                    starts[r][n] = theta[n].clone()
+        pending[r] = False
+
+    for q, counts in enumerate(schedule):
+        t0 = time.perf_counter()
+        last = q == len(schedule) - 1
+        reps = []
+        for r in range(replicas):
+            rlosses = []
+            for k in range(counts[r]):
+                step = q * h + k
+                batch = source.shard_batches(step, shares)[r]
+                rlosses.append(_replica_step(models[r], opts[r], batch, ms[r], step, spec))
+                if k < counts[r] - 1 and pending[r] and sync.applies_delayed(step):
+                    settle(r)
+            if pending[r]:  # a replica that did fewer than D steps: at its close
+                settle(r)
+            end = {n: p for n, p in models[r].named_parameters() if p.requires_grad}
+            if sync.overlap:
+                ends[r] = {n: p.detach().float().clone() for n, p in end.items()}
+            delta = pseudo_gradient(starts[r] if sync.overlap else theta, end)
+            tokens = shares[r] * seq_len * counts[r]
+            host.add(q, r, tokens, senders[r].encode(delta))
+            reps.append(
+                {"replica": r, "steps": counts[r], "tokens": tokens, "loss": sum(rlosses) / len(rlosses)}
+            )
+        before = host.received_bytes + host.sent_bytes
+        theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
+        host.close(theta)
+        if not sync.overlap or last:
+            with torch.no_grad():
+                for mdl in models:
+                    for n, p in mdl.named_parameters():
+                        if n in theta:
+                            p.copy_(theta[n])
+        else:
+            pending = [True] * replicas
+        tokens = sum(x["tokens"] for x in reps)
+        loss = sum(x["loss"] * x["tokens"] for x in reps) / tokens
+        if not math.isfinite(loss):
+            raise DivergenceError(f"round {q}: loss is {loss}; lower --lr or --outer-lr")
+        losses.append(loss)
+        emit(
+            {
+                "step": q * h + round_limit(spec, sync, q) - 1,
+                "loss": loss,
+                "tokens": tokens,
+                "round": q,
+                "round_closed": q,
+                "replicas": reps,
+                "step_time_s": time.perf_counter() - t0,
+                "wire_bytes": host.received_bytes + host.sent_bytes - before,
+                "optimizer_hosts": [
+                    {"host": 0, "received_bytes": host.received_bytes, "sent_bytes": host.sent_bytes}
+                ],
+            }
+        )
+        if on_round is not None:
+            on_round(q, {n: t.clone() for n, t in theta.items()})
+    return losses, evaluate(models[0], source, eval_batches), dict(theta), host
+
+
+def token_verdict(counts: Sequence[int]) -> list[float]:
+    """The driver's verdict of a round closed by time (`opt.round_verdict`): each replica's inner steps
+    over the round's most. A host weighs a replica by the plan's samples per step x this, so its weight
+    is the tokens the driver fed it, up to a factor common to the round (never what a worker claims)."""
+    top = max(counts)
+    if top < 1 or min(counts) < 0:
+        raise ValueError(f"step counts {list(counts)}: a round needs a replica with steps")
+    return [c / top for c in counts]
