@@ -38,6 +38,7 @@ import torch
 from fusionnode.compress.link import LinkCompressor
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.runtime import optstate
 from fusionnode.runtime.audit import StageAudit
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
 from fusionnode.runtime.offload import HostLink
@@ -271,6 +272,8 @@ class WorkerService(StageAudit, HostLink):
                 sj.rounds = StageRounds(sj.sync, sj.params)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        if req.optim:  # offload off: a stage moved with its optimizer state
+            await optstate.load(self, sj, req.optim)
         if req.feedback:  # a resumed --sync sparseloco job: the replica's error feedback
             if sj.rounds is None:
                 raise JobError(ErrorCode.BAD_REQUEST, "error feedback for a stage that keeps none")
@@ -313,6 +316,8 @@ class WorkerService(StageAudit, HostLink):
         error feedback (what="feedback") to the driver."""
         sj = self._get(req, sender)
         what = req.what
+        if what == "optim":  # offload off: the local optimizer's state, for a move of the stage
+            return jp.CountReply(count=await optstate.send(self, sj))
         if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
             tensors = sj.rounds.feedback_state() if sj.rounds is not None else {}
         else:

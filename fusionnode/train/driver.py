@@ -468,7 +468,7 @@ class Driver:
                         raise PlanError(f"step {fail.step}: {fail.summary()}") from None
                     step = await self.recovery.roll_back(job, run, source, fail)
                     continue
-                if not job.offload:
+                if not job.offload and job.sync.rounds:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
                         "the optimizer state off the workers (--offload on)"
@@ -477,7 +477,7 @@ class Driver:
                     raise PlanError(
                         f"step {step} failed {failures_in_a_row} times in a row: {fail.summary()}"
                     ) from None
-                await self.recovery.recover(job, run, source, step, fail)
+                step = await self.recovery.recover(job, run, source, step, fail)
                 if job.sync.rounds:
                     step = await self.recovery.round_restart(job, run, step, job.hosts_applied)
                 continue
@@ -540,7 +540,7 @@ class Driver:
                 if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:
                     failures_in_a_row, step = failures_in_a_row + 1, replay
                     continue
-                await self.recovery.recover(job, run, source, step, late)
+                step = await self.recovery.recover(job, run, source, step, late)
                 if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
                     step = await self.recovery.round_restart(job, run, step - 1, job.hosts_applied)
                 continue

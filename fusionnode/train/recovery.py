@@ -54,8 +54,9 @@ class Recovery:
         self.hosts = hosts
         self.stall_s = stall_s  # what a stalled stage costs a step: the deadline of its job.step call
 
-    async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> None:
-        """Bans (or forgets) the peers to blame, adopts a plan without them; the step is then replayed."""
+    async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> int:
+        """Bans (or forgets) the peers to blame, adopts a plan without them; returns the step to go on
+        from (`step`, replayed; offload off may fall back to a checkpoint: train/ringrecovery.py)."""
         from fusionnode.train.rebalance import blame
 
         t0 = time.perf_counter()
@@ -93,6 +94,11 @@ class Recovery:
                     ban_s=ban_s,
                 )
         workers = await self.live_workers(job, run)
+        if not job.offload:  # the state is on the workers: from the surviving replicas
+            from fusionnode.train import ringrecovery
+
+            gone = set(verdict) | set(fail.unreachable) | getattr(fail, "unapplied", set())
+            return await ringrecovery.recover(self, job, run, source, step, gone, workers, t0)
         try:
             await self.adopt(
                 job,
@@ -123,6 +129,7 @@ class Recovery:
             plan_version=job.plan_version,
             reason="the step is replayed under the new plan",
         )
+        return step
 
     @staticmethod
     def _saved_at(job: Job, step: int) -> bool:
@@ -237,12 +244,14 @@ class Recovery:
         reason: str,
         layout_: Any = None,
         shares_: Any = (),
+        state_: Any = None,
     ) -> None:
         """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
         step in progress), lays out new ones (with new stage ids, so no message or contribution of
         the old plan can be taken for the new one), points the optimizer hosts at the new
         contributors (dropping the pending step's partial gradients) and ships each new stage the
-        current parameters from the hosts."""
+        current parameters from the hosts (offload off: `state_`, the parameters and optimizer state
+        taken from the stages before, train/ringrecovery.py)."""
         spec = job.spec
         t0 = time.perf_counter()
         old_args = run.stage_args
@@ -259,7 +268,9 @@ class Recovery:
             ),
             return_exceptions=True,
         )
-        current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
+        current, optim = state_ or (None, None)
+        if current is None:
+            current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
         base = job.plan_version * STAGE_ID_STRIDE
         given = [layout_]  # a rebalance's layouts (one per pipeline), for the first proposal only
 
@@ -319,7 +330,7 @@ class Recovery:
             job.hosts_applied = await self.hosts.replan(
                 spec.job_id, job.hosts, run.host_of, expected(job, stage_args)
             )
-        await self.placement.ship(job, stage_args, current, await self.round_feedback(job))
+        await self.placement.ship(job, stage_args, current, await self.round_feedback(job), optim)
         run.stage_args = stage_args
         run.names_by_stage = None  # which stage sends which name at a round's end: the new stage ids
         run.recent.clear()  # speeds measured on other stages (flops are not seconds everywhere)

@@ -1,0 +1,147 @@
+"""Recovery of `--offload off` jobs (train/ringrecovery.py), on the in-memory network (tests/memnet.py):
+a ring member lost mid-step or while applying a step, the job re-placed from the survivors'
+parameters and optimizer state, the losses still those of one process (fp32, 1e-5: every step applied
+once, on the whole batch, with the AdamW state carried); a stage whose every holder died stops the job
+with the stage named, or resumes from the driver's checkpoint. The real daemons' version (SIGKILL) is
+in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_allreduce import _typed
+from test_components import Swarm, small_spec
+
+from fusionnode.errors import PeerError, PlanError
+from fusionnode.runtime import optstate
+from fusionnode.train.local import train_local
+from fusionnode.wire.job import Rpc
+
+torch.set_num_threads(1)
+RING = {"stages": 2, "replicas": 2, "offload": "off"}
+
+
+def _assert_follows_reference(s: Swarm, spec) -> None:
+    steps = [e["step"] for e in s.steps()]
+    assert steps == list(range(spec.steps)), steps  # each step recorded once: none lost, none twice
+    ref = train_local(spec).losses
+    for i, (a, b) in enumerate(zip([e["loss"] for e in s.steps()], ref, strict=True)):
+        assert abs(a - b) < 1e-5, f"step {i}: swarm {a:.7f} vs local {b:.7f}"
+
+
+def _events(s: Swarm, kind: str) -> list[dict]:
+    return [e for e in s.events if e.get("kind") == kind]
+
+
+def _victim_of(s: Swarm, stage_pos: int, replica: int) -> str:
+    plan = next(e for e in s.events if e["type"] == "plan")
+    return next(st["peer"] for st in plan["stages"] if st["replica"] == replica and st["pos"] == stage_pos)
+
+
+def test_a_ring_member_lost_mid_allreduce_is_replaced_from_its_replica(tmp_path):
+    """2 pipelines x 2 stages; a member of pipeline 1 vanishes in its all-reduce at step 2: the step
+    is replayed on the survivors' state and every loss is the single-process one."""
+    spec = small_spec(steps=5, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim = s.ids[2]  # the simple layout: pipeline 1's first stage
+    orig = s.workers[victim]._allreduce
+
+    async def die(sj, step):
+        if step == 2:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step)
+
+    s.workers[victim]._allreduce = die
+    res = asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    assert res["steps"] == spec.steps and victim == _victim_of(s, 0, 1)
+    _assert_follows_reference(s, spec)
+    (rec,) = _events(s, "recovered")
+    assert rec["step"] == 2 and rec["time_to_recover_s"] > 0 and "replay_from" not in rec
+    assert victim not in {st["peer"] for st in res["stages"]}
+
+
+def test_a_member_lost_while_applying_the_step_leaves_no_step_half_applied(tmp_path):
+    """The victim dies in its `job.commit` of step 1 (before applying it), after the other stages
+    committed or while they do: the driver re-sends the commit to every survivor, so all stand after
+    step 1, which is kept (not replayed); the losses stay the single-process ones."""
+    spec = small_spec(steps=4, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim = s.ids[1]  # pipeline 0's last stage: its replica in pipeline 1 holds the same state
+    w = s.workers[victim]
+    orig = w.rpc_commit
+
+    async def commit(req, sender):
+        if req.step == 1:
+            await asyncio.sleep(0.05)  # the others' commits get there first
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(req, sender)
+
+    s.net.peers[victim].add_rpc(Rpc.JOB_COMMIT, _typed(commit))
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    _assert_follows_reference(s, spec)
+    (rec,) = _events(s, "recovered")
+    assert rec["step"] == 2  # step 1 was applied everywhere else: the job goes on after it
+
+
+def test_a_stage_with_no_surviving_holder_stops_the_job_naming_it(tmp_path):
+    """One pipeline (no replica): its second stage's only holder dies: without a checkpoint the job
+    stops with the lost stage named; with one it resumes from it and finishes."""
+    params = {"stages": 2, "offload": "off"}
+    spec = small_spec(steps=4, micro_batches=2)
+    s = Swarm(tmp_path / "a", workers=3)
+    victim = s.ids[1]
+    orig = s.workers[victim]._run_step
+
+    async def die(sj, step, *a):
+        if step == 2:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step, *a)
+
+    s.workers[victim]._run_step = die
+    with pytest.raises(PlanError, match=r"stage 1 \(graph nodes \d+\.\.\d+\) of pipeline\(s\) 0 .* is lost"):
+        asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **params}, s.emit))
+
+    spec2 = small_spec(steps=4, micro_batches=2, save_dir=str(tmp_path / "ckpt"), save_every=1)
+    s2 = Swarm(tmp_path / "b", workers=3)
+    victim = s2.ids[1]
+    orig2 = s2.workers[victim]._run_step
+
+    async def die2(sj, step, *a):
+        if step == 3:
+            s2.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig2(sj, step, *a)
+
+    s2.workers[victim]._run_step = die2
+    res = asyncio.run(s2.driver.run_job({"spec": spec2.to_dict(), **params}, s2.emit))
+    assert res["steps"] == spec2.steps
+    (rec,) = _events(s2, "recovered")
+    assert rec["replay_from"] == 3 and rec["fresh_optimizer"] is True
+    # the steps before the checkpoint are the single-process ones; after it the optimizer restarted
+    ref = train_local(spec2.replace(save_dir=None, save_every=0)).losses
+    got = {e["step"]: e["loss"] for e in s2.steps()}
+    for i in range(3):
+        assert abs(got[i] - ref[i]) < 1e-5
+
+
+def test_optimizer_state_round_trips_through_the_wire_format():
+    from types import SimpleNamespace
+
+    from fusionnode.runtime.stagejob import make_optimizer
+
+    spec = small_spec().to_dict()
+    params = {"a.w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.randn(4))}
+    sj = SimpleNamespace(params=params, opt=make_optimizer(params, spec))
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    sj.opt.step(1e-2)
+    msgs = optstate.state_of(sj)
+    assert sorted(msgs) == ["a.w", "b"] and set(msgs["b"]) == {"b|exp_avg", "b|exp_avg_sq", "b|steps"}
+    want = optstate.expected(sj)
+    assert {k for m in msgs.values() for k in m} == set(want)
+    assert msgs["a.w"]["a.w|steps"].item() == 1.0
