@@ -145,3 +145,59 @@ def test_optimizer_state_round_trips_through_the_wire_format():
     want = optstate.expected(sj)
     assert {k for m in msgs.values() for k in m} == set(want)
     assert msgs["a.w"]["a.w|steps"].item() == 1.0
+
+
+def test_a_share_move_of_a_ring_job_reweighs_the_rings_and_keeps_the_loss(tmp_path, monkeypatch):
+    """Straggler rebalancing of a ring job: the check at step 2 is made to move the shares [8, 8] ->
+    [12, 4]; each stage is told its rings' new weights (`job.resize`, no stage re-placed, nothing
+    shipped), so the ring's average weighs each replica by its samples and the losses stay one
+    process's."""
+    from test_rebalance_trigger import _force_one_share_move
+
+    calls = _force_one_share_move(monkeypatch)
+    spec = small_spec(steps=8, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4)
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING, "rebalance_every": 2}, s.emit))
+    replans = _events(s, "replan")
+    assert [e.get("moved") for e in replans] == ["shares"] and replans[0]["shares"] == [12, 4]
+    assert calls[1] == [12, 4]
+    for pid in s.workers:
+        got = s.net.peers[pid].calls
+        assert got.count(Rpc.JOB_ASSIGN) == 1 and got.count(Rpc.JOB_RESIZE) == 1, (pid, got)
+    _assert_follows_reference(s, spec)
+
+
+def test_a_resplit_of_an_offload_off_job_moves_the_optimizer_state_along(tmp_path, monkeypatch):
+    """The rebalancer's re-split of a job with the optimizer on the workers (one pipeline, no sync):
+    a check is made to move the cut and one stage to the spare worker; the new stages start from the
+    old ones' parameters and AdamW state, so the losses stay one process's."""
+    from fusionnode.train import rebalance
+    from fusionnode.train.rebalance import Check, JobDecision, Layout
+
+    real, moved = rebalance.check_job, []
+
+    def forced(book, trigger, current, *args, **kw):
+        c = real(book, trigger, current, *args, **kw)
+        if moved:
+            return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
+        (lay,) = current
+        spare = next(p for p in s.ids if p not in lay.peers)
+        b = list(lay.bounds)
+        b[1] += 7
+        new = Layout((lay.peers[0], spare), tuple(b))
+        moved.append(new)
+        return Check(
+            JobDecision(True, "forced by the test", 1.0, 0.5, (new,), (), None), True, "forced", 0, 0, None
+        )
+
+    monkeypatch.setattr(rebalance, "check_job", forced)
+    spec = small_spec(steps=6, micro_batches=2)
+    s = Swarm(tmp_path, workers=3)
+    res = asyncio.run(
+        s.driver.run_job(
+            {"spec": spec.to_dict(), "stages": 2, "offload": "off", "rebalance_every": 2}, s.emit
+        )
+    )
+    (replan,) = [e for e in _events(s, "replan") if str(e.get("reason", "")).startswith("rebalance")]
+    assert replan["peers"] == list(moved[0].peers) and res["offload"] is False
+    _assert_follows_reference(s, spec)

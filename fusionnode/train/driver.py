@@ -78,11 +78,11 @@ DEFAULT_REBALANCE_EVERY = 2
 
 def rebalance_every(params: dict[str, Any], job: Job) -> int:
     """Steps between rebalance checks: as asked, else DEFAULT_REBALANCE_EVERY for a job that can
-    survive a move (offloaded optimizer state, no --sync rounds), else never."""
+    survive a move (no --sync rounds: with offload off the stages' state moves with them), else never."""
     asked = params.get("rebalance_every")
     if asked is not None:
         return int(asked)
-    return DEFAULT_REBALANCE_EVERY if job.offload and not job.sync.rounds else 0
+    return DEFAULT_REBALANCE_EVERY if not job.sync.rounds else 0
 
 
 class Driver:
@@ -196,11 +196,10 @@ class Driver:
                     f"--stages {n_stages} x {replicas} pipeline(s) need {n_stages * replicas} workers; the "
                     f"swarm has {len(workers)} available: start more peers, or ask for fewer stages"
                 )
-            if int(params.get("rebalance_every") or 0) > 0 and not job.offload:
-                # --offload auto found no optimizer host: say so rather than never rebalance in silence
+            if int(params.get("rebalance_every") or 0) > 0 and not job.offload and job.sync.rounds:
+                # a round job without hosts: its round state does not move; say so, not in silence
                 reason = (
-                    "--rebalance-every is off for this job: no optimizer host in the swarm, so the "
-                    "optimizer state stays on the workers"
+                    "--rebalance-every is off for this job: its --sync rounds run without optimizer hosts"
                 )
                 metrics.event("notice", what="rebalance_off", reason=reason)
                 await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
@@ -236,13 +235,8 @@ class Driver:
                 else:
                     # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
                     # among the replicas and the job follows its choice (no hosts where they do not pay);
-                    # rebalancing and the round modes need the hosts
-                    auto = (
-                        offload_choice == "auto"
-                        and job.offload
-                        and not job.sync.rounds
-                        and not int(params.get("rebalance_every") or 0)
-                    )
+                    # the round modes need the hosts
+                    auto = offload_choice == "auto" and job.offload and not job.sync.rounds
                     job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
                         strategy,
                         spec,
@@ -562,7 +556,7 @@ class Driver:
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
             if (
-                job.offload
+                (job.offload or not job.sync.rounds)  # offload off: the state moves with the stages
                 and run.rebalance_every
                 and step < spec.steps
                 and run.since_check >= run.rebalance_every

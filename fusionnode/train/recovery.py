@@ -255,6 +255,13 @@ class Recovery:
         spec = job.spec
         t0 = time.perf_counter()
         old_args = run.stage_args
+        if not job.offload and state_ is None:  # the state is on the stages: taken before they go
+            from fusionnode.train.ringrecovery import survivor_state
+
+            params, optim, lost = await survivor_state(self.placement, job, old_args, set())
+            if lost:
+                raise PlanError(f"no stage answered with the state of {sorted(lost)[:3]}")
+            state_ = (params, optim)
         await asyncio.gather(
             *(
                 jp.call(
@@ -378,6 +385,9 @@ class Recovery:
         if any(p.samples < p.micro_batches or p.samples % p.micro_batches for p in new):
             raise ValueError(f"batch shares {shares} do not split into the pipelines' micro-batches")
 
+        def weights(pipes: list[Pipeline]) -> list[float]:  # offload off: the rings' (pipeline order)
+            return [p.samples / sum(q.samples for q in pipes) for p in pipes]
+
         def resized(pipes: list[Pipeline]) -> list[Any]:
             out = []
             for a in run.stage_args:
@@ -385,7 +395,12 @@ class Recovery:
                     graph, old[a.replica], a.pos
                 )
                 offload = {**a.offload, "samples": pipes[a.replica].samples} if a.offload else None
-                out.append(dataclasses.replace(a, need_bytes=max(0, a.need_bytes + delta), offload=offload))
+                rings = [{**r, "weights": weights(pipes)} for r in a.allreduce] if a.allreduce else None
+                out.append(
+                    dataclasses.replace(
+                        a, need_bytes=max(0, a.need_bytes + delta), offload=offload, allreduce=rings
+                    )
+                )
             return out
 
         async def tell(args: list[Any], pipes: list[Pipeline]) -> list[Any]:
@@ -400,6 +415,7 @@ class Recovery:
                             stage=a.stage,
                             samples=pipes[a.replica].samples,
                             need_bytes=a.need_bytes,
+                            weights=None if job.offload else weights(pipes),
                         ),
                         timeout=PING_TIMEOUT_S,
                     )
@@ -424,9 +440,10 @@ class Recovery:
                 logger.warning("share move revert missed by %s: re-placing the job", [p[:12] for p in missed])
             return False
         job.pipelines, run.stage_args, run.shares = new, args, [p.samples for p in new]
-        job.hosts_applied = await self.hosts.replan(
-            job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
-        )
+        if job.offload:
+            job.hosts_applied = await self.hosts.replan(
+                job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
+            )
         run.steps_on_plan = run.since_check = 0
         run.target_time_s = None
         # the speeds measured so far stay: a stage's work counts its samples, and the slow-down that
@@ -511,7 +528,7 @@ class Recovery:
             return
         same = list(d.layouts) == [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines]
         # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
-        cheap = same and d.shares and job.offload
+        cheap = same and d.shares
         if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
             return
         await self.adopt(

@@ -244,6 +244,9 @@ class ResizeRequest(JobMessage):
     stage: int
     samples: int
     need_bytes: int
+    # offload off: the new weights of the stage's all-reduce rings, one per pipeline (their shares of
+    # the batch, in the rings' member order); a ring's check applies (positive, summing to 1)
+    weights: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.need_bytes < 0:
