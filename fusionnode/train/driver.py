@@ -70,9 +70,10 @@ logger = logging.getLogger(__name__)
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
 OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
-# steps between straggler checks when the job can survive a move (offloaded optimizer state, no
-# --sync rounds) and does not say otherwise; a check acts only on a gain that clears the measured
-# noise, from a bottleneck that slowed down, at consecutive checks (rebalance.Trigger)
+# steps between straggler checks when the job can survive a move (no --sync rounds; with offload
+# off the stages' optimizer state moves with them) and does not say otherwise; a check acts only on
+# a gain that clears the measured noise, from a bottleneck that slowed down, at consecutive checks
+# (rebalance.Trigger)
 DEFAULT_REBALANCE_EVERY = 2
 
 
