@@ -201,3 +201,34 @@ def test_a_resplit_of_an_offload_off_job_moves_the_optimizer_state_along(tmp_pat
     (replan,) = [e for e in _events(s, "replan") if str(e.get("reason", "")).startswith("rebalance")]
     assert replan["peers"] == list(moved[0].peers) and res["offload"] is False
     _assert_follows_reference(s, spec)
+
+
+def test_a_holder_whose_state_fetch_fails_once_is_asked_again(tmp_path):
+    """A surviving holder's `job.fetch` of its optimizer state fails once (it still answers probes):
+    it is asked again rather than counted lost, and the job still follows one process."""
+    from fusionnode.wire.job import ErrorCode, JobError
+
+    spec = small_spec(steps=4, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim, flaky = s.ids[3], s.ids[1]  # pipeline 1's last stage, and its replica in pipeline 0
+    orig = s.workers[victim]._allreduce
+    fetch = s.net.peers[flaky]._rpc[Rpc.JOB_FETCH]
+    failed = []
+
+    async def die(sj, step):
+        if step == 1:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step)
+
+    async def flaky_fetch(args, sender):
+        if args.get("what") == "optim" and not failed:
+            failed.append(args)
+            raise JobError(ErrorCode.RING_BROKEN, "woken by a ring that broke late")
+        return await fetch(args, sender)
+
+    s.workers[victim]._allreduce = die
+    s.net.peers[flaky].add_rpc(Rpc.JOB_FETCH, flaky_fetch)
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    assert failed
+    _assert_follows_reference(s, spec)

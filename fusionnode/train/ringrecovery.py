@@ -106,7 +106,8 @@ async def survivor_state(
     placement.t.mailbox.accept(
         job.spec.job_id, "driver", peers, STATE_COPIES * job.model_bytes + MAILBOX_SLACK_BYTES
     )
-    for _ in range(len(stage_args)):
+    tries = 0
+    for _ in range(len(stage_args) + 2):
         chosen, lost = choose_holders(stage_args, gone, frozen)
         if lost:
             return None, {}, lost
@@ -122,7 +123,11 @@ async def survivor_state(
             if isinstance(r, BaseException) and not isinstance(r, FusionNodeError | OSError | TimeoutError):
                 raise r
         if failed:
-            gone |= {a.peer for a in failed}
+            # a fetch can also fail for a reason of the moment (a ring that broke late wakes this
+            # process's waits of the job): a holder that still answers a probe is asked again, twice
+            tries += 1
+            unreachable, _leaving = await placement.probe(sorted({a.peer for a in failed}))
+            gone |= set(unreachable) if tries < 3 else {a.peer for a in failed}
             continue
         params: dict[str, torch.Tensor] = dict(job.frozen)
         optim: dict[str, dict[str, torch.Tensor]] = {}
