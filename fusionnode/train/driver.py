@@ -70,20 +70,22 @@ logger = logging.getLogger(__name__)
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
 OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
-# steps between straggler checks when the job can survive a move (no --sync rounds; with offload
-# off the stages' optimizer state moves with them) and does not say otherwise; a check acts only on
+# steps between straggler checks when the job can survive a move (offloaded optimizer state, no
+# --sync rounds; offload off when asked) and does not say otherwise; a check acts only on
 # a gain that clears the measured noise, from a bottleneck that slowed down, at consecutive checks
 # (rebalance.Trigger)
 DEFAULT_REBALANCE_EVERY = 2
 
 
 def rebalance_every(params: dict[str, Any], job: Job) -> int:
-    """Steps between rebalance checks: as asked, else DEFAULT_REBALANCE_EVERY for a job that can
-    survive a move (no --sync rounds: with offload off the stages' state moves with them), else never."""
+    """Steps between rebalance checks: as asked (with offload off a moved stage takes its optimizer
+    state along), else DEFAULT_REBALANCE_EVERY with offloaded state and no --sync rounds, else never."""
     asked = params.get("rebalance_every")
     if asked is not None:
         return int(asked)
-    return DEFAULT_REBALANCE_EVERY if not job.sync.rounds else 0
+    # offload off (a ring) rebalances when asked only: clean 300-step 2 x 2 ring runs re-planned once
+    # each at load 8-17 (2 runs, 2026-11-24), where the same job with hosts did not
+    return DEFAULT_REBALANCE_EVERY if job.offload and not job.sync.rounds else 0
 
 
 class Driver:
