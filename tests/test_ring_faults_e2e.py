@@ -46,8 +46,9 @@ def test_a_ring_member_killed_mid_job_is_replaced_and_the_loss_is_the_single_pro
         steps = [e for e in events if e["type"] == "step"]
         assert [e["step"] for e in steps] == list(range(spec.steps))  # none lost, none twice
         ref = train_local(spec.replace(metrics_out=None)).losses
-        for i, (a, b) in enumerate(zip([e["loss"] for e in steps], ref, strict=True)):
-            assert abs(a - b) < LOSS_TOL, f"step {i}: {a:.6f} vs single-process {b:.6f}"
+        diffs = [abs(e["loss"] - b) for e, b in zip(steps, ref, strict=True)]
+        for i, (e, b) in enumerate(zip(steps, ref, strict=True)):
+            assert diffs[i] < LOSS_TOL, f"step {i}: {e['loss']:.6f} vs single-process {b:.6f}"
         ev = metrics_events(spec.metrics_out)
         failure = next(e for e in ev if e["event"] == "failure" and e.get("peer"))
         assert failure["peer"] == killed[0][0]
@@ -60,7 +61,8 @@ def test_a_ring_member_killed_mid_job_is_replaced_and_the_loss_is_the_single_pro
         print(
             f"ring recovery: kill -> next step recorded {after['ts'] - killed[0][1]:.2f} s, "
             f"failure -> recovered {recovered['ts'] - failure['ts']:.2f} s, "
-            f"re-plan {recovered['time_to_recover_s']:.2f} s (state fetch {recovered['state_fetch_s']:.3f} s)"
+            f"re-plan {recovered['time_to_recover_s']:.2f} s (state fetch {recovered['state_fetch_s']:.3f} s), "
+            f"max loss diff {max(diffs):.1e}"
         )
     finally:
         swarm.stop()
