@@ -108,7 +108,6 @@ def test_bad_options_are_refused_before_anything_starts_with_the_subcommands_usa
         ("train", ["--compress", "gzip"], "unknown compression 'gzip'"),
         ("train", ["--config", str(tmp_path / "c.toml")], "unknown compression 'gzip'"),
         ("train", ["--steps", "0"], "--steps: expected an integer >= 1"),
-        ("train", ["--offload", "off", "--rebalance-every", "2"], "--rebalance-every moves stages"),
         (
             "train",
             ["--offload", "off", "--replicas", "2", "--sync", "diloco"],

@@ -79,6 +79,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kills", type=int, default=5, help="workers SIGKILLed in the kill scenario (default %(default)s)"
     )
+    p.add_argument(
+        "--offload",
+        choices=["on", "off"],
+        default="on",
+        help="where the optimizer state lives: optimizer hosts, or the workers (off: the kill scenario "
+        "runs 2 pipelines synced by ring all-reduce, recovered from the surviving replicas) "
+        "(default %(default)s)",
+    )
     add_job_options(p)
     return p.parse_args(argv)
 
@@ -177,7 +185,7 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 slowed.append(victim)
 
         shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
-        params = {"spec": spec.to_dict(), **shape, "peers": order, "offload": "on"}
+        params = {"spec": spec.to_dict(), **shape, "peers": order, "offload": args.offload}
         if args.check_every is not None:
             params["rebalance_every"] = args.check_every
         _res, events = asyncio.run(_train(swarm, params, on_event))
@@ -201,7 +209,7 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         "spec": ref_spec.to_dict(),
                         **ref_shape,
                         "peers": healthy,
-                        "offload": "on",
+                        "offload": args.offload,
                         "rebalance_every": 0,
                     },
                 )
@@ -252,7 +260,7 @@ def run_clean(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         spec = _spec(args, workdir / "clean.jsonl").replace(job_id="clean")
         shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
         t0 = time.monotonic()
-        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **shape, "offload": "on"}))
+        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **shape, "offload": args.offload}))
         steps = [e for e in events if e["type"] == "step"]
         replans = [e for e in events if e.get("kind") == "replan" and e.get("reason") != "initial plan"]
         return {
@@ -273,11 +281,14 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from fusionnode.train.local import train_local
     from fusionnode.train.metrics import read_metrics
 
-    swarm = _swarm(workdir / "kill", 2 + args.kills)  # the driver, a worker, a spare for every kill
+    ring = args.offload == "off"  # 2 pipelines x 2 stages: each stage's state survives on its replica
+    # the driver, the other workers of the first plan, a spare for every kill
+    swarm = _swarm(workdir / "kill", (4 if ring else 2) + args.kills)
     rng = random.Random(args.seed)
     metrics = workdir / "kill.jsonl"
     spec = _spec(args, metrics)
     killed: list[str] = []
+    killed_at: list[float] = []  # wall clock of each kill
     spawning: list[asyncio.Task] = []
     every = 3  # steps at least between kills
     try:
@@ -295,6 +306,7 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(swarm.procs[i].pid, signal.SIGKILL)
                 killed.append(victim)
+                killed_at.append(time.time())
             state["next_step"] = ev["step"] + every
             state["busy"] = False
 
@@ -306,11 +318,9 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 spawning.append(asyncio.create_task(kill_soon(ev, list(events))))
 
         t0 = time.monotonic()
-        result, _events = asyncio.run(
-            _train(
-                swarm, {"spec": spec.to_dict(), "stages": 2, "offload": "on", "rebalance_every": 0}, on_event
-            )
-        )
+        shape = {"stages": 2, "replicas": 2} if ring else {"stages": 2}
+        params = {"spec": spec.to_dict(), **shape, "offload": args.offload, "rebalance_every": 0}
+        result, _events = asyncio.run(_train(swarm, params, on_event))
         wall = time.monotonic() - t0
         steps, evs = read_metrics(metrics)
         ref = train_local(spec.replace(metrics_out=None)).losses
@@ -325,6 +335,14 @@ def run_kills(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "failures": sum(e["event"] == "failure" for e in evs),
             "recoveries": len(rec),
             "time_to_recover_s": [e["time_to_recover_s"] for e in rec],
+            # from the SIGKILL to the next step recorded (the rest of the step it hit, the failure's
+            # detection, the re-plan and the replayed step)
+            "kill_to_next_step_s": [
+                round(min((s["ts"] for s in steps if s["ts"] > k), default=float("nan")) - k, 3)
+                for k in killed_at
+            ],
+            "median_step_s": statistics.median(s["step_time_s"] for s in steps),
+            "offload": args.offload,
             "max_abs_loss_diff_vs_single_process": max(abs(a - b) for a, b in zip(losses, ref, strict=True)),
             "final_loss": losses[-1],
             "wall_s": round(wall, 1),

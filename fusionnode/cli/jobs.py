@@ -138,8 +138,8 @@ def add_train_command(sub: Any) -> None:
         metavar="N",
         help="every N steps, re-plan if measured stage times promise a faster layout, by a gain that "
         "clears the measured timing noise, from the same bottleneck peer that slowed down, at two "
-        "checks in a row (needs offloaded optimizer state; 0 = never; default: every 2 steps when the "
-        "job's optimizer state is offloaded, else never)",
+        "checks in a row (with --offload off a moved stage takes its optimizer state along; 0 = never; "
+        "default: every 2 steps when the job's optimizer state is offloaded, else never)",
     )
     p.add_argument(
         "--rebalance-gain",
@@ -365,11 +365,6 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(exc))
     if args.resume and not spec.save_dir:
         parser.error("--resume needs --save DIR (where the checkpoints are)")
-    if args.offload == "off" and args.rebalance_every:
-        parser.error(
-            "--rebalance-every moves stages between workers, which needs the optimizer state on "
-            "optimizer hosts: use --offload on (or auto), or leave --rebalance-every out"
-        )
     try:
         sync = sync_from_args(args)
     except FusionNodeError as exc:

@@ -21,6 +21,7 @@ stage's rings on the worker and `allreduce_rings` forms them on the driver.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
@@ -206,6 +207,20 @@ async def reduce_stage(sj: Any, step: int, transport: Any, timeout_s: float) -> 
             transport.mailbox.fail_job(sj.job, exc)
         raise
     return sum(sent)
+
+
+def reweigh(sj: Any, weights: list[float] | None) -> list[AllReduceRing]:
+    """`job.resize` of a stage: its rings with the pipelines' new batch shares as weights (offload off;
+    with hosts there are none to give); a stage of several pipelines without them refuses."""
+    if sj.offload is not None:
+        if weights is not None:
+            raise JobError(ErrorCode.BAD_REQUEST, "ring weights for a stage whose hosts weigh the replicas")
+        return sj.rings
+    if not sj.rings or weights is None:
+        raise JobError(
+            ErrorCode.BAD_REQUEST, "a share move of a stage without hosts needs its rings' weights"
+        )
+    return [dataclasses.replace(r, weights=[float(w) for w in weights]) for r in sj.rings]
 
 
 def allreduce_rings(

@@ -38,6 +38,8 @@ import torch
 from fusionnode.compress.link import LinkCompressor
 from fusionnode.errors import GraphError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
+from fusionnode.runtime import optstate
+from fusionnode.runtime.allreduce import reweigh
 from fusionnode.runtime.audit import StageAudit
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
 from fusionnode.runtime.offload import HostLink
@@ -271,6 +273,8 @@ class WorkerService(StageAudit, HostLink):
                 sj.rounds = StageRounds(sj.sync, sj.params)
 
         await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        if req.optim:  # offload off: a stage moved with its optimizer state
+            await optstate.load(self, sj, req.optim)
         if req.feedback:  # a resumed --sync sparseloco job: the replica's error feedback
             if sj.rounds is None:
                 raise JobError(ErrorCode.BAD_REQUEST, "error feedback for a stage that keeps none")
@@ -284,17 +288,20 @@ class WorkerService(StageAudit, HostLink):
         parameter moves): its gradient pushes report `samples`, and it is counted at `need_bytes`
         (at least what its description's state takes) if that fits."""
         sj = self._get(req, sender)
-        if sj.offload is None:
-            raise JobError(ErrorCode.BAD_REQUEST, "only a stage whose optimizer runs on hosts moves shares")
+        rings = reweigh(sj, req.weights)  # offload off: the rings' new weights (the shares' move)
         async with sj.busy:  # between steps
-            need = max(req.need_bytes, state_bytes(sj.description) * state_copies(sj.sync.to_dict(), True))
+            copies = state_copies(sj.sync.to_dict(), sj.offload is not None)
+            need = max(req.need_bytes, state_bytes(sj.description) * copies)
             free = self.capacity_bytes - self.used_bytes() + sj.need_bytes
             if need * MEMORY_OVERHEAD > free:
                 raise JobError(
                     ErrorCode.NO_ROOM, f"stage needs about {need * MEMORY_OVERHEAD / 2**20:.0f} MiB"
                 )
-            sj.need_bytes, sj.offload = need, dataclasses.replace(sj.offload, samples=req.samples)
-            peers = {sj.driver, sj.prev, sj.next, *sj.offload.hosts.values()}
+            sj.need_bytes, sj.rings = need, rings
+            if sj.offload is not None:
+                sj.offload = dataclasses.replace(sj.offload, samples=req.samples)
+            peers = {sj.driver, sj.prev, sj.next, *(sj.offload.hosts.values() if sj.offload else ())}
+            peers |= {m for ring in sj.rings for m in ring.members}
             self.t.mailbox.accept(sj.job, ("stage", sj.stage), peers, 2 * need + MAILBOX_SLACK_BYTES)
         return jp.AssignReply(accepted=True, free_bytes=free - need)
 
@@ -313,6 +320,8 @@ class WorkerService(StageAudit, HostLink):
         error feedback (what="feedback") to the driver."""
         sj = self._get(req, sender)
         what = req.what
+        if what == "optim":  # offload off: the local optimizer's state, for a move of the stage
+            return jp.CountReply(count=await optstate.send(self, sj))
         if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
             tensors = sj.rounds.feedback_state() if sj.rounds is not None else {}
         else:

@@ -71,17 +71,20 @@ JOBS_KEPT = 5  # finished jobs the driver's status still lists
 OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
 # steps between straggler checks when the job can survive a move (offloaded optimizer state, no
-# --sync rounds) and does not say otherwise; a check acts only on a gain that clears the measured
-# noise, from a bottleneck that slowed down, at consecutive checks (rebalance.Trigger)
+# --sync rounds; offload off when asked) and does not say otherwise; a check acts only on
+# a gain that clears the measured noise, from a bottleneck that slowed down, at consecutive checks
+# (rebalance.Trigger)
 DEFAULT_REBALANCE_EVERY = 2
 
 
 def rebalance_every(params: dict[str, Any], job: Job) -> int:
-    """Steps between rebalance checks: as asked, else DEFAULT_REBALANCE_EVERY for a job that can
-    survive a move (offloaded optimizer state, no --sync rounds), else never."""
+    """Steps between rebalance checks: as asked (with offload off a moved stage takes its optimizer
+    state along), else DEFAULT_REBALANCE_EVERY with offloaded state and no --sync rounds, else never."""
     asked = params.get("rebalance_every")
     if asked is not None:
         return int(asked)
+    # offload off (a ring) rebalances when asked only: clean 300-step 2 x 2 ring runs re-planned once
+    # each at load 8-17 (2 runs, 2026-11-24), where the same job with hosts did not
     return DEFAULT_REBALANCE_EVERY if job.offload and not job.sync.rounds else 0
 
 
@@ -196,11 +199,10 @@ class Driver:
                     f"--stages {n_stages} x {replicas} pipeline(s) need {n_stages * replicas} workers; the "
                     f"swarm has {len(workers)} available: start more peers, or ask for fewer stages"
                 )
-            if int(params.get("rebalance_every") or 0) > 0 and not job.offload:
-                # --offload auto found no optimizer host: say so rather than never rebalance in silence
+            if int(params.get("rebalance_every") or 0) > 0 and not job.offload and job.sync.rounds:
+                # a round job without hosts: its round state does not move; say so, not in silence
                 reason = (
-                    "--rebalance-every is off for this job: no optimizer host in the swarm, so the "
-                    "optimizer state stays on the workers"
+                    "--rebalance-every is off for this job: its --sync rounds run without optimizer hosts"
                 )
                 metrics.event("notice", what="rebalance_off", reason=reason)
                 await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
@@ -236,13 +238,8 @@ class Driver:
                 else:
                     # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
                     # among the replicas and the job follows its choice (no hosts where they do not pay);
-                    # rebalancing and the round modes need the hosts
-                    auto = (
-                        offload_choice == "auto"
-                        and job.offload
-                        and not job.sync.rounds
-                        and not int(params.get("rebalance_every") or 0)
-                    )
+                    # the round modes need the hosts
+                    auto = offload_choice == "auto" and job.offload and not job.sync.rounds
                     job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
                         strategy,
                         spec,
@@ -470,7 +467,7 @@ class Driver:
                         raise PlanError(f"step {fail.step}: {fail.summary()}") from None
                     step = await self.recovery.roll_back(job, run, source, fail)
                     continue
-                if not job.offload:
+                if not job.offload and job.sync.rounds:
                     raise PeerError(
                         f"step {step} failed ({fail.summary()}); recovering from a failed worker needs "
                         "the optimizer state off the workers (--offload on)"
@@ -479,7 +476,7 @@ class Driver:
                     raise PlanError(
                         f"step {step} failed {failures_in_a_row} times in a row: {fail.summary()}"
                     ) from None
-                await self.recovery.recover(job, run, source, step, fail)
+                step = await self.recovery.recover(job, run, source, step, fail)
                 if job.sync.rounds:
                     step = await self.recovery.round_restart(job, run, step, job.hosts_applied)
                 continue
@@ -542,7 +539,7 @@ class Driver:
                 if (replay := await self.recovery.settle_and_roll_back(job, run, source)) is not None:
                     failures_in_a_row, step = failures_in_a_row + 1, replay
                     continue
-                await self.recovery.recover(job, run, source, step, late)
+                step = await self.recovery.recover(job, run, source, step, late)
                 if job.sync.rounds:  # the round closed (go on after it) or not (redo it)
                     step = await self.recovery.round_restart(job, run, step - 1, job.hosts_applied)
                 continue
@@ -564,7 +561,7 @@ class Driver:
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")
             if (
-                job.offload
+                (job.offload or not job.sync.rounds)  # offload off: the state moves with the stages
                 and run.rebalance_every
                 and step < spec.steps
                 and run.since_check >= run.rebalance_every

@@ -477,9 +477,12 @@ class Placement:
         stage_args: list[StageAssignment],
         full: dict[str, torch.Tensor],
         feedback: dict[int, dict[str, torch.Tensor]] | None = None,
+        optim: dict[str, dict[str, torch.Tensor]] | None = None,
     ) -> None:
         """Sends each stage its parameters and starts it; `feedback` (a resumed --sync sparseloco job):
-        per replica, the error feedback of each name, sent to the stage that sends that name."""
+        per replica, the error feedback of each name, sent to the stage that sends that name; `optim`
+        (offload off, a stage moved with its state): name -> its optimizer-state tensors
+        (runtime/optstate.py)."""
         senders = contributing_names(stage_args) if feedback else {}
 
         async def ship(a: StageAssignment) -> None:
@@ -491,7 +494,11 @@ class Placement:
             for idx, name in enumerate(names):
                 meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
                 await self.t.send(a.peer, tensor_message(TensorKind.FEEDBACK, meta, {name: mine[name]}))
-            req = jp.StageRef(job=job.spec.job_id, stage=a.stage, feedback=len(names))
+            states = [optim[n] for n in sorted(a.param_specs) if n not in a.frozen] if optim else []
+            for idx, state in enumerate(states):
+                meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
+                await self.t.send(a.peer, tensor_message(TensorKind.OPT_STATE, meta, state))
+            req = jp.StageRef(job=job.spec.job_id, stage=a.stage, feedback=len(names), optim=len(states))
             await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s)
 
         await asyncio.gather(*(ship(a) for a in stage_args))

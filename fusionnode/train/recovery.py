@@ -54,8 +54,9 @@ class Recovery:
         self.hosts = hosts
         self.stall_s = stall_s  # what a stalled stage costs a step: the deadline of its job.step call
 
-    async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> None:
-        """Bans (or forgets) the peers to blame, adopts a plan without them; the step is then replayed."""
+    async def recover(self, job: Job, run: Run, source: Any, step: int, fail: StepFailed) -> int:
+        """Bans (or forgets) the peers to blame, adopts a plan without them; returns the step to go on
+        from (`step`, replayed; offload off may fall back to a checkpoint: train/ringrecovery.py)."""
         from fusionnode.train.rebalance import blame
 
         t0 = time.perf_counter()
@@ -93,6 +94,11 @@ class Recovery:
                     ban_s=ban_s,
                 )
         workers = await self.live_workers(job, run)
+        if not job.offload:  # the state is on the workers: from the surviving replicas
+            from fusionnode.train import ringrecovery
+
+            gone = set(verdict) | set(fail.unreachable) | getattr(fail, "unapplied", set())
+            return await ringrecovery.recover(self, job, run, source, step, gone, workers, t0)
         try:
             await self.adopt(
                 job,
@@ -123,6 +129,7 @@ class Recovery:
             plan_version=job.plan_version,
             reason="the step is replayed under the new plan",
         )
+        return step
 
     @staticmethod
     def _saved_at(job: Job, step: int) -> bool:
@@ -237,15 +244,24 @@ class Recovery:
         reason: str,
         layout_: Any = None,
         shares_: Any = (),
+        state_: Any = None,
     ) -> None:
         """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
         step in progress), lays out new ones (with new stage ids, so no message or contribution of
         the old plan can be taken for the new one), points the optimizer hosts at the new
         contributors (dropping the pending step's partial gradients) and ships each new stage the
-        current parameters from the hosts."""
+        current parameters from the hosts (offload off: `state_`, the parameters and optimizer state
+        taken from the stages before, train/ringrecovery.py)."""
         spec = job.spec
         t0 = time.perf_counter()
         old_args = run.stage_args
+        if not job.offload and state_ is None:  # the state is on the stages: taken before they go
+            from fusionnode.train.ringrecovery import survivor_state
+
+            params, optim, lost = await survivor_state(self.placement, job, old_args, set())
+            if lost:
+                raise PlanError(f"no stage answered with the state of {sorted(lost)[:3]}")
+            state_ = (params, optim)
         await asyncio.gather(
             *(
                 jp.call(
@@ -259,7 +275,9 @@ class Recovery:
             ),
             return_exceptions=True,
         )
-        current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
+        current, optim = state_ or (None, None)
+        if current is None:
+            current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
         base = job.plan_version * STAGE_ID_STRIDE
         given = [layout_]  # a rebalance's layouts (one per pipeline), for the first proposal only
 
@@ -319,7 +337,7 @@ class Recovery:
             job.hosts_applied = await self.hosts.replan(
                 spec.job_id, job.hosts, run.host_of, expected(job, stage_args)
             )
-        await self.placement.ship(job, stage_args, current, await self.round_feedback(job))
+        await self.placement.ship(job, stage_args, current, await self.round_feedback(job), optim)
         run.stage_args = stage_args
         run.names_by_stage = None  # which stage sends which name at a round's end: the new stage ids
         run.recent.clear()  # speeds measured on other stages (flops are not seconds everywhere)
@@ -367,6 +385,9 @@ class Recovery:
         if any(p.samples < p.micro_batches or p.samples % p.micro_batches for p in new):
             raise ValueError(f"batch shares {shares} do not split into the pipelines' micro-batches")
 
+        def weights(pipes: list[Pipeline]) -> list[float]:  # offload off: the rings' (pipeline order)
+            return [p.samples / sum(q.samples for q in pipes) for p in pipes]
+
         def resized(pipes: list[Pipeline]) -> list[Any]:
             out = []
             for a in run.stage_args:
@@ -374,7 +395,12 @@ class Recovery:
                     graph, old[a.replica], a.pos
                 )
                 offload = {**a.offload, "samples": pipes[a.replica].samples} if a.offload else None
-                out.append(dataclasses.replace(a, need_bytes=max(0, a.need_bytes + delta), offload=offload))
+                rings = [{**r, "weights": weights(pipes)} for r in a.allreduce] if a.allreduce else None
+                out.append(
+                    dataclasses.replace(
+                        a, need_bytes=max(0, a.need_bytes + delta), offload=offload, allreduce=rings
+                    )
+                )
             return out
 
         async def tell(args: list[Any], pipes: list[Pipeline]) -> list[Any]:
@@ -389,6 +415,7 @@ class Recovery:
                             stage=a.stage,
                             samples=pipes[a.replica].samples,
                             need_bytes=a.need_bytes,
+                            weights=None if job.offload else weights(pipes),
                         ),
                         timeout=PING_TIMEOUT_S,
                     )
@@ -413,9 +440,10 @@ class Recovery:
                 logger.warning("share move revert missed by %s: re-placing the job", [p[:12] for p in missed])
             return False
         job.pipelines, run.stage_args, run.shares = new, args, [p.samples for p in new]
-        job.hosts_applied = await self.hosts.replan(
-            job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
-        )
+        if job.offload:
+            job.hosts_applied = await self.hosts.replan(
+                job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
+            )
         run.steps_on_plan = run.since_check = 0
         run.target_time_s = None
         # the speeds measured so far stay: a stage's work counts its samples, and the slow-down that
@@ -500,7 +528,7 @@ class Recovery:
             return
         same = list(d.layouts) == [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines]
         # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
-        cheap = same and d.shares and job.offload
+        cheap = same and d.shares
         if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
             return
         await self.adopt(

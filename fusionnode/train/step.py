@@ -222,11 +222,20 @@ class Stepper:
             sq = sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum)
             grad_norm = math.sqrt(sq)
             clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (grad_norm + 1e-6))
+            sums = {}  # kept: a commit re-sent after a failure may need its sum again
             for a in stage_args:
                 mine = {k: shared_sum[k] for k in a.shared_names}
                 if mine:
                     meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
-                    await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, mine))
+                    sums[a.stage] = tensor_message(TensorKind.SHARED_SUM, meta, mine)
+            # a stage gone since its report fails the step here, before any commit (it is replayed)
+            await self.gather_or_fail(
+                job,
+                run,
+                step,
+                {("sum", s): self.t.send(a.peer, sums[s]) for a in stage_args if (s := a.stage) in sums},
+                {("sum", a.stage): a.peer for a in stage_args},
+            )
             commit_extra = {"lr": lr, "clip_coef": clip}
         phases["optimizer_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
@@ -264,8 +273,10 @@ class Stepper:
                     known = step // job.sync.inner_steps + int(settled)
                 job.count_round(step, [r.round_bytes for r in committed.values()], known)
         except StepFailed as fail:
-            if not job.offload:
+            if not job.offload and job.sync.rounds:
                 raise PeerError(f"step {step}: a worker failed while applying it: {fail.summary()}") from None
+            if not job.offload:  # every survivor applies the step: then the job is re-planned
+                await self.finish_commits(job, run, step, commit_extra, sums, fail)
             if job.sync.rounds:  # recorded; the driver then asks the hosts whether the round closed
                 if isinstance(fail, HostFailed):  # a host died at the round's end: restored first
                     raise
@@ -279,6 +290,30 @@ class Stepper:
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
+
+    async def finish_commits(
+        self, job: Job, run: Run, step: int, extra: dict[str, Any], sums: dict[int, Any], fail: StepFailed
+    ) -> None:
+        """Offload off, a commit failed: every ring had finished (all stages reported), so every
+        surviving stage holds the step's reduced gradients; each is sent the commit again (idempotent,
+        with its tied-weight sum, should the first never have arrived) so that all survivors stand
+        after `step`. A stage that still does not confirm is added to `fail.unapplied` and its state
+        is not used (train/ringrecovery.py)."""
+        fail.unapplied = set()
+        alive = [a for a in run.stage_args if a.peer not in fail.unreachable]
+
+        async def again(a: StageAssignment) -> None:
+            if a.stage in sums:
+                await self.t.send(a.peer, sums[a.stage])
+            req = jp.CommitRequest(job=job.spec.job_id, stage=a.stage, step=step, **extra)
+            await jp.call(self.t, a.peer, Rpc.JOB_COMMIT, req, timeout=self.step_timeout_s, idempotent=True)
+
+        results = await asyncio.gather(*(again(a) for a in alive), return_exceptions=True)
+        for a, res in zip(alive, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError | OSError | TimeoutError):
+                    raise res
+                fail.unapplied.add(a.peer)
 
     async def gather_or_fail(
         self, job: Job, run: Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]

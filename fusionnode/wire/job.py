@@ -96,6 +96,9 @@ class TensorKind:
     ROUND_CONTRIB: Final = "round_contrib"  # optimizer host -> driver: a held round's replica, mb = replica
     FEEDBACK: Final = "error_feedback"  # sparseloco accumulators: `job.fetch`, or before `job.start`
     ALLREDUCE: Final = "allreduce"  # stage -> next member of its ring: a chunk of gradients, mb = ring_mb()
+    OPT_STATE: Final = (
+        "opt_state"  # a local optimizer's state, one parameter's: `job.fetch`, or before `job.start`
+    )
     ALL: ClassVar[frozenset[str]]
 
 
@@ -104,6 +107,7 @@ FETCH_KIND: Final = {
     "params": TensorKind.FETCH_PARAMS,
     "grads": TensorKind.FETCH_GRADS,
     "feedback": TensorKind.FEEDBACK,
+    "optim": TensorKind.OPT_STATE,  # offload off: the stage's optimizer state (runtime/optstate.py)
 }
 
 
@@ -122,11 +126,13 @@ class AssignReply(JobMessage):
 @message
 class StageRef(JobMessage):
     """`job.start`: build the stage from the `params` messages sent before it (and `feedback` error
-    feedback accumulators of a resumed --sync sparseloco job)."""
+    feedback accumulators of a resumed --sync sparseloco job, and `optim` local optimizer state
+    messages of a stage moved with its state: runtime/optstate.py)."""
 
     job: str
     stage: int
     feedback: int = 0
+    optim: int = 0
 
 
 @message
@@ -238,6 +244,9 @@ class ResizeRequest(JobMessage):
     stage: int
     samples: int
     need_bytes: int
+    # offload off: the new weights of the stage's all-reduce rings, one per pipeline (their shares of
+    # the batch, in the rings' member order); a ring's check applies (positive, summing to 1)
+    weights: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.samples < 1 or self.need_bytes < 0:

@@ -1,0 +1,234 @@
+"""Recovery of `--offload off` jobs (train/ringrecovery.py), on the in-memory network (tests/memnet.py):
+a ring member lost mid-step or while applying a step, the job re-placed from the survivors'
+parameters and optimizer state, the losses still those of one process (fp32, 1e-5: every step applied
+once, on the whole batch, with the AdamW state carried); a stage whose every holder died stops the job
+with the stage named, or resumes from the driver's checkpoint. The real daemons' version (SIGKILL) is
+in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_allreduce import _typed
+from test_components import Swarm, small_spec
+
+from fusionnode.errors import PeerError, PlanError
+from fusionnode.runtime import optstate
+from fusionnode.train.local import train_local
+from fusionnode.wire.job import Rpc
+
+torch.set_num_threads(1)
+RING = {"stages": 2, "replicas": 2, "offload": "off"}
+
+
+def _assert_follows_reference(s: Swarm, spec) -> None:
+    steps = [e["step"] for e in s.steps()]
+    assert steps == list(range(spec.steps)), steps  # each step recorded once: none lost, none twice
+    ref = train_local(spec).losses
+    for i, (a, b) in enumerate(zip([e["loss"] for e in s.steps()], ref, strict=True)):
+        assert abs(a - b) < 1e-5, f"step {i}: swarm {a:.7f} vs local {b:.7f}"
+
+
+def _events(s: Swarm, kind: str) -> list[dict]:
+    return [e for e in s.events if e.get("kind") == kind]
+
+
+def _victim_of(s: Swarm, stage_pos: int, replica: int) -> str:
+    plan = next(e for e in s.events if e["type"] == "plan")
+    return next(st["peer"] for st in plan["stages"] if st["replica"] == replica and st["pos"] == stage_pos)
+
+
+def test_a_ring_member_lost_mid_allreduce_is_replaced_from_its_replica(tmp_path):
+    """2 pipelines x 2 stages; a member of pipeline 1 vanishes in its all-reduce at step 2: the step
+    is replayed on the survivors' state and every loss is the single-process one."""
+    spec = small_spec(steps=5, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim = s.ids[2]  # the simple layout: pipeline 1's first stage
+    orig = s.workers[victim]._allreduce
+
+    async def die(sj, step):
+        if step == 2:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step)
+
+    s.workers[victim]._allreduce = die
+    res = asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    assert res["steps"] == spec.steps and victim == _victim_of(s, 0, 1)
+    _assert_follows_reference(s, spec)
+    (rec,) = _events(s, "recovered")
+    assert rec["step"] == 2 and rec["time_to_recover_s"] > 0 and "replay_from" not in rec
+    assert victim not in {st["peer"] for st in res["stages"]}
+
+
+def test_a_member_lost_while_applying_the_step_leaves_no_step_half_applied(tmp_path):
+    """The victim dies in its `job.commit` of step 1 (before applying it), after the other stages
+    committed or while they do: the driver re-sends the commit to every survivor, so all stand after
+    step 1, which is kept (not replayed); the losses stay the single-process ones."""
+    spec = small_spec(steps=4, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim = s.ids[1]  # pipeline 0's last stage: its replica in pipeline 1 holds the same state
+    w = s.workers[victim]
+    orig = w.rpc_commit
+
+    async def commit(req, sender):
+        if req.step == 1:
+            await asyncio.sleep(0.05)  # the others' commits get there first
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(req, sender)
+
+    s.net.peers[victim].add_rpc(Rpc.JOB_COMMIT, _typed(commit))
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    _assert_follows_reference(s, spec)
+    (rec,) = _events(s, "recovered")
+    assert rec["step"] == 2  # step 1 was applied everywhere else: the job goes on after it
+
+
+def test_a_stage_with_no_surviving_holder_stops_the_job_naming_it(tmp_path):
+    """One pipeline (no replica): its second stage's only holder dies: without a checkpoint the job
+    stops with the lost stage named; with one it resumes from it and finishes."""
+    params = {"stages": 2, "offload": "off"}
+    spec = small_spec(steps=4, micro_batches=2)
+    s = Swarm(tmp_path / "a", workers=3)
+    victim = s.ids[1]
+    orig = s.workers[victim]._run_step
+
+    async def die(sj, step, *a):
+        if step == 2:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step, *a)
+
+    s.workers[victim]._run_step = die
+    with pytest.raises(PlanError, match=r"stage 1 \(graph nodes \d+\.\.\d+\) of pipeline\(s\) 0 .* is lost"):
+        asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **params}, s.emit))
+
+    spec2 = small_spec(steps=4, micro_batches=2, save_dir=str(tmp_path / "ckpt"), save_every=1)
+    s2 = Swarm(tmp_path / "b", workers=3)
+    victim = s2.ids[1]
+    orig2 = s2.workers[victim]._run_step
+
+    async def die2(sj, step, *a):
+        if step == 3:
+            s2.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig2(sj, step, *a)
+
+    s2.workers[victim]._run_step = die2
+    res = asyncio.run(s2.driver.run_job({"spec": spec2.to_dict(), **params}, s2.emit))
+    assert res["steps"] == spec2.steps
+    (rec,) = _events(s2, "recovered")
+    assert rec["replay_from"] == 3 and rec["fresh_optimizer"] is True
+    # the steps before the checkpoint are the single-process ones; after it the optimizer restarted
+    ref = train_local(spec2.replace(save_dir=None, save_every=0)).losses
+    got = {e["step"]: e["loss"] for e in s2.steps()}
+    for i in range(3):
+        assert abs(got[i] - ref[i]) < 1e-5
+
+
+def test_optimizer_state_round_trips_through_the_wire_format():
+    from types import SimpleNamespace
+
+    from fusionnode.runtime.stagejob import make_optimizer
+
+    spec = small_spec().to_dict()
+    params = {"a.w": torch.nn.Parameter(torch.randn(3, 4)), "b": torch.nn.Parameter(torch.randn(4))}
+    sj = SimpleNamespace(params=params, opt=make_optimizer(params, spec))
+    for p in params.values():
+        p.grad = torch.randn_like(p)
+    sj.opt.step(1e-2)
+    msgs = optstate.state_of(sj)
+    assert sorted(msgs) == ["a.w", "b"] and set(msgs["b"]) == {"b|exp_avg", "b|exp_avg_sq", "b|steps"}
+    want = optstate.expected(sj)
+    assert {k for m in msgs.values() for k in m} == set(want)
+    assert msgs["a.w"]["a.w|steps"].item() == 1.0
+
+
+def test_a_share_move_of_a_ring_job_reweighs_the_rings_and_keeps_the_loss(tmp_path, monkeypatch):
+    """Straggler rebalancing of a ring job: the check at step 2 is made to move the shares [8, 8] ->
+    [12, 4]; each stage is told its rings' new weights (`job.resize`, no stage re-placed, nothing
+    shipped), so the ring's average weighs each replica by its samples and the losses stay one
+    process's."""
+    from test_rebalance_trigger import _force_one_share_move
+
+    calls = _force_one_share_move(monkeypatch)
+    spec = small_spec(steps=8, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4)
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING, "rebalance_every": 2}, s.emit))
+    replans = _events(s, "replan")
+    assert [e.get("moved") for e in replans] == ["shares"] and replans[0]["shares"] == [12, 4]
+    assert calls[1] == [12, 4]
+    for pid in s.workers:
+        got = s.net.peers[pid].calls
+        assert got.count(Rpc.JOB_ASSIGN) == 1 and got.count(Rpc.JOB_RESIZE) == 1, (pid, got)
+    _assert_follows_reference(s, spec)
+
+
+def test_a_resplit_of_an_offload_off_job_moves_the_optimizer_state_along(tmp_path, monkeypatch):
+    """The rebalancer's re-split of a job with the optimizer on the workers (one pipeline, no sync):
+    a check is made to move the cut and one stage to the spare worker; the new stages start from the
+    old ones' parameters and AdamW state, so the losses stay one process's."""
+    from fusionnode.train import rebalance
+    from fusionnode.train.rebalance import Check, JobDecision, Layout
+
+    real, moved = rebalance.check_job, []
+
+    def forced(book, trigger, current, *args, **kw):
+        c = real(book, trigger, current, *args, **kw)
+        if moved:
+            return Check(c.decision, False, "the test moves once", 0.0, 0.0, None)
+        (lay,) = current
+        spare = next(p for p in s.ids if p not in lay.peers)
+        b = list(lay.bounds)
+        b[1] += 7
+        new = Layout((lay.peers[0], spare), tuple(b))
+        moved.append(new)
+        return Check(
+            JobDecision(True, "forced by the test", 1.0, 0.5, (new,), (), None), True, "forced", 0, 0, None
+        )
+
+    monkeypatch.setattr(rebalance, "check_job", forced)
+    spec = small_spec(steps=6, micro_batches=2)
+    s = Swarm(tmp_path, workers=3)
+    res = asyncio.run(
+        s.driver.run_job(
+            {"spec": spec.to_dict(), "stages": 2, "offload": "off", "rebalance_every": 2}, s.emit
+        )
+    )
+    (replan,) = [e for e in _events(s, "replan") if str(e.get("reason", "")).startswith("rebalance")]
+    assert replan["peers"] == list(moved[0].peers) and res["offload"] is False
+    _assert_follows_reference(s, spec)
+
+
+def test_a_holder_whose_state_fetch_fails_once_is_asked_again(tmp_path):
+    """A surviving holder's `job.fetch` of its optimizer state fails once (it still answers probes):
+    it is asked again rather than counted lost, and the job still follows one process."""
+    from fusionnode.wire.job import ErrorCode, JobError
+
+    spec = small_spec(steps=4, micro_batches=2, grad_clip=1.0)
+    s = Swarm(tmp_path, workers=4)
+    victim, flaky = s.ids[3], s.ids[1]  # pipeline 1's last stage, and its replica in pipeline 0
+    orig = s.workers[victim]._allreduce
+    fetch = s.net.peers[flaky]._rpc[Rpc.JOB_FETCH]
+    failed = []
+
+    async def die(sj, step):
+        if step == 1:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step)
+
+    async def flaky_fetch(args, sender):
+        if args.get("what") == "optim" and not failed:
+            failed.append(args)
+            raise JobError(ErrorCode.RING_BROKEN, "woken by a ring that broke late")
+        return await fetch(args, sender)
+
+    s.workers[victim]._allreduce = die
+    s.net.peers[flaky].add_rpc(Rpc.JOB_FETCH, flaky_fetch)
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    assert failed
+    _assert_follows_reference(s, spec)
