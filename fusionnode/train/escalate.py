@@ -18,7 +18,8 @@ asked only while a peer of the plan is a clear straggler, and its layout is adop
   share move's trigger);
 - the planner's layout beats the current one, both scored by the planner's cost model over the same
   cluster (measured speeds, the job's optimizer hosts, dense links), by more than the job's
-  threshold and NOISE_SIGMAS x the measured noise of stage speeds, at PERSIST_CHECKS checks in a row;
+  threshold and NOISE_SIGMAS x the measured noise of stage speeds, at PERSIST_CHECKS checks in a row
+  with the same straggler (timing noise makes a random peer look slow now and then);
 - the time it saves over the steps left (that gain x the measured step time) exceeds what moving
   costs: the last re-placement's measured seconds (stages released, new ones placed, parameters
   shipped).
@@ -185,10 +186,12 @@ class Escalator:
     def __init__(self, persist: int = PERSIST_CHECKS):
         self.persist = persist
         self.streak = 0
+        self.culprit: str | None = None  # the straggler at the streak's checks (the same one each time)
         self.last: Escalation | None = None
+        self.tflops: dict[str, float] = {}  # the planner's view of the peers at the last prediction
 
     def reset(self) -> None:
-        self.streak = 0
+        self.streak, self.culprit = 0, None
 
     async def check(
         self,
@@ -210,7 +213,7 @@ class Escalator:
             self.reset()  # a new plan, or a peer not measured a window long yet
             return False
         speeds = run.speeds()
-        slow = outliers(speeds, in_plan)
+        slow = sorted(outliers(speeds, in_plan), key=lambda p: speeds[p])  # the slowest first
         if not slow or any(p not in workers for p in in_plan):
             self.reset()
             return False
@@ -226,6 +229,8 @@ class Escalator:
             wants=esc.adopt,
             acts=esc.adopt and self.streak + 1 >= self.persist,
             reason=esc.reason,
+            planned=[[p[:12] for p in pipe.peers] + [pipe.samples] for pipe in pipelines],
+            tflops=self.tflops,
         )
         logger.info(
             "escalation check at step %d (stragglers %s): %s", step, [p[:12] for p in slow], esc.reason
@@ -233,7 +238,10 @@ class Escalator:
         if not esc.adopt:
             self.reset()
             return False
+        if self.streak and slow[0] != self.culprit:
+            self.streak = 0  # another peer is the straggler now: this check starts a new streak
         self.streak += 1
+        self.culprit = slow[0]
         if self.streak < self.persist:
             return False
         self.reset()
@@ -269,6 +277,7 @@ class Escalator:
         hosts = [h for h in job.hosts if h in ids]
         measured = {**run.book.speeds.speeds(), **speeds}  # the run's window first, then the driver's
         doc = cluster_from_records(records, workers, hosts, measured)
+        self.tflops = {d["id"][:12]: round(d["tflops"], 5) for d in doc["devices"]}  # for the record
         graph = run.traced.graph
         spec = job.spec
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(
