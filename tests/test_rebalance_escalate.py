@@ -148,6 +148,24 @@ def test_a_peer_slow_from_the_first_step_is_planned_away(graph):
     assert _decide(graph, current, candidate, doc).adopt
 
 
+def test_a_spare_on_the_same_machine_pays_only_for_a_clear_straggler(graph):
+    """A rebalance move that gives a planner's job a spare is confirmed under the planner's model
+    (Escalator.confirms): on one machine a spare adds no core, so swapping it in for a peer that is
+    merely 2x slower (timing, as the driver's) gains nothing; for a clear straggler it pays."""
+    n = graph.num_nodes
+    current = [Pipeline(0, ["p1"], [0, n], 8, 4), Pipeline(1, ["p2"], [0, n], 8, 4)]
+    moved = [Pipeline(0, ["p3"], [0, n], 8, 4), Pipeline(1, ["p2"], [0, n], 8, 4)]
+
+    def gain(slow: float) -> float:
+        cur_s, new_s = score(
+            graph, _doc({"p1": slow, "p2": 1.0}), current, moved, ["p0"], "gpt2-tiny", 16, 128
+        )
+        return 1.0 - new_s / cur_s
+
+    assert gain(0.5) < ESCALATE_GAIN
+    assert gain(0.25) > ESCALATE_GAIN
+
+
 # ---- a real swarm --------------------------------------------------------------------------------
 
 

@@ -254,6 +254,74 @@ class Escalator:
         )
         return True
 
+    async def cluster(
+        self, recovery: Any, job: Any, run: Any, workers: list[str], speeds: Mapping[str, float]
+    ) -> tuple[dict[str, Any], list[str], list[str]]:
+        """(the swarm's cluster document at the measured speeds, its workers, the job's hosts)."""
+        from fusionnode.train.swarm_cluster import cluster_from_records
+
+        records = await recovery.membership.peers()
+        ids = {r.peer_id for r in records}
+        workers = [w for w in workers if w in ids]
+        hosts = [h for h in job.hosts if h in ids]
+        measured = {**run.book.speeds.speeds(), **speeds}  # the run's window first, then the driver's
+        doc = cluster_from_records(records, workers, hosts, measured)
+        self.tflops = {d["id"][:12]: round(d["tflops"], 5) for d in doc["devices"]}  # for the record
+        return doc, workers, hosts
+
+    async def confirms(
+        self,
+        recovery: Any,
+        job: Any,
+        run: Any,
+        step: int,
+        workers: list[str],
+        layouts: Sequence[Any],
+        shares: Sequence[int],
+    ) -> bool:
+        """Whether a rebalance move that takes in a peer the plan left idle (a spare: `layouts`, one
+        per pipeline, with `shares`) also wins under the planner's cost model at the measured speeds,
+        by min(ESCALATE_GAIN, the job's threshold), for a planner's job (others: always). The move's
+        own model prices an unmeasured spare by its advertisement, blind to cores it shares with the
+        plan's peers (on one machine a spare adds none), and the planner left it idle for a reason."""
+        import asyncio
+        import dataclasses
+
+        if pinned(run.strategy, run.params):
+            return True
+        doc, _workers, hosts = await self.cluster(recovery, job, run, workers, run.speeds())
+        moved = [
+            dataclasses.replace(p, peers=list(lay.peers), bounds=list(lay.bounds), samples=int(n))
+            for p, lay, n in zip(
+                job.pipelines, layouts, list(shares) or [p.samples for p in job.pipelines], strict=True
+            )
+        ]
+        spec = job.spec
+        cur_s, new_s = await asyncio.to_thread(
+            score,
+            run.traced.graph,
+            doc,
+            job.pipelines,
+            moved,
+            hosts,
+            spec.model,
+            spec.batch_size,
+            run.seq_len,
+        )
+        gain = 1.0 - new_s / cur_s if cur_s > 0 else 0.0
+        bar = min(ESCALATE_GAIN, run.min_gain)
+        ok = gain >= bar
+        run.metrics.event(  # the metrics file only
+            "rebalance_check",
+            step=step,
+            confirm=True,
+            gain=round(gain, 4),
+            acts=ok,
+            reason=f"the planner's model gives the move to a spare {gain:.0%} (needs {bar:.0%})",
+            tflops=self.tflops,
+        )
+        return ok
+
     async def predict(
         self,
         recovery: Any,
@@ -269,15 +337,7 @@ class Escalator:
         current layout scored as the better of itself and `cheap`)."""
         import asyncio
 
-        from fusionnode.train.swarm_cluster import cluster_from_records
-
-        records = await recovery.membership.peers()
-        ids = {r.peer_id for r in records}
-        workers = [w for w in workers if w in ids]
-        hosts = [h for h in job.hosts if h in ids]
-        measured = {**run.book.speeds.speeds(), **speeds}  # the run's window first, then the driver's
-        doc = cluster_from_records(records, workers, hosts, measured)
-        self.tflops = {d["id"][:12]: round(d["tflops"], 5) for d in doc["devices"]}  # for the record
+        doc, workers, hosts = await self.cluster(recovery, job, run, workers, speeds)
         graph = run.traced.graph
         spec = job.spec
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(

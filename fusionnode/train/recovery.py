@@ -522,6 +522,9 @@ class Recovery:
             return
         if not (c.act and d.layouts):
             return
+        spare = {p for lay in d.layouts for p in lay.peers} - set(in_plan)
+        if spare and not await run.escalator.confirms(self, job, run, step, workers, d.layouts, d.shares):
+            return  # a planner's job: the planner's model does not see that spare paying
         # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
         if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
             return
