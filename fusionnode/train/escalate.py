@@ -10,15 +10,17 @@ asked only while a peer of the plan is a clear straggler, and its layout is adop
 - the job was laid out by the planner (`train`'s default): a job whose shape the user gave
   (`--stages`, `--replicas`, `--shares`: the simple planner), another planner the user chose, or a
   cluster document the user gave keeps its shape (share moves and re-splits only, train/rebalance.py);
-- a peer of the plan runs under OUTLIER (0.4) x the median speed of the plan's other peers (over
+- a peer of the plan runs under OUTLIER (0.35) x the median speed of the plan's other peers (over
   the run's window of measured steps, a median per peer: swarm_cluster.outliers): timing noise on
   shared hardware makes a peer 1.5-2x slower for a while (the driver's own peer is ~2x slower on one
-  machine from the start), not 2.5x for a whole window; so a clean run does not ask, and a peer slow
-  from the first step is asked about (no slow-down relative to its own past is needed, unlike the
-  share move's trigger);
+  machine from the start), rarely ~2.7x for a whole window (0.37 was the lowest in clean 300-step
+  runs at load 10-20, 1 to 2 windows each); so a clean run all but never asks, and a peer slow from
+  the first step is asked about (no slow-down relative to its own past is needed, unlike the share
+  move's trigger);
 - the planner's layout beats the current one, both scored by the planner's cost model over the same
   cluster (measured speeds, the job's optimizer hosts, dense links), by more than the job's
-  threshold and NOISE_SIGMAS x the measured noise of stage speeds, at PERSIST_CHECKS checks in a row
+  threshold and NOISE_SIGMAS x the measured noise of the other peers' stage speeds (the straggler's
+  window holds its slow-down, no noise), at PERSIST_CHECKS checks in a row
   with the same straggler (timing noise makes a random peer look slow now and then);
 - the time it saves over the steps left (that gain x the measured step time) exceeds what moving
   costs: the last re-placement's measured seconds (stages released, new ones placed, parameters
@@ -217,6 +219,11 @@ class Escalator:
         if not slow or any(p not in workers for p in in_plan):
             self.reset()
             return False
+        # the noise of the other peers' speeds: the straggler's window holds its level shift, which is
+        # no timing noise (the check's figure is a median over the plan's peers, which with two peers
+        # counts it half)
+        calm = [p for p in in_plan if p not in slow]
+        noise = run.recent.noise(calm) if calm else noise
         esc, pipelines = await self.predict(recovery, job, run, step, workers, speeds, noise, cheap)
         self.last = esc
         run.metrics.event(  # the metrics file only: what the planner predicted

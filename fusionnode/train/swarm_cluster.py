@@ -13,7 +13,7 @@ DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link
 # that sleeps, throttles or is starved), not the up to 2x that one CPU's peers differ by as its other
 # load moves (the driver's own peer runs ~2x slower on one machine); on a shared machine it keeps its
 # own figure, and train/escalate.py asks the planner about it
-OUTLIER = 0.4
+OUTLIER = 0.35
 
 
 def outliers(speeds: dict[str, float] | Any, peers: list[str] | Any) -> list[str]:
