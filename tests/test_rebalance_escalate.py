@@ -36,13 +36,13 @@ def graph():
     return graph_for("gpt2-tiny", 128)
 
 
-def _rec(pid: str) -> SimpleNamespace:
+def _rec(pid: str, tflops: float = 0.05) -> SimpleNamespace:
     """A CPU peer of a local swarm: loopback address, 2 cores, the same advertised figure."""
     return SimpleNamespace(
         peer_id=pid,
         maddrs=(f"/ip4/127.0.0.1/tcp/{4000 + PEERS.index(pid)}",),
         links={},
-        device=SimpleNamespace(tflops_fp32=0.05, kind="cpu", cpu_count=2),
+        device=SimpleNamespace(tflops_fp32=tflops, kind="cpu", cpu_count=2),
         capacity_bytes=4 << 30,
     )
 
@@ -106,6 +106,16 @@ def test_a_straggler_on_a_shared_machine_keeps_its_own_speed():
     assert len(set(devs.values())) == 1  # the driver's 2x is the machine's timing: one speed
     devs = {d["id"]: d["tflops"] for d in _doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, "p3": 0.25})["devices"]}
     assert devs["p3"] == pytest.approx(devs["p1"] / 4) and devs["p0"] == devs["p1"] == devs["p2"]
+
+
+def test_a_straggler_is_judged_against_measured_peers_not_advertisements():
+    """Two measured peers of a plan (one 4x slower) and two idle ones that advertise little: the
+    straggler is told by the measured peer, not by the idle peers' low advertisements (a bench run
+    had the planner see it at the machine's speed, while the rebalancer saw a straggler)."""
+    records = [_rec("p0", 0.01), _rec("p1"), _rec("p2", 0.01), _rec("p3")]
+    doc = cluster_from_records(records, PEERS, ["p0"], {"p1": 1.0, "p3": 0.25})
+    devs = {d["id"]: d["tflops"] for d in doc["devices"]}
+    assert devs["p3"] == pytest.approx(devs["p1"] / 4)
 
 
 def test_the_planner_fed_measured_speeds_replans_past_the_share_move(graph):

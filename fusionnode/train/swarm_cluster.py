@@ -92,7 +92,8 @@ def cluster_from_records(
     otherwise capped relative to them; links are bounded by the probes (`symmetric_links`). CPU peers
     of one machine (`shared_hosts`) are marked with its `host` and `cores` and planned at one speed,
     the median of theirs: one CPU, whose peers' figures differ by what the others ran meanwhile;
-    except a clear straggler (`outliers`), which keeps its own and is left out of that median."""
+    except a clear straggler (`outliers`, among the measured peers), which keeps its own and is left
+    out of that median (of the measured figures, where any)."""
     devices, pairs, seen = [], [], set()
     by_id = {r.peer_id: r for r in records}
     ids = list(dict.fromkeys([*workers, *hosts]))
@@ -101,10 +102,16 @@ def cluster_from_records(
         {p: v for p, v in (measured or {}).items() if p in ids},
     )
     host_of = shared_hosts(records, ids)
+    known = {p for p, v in (measured or {}).items() if p in ids and v > 0}
     for key in set(host_of.values()):
         members = [p for p, k in host_of.items() if k == key]
-        slow = set(outliers(tflops, members))
-        speed = statistics.median(tflops[p] for p in members if p not in slow)
+        # judged among the measured peers only: an unmeasured one's figure is its advertisement
+        # (capped), no speed to compare a measured straggler with
+        slow = set(outliers({p: tflops[p] for p in members if p in known}, members))
+        # the machine's speed from what was measured on it where anything was (an idle peer's figure
+        # is its advertisement), else from the advertisements
+        base = [p for p in members if p not in slow and p in known] or [p for p in members if p not in slow]
+        speed = statistics.median(tflops[p] for p in base)
         tflops.update({p: speed for p in members if p not in slow})
     for pid in dict.fromkeys([*workers, *hosts]):
         rec = by_id[pid]
