@@ -10,8 +10,13 @@ worker reads a slow-down factor from `<state dir>/debug_slow`):
   steps one worker (not the driver's) is slowed `--factor` times. Reported: median tokens/s of the
   healthy steps, of the slowed steps before the re-plan, of the steps after it (leaving out the
   first step of each plan), the reference's, and the steps from the slow-down to the re-plan.
-  With `--pipelines 2`: the job is 2 pipelines x 2 stages on the 4 workers, the reference the
-  faster of 2 pipelines of one stage (3 // 2 stages each) and one of 3 stages on the 3 healthy ones.
+  With `--pipelines 2`: the job is the planner's layout of the 4 workers (`train`'s default: no
+  --stages/--replicas; on 4 local peers it lays gpt2-tiny out as 2 pipelines, which the result's
+  `initial_plan_stages_per_pipeline` shows), or with `--pinned` 2 pipelines x 2 stages (the user's
+  shape: rebalancing moves shares and re-splits, never changes it). References on the 3 healthy
+  ones: 2 pipelines of one stage (3 // 2 stages each), one of 3 stages, and the planner's layout;
+  the fastest is the reference, and the recovered fraction of each is reported too (over the steps
+  after the last re-plan, when a share move was followed by a re-plan by the planner).
 - clean: the job of `--pipelines` on 4 healthy workers with rebalancing at its default (on, every
   2 steps: the optimizer state is offloaded); reported: the re-plans it made (there should be none:
   the trigger acts only on a gain that clears the measured noise at consecutive checks).
@@ -60,7 +65,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         choices=[1, 2],
         default=1,
-        help="straggler and clean: one pipeline of 4 stages, or 2 pipelines of 2 stages (default %(default)s)",
+        help="straggler and clean: one pipeline of 4 stages, or 2 pipelines: the planner's layout "
+        "(train's default; it lays gpt2-tiny out as 2 pipelines on 4 local peers), or with --pinned "
+        "2 x 2 stages (default %(default)s)",
+    )
+    p.add_argument(
+        "--pinned",
+        action="store_true",
+        help="with --pipelines 2: lay the job out as 2 x 2 stages (--stages 2 --replicas 2: the user's "
+        "shape, which rebalancing keeps) instead of the planner's layout",
     )
     p.add_argument("--steps", type=int, default=30, help="steps of each job (default %(default)s)")
     p.add_argument("--factor", type=float, default=4.0, help="straggler slow-down (default %(default)s)")
@@ -68,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--slow-at",
         type=int,
         default=8,
-        help="step after which the straggler slows down (default %(default)s)",
+        help="step after which the straggler slows down; 0: from the first step, a peer of the first "
+        "plan (which the share move's trigger never sees: it needs a drop) (default %(default)s)",
     )
     p.add_argument(
         "--check-every",
@@ -163,6 +177,23 @@ async def _seen_by_driver(swarm: Any, peer_id: str, timeout: float = 60.0) -> No
     raise RuntimeError(f"peer {peer_id[:12]} did not join within {timeout:.0f} s")
 
 
+def _shape(args: argparse.Namespace) -> dict[str, Any]:
+    """The straggler and clean job's layout options: 1 x 4 stages; 2 pipelines the planner's way
+    (none: `train`'s default planner lays the job out), or 2 x 2 with --pinned."""
+    if args.pipelines == 1:
+        return {"stages": 4}
+    return {"stages": 2, "replicas": 2} if args.pinned else {"planner": "fusion"}
+
+
+def _shape_of(events: list[dict]) -> list[int]:
+    """Stages per pipeline of a job's first plan."""
+    plan = next(e for e in events if e["type"] == "plan")
+    per: dict[int, int] = {}
+    for st in plan["stages"]:
+        per[st["replica"]] = per.get(st["replica"], 0) + 1
+    return [per[r] for r in sorted(per)]
+
+
 def _median_tps(steps: list[dict]) -> float | None:
     return statistics.median(e["tokens_per_s"] for e in steps) if steps else None
 
@@ -177,15 +208,19 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         slowed: list[str] = []
 
         async def on_event(ev: dict, events: list[dict]) -> None:
-            if ev["type"] == "step" and ev["step"] == args.slow_at - 1 and not slowed:
+            due = (
+                ev["type"] == "plan"
+                if args.slow_at == 0
+                else ev["type"] == "step" and ev["step"] == args.slow_at - 1
+            )
+            if due and not slowed:
                 plan = [e for e in events if e["type"] == "plan"][-1]
-                peers = [st["peer"] for st in plan["stages"]]
-                victim = peers[len(peers) // 2]  # a middle stage of the plan in force
+                peers = [st["peer"] for st in plan["stages"] if st["peer"] != ids[0]]
+                victim = peers[len(peers) // 2]  # a middle stage of the plan in force, not the driver
                 (swarm.state_dir(ids.index(victim)) / "debug_slow").write_text(str(args.factor))
                 slowed.append(victim)
 
-        shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
-        params = {"spec": spec.to_dict(), **shape, "peers": order, "offload": args.offload}
+        params = {"spec": spec.to_dict(), **_shape(args), "peers": order, "offload": args.offload}
         if args.check_every is not None:
             params["rebalance_every"] = args.check_every
         _res, events = asyncio.run(_train(swarm, params, on_event))
@@ -193,11 +228,13 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         (swarm.state_dir(ids.index(victim)) / "debug_slow").unlink(missing_ok=True)
         healthy = [p for p in order if p != victim]
         # the same job without the slowed peer, on the 3 healthy ones: 3 stages; for 2 pipelines also
-        # 2 pipelines of one stage (3 // 2): the faster of them is the reference
-        shapes = (
-            {"1x3": {"stages": 3}} if args.pipelines == 1 else {"2x1": {"replicas": 2}, "1x3": {"stages": 3}}
-        )
+        # 2 pipelines of one stage (3 // 2, the same count) and the planner's layout of the 3 peers
+        # (what `train` would run without the slowed peer): the fastest of them is the reference
+        shapes: dict[str, dict[str, Any]] = {"1x3": {"stages": 3}}
+        if args.pipelines == 2:
+            shapes = {"2x1": {"replicas": 2}, **shapes, "planner": {"planner": "fusion"}}
         refs: dict[str, float | None] = {}
+        ref_plans: dict[str, list[int]] = {}
         for name, ref_shape in shapes.items():
             ref_spec = _spec(args, workdir / f"straggler-reference-{name}.jsonl").replace(
                 job_id=f"straggler-reference-{name}"
@@ -215,6 +252,7 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 )
             )
             refs[name] = _median_tps([e for e in ref_events if e["type"] == "step"][2:])
+            ref_plans[name] = _shape_of(ref_events)
         steps = [e for e in events if e["type"] == "step"]
         replans = [e for e in events if e.get("kind") == "replan" and e["step"] >= args.slow_at]
         replan_step = replans[0]["step"] if replans else None
@@ -223,6 +261,10 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             e for e in steps if e["step"] >= args.slow_at and (replan_step is None or e["step"] < replan_step)
         ]
         after = [e for e in steps if replan_step is not None and e["step"] > replan_step]
+        # a share move and a re-plan may follow each other: the steps after the last re-plan after
+        # the slow-down (each plan's first step left out) are what the job recovered to
+        last_step = replans[-1]["step"] if replans else None
+        settled = [e for e in steps if last_step is not None and e["step"] > last_step]
         ref_tps = max((v for v in refs.values() if v), default=None)
         after_tps = _median_tps(after)
         return {
@@ -235,11 +277,23 @@ def run_straggler(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "slowed_before_replan_tokens_per_s": _median_tps(during),
             "after_rebalance_tokens_per_s": after_tps,
             "recovered_fraction_of_reference": (after_tps / ref_tps) if after_tps and ref_tps else None,
+            "after_last_replan_tokens_per_s": _median_tps(settled),
+            "recovered_fraction_of_each_reference": {
+                k: round(_median_tps(settled) / v, 3) for k, v in refs.items() if v and settled
+            },
+            "steps_from_slowdown_to_last_replan": (last_step - args.slow_at)
+            if last_step is not None
+            else None,
+            "initial_plan_stages_per_pipeline": _shape_of(events),
+            "reference_plans_stages_per_pipeline": ref_plans,
+            "job_layout": "planner" if "planner" in _shape(args) else "pinned",
             "steps_from_slowdown_to_replan": (replan_step - args.slow_at)
             if replan_step is not None
             else None,
             "replans_in_run": sum(e.get("kind") == "replan" for e in events),
             "replan_reason": replans[0]["reason"] if replans else None,
+            "replan_reasons": [e["reason"] for e in replans],
+            "replan_steps": [e["step"] for e in replans],
             "replan_moved": (replans[0].get("moved") or "stages") if replans else None,
             "replan_move_s": replans[0].get("move_s") if replans else None,
             "replan_shares": replans[0].get("shares") if replans else None,
@@ -258,9 +312,8 @@ def run_clean(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     swarm = _swarm(workdir / "clean", 4)
     try:
         spec = _spec(args, workdir / "clean.jsonl").replace(job_id="clean")
-        shape = {"stages": 4} if args.pipelines == 1 else {"stages": 2, "replicas": 2}
         t0 = time.monotonic()
-        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **shape, "offload": args.offload}))
+        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **_shape(args), "offload": args.offload}))
         steps = [e for e in events if e["type"] == "step"]
         replans = [e for e in events if e.get("kind") == "replan" and e.get("reason") != "initial plan"]
         return {
@@ -268,6 +321,8 @@ def run_clean(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "pipelines": args.pipelines,
             "steps": len(steps),
             "replans": len(replans),
+            "job_layout": "planner" if "planner" in _shape(args) else "pinned",
+            "initial_plan_stages_per_pipeline": _shape_of(events),
             "replan_reasons": [e.get("reason") for e in replans],
             "median_tokens_per_s": _median_tps(steps[2:]),
             "wall_s": round(time.monotonic() - t0, 1),

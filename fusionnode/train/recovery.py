@@ -245,13 +245,16 @@ class Recovery:
         layout_: Any = None,
         shares_: Any = (),
         state_: Any = None,
+        pipelines_: Any = None,
     ) -> None:
         """Switches the job to a new plan at a step boundary: releases the old stages (aborting a
         step in progress), lays out new ones (with new stage ids, so no message or contribution of
         the old plan can be taken for the new one), points the optimizer hosts at the new
         contributors (dropping the pending step's partial gradients) and ships each new stage the
         current parameters from the hosts (offload off: `state_`, the parameters and optimizer state
-        taken from the stages before, train/ringrecovery.py)."""
+        taken from the stages before, train/ringrecovery.py). `layout_` (one Layout per pipeline,
+        `shares_`) or `pipelines_` (Pipelines of any shape: a re-plan by the planner) are the first
+        proposal."""
         spec = job.spec
         t0 = time.perf_counter()
         old_args = run.stage_args
@@ -280,11 +283,19 @@ class Recovery:
             current = await self.placement.current_params(job, old_args, run.host_of, all_names=run.full)
         base = job.plan_version * STAGE_ID_STRIDE
         given = [layout_]  # a rebalance's layouts (one per pipeline), for the first proposal only
+        planned = [pipelines_]  # an escalation's pipelines (train/escalate.py), the same
 
         async def lay(candidates: list[str]) -> None:
             if not candidates:
                 raise PlanError("no worker is left that accepts the job's stages")
-            if given[0] is not None:
+            if planned[0] is not None:
+                pipelines, first = [], 0
+                for r, pipe in enumerate(planned[0]):
+                    pipelines.append(dataclasses.replace(pipe, replica=r, first_stage=first))
+                    first += len(pipe.peers)
+                job.pipelines, planned[0], given[0] = pipelines, None, None
+                run.shares = [p.samples for p in pipelines]
+            elif given[0] is not None:
                 pipelines, first = [], 0
                 samples = list(shares_) or [p.samples for p in job.pipelines]
                 for pipe, lay_, n in zip(job.pipelines, given[0], samples, strict=True):
@@ -482,6 +493,7 @@ class Recovery:
         above the threshold and outweighs the cost of moving, and the run's `Trigger` agrees (the
         gain clears the measured noise, from the same bottleneck peer at consecutive checks, which
         slowed down: train/speeds.py). A share move is cheap (`move_shares`)."""
+        from fusionnode.train.escalate import Escalator
         from fusionnode.train.rebalance import Layout, check_job, fill_speeds
 
         run.since_check = 0  # the next check after `rebalance_every` more measured steps
@@ -524,11 +536,25 @@ class Recovery:
             acts=c.act,
             reason=f"{d.reason}; {c.why}",
         )
+        same = list(d.layouts) == [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines]
+        cheap = same and d.shares
+        # a planner's job re-planned by the planner at the measured speeds when that beats the current
+        # layout, and the share move this check would make, by a clear margin (train/escalate.py)
+        if run.escalator is None:
+            run.escalator = Escalator()
+        moved = None
+        if c.act and cheap:  # what the share move would give, which the planner's layout must beat
+            moved = [
+                dataclasses.replace(p, samples=int(n)) for p, n in zip(job.pipelines, d.shares, strict=True)
+            ]
+        if await run.escalator.check(self, job, run, step, workers, c.noise, moved):
+            return
         if not (c.act and d.layouts):
             return
-        same = list(d.layouts) == [Layout(tuple(p.peers), tuple(p.bounds)) for p in job.pipelines]
+        spare = {p for lay in d.layouts for p in lay.peers} - set(in_plan)
+        if spare and not await run.escalator.confirms(self, job, run, step, workers, d.layouts, d.shares):
+            return  # a planner's job: the planner's model does not see that spare paying
         # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
-        cheap = same and d.shares
         if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
             return
         await self.adopt(

@@ -179,6 +179,7 @@ class Run:
         default_factory=lambda: SpeedBook(RUN_HISTORY, quantile=0.5, recent=DEFAULT_WINDOW)
     )
     trigger: Trigger = dataclasses.field(default_factory=Trigger)  # rebalancing's noise-aware trigger
+    escalator: Any = None  # train.escalate.Escalator: when a re-plan by the planner beats the moves
     checks: Any = None  # train.checks.StepChecks when the job's work is spot-checked
     scorer: Any = None  # train.scoring.RoundScorer when the rounds' contributions are scored
     # (step, plan version) whose starting state the optimizer hosts keep as the mark (checked jobs):

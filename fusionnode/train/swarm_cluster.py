@@ -9,6 +9,23 @@ from typing import Any
 from fusionnode.train.rebalance import planning_tflops
 
 DEFAULT_UNMEASURED_GBPS = 1.0  # link bandwidth assumed between peers whose link nobody probed yet
+# a peer whose speed is under this fraction of the median of the others' is a clear straggler (one
+# that sleeps, throttles or is starved), not the up to 2x that one CPU's peers differ by as its other
+# load moves (the driver's own peer runs ~2x slower on one machine); on a shared machine it keeps its
+# own figure, and train/escalate.py asks the planner about it
+OUTLIER = 0.35
+
+
+def outliers(speeds: dict[str, float] | Any, peers: list[str] | Any) -> list[str]:
+    """The peers of `peers` measured under OUTLIER x the median speed of the other measured ones
+    (peers not measured are not judged; with one other, its speed is the median)."""
+    known = {p: speeds[p] for p in peers if speeds.get(p, 0) > 0}
+    out = []
+    for p, v in known.items():
+        others = [w for q, w in known.items() if q != p]
+        if others and v < OUTLIER * statistics.median(others):
+            out.append(p)
+    return out
 
 
 def symmetric_links(records: list[Any]) -> dict[tuple[str, str], tuple[float, float]]:
@@ -74,7 +91,9 @@ def cluster_from_records(
     replaced by `measured` speeds (the driver's table of stage times, any job, any layout) and
     otherwise capped relative to them; links are bounded by the probes (`symmetric_links`). CPU peers
     of one machine (`shared_hosts`) are marked with its `host` and `cores` and planned at one speed,
-    the median of theirs: one CPU, whose peers' figures differ by what the others ran meanwhile."""
+    the median of theirs: one CPU, whose peers' figures differ by what the others ran meanwhile;
+    except a clear straggler (`outliers`, among the measured peers), which keeps its own and is left
+    out of that median (of the measured figures, where any)."""
     devices, pairs, seen = [], [], set()
     by_id = {r.peer_id: r for r in records}
     ids = list(dict.fromkeys([*workers, *hosts]))
@@ -83,10 +102,17 @@ def cluster_from_records(
         {p: v for p, v in (measured or {}).items() if p in ids},
     )
     host_of = shared_hosts(records, ids)
+    known = {p for p, v in (measured or {}).items() if p in ids and v > 0}
     for key in set(host_of.values()):
         members = [p for p, k in host_of.items() if k == key]
-        speed = statistics.median(tflops[p] for p in members)
-        tflops.update({p: speed for p in members})
+        # judged among the measured peers only: an unmeasured one's figure is its advertisement
+        # (capped), no speed to compare a measured straggler with
+        slow = set(outliers({p: tflops[p] for p in members if p in known}, members))
+        # the machine's speed from what was measured on it where anything was (an idle peer's figure
+        # is its advertisement), else from the advertisements
+        base = [p for p in members if p not in slow and p in known] or [p for p in members if p not in slow]
+        speed = statistics.median(tflops[p] for p in base)
+        tflops.update({p: speed for p in members if p not in slow})
     for pid in dict.fromkeys([*workers, *hosts]):
         rec = by_id[pid]
         roles = [
