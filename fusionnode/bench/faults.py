@@ -313,7 +313,9 @@ def run_clean(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         spec = _spec(args, workdir / "clean.jsonl").replace(job_id="clean")
         t0 = time.monotonic()
-        _res, events = asyncio.run(_train(swarm, {"spec": spec.to_dict(), **_shape(args), "offload": args.offload}))
+        _res, events = asyncio.run(
+            _train(swarm, {"spec": spec.to_dict(), **_shape(args), "offload": args.offload})
+        )
         steps = [e for e in events if e["type"] == "step"]
         replans = [e for e in events if e.get("kind") == "replan" and e.get("reason") != "initial plan"]
         return {
