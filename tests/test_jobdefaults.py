@@ -41,9 +41,10 @@ def test_train_compress_defaults_to_auto_and_the_driver_keeps_public_jobs_checke
     assert spec.compress == "none" and job_policy(asked, LOCAL, spec)[0].on
     # --verify-policy off in a public swarm: nothing to check, AdaTopK
     assert resolve_compress(auto, {"verify_policy": "off"}, PUBLIC).compress == "adatopk"
-    # a round mode is not checked yet: AdaTopK
+    # a round mode is checked too (the workers commit to their inner parameters): dense links
     diloco = {"sync": SyncConfig(mode="diloco", inner_steps=4).to_dict()}
-    assert resolve_compress(auto, diloco, PUBLIC).compress == "adatopk"
+    assert resolve_compress(auto, diloco, PUBLIC).compress == "none"
+    assert job_policy(diloco, PUBLIC, resolve_compress(auto, diloco, PUBLIC))[0].on
     # an explicit --compress stays the user's; adatopk with asked-for checks is still refused
     explicit = JobSpec(model="gpt2-tiny", compress="adatopk")
     spec, params = job_defaults(explicit, dict(asked), None, LOCAL)

@@ -32,7 +32,9 @@ class StageAudit:
         from fusionnode.verify.ledger import Ledger
 
         digest = None  # with offload the driver checks against the optimizer hosts' values
-        if not sj.offload:  # else only this worker holds them: it commits to them
+        # else (and in a round mode, whose inner steps run here) only this worker holds them: it
+        # commits to them
+        if not sj.offload or sj.sync.rounds:
             named = sj.module.named_stage_parameters()
             digest = await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError
+from fusionnode.sync import SyncConfig
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
 
@@ -43,7 +44,6 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     """(the policy in force, why checks are off despite it, or None); ConfigError on bad options."""
     from fusionnode.config import loopback_only
     from fusionnode.security.keys import SWARM_KEY_ENV
-    from fusionnode.sync import SyncConfig
     from fusionnode.verify.policy import resolve_policy
 
     # a private swarm (swarm key), or a local one (this peer listens on loopback only, so every peer
@@ -59,17 +59,6 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    sync = SyncConfig.from_dict(params.get("sync")).mode
-    if policy.on and sync != "step":
-        # the recompute takes the hosts' parameters, while a round mode's workers step their own
-        # (inner) optimizer between rounds: the two differ, so the checks cannot judge that work yet
-        if params.get("verify_policy") in ("sample", "all"):
-            raise ConfigError(
-                f"--verify-policy {params['verify_policy']} cannot check --sync {sync} yet (its workers "
-                "train on their own parameters between rounds): use --sync step with checks"
-            )
-        reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
-        return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
     if not policy.on or spec.compress == "none":
         return policy, None
     if params.get("verify_policy") in ("sample", "all"):
@@ -234,6 +223,9 @@ def _as_map(a: StageAssignment) -> dict[str, Any]:
         "param_specs": a.param_specs,
         "frozen": a.frozen,
         "offload": a.offload,
+        # --sync diloco|sparseloco: the worker steps its own inner optimizer, so the parameters it
+        # computed with are its own (bound by its commitment), not the hosts'
+        "rounds": bool(SyncConfig.from_dict(a.sync).rounds),
     }
 
 
@@ -264,6 +256,16 @@ class StepChecks:
         worker's own (bound by its commitment only)."""
         by_id = {a.stage: a for a in run.stage_args}
         wanted = [by_id[s["stage"]] for s in stages]
+        if job.sync.rounds:  # each replica's own inner parameters, per stage (verify/inner.py)
+            from fusionnode.verify.inner import scoped
+
+            out = dict(job.frozen)
+            parts = await asyncio.gather(
+                *(self.placement.fetch(job, [dataclasses.replace(a, replica=0)], "params") for a in wanted)
+            )
+            for a, got in zip(wanted, parts, strict=True):
+                out.update({scoped(a.stage, n): t for n, t in got.items()})
+            return out
         if job.offload:
             return await self.placement.current_params(job, wanted, run.host_of)
         out: dict[str, torch.Tensor] = dict(job.frozen)
@@ -321,7 +323,8 @@ class StepChecks:
         return prep
 
     def _finish(self, job: Any, prep: Any, lag: bool = False) -> Any:
-        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None, lag=lag)
+        pushed = job.offload and not job.sync.rounds  # round modes push no gradients to the hosts
+        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if pushed else None, lag=lag)
 
     async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
         """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
