@@ -16,6 +16,10 @@ and target it sends), `prefetch` (once the stages run), then after the stages re
 - without offload: `check` before the optimizer, on the critical path (the workers update their
   own parameters at commit, which cannot be rolled back).
 
+Under `--sync diloco|sparseloco` the workers step their own inner optimizer: the checked stages'
+parameters are fetched from the workers (bound by their commitments) and the steps are checked
+before their commit, with the transition check of the inner step before (train/inner_checks.py).
+
 A caught worker is out of the job (`caught` event, `run.gone`) and the step fails with `bad_tensor`
 blaming it, so recovery bans it, drops the step's contributions and replays the step on a new plan;
 a dispute nobody can be blamed for replays the step with the same peers.
@@ -241,6 +245,7 @@ class StepChecks:
         self.auditing: tuple[int, asyncio.Future] | None = None  # (step, its audits running)
         self.lagging: list[tuple[int, Any]] = []  # (step, Verdict) audited, recomputes maybe running
         self.wait_s = 0.0  # time steps waited for a background check to end (on the critical path)
+        self.inner: Any = None  # --sync diloco|sparseloco: train/inner_checks.Transitions
 
     def before_step(self) -> None:
         self.v.start_step()
@@ -257,11 +262,13 @@ class StepChecks:
         by_id = {a.stage: a for a in run.stage_args}
         wanted = [by_id[s["stage"]] for s in stages]
         if job.sync.rounds:  # each replica's own inner parameters, per stage (verify/inner.py)
+            from fusionnode.train.inner_checks import fetch_stage
             from fusionnode.verify.inner import scoped
 
             out = dict(job.frozen)
+            jid = job.spec.job_id
             parts = await asyncio.gather(
-                *(self.placement.fetch(job, [dataclasses.replace(a, replica=0)], "params") for a in wanted)
+                *(fetch_stage(self.v.t, jid, a, "params", self.timeout_s) for a in wanted)
             )
             for a, got in zip(wanted, parts, strict=True):
                 out.update({scoped(a.stage, n): t for n, t in got.items()})
@@ -330,7 +337,19 @@ class StepChecks:
         """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
         stands (the path without offload: the workers apply their own updates, nothing to roll back)."""
         prep = await self._prepare(job, run, step, reports)
-        await self.judge(job, run, step, await self._finish(job, prep), failed)
+        verdict = await self._finish(job, prep)
+        if job.sync.rounds:  # the inner step before this one (train/inner_checks.py)
+            for peer, why in (await self.inner_checks().check(job, run, step, reports)).items():
+                verdict.caught.setdefault(peer, why)
+        await self.judge(job, run, step, verdict, failed)
+
+    def inner_checks(self) -> Any:
+        """The transition checks of a round mode's inner steps (made at first use)."""
+        if self.inner is None:
+            from fusionnode.train.inner_checks import Transitions
+
+            self.inner = Transitions(self.v, self.timeout_s)
+        return self.inner
 
     def deferred(self, job: Any) -> bool:
         """Whether this job's steps are checked while the next step runs (off the critical path): with

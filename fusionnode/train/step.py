@@ -356,6 +356,8 @@ class Stepper:
                     meta = {"job": spec.job_id, "step": step, "mb": -1, "stage": a.stage}
                     await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
                 out[a.stage] = {"lr": lr, "clip_coef": clip}
+                if run.checks is not None:  # for the transition check of this inner step
+                    run.checks.inner_checks().record_args(step, a.stage, lr, clip, part)
                 if round_id is not None:
                     out[a.stage]["round"] = {
                         "id": round_id,

@@ -87,6 +87,7 @@ class TensorKind:
     SHARED_SUM: Final = "shared_sum"  # driver -> worker: their sum
     FETCH_PARAMS: Final = "fetch_params"  # worker -> driver: parameters (`job.fetch` what="params")
     FETCH_GRADS: Final = "fetch_grads"  # worker -> driver: gradients (`job.fetch` what="grads")
+    FETCH_INNER: Final = "fetch_inner"  # worker -> driver: a transition check's tensors (what="inner")
     OPT_PARAMS: Final = "opt_params"  # driver -> optimizer host: a shard's initial parameters
     PUSH: Final = "push"  # worker -> optimizer host: a parameter's gradient of a step
     PULLED: Final = "pulled"  # optimizer host -> caller of `opt.pull`: parameters, mb = first + index
@@ -104,6 +105,7 @@ FETCH_KIND: Final = {
     "params": TensorKind.FETCH_PARAMS,
     "grads": TensorKind.FETCH_GRADS,
     "feedback": TensorKind.FEEDBACK,
+    "inner": TensorKind.FETCH_INNER,
 }
 
 

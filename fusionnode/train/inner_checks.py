@@ -1,0 +1,167 @@
+"""The driver's transition checks of a `--sync diloco|sparseloco` job's inner steps (issue 20;
+the commitments and the recompute are verify/inner.py's).
+
+At step t+1 of a round (its reports in: they commit the parameters and inner optimizer state that
+step t's commit produced), each stage's step t is drawn for a transition check with the driver's
+secret (`CheckSelector.draw(t, stage, -2)` < the gradient-check rate), unknown to the worker until
+then. A drawn stage's worker shows (`job.fetch` what="inner") its snapshot of step t and its state
+now; each part must match its commitment, and the recomputed inner step must match what it holds.
+A mismatch, or no answer, catches the worker: the step fails blaming it, recovery bans it and the
+round is redone from the hosts' parameters on a new plan (nothing of that round had left a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.verify import inner
+from fusionnode.verify.commitment import digest_tensors
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked
+from fusionnode.wire.job import Rpc
+
+TRANSITION_MB = -2  # the selector's "micro-batch" of a transition check (-1: the gradient check)
+
+
+async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    """Stage `a`'s tensors of `job.fetch` `what` ("params": checked against its specs), asked once
+    more after a stream reset (a check's fetch only reads what the worker holds)."""
+    req = jp.FetchRequest(job=job_id, stage=a.stage, what=what)
+    res = await jp.call(t, a.peer, Rpc.JOB_FETCH, req, timeout=timeout_s, idempotent=True)
+    specs = a.param_specs if what == "params" else None
+    got: dict[str, torch.Tensor] = {}
+    for idx in range(res.count):
+        msg, src = await t.mailbox.get(
+            (jp.FETCH_KIND[what], job_id, -1, idx, a.stage), timeout_s, sender=a.peer
+        )
+        got.update(decode_checked(msg, specs, None, src))
+    return got
+
+
+class Transitions:
+    """The transition checks of one run (`StepChecks.inner`)."""
+
+    def __init__(self, verifier: Any, timeout_s: float) -> None:
+        self.v = verifier
+        self.timeout_s = timeout_s
+        self.commits: dict[
+            int, tuple[int, int, str, dict[str, Any]]
+        ] = {}  # stage -> (step, plan, peer, commit)
+        self.args: dict[
+            int, tuple[int, float, float, dict[str, torch.Tensor]]
+        ] = {}  # stage -> (step, lr, clip, sums)
+        for key, zero in (("transitions", 0), ("transitions_caught", 0), ("transition_s", 0.0)):
+            self.v.totals.setdefault(key, zero)  # in the job's result with the other checks' totals
+
+    def record_args(
+        self, step: int, stage: int, lr: float, clip: float, shared: dict[str, torch.Tensor]
+    ) -> None:
+        """What the driver sent with stage `stage`'s commit of `step`: lr, clip factor, tied-weight sums."""
+        self.args[stage] = (step, float(lr), float(clip), dict(shared))
+
+    def drawn(self, step: int, stage: int) -> bool:
+        return self.v.selector.draw(step, stage, TRANSITION_MB) < self.v.policy.grad_rate
+
+    def checkable(self, job: Any, step: int) -> bool:
+        """Whether step `step`'s inner update shows in step+1's parameters: not at a round's close (they
+        are the round's result then), nor where --sync-overlap re-bases them on the previous round's."""
+        sync = job.sync
+        if sync.round_closes(step, job.spec.steps):
+            return False
+        return not (sync.overlap and sync.applies_delayed(step))
+
+    async def check(self, job: Any, run: Any, step: int, reports: list[Any]) -> dict[str, str]:
+        """At step `step` (its reports in): the drawn transition checks of step-1; peer -> why caught."""
+        prev, self.commits = (
+            self.commits,
+            {
+                a.stage: (step, job.plan_version, a.peer, r.verify or {})
+                for a, r in zip(run.stage_args, reports, strict=True)
+            },
+        )
+        t = step - 1
+        if t < 0 or not self.checkable(job, t):
+            return {}
+        todo = []
+        for a in run.stage_args:
+            before, args = prev.get(a.stage), self.args.get(a.stage)
+            if before is None or before[:3] != (t, job.plan_version, a.peer) or args is None or args[0] != t:
+                continue  # a new plan (new inner state), a replayed step, or no commit arguments kept
+            if self.drawn(t, a.stage):
+                todo.append((a, before[3], self.commits[a.stage][3], args))
+        if not todo:
+            return {}
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self._one(job, t, *x) for x in todo), return_exceptions=True)
+        caught: dict[str, str] = {}
+        for (a, *_), res in zip(todo, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                    raise res
+                res = f"stage {a.stage} did not show its inner step {t}: {res}"
+            if res:
+                caught[a.peer] = res
+        self.v.totals["transitions"] += len(todo)
+        self.v.totals["transitions_caught"] += len(caught)
+        self.v.totals["transition_s"] += time.perf_counter() - t0
+        return caught
+
+    async def _one(
+        self, job: Any, t: int, a: Any, before: dict[str, Any], after: dict[str, Any], args: tuple
+    ) -> str:
+        """'' when stage `a`'s inner step `t` is the recomputed one, else why not."""
+        what = f"stage {a.stage} (peer {a.peer[:12]}…) inner step {t}"
+        if any(k not in before for k in ("params", "opt", "grads")) or any(
+            k not in after for k in ("params", "opt")
+        ):
+            return f"{what}: it did not commit to its inner state"
+        got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
+        at = got.pop("at", None)
+        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != t:
+            return f"{what}: it showed no snapshot of that step"
+        parts = inner.split_fetch(got)
+        for part, digest in (
+            ("prev/param", before["params"]),
+            ("prev/opt", before["opt"]),
+            ("prev/grad", before["grads"]),
+            ("now/param", after["params"]),
+            ("now/opt", after["opt"]),
+        ):
+            if digest_tensors(parts[part]) != digest:
+                return f"{what}: it showed a {part} other than it committed to"
+        kind = str(before.get("device") or "cpu")
+        if kind != "cpu" and self.v.device_kinds.get(a.peer) != kind:
+            kind = "cpu"  # claiming a GPU to be compared more loosely does not work
+        tol = inner.TRANSITION_REL_TOL.get(kind, inner.TRANSITION_REL_TOL["cuda"])
+        _step, lr, clip, shared = args
+
+        def judge() -> str:
+            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+            trained = {
+                n: {"shape": list(p.shape)}
+                for n, p in parts["prev/param"].items()
+                if f"steps/{n}" in parts["prev/opt"]
+            }
+            cfg = job_optimizer_config(a.spec, trained)
+            want = inner.expected_step(
+                parts["prev/param"],
+                parts["prev/opt"],
+                parts["prev/grad"],
+                shared,
+                clip,
+                lr,
+                lambda m: FlatOptimizer(m, cfg),
+            )
+            why = inner.compare_step(parts["prev/param"], want, (parts["now/param"], parts["now/opt"]), tol)
+            return f"{what} failed a transition check: {why}" if why else ""
+
+        return await asyncio.to_thread(judge)
+
+
+__all__ = ["TRANSITION_MB", "Transitions", "fetch_stage"]
