@@ -50,14 +50,24 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     load = [round(os.getloadavg()[0], 2)]
     # a short checked job first: the driver's daemon spawns its check process at its first checked job
     asyncio.run(
-        _train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate))
+        _train(
+            swarm,
+            _params(
+                _spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate, args.sync_cfg
+            ),
+        )
     )
     for r in range(args.overhead_repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # interleaved: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             c0 = _swarm_cpu_s(swarm)
             result, events = asyncio.run(
-                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate))
+                _train(
+                    swarm,
+                    _params(
+                        spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate, args.sync_cfg
+                    ),
+                )
             )
             steps = _steps(events)
             cpu[mode].append((_swarm_cpu_s(swarm) - c0) / len(steps))

@@ -3,7 +3,7 @@ the commitments and the recompute are verify/inner.py's).
 
 At step t+1 of a round (its reports in: they commit the parameters and inner optimizer state that
 step t's commit produced), each stage's step t is drawn for a transition check with the driver's
-secret (`CheckSelector.draw(t, stage, -2)` < the gradient-check rate), unknown to the worker until
+secret (`CheckSelector.draw(t, stage, -2)` < `transition_rate`: twice the gradient-check rate), unknown to the worker until
 then. A drawn stage's worker shows (`job.fetch` what="inner") its snapshot of step t and its state
 now; each part must match its commitment, and the recomputed inner step must match what it holds.
 A mismatch, or no answer, catches the worker: the step fails blaming it, recovery bans it and the
@@ -43,6 +43,15 @@ async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) 
     return got
 
 
+def transition_rate(grad_rate: float) -> float:
+    """The transition checks' rate: twice the gradient checks' (a transition check recomputes no
+    micro-batch: the stage's kept state crosses once and the driver runs one optimizer step), so
+    a worker lying in every inner step escapes 20 steps (16 checkable at H = 5) with probability
+    0.4^16 = 4e-7 at the public default (gradient checks 0.3), 0.9^16 = 19% in a private swarm
+    asked for `sample` (0.05)."""
+    return min(1.0, 2.0 * grad_rate)
+
+
 class Transitions:
     """The transition checks of one run (`StepChecks.inner`)."""
 
@@ -65,7 +74,7 @@ class Transitions:
         self.args[stage] = (step, float(lr), float(clip), dict(shared))
 
     def drawn(self, step: int, stage: int) -> bool:
-        return self.v.selector.draw(step, stage, TRANSITION_MB) < self.v.policy.grad_rate
+        return self.v.selector.draw(step, stage, TRANSITION_MB) < transition_rate(self.v.policy.grad_rate)
 
     def checkable(self, job: Any, step: int) -> bool:
         """Whether step `step`'s inner update shows in step+1's parameters: not at a round's close (they
@@ -164,4 +173,4 @@ class Transitions:
         return await asyncio.to_thread(judge)
 
 
-__all__ = ["TRANSITION_MB", "Transitions", "fetch_stage"]
+__all__ = ["TRANSITION_MB", "Transitions", "fetch_stage", "transition_rate"]

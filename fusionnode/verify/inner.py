@@ -13,7 +13,7 @@ each step's report (made before the worker learns anything of the step's checks)
 A checked stage's parameters are fetched from its worker, per stage (each replica's differ: `scoped`,
 `stage_params`), and must match ``params`` before the recompute uses them; a gradient check's shown
 gradients must match ``grads``. The **transition check** verifies an inner step itself: step t of
-a stage is drawn (`Transitions.drawn`, at the gradient-check rate, by the driver's secret) only
+a stage is drawn (train/inner_checks.py: at twice the gradient-check rate, by the driver's secret) only
 once step t+1's report has committed the parameters and state that step t produced. Then the
 worker shows what it kept of step t (`snapshot`, taken at the commit: parameters, state, raw
 gradients) and its current parameters and state, each against its commitment; the driver applies
