@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config, make_local_optimizer
+from fusionnode.sync import SyncConfig
+from fusionnode.train.inner_checks import Transitions, transition_rate
 from fusionnode.verify import inner
 from fusionnode.verify.commitment import digest_tensors
 from fusionnode.verify.liar import Liar
+from fusionnode.verify.policy import VerifyPolicy
+from fusionnode.verify.selector import CheckSelector
 
 SPEC = {"optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.1}
 
@@ -174,3 +178,65 @@ def test_stage_params_prefers_the_stage_own_copy():
     }
     got = inner.stage_params(params, a)
     assert float(got["x"]) == 1.0 and torch.equal(got["frozen"], torch.ones(2))
+
+
+class Recorded(Transitions):
+    """Transitions whose check of one stage records what it was given (the fetch and recompute are
+    the e2e test's: tests/test_verify_rounds_e2e.py)."""
+
+    def __init__(self, rate: float):
+        verifier = SimpleNamespace(
+            selector=CheckSelector(b"k" * 32), policy=VerifyPolicy("sample", rate, rate / 2), totals={}
+        )
+        super().__init__(verifier, 5.0)
+        self.seen: list[tuple[int, int, dict, dict]] = []
+
+    async def _one(self, job, t, a, before, after, args) -> str:
+        self.seen.append((t, a.stage, before, after))
+        return "lied" if a.peer == "liar" else ""
+
+
+def _run(job, peers):
+    return SimpleNamespace(stage_args=[SimpleNamespace(stage=s, peer=p) for s, p in enumerate(peers)])
+
+
+def _reports(step, n):
+    return [SimpleNamespace(verify={"params": f"p{step}.{s}", "opt": "o", "grads": "g"}) for s in range(n)]
+
+
+def test_transition_checks_draw_the_step_before_and_skip_round_ends_and_new_plans():
+    import asyncio
+
+    tr = Recorded(rate=1.0)  # every transition drawn (grad rate 0.5: twice that)
+    job = SimpleNamespace(
+        sync=SyncConfig("diloco", inner_steps=3), spec=SimpleNamespace(steps=9), plan_version=0
+    )
+    run = _run(job, ["a", "liar"])
+    caught = []
+    for step in range(6):
+        caught.append(asyncio.run(tr.check(job, run, step, _reports(step, 2))))
+        for s in range(2):
+            tr.record_args(step, s, 1e-3, 1.0, {})
+    # step t is checked at step t+1, with the commitments of both; not t = 2 (closes a round)
+    assert [(t, s) for t, s, _, _ in tr.seen] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (3, 0),
+        (3, 1),
+        (4, 0),
+        (4, 1),
+    ]
+    assert tr.seen[0][2]["params"] == "p0.0" and tr.seen[0][3]["params"] == "p1.0"
+    assert caught[1] == {"liar": "lied"} and caught[3] == {} and tr.v.totals["transitions"] == 8
+    # a new plan (new inner state): the step before it is not checked
+    tr.seen.clear()
+    job.plan_version = 1
+    asyncio.run(tr.check(job, run, 6, _reports(6, 2)))
+    assert tr.seen == []
+    # a low rate draws about twice the gradient checks' rate
+    assert transition_rate(0.3) == pytest.approx(0.6) and transition_rate(0.7) == 1.0
+    sel = CheckSelector(b"s" * 32)
+    drawn = sum(sel.draw(t, 0, -2) < transition_rate(0.3) for t in range(2000))
+    assert 1100 < drawn < 1300
