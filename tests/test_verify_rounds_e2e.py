@@ -85,6 +85,8 @@ def test_diloco_honest_run_is_checked_and_a_one_percent_liar_is_caught(swarm):
     assert result["verify"]["checked"] == spec.steps * 4 * 2  # 4 stages x 2 micro-batches
     # every inner step that does not close a round (0, 1, 3, 4) of each stage, checked at the next
     assert result["verify"]["transitions"] == 4 * 4 and result["verify"]["transitions_caught"] == 0
+    print(f"transition max relative error {result['verify']['transition_max_rel_err']:.3g}", file=sys.stderr)
+    assert result["verify"]["transition_max_rel_err"] < 1e-6  # CPU: the same float32 code
     losses = [e["loss"] for e in events if e["type"] == "step"]
     ref = train_local_replicas(spec, sync, replicas=2).losses
     for i, (a, b) in enumerate(zip(losses, ref, strict=True)):
@@ -143,4 +145,39 @@ def test_diloco_inner_step_liar_is_caught_by_the_transition_check(swarm):
     assert result["verify"]["transitions_caught"] == 1
     redo = [e for e in events if e["type"] == "event" and e.get("role") == "rounds"]
     assert redo and redo[0]["replay_from"] == 0, redo
+    set_liar(swarm, None, None)
+
+
+def test_diloco_pseudo_gradient_liar_is_caught_at_the_round_end(swarm):
+    # scoring holds each round on the hosts: the driver checks each replica's pseudo-gradient against
+    # the hosts' θ minus its stages' last inner step recomputed; an honest run passes it (and loses
+    # nothing), a worker sending a random pseudo-gradient of its honest norm is caught at the first
+    # round's end, its replica gets no weight in that round and the job goes on without it
+    sync = SyncConfig("diloco", inner_steps=H)
+    spec = spec_for(seed=8)
+    result, events = asyncio.run(train(swarm, {**job(spec, sync), "contrib_policy": "score"}))
+    assert not [e for e in events if e["type"] == "event" and e.get("kind") in ("caught", "failure")]
+    # 16 inner-step transitions (test above) + 2 rounds x 4 stages at the round ends
+    assert result["verify"]["transitions"] == 16 + 8 and result["verify"]["transitions_caught"] == 0
+    print(f"round-end max relative error {result['verify']['round_end_max_rel_err']:.3g}", file=sys.stderr)
+    assert result["verify"]["round_end_max_rel_err"] < 1e-4
+    liar: list[str] = []
+
+    async def on_plan(ev: dict) -> None:
+        if ev["type"] == "plan" and not liar:
+            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+            set_liar(swarm, victim, {"kind": "random_pseudo_gradient"})
+            liar.append(victim)
+
+    result, events = asyncio.run(train(swarm, {**job(spec, sync), "contrib_policy": "score"}, on_plan))
+    caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
+    assert [e["peer"] for e in caught] == liar, caught
+    assert "failed a pseudo-gradient check" in caught[0]["reason"], caught[0]["reason"]
+    assert caught[0]["step"] == H - 1  # the first round's last step
+    scored = [e for e in events if e["type"] == "event" and e.get("kind") == "scored"]
+    plan = next(e for e in events if e["type"] == "plan")
+    replica = next(s["replica"] for s in plan["stages"] if s["peer"] == liar[0])
+    assert scored[0]["verdict"][replica] == 0.0, scored[0]
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == list(range(spec.steps))  # the round stood: none replayed
     set_liar(swarm, None, None)

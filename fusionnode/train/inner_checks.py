@@ -26,6 +26,11 @@ from fusionnode.wire.checked import decode_checked
 from fusionnode.wire.job import Rpc
 
 TRANSITION_MB = -2  # the selector's "micro-batch" of a transition check (-1: the gradient check)
+ROUND_END_MB = -3  # the selector's "micro-batch" of a round's last inner step and pseudo-gradient
+# a pseudo-gradient against θ_start − θ_end recomputed, relative to its norm, per --sync-codec: raw
+# float32 differs only by the rounding of the workers' and hosts' θ_start (measured: 0 in the tests),
+# fp16 by its 2^-11 relative step, q8 by 1/254 of each block's scale per element
+DELTA_REL_TOL = {"raw": 1e-3, "fp16": 2e-3, "q8": 2e-2}
 
 
 async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) -> dict[str, torch.Tensor]:
@@ -64,7 +69,14 @@ class Transitions:
         self.args: dict[
             int, tuple[int, float, float, dict[str, torch.Tensor]]
         ] = {}  # stage -> (step, lr, clip, sums)
-        for key, zero in (("transitions", 0), ("transitions_caught", 0), ("transition_s", 0.0)):
+        # the largest relative error an accepted check saw (the tolerances' margin, measured)
+        for key, zero in (
+            ("transitions", 0),
+            ("transitions_caught", 0),
+            ("transition_s", 0.0),
+            ("transition_max_rel_err", 0.0),
+            ("round_end_max_rel_err", 0.0),
+        ):
             self.v.totals.setdefault(key, zero)  # in the job's result with the other checks' totals
 
     def record_args(
@@ -120,6 +132,102 @@ class Transitions:
         self.v.totals["transition_s"] += time.perf_counter() - t0
         return caught
 
+    def _margin(self, key: str, rel: float) -> None:
+        self.v.totals[key] = max(self.v.totals[key], float(rel))
+
+    async def round_end(
+        self, job: Any, run: Any, replica: int, theta: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
+    ) -> dict[str, str]:
+        """--sync diloco with the round held (scoring): replica `replica`'s pseudo-gradient `delta`,
+        as the hosts received it, against θ_start − θ_end, θ_start the hosts' `theta` and θ_end the
+        round's last inner step (the step checked last) recomputed from what each drawn stage of the replica committed
+        to at that step; peer -> why caught. Drawn by the secret after the pseudo-gradients arrived."""
+        if job.sync.mode != "diloco" or run.names_by_stage is None:
+            return {}  # sparseloco: its message goes through the replica's error feedback (not committed)
+        steps = {c[0] for c in self.commits.values()}
+        step = max(steps, default=-1)  # the step this run checked last: the round's closing one
+        if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
+            return {}
+        todo = []
+        for a in run.stage_args:
+            mine, args = self.commits.get(a.stage), self.args.get(a.stage)
+            if a.replica != replica or mine is None or mine[:3] != (step, job.plan_version, a.peer):
+                continue
+            if (
+                args is not None
+                and args[0] == step
+                and self.v.selector.draw(step, a.stage, ROUND_END_MB)
+                < (transition_rate(self.v.policy.grad_rate))
+            ):
+                todo.append((a, mine[3], args))
+        caught: dict[str, str] = {}
+        tol = DELTA_REL_TOL.get(str(job.sync.codec), DELTA_REL_TOL["q8"])
+        for a, commit, args in todo:
+            try:
+                why = await self._round_end_one(job, run, step, a, commit, args, theta, delta, tol)
+            except (TimeoutError, FusionNodeError, OSError) as exc:
+                why = f"stage {a.stage} did not show its round's last inner step {step}: {exc}"
+            self.v.totals["transitions"] += 1
+            if why:
+                caught[a.peer] = why
+                self.v.totals["transitions_caught"] += 1
+        return caught
+
+    async def _round_end_one(
+        self,
+        job: Any,
+        run: Any,
+        step: int,
+        a: Any,
+        commit: dict,
+        args: tuple,
+        theta: dict,
+        delta: dict,
+        tol: float,
+    ) -> str:
+        what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
+        if any(k not in commit for k in ("params", "opt", "grads")):
+            return f"{what}: it did not commit to its inner state"
+        got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
+        at = got.pop("at", None)
+        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != step:
+            return f"{what}: it showed no snapshot of that step"
+        parts = inner.split_fetch(got)
+        for part, digest in (
+            ("prev/param", commit["params"]),
+            ("prev/opt", commit["opt"]),
+            ("prev/grad", commit["grads"]),
+        ):
+            if digest_tensors(parts[part]) != digest:
+                return f"{what}: it showed a {part} other than it committed to"
+        names = [n for n in run.names_by_stage.get(a.stage, []) if n in theta and n in delta]
+        _step, lr, clip, shared = args
+
+        def judge() -> str:
+            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+            prev = parts["prev/param"]
+            trained = {
+                n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]
+            }
+            cfg = job_optimizer_config(a.spec, trained)
+            end, _state = inner.expected_step(
+                prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
+            )
+            want = {n: theta[n].float() - end[n].float() for n in names}
+            norm = sum(float(w.double().pow(2).sum()) for w in want.values()) ** 0.5
+            err = sum(float((delta[n].double() - want[n].double()).pow(2).sum()) for n in names) ** 0.5
+            if err > tol * norm + 1e-12:
+                return (
+                    f"{what} failed a pseudo-gradient check: its round's contribution differs from the "
+                    f"hosts' round start minus its recomputed last inner step (relative error "
+                    f"{err / max(norm, 1e-30):.3g}, tolerance {tol:g})"
+                )
+            self._margin("round_end_max_rel_err", err / max(norm, 1e-30))
+            return ""
+
+        return await asyncio.to_thread(judge)
+
     async def _one(
         self, job: Any, t: int, a: Any, before: dict[str, Any], after: dict[str, Any], args: tuple
     ) -> str:
@@ -168,9 +276,12 @@ class Transitions:
                 lambda m: FlatOptimizer(m, cfg),
             )
             why = inner.compare_step(parts["prev/param"], want, (parts["now/param"], parts["now/opt"]), tol)
+            if not why:
+                err, size = inner.update_error(parts["prev/param"], want[0], parts["now/param"])
+                self._margin("transition_max_rel_err", err / max(size, 1e-30))
             return f"{what} failed a transition check: {why}" if why else ""
 
         return await asyncio.to_thread(judge)
 
 
-__all__ = ["TRANSITION_MB", "Transitions", "fetch_stage", "transition_rate"]
+__all__ = ["DELTA_REL_TOL", "ROUND_END_MB", "TRANSITION_MB", "Transitions", "fetch_stage", "transition_rate"]

@@ -276,9 +276,26 @@ class Stepper:
                 if not scoring.done() and (late is not None or sys.exc_info()[1] is not None):
                     scoring.cancel()  # the round is redone on the new plan (its contributions dropped)
                 await asyncio.gather(scoring, return_exceptions=True)
+                if run.scorer.caught:  # its replica's round was dropped: ban it, go on without it
+                    caught = await self.caught_at_round_end(job, run, step)
+                    if late is not None:
+                        caught.errors.update(late.errors)
+                    late = caught
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
+
+    async def caught_at_round_end(self, job: Job, run: Run, step: int) -> StepFailed:
+        """The workers a round-end check caught (their replicas got no weight in the round): out of
+        the job, and the failure recovery bans them for (the round is applied: the job goes on)."""
+        caught, run.scorer.caught = dict(run.scorer.caught), {}
+        for peer, why in sorted(caught.items()):
+            run.gone.add(peer)
+            await run.event(job, "caught", peer=peer, step=step, reason=why)
+        blame = {
+            p: [Failure(ErrorCode.BAD_TENSOR, f"verification: {why}", blame=p)] for p, why in caught.items()
+        }
+        return StepFailed(step, blame, [])
 
     async def gather_or_fail(
         self, job: Job, run: Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]

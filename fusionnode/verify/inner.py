@@ -194,6 +194,15 @@ def _rel(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
     return float((got.double() - want.double()).norm()) / max(scale, 1e-30)
 
 
+def update_error(
+    before: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], got: Mapping[str, torch.Tensor]
+) -> tuple[float, float]:
+    """(‖got − want‖, ‖want − before‖) over the parameters: an inner step's error and its size."""
+    update = math.sqrt(sum(float((want[n].double() - before[n].double()).pow(2).sum()) for n in want))
+    err = math.sqrt(sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want))
+    return err, update
+
+
 def compare_step(
     before: Mapping[str, torch.Tensor],
     want: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
@@ -207,8 +216,7 @@ def compare_step(
     (want_p, want_s), (got_p, got_s) = want, got
     if set(got_p) != set(want_p) or set(got_s) != set(want_s):
         return "showed other parameters or optimizer state than its stage holds"
-    update = math.sqrt(sum(float((want_p[n].double() - before[n].double()).pow(2).sum()) for n in want_p))
-    err = math.sqrt(sum(float((got_p[n].double() - want_p[n].double()).pow(2).sum()) for n in want_p))
+    err, update = update_error(before, want_p, got_p)
     if err > rel_tol * update + 1e-12:
         return f"its inner step's parameters differ from the recomputed step (relative error {err / max(update, 1e-30):.3g} of the update, tolerance {rel_tol:g})"
     for key in sorted(want_s):
@@ -239,4 +247,5 @@ __all__ = [
     "stage_params",
     "stage_values",
     "step",
+    "update_error",
 ]
