@@ -327,7 +327,7 @@ class WorkerService(StageAudit, HostLink):
         names = sorted(tensors)
         for idx, name in enumerate(names):
             t = tensors[name]
-            meta = {"job": sj.job, "stage": sj.stage, "step": -1, "mb": idx}
+            meta = {"job": sj.job, "stage": sj.stage, "step": req.tag, "mb": idx}
             await self.t.send(sj.driver, tensor_message(jp.FETCH_KIND[what], meta, {name: t}))
         return jp.CountReply(count=len(names))
 

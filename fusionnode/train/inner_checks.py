@@ -13,6 +13,8 @@ round is redone from the hosts' parameters on a new plan (nothing of that round 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import time
 from typing import Any
 
@@ -33,16 +35,22 @@ ROUND_END_MB = -3  # the selector's "micro-batch" of a round's last inner step a
 DELTA_REL_TOL = {"raw": 1e-3, "fp16": 2e-3, "q8": 2e-2}
 
 
+_TAGS = itertools.count(secrets.randbelow(1 << 40))  # job.fetch tags: each used once per driver process
+
+
 async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) -> dict[str, torch.Tensor]:
     """Stage `a`'s tensors of `job.fetch` `what` ("params": checked against its specs), asked once
-    more after a stream reset (a check's fetch only reads what the worker holds)."""
-    req = jp.FetchRequest(job=job_id, stage=a.stage, what=what)
+    more after a stream reset (a check's fetch only reads what the worker holds), under a tag of its
+    own: the first call's copies, arriving late, are never taken for a later fetch's (a false catch
+    seen in a 500-step clean run before the tag)."""
+    tag = next(_TAGS)  # a retry's re-sent copies stay under this fetch's keys (SPEC.md: job.fetch)
+    req = jp.FetchRequest(job=job_id, stage=a.stage, what=what, tag=tag)
     res = await jp.call(t, a.peer, Rpc.JOB_FETCH, req, timeout=timeout_s, idempotent=True)
     specs = a.param_specs if what == "params" else None
     got: dict[str, torch.Tensor] = {}
     for idx in range(res.count):
         msg, src = await t.mailbox.get(
-            (jp.FETCH_KIND[what], job_id, -1, idx, a.stage), timeout_s, sender=a.peer
+            (jp.FETCH_KIND[what], job_id, tag, idx, a.stage), timeout_s, sender=a.peer
         )
         got.update(decode_checked(msg, specs, None, src))
     return got

@@ -216,10 +216,15 @@ class FetchRequest(JobMessage):
     job: str
     stage: int
     what: str = "params"
+    # the `step` of the data messages that answer it: -1, or a number the driver uses once, so a copy
+    # re-sent for a retried call can never be read as a later fetch's answer (the checks' fetches)
+    tag: int = -1
 
     def __post_init__(self) -> None:
         if self.what not in FETCH_KIND:
             raise _bad(f"what must be one of {sorted(FETCH_KIND)}, got {self.what!r:.40}")
+        if not -1 <= self.tag < 1 << 62:
+            raise _bad(f"tag must be -1 or a non-negative integer below 2^62, got {self.tag!r:.40}")
 
 
 @message
