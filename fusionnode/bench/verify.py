@@ -577,6 +577,8 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "rollbacks": len(_events(events, "rollback")),
         "failures": len(_events(events, "failure")),
         "steps_checked": v.get("steps"),
+        "transitions_checked": v.get("transitions"),  # round modes: inner steps recomputed (verify/inner.py)
+        "transitions_caught": v.get("transitions_caught"),
         "check_seconds_total": round(v.get("seconds", 0.0), 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }
