@@ -595,7 +595,7 @@ class WorkerService(StageAudit, HostLink):
                 ),
             )
         if ledger is not None and sj.rounds is not None:  # the gradients its inner step is to apply
-            ledger.extra.update(inner.commit_step_end(sj))
+            ledger.extra.update(inner.commit_step_end(sj, ledger))
         own = [n for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None]
         sq = sum(
             FlatOptimizer.grad_sq_norm({n: sj.params[n].grad.detach() for n in own if ring_share.get(n) == w})

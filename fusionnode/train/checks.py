@@ -353,8 +353,30 @@ class StepChecks:
 
     def deferred(self, job: Any) -> bool:
         """Whether this job's steps are checked while the next step runs (off the critical path): with
-        offload, where the optimizer hosts keep the state before the last step and can roll it back."""
-        return bool(job.offload) and not job.sync.rounds
+        offload, where the optimizer hosts keep the state before the last step and can roll it back;
+        under a round mode, within a round (nothing leaves a worker before the round's close)."""
+        return bool(job.offload)
+
+    async def round_step(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
+        """Under --sync diloco|sparseloco, before step `step`'s commit: the earlier steps' checks that
+        ended (a lie found fails the step: recovery redoes the round from the hosts' parameters), the
+        transition check of the step before (train/inner_checks.py), then this step's checks start
+        and run on while the next steps do; a step closing a round waits for all of them (nothing
+        unjudged leaves a worker)."""
+        from fusionnode.verify.verifier import Verdict
+
+        settled = await self.settle()
+        if settled is not None:
+            await self.judge(job, run, settled[0], settled[1], failed)
+        caught = await self.inner_checks().check(job, run, step, reports)
+        if caught:
+            self.cancel()
+            await self.judge(job, run, step, Verdict(caught=caught), failed)
+        await self.launch(job, run, step, reports)
+        if job.sync.round_closes(step, job.spec.steps):
+            settled = await self.settle(everything=True)
+            if settled is not None:
+                await self.judge(job, run, settled[0], settled[1], failed)
 
     async def launch(self, job: Any, run: Any, step: int, reports: list[Any]) -> None:
         """Before the step's update: the draw and the checked stages' parameters; the audits then run

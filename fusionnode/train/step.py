@@ -165,7 +165,11 @@ class Stepper:
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         keep = mark = False
-        if checks is not None and checks.deferred(job):
+        if checks is not None and job.sync.rounds:  # checked within the round (train/checks.py)
+            await checks.round_step(job, run, step, reports, StepFailed)
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
+        elif checks is not None and checks.deferred(job):
             # earlier steps' checks ran while this step did: a lie there rolls back to the mark; this
             # step's checks then start (the draw, the parameters it computed with) and run on while
             # the next steps do; the hosts keep the state at the plan's start (the mark)

@@ -92,9 +92,13 @@ def commit_step_start(sj: Any) -> dict[str, str]:
     return {"opt": digest_tensors(opt_state(sj.opt))}
 
 
-def commit_step_end(sj: Any) -> dict[str, str]:
-    """The ``grads`` commitment, once the step's backward passes are done."""
-    return {"grads": digest_tensors(own_grads(sj))}
+def commit_step_end(sj: Any, ledger: Any = None) -> dict[str, str]:
+    """The ``grads`` commitment, once the step's backward passes are done; a copy of them kept in
+    `ledger` (what a gradient check audited while the next step runs is shown: runtime/audit.py)."""
+    grads = {n: g.detach().clone() for n, g in own_grads(sj).items()}
+    if ledger is not None:
+        ledger.own_grads = grads
+    return {"grads": digest_tensors(grads)}
 
 
 def snapshot(sj: Any, step: int) -> None:
@@ -103,7 +107,9 @@ def snapshot(sj: Any, step: int) -> None:
     with torch.no_grad():
         kept = {PREV + "param/" + n: t.detach().clone() for n, t in stage_values(sj).items()}
         kept.update({PREV + "opt/" + n: t.detach().clone() for n, t in opt_state(sj.opt).items()})
-        kept.update({PREV + "grad/" + n: t.detach().clone() for n, t in own_grads(sj).items()})
+        led = getattr(sj, "ledger", None)
+        grads = led.own_grads if led is not None and led.own_grads else own_grads(sj)  # the committed copy
+        kept.update({PREV + "grad/" + n: t.detach().clone() for n, t in grads.items()})
     sj.inner_snap = (step, kept)
 
 
