@@ -17,8 +17,10 @@ and target it sends), `prefetch` (once the stages run), then after the stages re
   own parameters at commit, which cannot be rolled back).
 
 Under `--sync diloco|sparseloco` the workers step their own inner optimizer: the checked stages'
-parameters are fetched from the workers (bound by their commitments) and the steps are checked
-before their commit, with the transition check of the inner step before (train/inner_checks.py).
+parameters are fetched from the workers (bound by their commitments) before the step's commit, the
+audits and recomputes run on within the round and are all judged before the round's closing commit
+(`round_step`); the transition check of the inner step before runs at each step
+(train/inner_checks.py). A lie found fails the step: recovery redoes the round on a new plan.
 
 A caught worker is out of the job (`caught` event, `run.gone`) and the step fails with `bad_tensor`
 blaming it, so recovery bans it, drops the step's contributions and replays the step on a new plan;
@@ -337,11 +339,7 @@ class StepChecks:
         """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
         stands (the path without offload: the workers apply their own updates, nothing to roll back)."""
         prep = await self._prepare(job, run, step, reports)
-        verdict = await self._finish(job, prep)
-        if job.sync.rounds:  # the inner step before this one (train/inner_checks.py)
-            for peer, why in (await self.inner_checks().check(job, run, step, reports)).items():
-                verdict.caught.setdefault(peer, why)
-        await self.judge(job, run, step, verdict, failed)
+        await self.judge(job, run, step, await self._finish(job, prep), failed)
 
     def inner_checks(self) -> Any:
         """The transition checks of a round mode's inner steps (made at first use)."""
