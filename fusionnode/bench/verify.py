@@ -79,7 +79,9 @@ KIND_CONFIGS: dict[str, dict[str, Any]] = {
     "other": {"kind": "other"},
     "fraction": {"kind": "scale", "factor": 1.01},  # + "fraction": --fraction
     "gradient": {"kind": "random_pseudo_gradient"},  # a random parameter gradient of the right norm
+    "update": {"kind": "update", "factor": 1.01},  # --sync diloco|sparseloco: a 1% longer inner step
 }
+ROUND_KINDS = ("scale", "noise", "stale", "other", "fraction", "update")  # the default under --sync rounds
 CATCH_WITHIN = 20  # steps: the target
 SECTIONS = ("sim", "overhead", "lies", "seeded", "clean", "contrib")
 FRESH = {"debug_forget_bans": True}  # the driver forgets the bans of earlier jobs (daemons run --debug)
@@ -95,8 +97,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--kinds",
-        default=",".join(KIND_CONFIGS),
-        help="comma-separated kinds of lie to run (default %(default)s)",
+        default=None,
+        help="comma-separated kinds of lie to run (default: all but update under --sync step, "
+        f"{','.join(ROUND_KINDS)} under a round mode)",
+    )
+    p.add_argument(
+        "--sync",
+        choices=["step", "diloco", "sparseloco"],
+        default="step",
+        help="the jobs' --sync (lies, seeded, clean, overhead sections): a round mode checks the "
+        "workers' inner steps (verify/inner.py); its jobs run one replica (default %(default)s)",
+    )
+    p.add_argument(
+        "--inner-steps", type=int, default=5, help="H of a round mode's jobs (default %(default)s)"
     )
     p.add_argument("--runs", type=int, default=2, help="real runs per kind of lie (default %(default)s)")
     p.add_argument(
@@ -180,9 +193,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = p.parse_args(argv)
     check_link_args(p, args)
+    rounds = args.sync != "step"
+    if args.kinds is None:
+        args.kinds = ",".join(ROUND_KINDS if rounds else [k for k in KIND_CONFIGS if k != "update"])
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KIND_CONFIGS for k in kinds):
         p.error(f"--kinds: choose among {', '.join(KIND_CONFIGS)}")
+    if "update" in kinds and not rounds:
+        p.error("--kinds update lies in a round mode's inner steps: use it with --sync diloco|sparseloco")
+    if args.inner_steps < 1:
+        p.error("--inner-steps must be at least 1")
+    from fusionnode.sync import SyncConfig
+
+    args.sync_cfg = SyncConfig(args.sync, inner_steps=args.inner_steps).to_dict() if rounds else None
     args.kinds = kinds
     sections = [x for x in args.sections.split(",") if x]
     if not sections or any(x not in SECTIONS for x in sections):
@@ -253,8 +276,12 @@ async def _train(swarm: Any, params: dict[str, Any], on_event: Any = None) -> tu
     raise RuntimeError("the driver closed the job without a result")
 
 
-def _params(spec: Any, policy: str, rate: float | None, grad_rate: float | None = None) -> dict[str, Any]:
+def _params(
+    spec: Any, policy: str, rate: float | None, grad_rate: float | None = None, sync: Any = None
+) -> dict[str, Any]:
+    """A bench job's train params; `sync` (`args.sync_cfg`): --sync's SyncConfig map, None for step."""
     return {
+        **({"sync": sync} if sync else {}),
         "verify_grad_rate": grad_rate,
         "spec": spec.to_dict(),
         "stages": 2,
@@ -314,7 +341,11 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                         swarm,
                         {
                             **_params(
-                                spec, "sample" if mode == "checked" else "off", args.rate, args.grad_rate
+                                spec,
+                                "sample" if mode == "checked" else "off",
+                                args.rate,
+                                args.grad_rate,
+                                args.sync_cfg,
                             ),
                             **FRESH,
                             **link_params(args, swarm),
@@ -336,7 +367,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                     args, f"verify-honest-{kind}-{r}", args.steps, workdir / f"honest-{kind}-{r}.jsonl", seed
                 )
                 hparams = {
-                    **_params(hspec, "off", None),
+                    **_params(hspec, "off", None, None, args.sync_cfg),
                     "peers": [x["peer"] for x in plan],
                     **FRESH,
                     **link_params(args, swarm),
@@ -382,6 +413,7 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
     """100 seeded runs per kind with the real selector and the real liar's random choices."""
     import torch
 
+    from fusionnode.train.inner_checks import transition_rate
     from fusionnode.verify.liar import Liar
     from fusionnode.verify.selector import CheckSelector, catch_probability
 
@@ -400,6 +432,13 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
                         found = step
                         break
                     continue
+                if cfg["kind"] == "update":  # every inner step; a transition check at the next step,
+                    # drawn at the gradient-check rate, except a round's last step (verify/inner.py)
+                    closes = (step + 1) % args.inner_steps == 0
+                    if not closes and sel.draw(step, stage, -2) < transition_rate(args.grad_rate):
+                        found = step + 1
+                        break
+                    continue
                 for mb in range(m):
                     x = {"h": torch.full((1,), float(step * m + mb + 1))}
                     lied = liar.tamper("act", stage, step, mb, False, x)["h"] is not x["h"]
@@ -416,6 +455,8 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
         lied_per_step = m * cfg.get("fraction", 1.0)
         if kind == "gradient":  # one gradient check draw per stage and step
             lied_total = CATCH_WITHIN
+        elif kind == "update":  # one transition draw per inner step not closing a round, checked next step
+            lied_total = sum(1 for t in range(CATCH_WITHIN - 1) if (t + 1) % args.inner_steps)
         elif kind == "stale":  # nothing to replay on the first step
             lied_total = lied_per_step * (CATCH_WITHIN - 1)
         elif kind == "other":  # micro-batch 0 has no earlier one to copy
@@ -432,7 +473,13 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_steps_until_caught": max(done) if done else None,
                 # spot-checks alone (a lower bound), gradient checks alone for the gradient liar
                 "closed_form_p_within_20": round(
-                    catch_probability(args.grad_rate if kind == "gradient" else args.rate, lied_total), 5
+                    catch_probability(
+                        {"update": transition_rate(args.grad_rate), "gradient": args.grad_rate}.get(
+                            kind, args.rate
+                        ),
+                        lied_total,
+                    ),
+                    5,
                 ),
             }
         )
@@ -473,7 +520,11 @@ def _seeded_run(
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
 
-    params = {**_params(spec, "sample", args.rate, args.grad_rate), **FRESH, **link_params(args, swarm)}
+    params = {
+        **_params(spec, "sample", args.rate, args.grad_rate, args.sync_cfg),
+        **FRESH,
+        **link_params(args, swarm),
+    }
     if args.liar_stage == "first":  # a liar's peer holds stage 0: it lies on the activations it sends
         ids = [swarm.ready[i]["peer_id"] for i in others]
         params["peers"] = [ids[0], driver, *ids[1:]]
@@ -556,7 +607,10 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
 def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     spec = _spec(args, "verify-clean", args.clean_steps)
     t0 = time.monotonic()
-    params = {**_params(spec, args.clean_policy, args.rate, args.grad_rate), **link_params(args, swarm)}
+    params = {
+        **_params(spec, args.clean_policy, args.rate, args.grad_rate, args.sync_cfg),
+        **link_params(args, swarm),
+    }
     result, events = asyncio.run(_train(swarm, params))
     v = result.get("verify", {})
     return {
@@ -571,6 +625,8 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "failures": len(_events(events, "failure")),
         "steps_checked": v.get("steps"),
         "links": link_summary(_steps(events)),
+        "transitions_checked": v.get("transitions"),  # round modes: inner steps recomputed (verify/inner.py)
+        "transitions_caught": v.get("transitions_caught"),
         "check_seconds_total": round(v.get("seconds", 0.0), 1),
         "wall_s": round(time.monotonic() - t0, 1),
     }

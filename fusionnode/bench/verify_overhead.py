@@ -111,7 +111,12 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         pin_swarm(swarm, before)  # the check process, spawned below, inherits CPU 0: moved after
     # a short checked job first: the driver's daemon spawns its check process at its first checked job
     asyncio.run(
-        _train(swarm, _params(_spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate))
+        _train(
+            swarm,
+            _params(
+                _spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate, args.sync_cfg
+            ),
+        )
     )
     check_pid = pin_swarm(swarm, before) if pin else None
     if pin and check_pid is None:
@@ -122,7 +127,12 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             c0 = _swarm_cpu_s(swarm)
             result, events = asyncio.run(
-                _train(swarm, _params(spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate))
+                _train(
+                    swarm,
+                    _params(
+                        spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate, args.sync_cfg
+                    ),
+                )
             )
             steps = _steps(events)
             cpu[mode].append((_swarm_cpu_s(swarm) - c0) / len(steps))

@@ -32,12 +32,21 @@ class StageAudit:
         from fusionnode.verify.ledger import Ledger
 
         digest = None  # with offload the driver checks against the optimizer hosts' values
-        if not sj.offload:  # else only this worker holds them: it commits to them
+        # else (and in a round mode, whose inner steps run here) only this worker holds them: it
+        # commits to them
+        if not sj.offload or sj.sync.rounds:
             named = sj.module.named_stage_parameters()
             digest = await asyncio.get_running_loop().run_in_executor(
                 self.executor, lambda: digest_tensors({n: named[n] for n in sj.param_specs})
             )
-        return Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
+        ledger = Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
+        if sj.rounds is not None and sj.opt is not None:  # the inner optimizer's state (verify/inner.py)
+            from fusionnode.verify.inner import commit_step_start
+
+            ledger.extra.update(
+                await asyncio.get_running_loop().run_in_executor(self.executor, commit_step_start, sj)
+            )
+        return ledger
 
     async def rpc_audit(self, req: jp.AuditRequest, sender: str) -> jp.AuditReply:
         """Sends the driver the kept messages of the checked micro-batches of the last verified step,

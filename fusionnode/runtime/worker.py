@@ -50,6 +50,7 @@ from fusionnode.runtime.stagejob import StageJob, make_optimizer, mb_rows
 from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
 from fusionnode.sync import state_copies
+from fusionnode.verify import inner
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -324,6 +325,8 @@ class WorkerService(StageAudit, HostLink):
             return jp.CountReply(count=await optstate.send(self, sj))
         if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
             tensors = sj.rounds.feedback_state() if sj.rounds is not None else {}
+        elif what == "inner":  # a transition check of its last inner step (verify/inner.py)
+            tensors = inner.inner_fetch(sj)
         else:
             zero = torch.zeros_like
             tensors = {
@@ -333,7 +336,7 @@ class WorkerService(StageAudit, HostLink):
         names = sorted(tensors)
         for idx, name in enumerate(names):
             t = tensors[name]
-            meta = {"job": sj.job, "stage": sj.stage, "step": -1, "mb": idx}
+            meta = {"job": sj.job, "stage": sj.stage, "step": req.tag, "mb": idx}
             await self.t.send(sj.driver, tensor_message(jp.FETCH_KIND[what], meta, {name: t}))
         return jp.CountReply(count=len(names))
 
@@ -416,13 +419,15 @@ class WorkerService(StageAudit, HostLink):
         lr, clip = req.lr, req.clip_coef
 
         def apply() -> None:
+            if sj.rounds is not None and sj.ledger is not None and sj.ledger.step == step:
+                inner.snapshot(sj, step)  # shown to a transition check at the next step (verify/inner.py)
             with torch.no_grad():
                 for name, p in sj.params.items():
                     if name in summed:
                         p.grad = summed[name].to(device=p.device, dtype=p.dtype).clone()
                     if p.grad is not None and clip != 1.0:
                         p.grad.mul_(clip)
-                sj.opt.step(lr)
+                inner.step(sj, lr, self._liar())
                 sj.opt.zero_grad()
 
         async with sj.busy:
@@ -598,6 +603,8 @@ class WorkerService(StageAudit, HostLink):
                     TensorKind.SHARED_GRAD, {"job": sj.job, "step": step, "mb": -1, "stage": sj.stage}, g
                 ),
             )
+        if ledger is not None and sj.rounds is not None:  # the gradients its inner step is to apply
+            ledger.extra.update(inner.commit_step_end(sj, ledger))
         own = [n for n, p in sj.params.items() if n not in sj.shared_names and p.grad is not None]
         sq = sum(
             FlatOptimizer.grad_sq_norm({n: sj.params[n].grad.detach() for n in own if ring_share.get(n) == w})

@@ -16,6 +16,12 @@ and target it sends), `prefetch` (once the stages run), then after the stages re
 - without offload: `check` before the optimizer, on the critical path (the workers update their
   own parameters at commit, which cannot be rolled back).
 
+Under `--sync diloco|sparseloco` the workers step their own inner optimizer: the checked stages'
+parameters are fetched from the workers (bound by their commitments) before the step's commit, the
+audits and recomputes run on within the round and are all judged before the round's closing commit
+(`round_step`); the transition check of the inner step before runs at each step
+(train/inner_checks.py). A lie found fails the step: recovery redoes the round on a new plan.
+
 A caught worker is out of the job (`caught` event, `run.gone`) and the step fails with `bad_tensor`
 blaming it, so recovery bans it, drops the step's contributions and replays the step on a new plan;
 a dispute nobody can be blamed for replays the step with the same peers.
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError, FusionNodeError
+from fusionnode.sync import SyncConfig
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
 
@@ -43,7 +50,6 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     """(the policy in force, why checks are off despite it, or None); ConfigError on bad options."""
     from fusionnode.config import loopback_only
     from fusionnode.security.keys import SWARM_KEY_ENV
-    from fusionnode.sync import SyncConfig
     from fusionnode.verify.policy import resolve_policy
 
     # a private swarm (swarm key), or a local one (this peer listens on loopback only, so every peer
@@ -59,20 +65,10 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    sync = SyncConfig.from_dict(params.get("sync")).mode
-    if policy.on and sync != "step":
-        # the recompute takes the hosts' parameters, while a round mode's workers step their own
-        # (inner) optimizer between rounds: the two differ, so the checks cannot judge that work yet
-        if params.get("verify_policy") in ("sample", "all"):
-            raise ConfigError(
-                f"--verify-policy {params['verify_policy']} cannot check --sync {sync} yet (its workers "
-                "train on their own parameters between rounds): use --sync step with checks"
-            )
-        reason = f"spot-checks are off for this job: --sync {sync} is not checked yet (use --sync step)"
-        return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
     feedback = bool((params.get("link_options") or {}).get("error_feedback"))
     if not policy.on or spec.compress == "none" or not feedback:
-        # lossy links are checked as their codec makes of the recompute (verify/lossy.py)
+        # lossy links are checked as their codec makes of the recompute (verify/lossy.py); a round
+        # mode's workers commit to their inner parameters, which the recompute takes (verify/inner.py)
         return policy, None
     # error feedback sends what earlier messages dropped: no recompute can reproduce a message
     if params.get("verify_policy") in ("sample", "all"):
@@ -236,6 +232,9 @@ def _as_map(a: StageAssignment) -> dict[str, Any]:
         # the link codec the driver set: what the checks expect the stage to send (verify/lossy.py)
         "compress": str((a.spec or {}).get("compress") or "none"),
         "link_options": dict(a.link_options or {}),
+        # --sync diloco|sparseloco: the worker steps its own inner optimizer, so the parameters it
+        # computed with are its own (bound by its commitment), not the hosts'
+        "rounds": bool(SyncConfig.from_dict(a.sync).rounds),
     }
 
 
@@ -251,6 +250,7 @@ class StepChecks:
         self.auditing: tuple[int, asyncio.Future] | None = None  # (step, its audits running)
         self.lagging: list[tuple[int, Any]] = []  # (step, Verdict) audited, recomputes maybe running
         self.wait_s = 0.0  # time steps waited for a background check to end (on the critical path)
+        self.inner: Any = None  # --sync diloco|sparseloco: train/inner_checks.Transitions
 
     def before_step(self) -> None:
         self.v.start_step()
@@ -266,6 +266,18 @@ class StepChecks:
         worker's own (bound by its commitment only)."""
         by_id = {a.stage: a for a in run.stage_args}
         wanted = [by_id[s["stage"]] for s in stages]
+        if job.sync.rounds:  # each replica's own inner parameters, per stage (verify/inner.py)
+            from fusionnode.train.inner_checks import fetch_stage
+            from fusionnode.verify.inner import scoped
+
+            out = dict(job.frozen)
+            jid = job.spec.job_id
+            parts = await asyncio.gather(
+                *(fetch_stage(self.v.t, jid, a, "params", self.timeout_s) for a in wanted)
+            )
+            for a, got in zip(wanted, parts, strict=True):
+                out.update({scoped(a.stage, n): t for n, t in got.items()})
+            return out
         if job.offload:
             return await self.placement.current_params(job, wanted, run.host_of)
         out: dict[str, torch.Tensor] = dict(job.frozen)
@@ -323,7 +335,8 @@ class StepChecks:
         return prep
 
     def _finish(self, job: Any, prep: Any, lag: bool = False) -> Any:
-        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if job.offload else None, lag=lag)
+        pushed = job.offload and not job.sync.rounds  # round modes push no gradients to the hosts
+        return self.v.finish(prep, (lambda st: self._pushed(job, st)) if pushed else None, lag=lag)
 
     async def check(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
         """Checks the step now; raises `failed` (StepFailed) when a worker is caught or a dispute
@@ -331,10 +344,40 @@ class StepChecks:
         prep = await self._prepare(job, run, step, reports)
         await self.judge(job, run, step, await self._finish(job, prep), failed)
 
+    def inner_checks(self) -> Any:
+        """The transition checks of a round mode's inner steps (made at first use)."""
+        if self.inner is None:
+            from fusionnode.train.inner_checks import Transitions
+
+            self.inner = Transitions(self.v, self.timeout_s)
+        return self.inner
+
     def deferred(self, job: Any) -> bool:
         """Whether this job's steps are checked while the next step runs (off the critical path): with
-        offload, where the optimizer hosts keep the state before the last step and can roll it back."""
-        return bool(job.offload) and not job.sync.rounds
+        offload, where the optimizer hosts keep the state before the last step and can roll it back;
+        under a round mode, within a round (nothing leaves a worker before the round's close)."""
+        return bool(job.offload)
+
+    async def round_step(self, job: Any, run: Any, step: int, reports: list[Any], failed: type) -> None:
+        """Under --sync diloco|sparseloco, before step `step`'s commit: the earlier steps' checks that
+        ended (a lie found fails the step: recovery redoes the round from the hosts' parameters), the
+        transition check of the step before (train/inner_checks.py), then this step's checks start
+        and run on while the next steps do; a step closing a round waits for all of them (nothing
+        unjudged leaves a worker)."""
+        from fusionnode.verify.verifier import Verdict
+
+        settled = await self.settle()
+        if settled is not None:
+            await self.judge(job, run, settled[0], settled[1], failed)
+        caught = await self.inner_checks().check(job, run, step, reports)
+        if caught:
+            self.cancel()
+            await self.judge(job, run, step, Verdict(caught=caught), failed)
+        await self.launch(job, run, step, reports)
+        if job.sync.round_closes(step, job.spec.steps):
+            settled = await self.settle(everything=True)
+            if settled is not None:
+                await self.judge(job, run, settled[0], settled[1], failed)
 
     async def launch(self, job: Any, run: Any, step: int, reports: list[Any]) -> None:
         """Before the step's update: the draw and the checked stages' parameters; the audits then run

@@ -597,6 +597,9 @@ class Recovery:
         a lie, else None."""
         if run.checks is None:
             return None
+        if job.sync.rounds:  # mid-round (a commit failed): the round is redone anyway, not rolled back
+            run.checks.cancel()
+            return None
         settled = await run.checks.settle(everything=True)
         if settled is None:
             return None

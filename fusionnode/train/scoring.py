@@ -19,7 +19,12 @@ stages' commits (whose round pulls wait for the close):
 
 Anything that fails in 1-2 (any exception, a malformed reply included), or scoring that takes
 longer than SCORE_BUDGET x the step timeout, sends the verdict "all kept" (the floor alone weighs
-the round) rather than leaving the round held. A `scored` event records each round: scores, verdict, weights.
+the round) rather than leaving the round held, but for a replica a round-end check caught.
+
+With spot-checks on, step 2 also checks each replica's pseudo-gradient against the hosts' θ minus
+its stages' last inner step recomputed (`Transitions.round_end`, train/inner_checks.py; diloco): a
+replica whose worker fails it gets weight 0 and the worker is banned after the round
+(`Stepper.caught_at_round_end`). A `scored` event records each round: scores, verdict, weights.
 """
 
 from __future__ import annotations
@@ -102,6 +107,7 @@ class RoundScorer:
         self.dropped: dict[int, int] = {}  # replica -> rounds it was dropped from
         self.failed = 0  # rounds closed on the floor alone because scoring failed
         self.seconds = 0.0  # judging, summed over the rounds
+        self.caught: dict[str, str] = {}  # peer -> why: a round-end check failed (train/inner_checks.py)
 
     def launch(
         self, job: Any, run: Any, round_id: int, scale: list[float] | None = None
@@ -134,7 +140,8 @@ class RoundScorer:
             )
             record["error"] = f"{type(exc).__name__}: {exc}"[:300]
             self.failed += 1
-            weights = [1.0] * replicas
+            dropped = {a.replica for a in run.stage_args if a.peer in self.caught}  # a round-end check's
+            weights = [0.0 if r in dropped else 1.0 for r in range(replicas)]
         if scale is not None:
             weights = [w * x for w, x in zip(weights, scale, strict=True)]
         req = jp.OptRoundVerdict(job=job.spec.job_id, round=round_id, weights=weights)
@@ -184,16 +191,21 @@ class RoundScorer:
             base += loss0
             for r in range(n):  # one replica at a time: the driver holds θ and one Δ
                 delta = await self._fetch(job, run, round_id, r)
+                if batches == 0 and run.checks is not None:  # its stages' last inner steps (verify/inner.py)
+                    self.caught.update(await run.checks.inner_checks().round_end(job, run, r, theta, delta))
                 scores[r] += loss0 - await asyncio.to_thread(self._loss, theta, delta, step, x, y)
             batches += 1
             if all(a >= self.policy.min_agree for a in agree) or conclusive(scores, self.policy.keep_ratio):
                 break
         base /= batches
+        caught_replicas = {a.replica for a in run.stage_args if a.peer in self.caught}
+        ruled = verdict(scores, self.policy.keep_ratio, agree, self.policy.min_agree)
         return {
             "base_loss": round(base, 6),
             "scores": [round(s, 6) if math.isfinite(s) else None for s in scores],
             "agree": [round(a, 4) for a in agree],
-            "verdict": verdict(scores, self.policy.keep_ratio, agree, self.policy.min_agree),
+            # a replica whose worker failed a round-end check: nothing of its round applied
+            "verdict": [0.0 if r in caught_replicas else w for r, w in enumerate(ruled)],
             "batches": batches,
             "norms": [[round(n, 6) for n in h.norms] for h in held],  # per host
             "scales": [[round(s, 6) for s in h.scales] for h in held],

@@ -165,7 +165,11 @@ class Stepper:
         phases["stages_s"] = time.perf_counter() - t_phase
         t_phase = time.perf_counter()
         keep = mark = False
-        if checks is not None and checks.deferred(job):
+        if checks is not None and job.sync.rounds:  # checked within the round (train/checks.py)
+            await checks.round_step(job, run, step, reports, StepFailed)
+            phases["verify_s"] = time.perf_counter() - t_phase
+            t_phase = time.perf_counter()
+        elif checks is not None and checks.deferred(job):
             # earlier steps' checks ran while this step did: a lie there rolls back to the mark; this
             # step's checks then start (the draw, the parameters it computed with) and run on while
             # the next steps do; the hosts keep the state at the plan's start (the mark)
@@ -287,6 +291,11 @@ class Stepper:
                 if not scoring.done() and (late is not None or sys.exc_info()[1] is not None):
                     scoring.cancel()  # the round is redone on the new plan (its contributions dropped)
                 await asyncio.gather(scoring, return_exceptions=True)
+                if run.scorer.caught:  # its replica's round was dropped: ban it, go on without it
+                    caught = await self.caught_at_round_end(job, run, step)
+                    if late is not None:
+                        caught.errors.update(late.errors)
+                    late = caught
         phases["commit_s"] = time.perf_counter() - t_phase
         job.phases = {k: round(v, 4) for k, v in phases.items()}
         return reports, grad_norm, late
@@ -314,6 +323,18 @@ class Stepper:
                 if not isinstance(res, FusionNodeError | OSError | TimeoutError):
                     raise res
                 fail.unapplied.add(a.peer)
+
+    async def caught_at_round_end(self, job: Job, run: Run, step: int) -> StepFailed:
+        """The workers a round-end check caught (their replicas got no weight in the round): out of
+        the job, and the failure recovery bans them for (the round is applied: the job goes on)."""
+        caught, run.scorer.caught = dict(run.scorer.caught), {}
+        for peer, why in sorted(caught.items()):
+            run.gone.add(peer)
+            await run.event(job, "caught", peer=peer, step=step, reason=why)
+        blame = {
+            p: [Failure(ErrorCode.BAD_TENSOR, f"verification: {why}", blame=p)] for p, why in caught.items()
+        }
+        return StepFailed(step, blame, [])
 
     async def gather_or_fail(
         self, job: Job, run: Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]
@@ -391,6 +412,8 @@ class Stepper:
                     meta = {"job": spec.job_id, "step": step, "mb": -1, "stage": a.stage}
                     await self.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
                 out[a.stage] = {"lr": lr, "clip_coef": clip}
+                if run.checks is not None:  # for the transition check of this inner step
+                    run.checks.inner_checks().record_args(step, a.stage, lr, clip, part)
                 if round_id is not None:
                     out[a.stage]["round"] = {
                         "id": round_id,

@@ -119,6 +119,8 @@ def examine_audit(job: AuditJob) -> str | tuple[dict[int, dict[str, dict[str, to
         if set(grads_enc) != trained:
             return f"stage {a['stage']} did not show its parameter gradients"
         shown = decode_shown(grads_enc, a["param_specs"], a["peer"])
+        if "grads" in commit and digest_tensors(shown) != commit["grads"]:  # a round mode (verify/inner.py)
+            return f"stage {a['stage']} showed gradients other than it committed to at step {job.step}"
         contributor = (a.get("offload") or {}).get("contributor")
         if job.pushed is not None and contributor is not None:
             mine_pushed = job.pushed.get(contributor, {})

@@ -52,6 +52,8 @@ class Ledger:
         # offload off, several pipelines: the stage's own gradients before the ring all-reduce averaged
         # them with the other replicas' (runtime/allreduce.py); what `job.audit` shows with grads
         self.own_grads: dict[str, Any] | None = None
+        # --sync diloco|sparseloco: the inner step's commitments, "opt" and "grads" (verify/inner.py)
+        self.extra: dict[str, str] = {}
 
     def record(self, mb: int, part: str, msg: TensorMessage, digest: str | None = None) -> str:
         """Keeps `msg` as micro-batch `mb`'s `part`; returns its digest."""
@@ -69,7 +71,10 @@ class Ledger:
         for (mb, part), d in self.digests.items():
             if 0 <= mb < self.micro_batches:
                 mbs[mb][part] = d
-        return {"params": self.params_digest, "mbs": mbs, "device": self.device, "autocast": self.autocast}
+        return {
+            "params": self.params_digest, "mbs": mbs, "device": self.device, "autocast": self.autocast,
+            **self.extra,
+        }  # fmt: skip
 
     def parts(self, mb: int) -> list[str]:
         return [p for p in PARTS if (mb, p) in self.messages]

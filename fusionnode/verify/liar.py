@@ -13,6 +13,10 @@ gradients of its inputs on the last one; ``on`` = "act" | "grad" | "both" choose
   pseudo-gradients (``--sync diloco|sparseloco``), by random ones of ``norm`` times the same norm
   (a data-parallel contribution: spot-checked under step, scored under the rounds: verify/contrib.py).
 
+- ``update``: under ``--sync diloco|sparseloco``, scale the inner optimizer's update of its stage's
+  parameters by ``factor`` (on ``fraction`` of its inner steps): what it sends is honest for the
+  parameters it holds, only the step between them is wrong (the transition check: verify/inner.py).
+
 ``fraction`` (0..1] of the micro-batches are lied on, drawn with the liar's own ``seed``; the liar
 commits to what it actually sends (a smarter liar than one whose digests disagree with its
 neighbours'), so only the recompute can catch it.
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 DEBUG_LIE_FILE = "debug_lie"  # in the state dir
-KINDS = ("scale", "noise", "stale", "other", "random_pseudo_gradient")
+KINDS = ("scale", "noise", "stale", "other", "random_pseudo_gradient", "update")
 
 
 @dataclass
@@ -74,7 +78,7 @@ class Liar:
         return cls.from_dict(json.loads(text)) if text else None
 
     def lies_on(self, kind: str, is_last: bool) -> bool:
-        if self.kind == "random_pseudo_gradient":
+        if self.kind in ("random_pseudo_gradient", "update"):
             return False
         if self.on == "auto":
             return kind == ("grad" if is_last else "act")
@@ -111,6 +115,16 @@ class Liar:
         if any(out[n] is not tensors[n] for n in tensors):
             self.lied += 1
         return out
+
+    def scale_update(self, params: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
+        """For ``update``: the inner step just applied to `params` (from `before`), scaled by
+        `factor` in place, on `fraction` of the steps."""
+        if self._rng.random() >= self.fraction:
+            return
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(before[name] + self.factor * (p.detach() - before[name]))
+        self.lied += 1
 
     def pseudo_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """For ``random_pseudo_gradient``: a random tensor of `norm` times the norm of `grad`."""

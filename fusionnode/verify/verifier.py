@@ -37,6 +37,7 @@ from fusionnode.errors import FusionNodeError
 from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
+from fusionnode.verify.inner import stage_params
 from fusionnode.verify.ledger import AUDIT_KIND
 from fusionnode.verify.lossy import compare_sent_all
 from fusionnode.verify.policy import VerifyPolicy
@@ -511,8 +512,8 @@ class Verifier:
         """'' when every checked micro-batch of stage `a` matches, else why not; with `defer`, once
         the audit passed, a future of that (the recompute, left running)."""
         rel_tol = self.tolerance(a["peer"], commit)
-        mine = {n: params[n] for n in a["param_specs"]}
-        if not a.get("offload") and digest_tensors(mine) != commit["params"]:
+        mine = stage_params(params, a)
+        if (not a.get("offload") or a.get("rounds")) and digest_tensors(mine) != commit["params"]:
             return f"stage {a['stage']} showed parameters other than it committed to"
         t1 = time.perf_counter()
         res = await self.t.call(

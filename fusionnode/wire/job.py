@@ -87,6 +87,7 @@ class TensorKind:
     SHARED_SUM: Final = "shared_sum"  # driver -> worker: their sum
     FETCH_PARAMS: Final = "fetch_params"  # worker -> driver: parameters (`job.fetch` what="params")
     FETCH_GRADS: Final = "fetch_grads"  # worker -> driver: gradients (`job.fetch` what="grads")
+    FETCH_INNER: Final = "fetch_inner"  # worker -> driver: a transition check's tensors (what="inner")
     OPT_PARAMS: Final = "opt_params"  # driver -> optimizer host: a shard's initial parameters
     PUSH: Final = "push"  # worker -> optimizer host: a parameter's gradient of a step
     PULLED: Final = "pulled"  # optimizer host -> caller of `opt.pull`: parameters, mb = first + index
@@ -108,6 +109,7 @@ FETCH_KIND: Final = {
     "grads": TensorKind.FETCH_GRADS,
     "feedback": TensorKind.FEEDBACK,
     "optim": TensorKind.OPT_STATE,  # offload off: the stage's optimizer state (runtime/optstate.py)
+    "inner": TensorKind.FETCH_INNER,
 }
 
 
@@ -220,10 +222,15 @@ class FetchRequest(JobMessage):
     job: str
     stage: int
     what: str = "params"
+    # the `step` of the data messages that answer it: -1, or a number the driver uses once, so a copy
+    # re-sent for a retried call can never be read as a later fetch's answer (the checks' fetches)
+    tag: int = -1
 
     def __post_init__(self) -> None:
         if self.what not in FETCH_KIND:
             raise _bad(f"what must be one of {sorted(FETCH_KIND)}, got {self.what!r:.40}")
+        if not -1 <= self.tag < 1 << 62:
+            raise _bad(f"tag must be -1 or a non-negative integer below 2^62, got {self.tag!r:.40}")
 
 
 @message

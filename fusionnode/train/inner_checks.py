@@ -1,0 +1,295 @@
+"""The driver's transition checks of a `--sync diloco|sparseloco` job's inner steps (issue 20;
+the commitments and the recompute are verify/inner.py's).
+
+At step t+1 of a round (its reports in: they commit the parameters and inner optimizer state that
+step t's commit produced), each stage's step t is drawn for a transition check with the driver's
+secret (`CheckSelector.draw(t, stage, -2)` < `transition_rate`: twice the gradient-check rate), unknown to the worker until
+then. A drawn stage's worker shows (`job.fetch` what="inner") its snapshot of step t and its state
+now; each part must match its commitment, and the recomputed inner step must match what it holds.
+A mismatch, or no answer, catches the worker: the step fails blaming it, recovery bans it and the
+round is redone from the hosts' parameters on a new plan (nothing of that round had left a worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from typing import Any
+
+import torch
+
+from fusionnode.errors import FusionNodeError
+from fusionnode.verify import inner
+from fusionnode.verify.commitment import digest_tensors
+from fusionnode.wire import job as jp
+from fusionnode.wire.checked import decode_checked
+from fusionnode.wire.job import Rpc
+
+TRANSITION_MB = -2  # the selector's "micro-batch" of a transition check (-1: the gradient check)
+ROUND_END_MB = -3  # the selector's "micro-batch" of a round's last inner step and pseudo-gradient
+# a pseudo-gradient against θ_start − θ_end recomputed, relative to its norm, per --sync-codec: raw
+# float32 differs only by the rounding of the workers' and hosts' θ_start (measured: 0 in the tests),
+# fp16 by its 2^-11 relative step, q8 by 1/254 of each block's scale per element
+DELTA_REL_TOL = {"raw": 1e-3, "fp16": 2e-3, "q8": 2e-2}
+
+
+_TAGS = itertools.count(secrets.randbelow(1 << 40))  # job.fetch tags: each used once per driver process
+
+
+async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) -> dict[str, torch.Tensor]:
+    """Stage `a`'s tensors of `job.fetch` `what` ("params": checked against its specs), asked once
+    more after a stream reset (a check's fetch only reads what the worker holds), under a tag of its
+    own: the first call's copies, arriving late, are never taken for a later fetch's (a false catch
+    seen in a 500-step clean run before the tag)."""
+    tag = next(_TAGS)  # a retry's re-sent copies stay under this fetch's keys (SPEC.md: job.fetch)
+    req = jp.FetchRequest(job=job_id, stage=a.stage, what=what, tag=tag)
+    res = await jp.call(t, a.peer, Rpc.JOB_FETCH, req, timeout=timeout_s, idempotent=True)
+    specs = a.param_specs if what == "params" else None
+    got: dict[str, torch.Tensor] = {}
+    for idx in range(res.count):
+        msg, src = await t.mailbox.get(
+            (jp.FETCH_KIND[what], job_id, tag, idx, a.stage), timeout_s, sender=a.peer
+        )
+        got.update(decode_checked(msg, specs, None, src))
+    return got
+
+
+def transition_rate(grad_rate: float) -> float:
+    """The transition checks' rate: twice the gradient checks' (a transition check recomputes no
+    micro-batch: the stage's kept state crosses once and the driver runs one optimizer step), so
+    a worker lying in every inner step escapes 20 steps (16 checkable at H = 5) with probability
+    0.4^16 = 4e-7 at the public default (gradient checks 0.3), 0.9^16 = 19% in a private swarm
+    asked for `sample` (0.05)."""
+    return min(1.0, 2.0 * grad_rate)
+
+
+class Transitions:
+    """The transition checks of one run (`StepChecks.inner`)."""
+
+    def __init__(self, verifier: Any, timeout_s: float) -> None:
+        self.v = verifier
+        self.timeout_s = timeout_s
+        self.commits: dict[
+            int, tuple[int, int, str, dict[str, Any]]
+        ] = {}  # stage -> (step, plan, peer, commit)
+        self.args: dict[
+            int, tuple[int, float, float, dict[str, torch.Tensor]]
+        ] = {}  # stage -> (step, lr, clip, sums)
+        # the largest relative error an accepted check saw (the tolerances' margin, measured)
+        for key, zero in (
+            ("transitions", 0),
+            ("transitions_caught", 0),
+            ("transition_s", 0.0),
+            ("transition_max_rel_err", 0.0),
+            ("round_end_max_rel_err", 0.0),
+        ):
+            self.v.totals.setdefault(key, zero)  # in the job's result with the other checks' totals
+
+    def record_args(
+        self, step: int, stage: int, lr: float, clip: float, shared: dict[str, torch.Tensor]
+    ) -> None:
+        """What the driver sent with stage `stage`'s commit of `step`: lr, clip factor, tied-weight sums."""
+        self.args[stage] = (step, float(lr), float(clip), dict(shared))
+
+    def drawn(self, step: int, stage: int) -> bool:
+        return self.v.selector.draw(step, stage, TRANSITION_MB) < transition_rate(self.v.policy.grad_rate)
+
+    def checkable(self, job: Any, step: int) -> bool:
+        """Whether step `step`'s inner update shows in step+1's parameters: not at a round's close (they
+        are the round's result then), nor where --sync-overlap re-bases them on the previous round's."""
+        sync = job.sync
+        if sync.round_closes(step, job.spec.steps):
+            return False
+        return not (sync.overlap and sync.applies_delayed(step))
+
+    async def check(self, job: Any, run: Any, step: int, reports: list[Any]) -> dict[str, str]:
+        """At step `step` (its reports in): the drawn transition checks of step-1; peer -> why caught."""
+        prev, self.commits = (
+            self.commits,
+            {
+                a.stage: (step, job.plan_version, a.peer, r.verify or {})
+                for a, r in zip(run.stage_args, reports, strict=True)
+            },
+        )
+        t = step - 1
+        if t < 0 or not self.checkable(job, t):
+            return {}
+        todo = []
+        for a in run.stage_args:
+            before, args = prev.get(a.stage), self.args.get(a.stage)
+            if before is None or before[:3] != (t, job.plan_version, a.peer) or args is None or args[0] != t:
+                continue  # a new plan (new inner state), a replayed step, or no commit arguments kept
+            if self.drawn(t, a.stage):
+                todo.append((a, before[3], self.commits[a.stage][3], args))
+        if not todo:
+            return {}
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(self._one(job, t, *x) for x in todo), return_exceptions=True)
+        caught: dict[str, str] = {}
+        for (a, *_), res in zip(todo, results, strict=True):
+            if isinstance(res, BaseException):
+                if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
+                    raise res
+                res = f"stage {a.stage} did not show its inner step {t}: {res}"
+            if res:
+                caught[a.peer] = res
+        self.v.totals["transitions"] += len(todo)
+        self.v.totals["transitions_caught"] += len(caught)
+        self.v.totals["transition_s"] += time.perf_counter() - t0
+        return caught
+
+    def _margin(self, key: str, rel: float) -> None:
+        self.v.totals[key] = max(self.v.totals[key], float(rel))
+
+    async def round_end(
+        self, job: Any, run: Any, replica: int, theta: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
+    ) -> dict[str, str]:
+        """--sync diloco with the round held (scoring): replica `replica`'s pseudo-gradient `delta`,
+        as the hosts received it, against θ_start − θ_end, θ_start the hosts' `theta` and θ_end the
+        round's last inner step (the step checked last) recomputed from what each drawn stage of the replica committed
+        to at that step; peer -> why caught. Drawn by the secret after the pseudo-gradients arrived."""
+        if job.sync.mode != "diloco" or run.names_by_stage is None:
+            return {}  # sparseloco: its message goes through the replica's error feedback (not committed)
+        steps = {c[0] for c in self.commits.values()}
+        step = max(steps, default=-1)  # the step this run checked last: the round's closing one
+        if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
+            return {}
+        todo = []
+        for a in run.stage_args:
+            mine, args = self.commits.get(a.stage), self.args.get(a.stage)
+            if a.replica != replica or mine is None or mine[:3] != (step, job.plan_version, a.peer):
+                continue
+            if (
+                args is not None
+                and args[0] == step
+                and self.v.selector.draw(step, a.stage, ROUND_END_MB)
+                < (transition_rate(self.v.policy.grad_rate))
+            ):
+                todo.append((a, mine[3], args))
+        caught: dict[str, str] = {}
+        tol = DELTA_REL_TOL.get(str(job.sync.codec), DELTA_REL_TOL["q8"])
+        for a, commit, args in todo:
+            try:
+                why = await self._round_end_one(job, run, step, a, commit, args, theta, delta, tol)
+            except (TimeoutError, FusionNodeError, OSError) as exc:
+                why = f"stage {a.stage} did not show its round's last inner step {step}: {exc}"
+            self.v.totals["transitions"] += 1
+            if why:
+                caught[a.peer] = why
+                self.v.totals["transitions_caught"] += 1
+        return caught
+
+    async def _round_end_one(
+        self,
+        job: Any,
+        run: Any,
+        step: int,
+        a: Any,
+        commit: dict,
+        args: tuple,
+        theta: dict,
+        delta: dict,
+        tol: float,
+    ) -> str:
+        what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
+        if any(k not in commit for k in ("params", "opt", "grads")):
+            return f"{what}: it did not commit to its inner state"
+        got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
+        at = got.pop("at", None)
+        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != step:
+            return f"{what}: it showed no snapshot of that step"
+        parts = inner.split_fetch(got)
+        for part, digest in (
+            ("prev/param", commit["params"]),
+            ("prev/opt", commit["opt"]),
+            ("prev/grad", commit["grads"]),
+        ):
+            if digest_tensors(parts[part]) != digest:
+                return f"{what}: it showed a {part} other than it committed to"
+        names = [n for n in run.names_by_stage.get(a.stage, []) if n in theta and n in delta]
+        _step, lr, clip, shared = args
+
+        def judge() -> str:
+            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+            prev = parts["prev/param"]
+            trained = {
+                n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]
+            }
+            cfg = job_optimizer_config(a.spec, trained)
+            end, _state = inner.expected_step(
+                prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
+            )
+            want = {n: theta[n].float() - end[n].float() for n in names}
+            norm = sum(float(w.double().pow(2).sum()) for w in want.values()) ** 0.5
+            err = sum(float((delta[n].double() - want[n].double()).pow(2).sum()) for n in names) ** 0.5
+            if err > tol * norm + 1e-12:
+                return (
+                    f"{what} failed a pseudo-gradient check: its round's contribution differs from the "
+                    f"hosts' round start minus its recomputed last inner step (relative error "
+                    f"{err / max(norm, 1e-30):.3g}, tolerance {tol:g})"
+                )
+            self._margin("round_end_max_rel_err", err / max(norm, 1e-30))
+            return ""
+
+        return await asyncio.to_thread(judge)
+
+    async def _one(
+        self, job: Any, t: int, a: Any, before: dict[str, Any], after: dict[str, Any], args: tuple
+    ) -> str:
+        """'' when stage `a`'s inner step `t` is the recomputed one, else why not."""
+        what = f"stage {a.stage} (peer {a.peer[:12]}…) inner step {t}"
+        if any(k not in before for k in ("params", "opt", "grads")) or any(
+            k not in after for k in ("params", "opt")
+        ):
+            return f"{what}: it did not commit to its inner state"
+        got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
+        at = got.pop("at", None)
+        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != t:
+            return f"{what}: it showed no snapshot of that step"
+        parts = inner.split_fetch(got)
+        for part, digest in (
+            ("prev/param", before["params"]),
+            ("prev/opt", before["opt"]),
+            ("prev/grad", before["grads"]),
+            ("now/param", after["params"]),
+            ("now/opt", after["opt"]),
+        ):
+            if digest_tensors(parts[part]) != digest:
+                return f"{what}: it showed a {part} other than it committed to"
+        kind = str(before.get("device") or "cpu")
+        if kind != "cpu" and self.v.device_kinds.get(a.peer) != kind:
+            kind = "cpu"  # claiming a GPU to be compared more loosely does not work
+        tol = inner.TRANSITION_REL_TOL.get(kind, inner.TRANSITION_REL_TOL["cuda"])
+        _step, lr, clip, shared = args
+
+        def judge() -> str:
+            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+            trained = {
+                n: {"shape": list(p.shape)}
+                for n, p in parts["prev/param"].items()
+                if f"steps/{n}" in parts["prev/opt"]
+            }
+            cfg = job_optimizer_config(a.spec, trained)
+            want = inner.expected_step(
+                parts["prev/param"],
+                parts["prev/opt"],
+                parts["prev/grad"],
+                shared,
+                clip,
+                lr,
+                lambda m: FlatOptimizer(m, cfg),
+            )
+            why = inner.compare_step(parts["prev/param"], want, (parts["now/param"], parts["now/opt"]), tol)
+            if not why:
+                err, size = inner.update_error(parts["prev/param"], want[0], parts["now/param"])
+                self._margin("transition_max_rel_err", err / max(size, 1e-30))
+            return f"{what} failed a transition check: {why}" if why else ""
+
+        return await asyncio.to_thread(judge)
+
+
+__all__ = ["DELTA_REL_TOL", "ROUND_END_MB", "TRANSITION_MB", "Transitions", "fetch_stage", "transition_rate"]
