@@ -9,7 +9,8 @@ Method.
   each encoded tensor's msgpack form (descriptor and payload; frame headers not counted):
   step = every trainable tensor as raw float32, gradients up and parameters down, every step;
   diloco = the pseudo-gradient up and the outer update down in the sync codec, once per round;
-  sparseloco = the ctopk2 message up, every replica's message relayed down, once per round.
+  sparseloco = the ctopk2 message up, every other replica's message relayed down (a replica keeps
+  the message it sent: ROUNDS.md), once per round.
   Traffic between the stages of one pipeline is the same in every mode and is not counted.
 - Validation loss (`EVAL_BATCHES` fixed batches) of the shared parameters every `--eval-every`
   steps (a multiple of every H, so always at a round's end). The target loss is the lowest
@@ -71,6 +72,7 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
             topk_density=args.topk_density,
             chunk=args.topk_chunk,
             ef_decay=args.ef_decay,
+            outer_lr=args.outer_lr,
             **lap,
         ),
     }
@@ -289,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=DEFAULT_EF_DECAY,
         help="sparseloco error-feedback decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=1.0,
+        help="sparseloco outer learning rate (default %(default)s: the plain averaged step)",
     )
     p.add_argument(
         "--shares",
