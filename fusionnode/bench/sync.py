@@ -18,9 +18,10 @@ Method.
   cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
   step mode's validation loss at half and at three quarters of the run.
 - Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
-  0.9, raw codec); diloco-avg (outer lr 1, momentum 0: plain parameter averaging); sparseloco
-  (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
-  picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
+  0.9, raw codec); diloco-avg (momentum 0, outer lr `--outer-lr`, 1 = plain parameter averaging);
+  sparseloco (density 1/16 in chunks of 256, EF decay 0.95, outer lr `--outer-lr`, default 1). The
+  H and SparseLoCo defaults were picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas);
+  nothing is tuned per run. `--testbed-config fusionnode-dp` takes its outer lr (2) too.
 
 Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--shares 6,5,3,2] [--json]
 `--testbed-config fusionnode-dp` takes the testbed's configuration for slow links (bench/systems.py `DP_SYNC`,
@@ -64,7 +65,7 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
         "diloco-avg": SyncConfig(
-            "diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0, **lap
+            "diloco", inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=0.0, **lap
         ),
         "sparseloco": SyncConfig(
             "sparseloco",
@@ -101,6 +102,7 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
         "topk_density": DP_SYNC.topk_density,
         "topk_chunk": DP_SYNC.chunk,
         "ef_decay": DP_SYNC.ef_decay,
+        "outer_lr": DP_SYNC.outer_lr,
         "sync_overlap": DP_SYNC.overlap,
         "overlap_steps": DP_SYNC.overlap_steps,
         "seq_len": TESTBED_SEQ_LEN,
@@ -296,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         "--outer-lr",
         type=float,
         default=1.0,
-        help="sparseloco outer learning rate (default %(default)s: the plain averaged step)",
+        help="outer learning rate of the averaged outer steps, sparseloco and diloco-avg (default "
+        "%(default)s: the plain average)",
     )
     p.add_argument(
         "--shares",
