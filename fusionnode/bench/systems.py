@@ -68,8 +68,9 @@ DP_NAME = "fusionnode-dp"
 # that agree little (mean cosine of two replicas' pseudo-gradients 0.44 over rounds 4-19, falling
 # as training goes on), so their average is ~0.79x as long as H steps of `--sync step` and the
 # plain averaged step (outer lr 1) trains at a lower effective lr. Outer lr 2 (`fusionnode bench
-# sync --testbed-config fusionnode-dp`, 300 steps): final validation loss +2.30% vs step (outer lr
-# 1: +4.55%), the bytes per round unchanged.
+# sync --testbed-config fusionnode-dp`, 300 steps, seeds 0/1/2): final validation loss +2.30% /
+# +3.37% / +3.67% vs step (outer lr 1: +4.55% / +5.29% at seeds 0/1), 63-68x fewer bytes to the
+# same loss; the bytes per round unchanged.
 DP_SYNC = SyncConfig(
     mode="sparseloco",
     inner_steps=5,
