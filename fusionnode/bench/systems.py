@@ -70,7 +70,7 @@ DP_NAME = "fusionnode-dp"
 # plain averaged step (outer lr 1) trains at a lower effective lr. Outer lr 2 (`fusionnode bench
 # sync --testbed-config fusionnode-dp`, 300 steps, seeds 0/1/2): final validation loss +2.30% /
 # +3.37% / +3.67% vs step (outer lr 1: +4.55% / +5.29% at seeds 0/1), 63-68x fewer bytes to the
-# same loss; the bytes per round unchanged.
+# same loss; the bytes per round unchanged. Outer lr 1.5, 2.5 and 3 ended worse (notes of i19q).
 DP_SYNC = SyncConfig(
     mode="sparseloco",
     inner_steps=5,
