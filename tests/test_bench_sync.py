@@ -51,11 +51,13 @@ def test_the_testbed_configuration_in_runs_of_one_mode_each_combined(tmp_path, c
     sparse = json.loads(files[1].read_text())
     assert sparse["meta"]["shares"] == [6, 5, 3, 2] and sparse["meta"]["seq_len"] == 16
     c = sparse["modes"]["sparseloco"]["sync"]
-    assert (c["inner_steps"], c["topk_density"], c["chunk"]) == (
+    assert (c["inner_steps"], c["topk_density"], c["chunk"], c["outer_lr"]) == (
         DP_SYNC.inner_steps,
         DP_SYNC.topk_density,
         DP_SYNC.chunk,
+        DP_SYNC.outer_lr,
     )
+    assert DP_SYNC.outer_lr == 2.0
     assert c["overlap"] and c["overlap_steps"] == 1
     assert bench.main(["--combine", *map(str, files), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -9,7 +9,8 @@ Method.
   each encoded tensor's msgpack form (descriptor and payload; frame headers not counted):
   step = every trainable tensor as raw float32, gradients up and parameters down, every step;
   diloco = the pseudo-gradient up and the outer update down in the sync codec, once per round;
-  sparseloco = the ctopk2 message up, every replica's message relayed down, once per round.
+  sparseloco = the ctopk2 message up, every other replica's message relayed down (a replica keeps
+  the message it sent: ROUNDS.md), once per round.
   Traffic between the stages of one pipeline is the same in every mode and is not counted.
 - Validation loss (`EVAL_BATCHES` fixed batches) of the shared parameters every `--eval-every`
   steps (a multiple of every H, so always at a round's end). The target loss is the lowest
@@ -17,9 +18,10 @@ Method.
   cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
   step mode's validation loss at half and at three quarters of the run.
 - Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
-  0.9, raw codec); diloco-avg (outer lr 1, momentum 0: plain parameter averaging); sparseloco
-  (density 1/16 in chunks of 256, EF decay 0.95, outer lr 1). The H and SparseLoCo defaults were
-  picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas); nothing is tuned per run.
+  0.9, raw codec); diloco-avg (momentum 0, outer lr `--outer-lr`, 1 = plain parameter averaging);
+  sparseloco (density 1/16 in chunks of 256, EF decay 0.95, outer lr `--outer-lr`, default 1). The
+  H and SparseLoCo defaults were picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas);
+  nothing is tuned per run. `--testbed-config fusionnode-dp` takes its outer lr (2) too.
 
 Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--shares 6,5,3,2] [--json]
 `--testbed-config fusionnode-dp` takes the testbed's configuration for slow links (bench/systems.py `DP_SYNC`,
@@ -63,7 +65,7 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
         "diloco-avg": SyncConfig(
-            "diloco", inner_steps=args.inner_steps, outer_lr=1.0, outer_momentum=0.0, **lap
+            "diloco", inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=0.0, **lap
         ),
         "sparseloco": SyncConfig(
             "sparseloco",
@@ -71,6 +73,7 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
             topk_density=args.topk_density,
             chunk=args.topk_chunk,
             ef_decay=args.ef_decay,
+            outer_lr=args.outer_lr,
             **lap,
         ),
     }
@@ -99,6 +102,7 @@ def apply_config(args: argparse.Namespace, given: set[str]) -> None:
         "topk_density": DP_SYNC.topk_density,
         "topk_chunk": DP_SYNC.chunk,
         "ef_decay": DP_SYNC.ef_decay,
+        "outer_lr": DP_SYNC.outer_lr,
         "sync_overlap": DP_SYNC.overlap,
         "overlap_steps": DP_SYNC.overlap_steps,
         "seq_len": TESTBED_SEQ_LEN,
@@ -289,6 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=DEFAULT_EF_DECAY,
         help="sparseloco error-feedback decay (default %(default)s)",
+    )
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=1.0,
+        help="outer learning rate of the averaged outer steps, sparseloco and diloco-avg (default "
+        "%(default)s: the plain average)",
     )
     p.add_argument(
         "--shares",

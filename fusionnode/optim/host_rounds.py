@@ -189,7 +189,7 @@ class HostRounds:
     async def rpc_round_pull(self, req: jp.OptRoundPull, sender: str) -> jp.CountReply:
         """Waits (up to the step deadline) until round `round` is closed, then sends the caller the
         update of `names`: u per name (diloco), or every replica's message per name, its weight in
-        the meta (sparseloco)."""
+        the meta (sparseloco; the caller's `replica`'s own message without the names it `kept`)."""
         shard = self._shard(req.job, sender, driver_only=False)
         if sender not in set(shard.peers.values()):
             raise JobError(ErrorCode.FORBIDDEN, "only the job's workers may pull a round")
@@ -203,21 +203,34 @@ class HostRounds:
             if shard.rounds is None or shard.rounds.round > req.round + 1:
                 break
             await asyncio.sleep(READY_POLL_S)
+        kept = set(req.kept)
+        if not kept <= set(names):
+            raise JobError(ErrorCode.BAD_REQUEST, "kept must be some of the names asked")
         update = shard.round_updates.get(req.round)
         if update is None:
             raise JobError(
                 ErrorCode.DEADLINE, f"round {req.round} was not closed in time (missing contributions)"
             )
         # one message for all the names (diloco's u), or one per replica (sparseloco): a message per
-        # name and replica cost a round of several hosts more than a second on a loaded machine
+        # name and replica cost a round of several hosts more than a second on a loaded machine. The
+        # caller's own replica's message leaves out the names it `kept` (it sent them): meta `own`
         if update.mode == "diloco":
-            series = [({name: update.updates[name] for name in names}, None)]
+            series = [({name: update.updates[name] for name in names}, None, False)]
         else:
-            series = [({name: encs[name] for name in names}, w) for w, encs in update.relayed]
-        for idx, (tensors, weight) in enumerate(series):
+            series = [
+                (
+                    {name: encs[name] for name in names if r != req.replica or name not in kept},
+                    w,
+                    r == req.replica,
+                )
+                for (w, encs), r in zip(update.relayed, update.relayed_replicas, strict=True)
+            ]
+        for idx, (tensors, weight, own) in enumerate(series):
             meta = {"job": shard.job, "step": req.round, "mb": req.first + idx, "stage": req.stage}
             if weight is not None:
                 meta["weight"] = weight
+            if own:
+                meta["own"] = True
             shard.sent_bytes += await self.t.send(
                 sender, TensorMessage(TensorKind.ROUND_UPDATE, meta, tensors)
             )

@@ -12,6 +12,10 @@ that it applies to its masters and sends to every replica, which applies it to �
   pseudo-gradients, encoded in the sync codec; θ <- θ − decode(u).
 - sparseloco: the update relays every replica's encoded message and its token weight (SparseLoCo's
   all-gather); θ <- θ − outer_lr · Σ w_r ĉr / Σ w_r, computed the same way by every receiver.
+  A replica already holds its own message (it sent it): the host leaves it out of what it sends
+  that replica (`RoundUpdate.nbytes_to`, `own_message`), and the replica puts back the bytes it
+  sent, so every receiver still sums the same messages in the same order (the same bits) while
+  the download of R replicas falls from R·R messages to R·(R − 1).
 """
 
 from __future__ import annotations
@@ -80,11 +84,32 @@ class RoundUpdate:
     outer_lr: float
     updates: dict[str, EncodedTensor] = field(default_factory=dict)  # diloco
     relayed: list[tuple[float, dict[str, EncodedTensor]]] = field(default_factory=list)  # sparseloco
+    relayed_replicas: list[int] = field(default_factory=list)  # sparseloco: the replica of each relayed
 
     def nbytes(self) -> int:
         if self.mode == "diloco":
             return encoded_bytes(self.updates)
         return sum(encoded_bytes(encs) for _, encs in self.relayed)
+
+    def nbytes_to(self, replica: int) -> int:
+        """Bytes sent to `replica`: the update, less its own relayed message (it holds that one)."""
+        if replica not in self.relayed_replicas:
+            return self.nbytes()
+        own = self.relayed[self.relayed_replicas.index(replica)][1]
+        return self.nbytes() - encoded_bytes(own)
+
+
+def own_message(
+    sent: Mapping[str, EncodedTensor], received: Mapping[str, EncodedTensor], names: list[str]
+) -> dict[str, EncodedTensor]:
+    """A replica's own relayed message rebuilt from what the host sent of it (`received`: the names
+    the replica did not send) and what the replica sent (`sent`): the same bytes the host relayed to
+    every other replica. RoundError unless together they give exactly `names`."""
+    got = {n: received[n] for n in received}
+    got.update({n: sent[n] for n in names if n in sent})
+    if set(got) != set(names):
+        raise RoundError(f"the own message lacks or adds names: {sorted(set(got) ^ set(names))[:3]}")
+    return got
 
 
 def update_tensors(
@@ -286,7 +311,8 @@ class RoundCombiner:
         else:
             weights = [self.pending[r][0] for r in range(self.replicas)]
         # replica order: same bits everywhere; a replica of weight 0 is left out
-        contributions = [(w, self.pending[r][1]) for r, w in enumerate(weights) if w > 0]
+        kept_replicas = [r for r, w in enumerate(weights) if w > 0]
+        contributions = [(weights[r], self.pending[r][1]) for r in kept_replicas]
         update = RoundUpdate(self.round, self.cfg.mode, self.cfg.outer_lr)
         if self.cfg.mode == "diloco":
             kept = [w for w, _ in contributions]
@@ -300,9 +326,10 @@ class RoundCombiner:
         else:
             self.outer.rounds += 1
             update.relayed = contributions
+            update.relayed_replicas = kept_replicas
         if masters is not None:
             apply_update(masters, update, self.limits)
-        self.sent_bytes += update.nbytes() * self.replicas
+        self.sent_bytes += sum(update.nbytes_to(r) for r in range(self.replicas))
         self.last_weights = list(weights)
         self.pending = {}
         self._gram = None

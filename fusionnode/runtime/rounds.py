@@ -18,13 +18,21 @@ same in one process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from fusionnode.errors import PeerError
-from fusionnode.optim.rounds import ReplicaSync, RoundUpdate, apply_update, pseudo_gradient
+from fusionnode.optim.rounds import (
+    ReplicaSync,
+    RoundError,
+    RoundUpdate,
+    apply_update,
+    own_message,
+    pseudo_gradient,
+)
 from fusionnode.sync import SyncConfig
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked
@@ -215,7 +223,16 @@ class StageRounds:
 
         async def pull(host: str, names: list[str]) -> None:
             first = off.host_index[names[0]] << 24  # distinct mailbox keys per host
-            req = jp.OptRoundPull(job=sj.job, round=round_id, names=names, stage=sj.stage, first=first)
+            kept = [n for n in names if n in encs] if mode == "sparseloco" else []  # it sent those
+            req = jp.OptRoundPull(
+                job=sj.job,
+                round=round_id,
+                names=names,
+                stage=sj.stage,
+                first=first,
+                replica=sj.replica,
+                kept=kept,
+            )
             res = await jp.call(worker.t, host, Rpc.OPT_ROUND_PULL, req, timeout=timeout + 5, idempotent=True)
             got: list[Any] = []
             for idx in range(res.count):
@@ -234,12 +251,22 @@ class StageRounds:
             else:
                 if res.count < 1:
                     raise PeerError(f"round {round_id}: host {host[:12]} relayed no replica's message")
+                owns = sum(msg.meta.get("own") is True for msg in got)
+                if owns > 1:
+                    raise PeerError(f"round {round_id}: host {host[:12]} sent {owns} own messages")
                 for msg in got:
                     weight = msg.meta.get("weight")
                     if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not weight > 0:
                         raise PeerError(
                             f"round {round_id}: host {host[:12]} sent a bad weight {weight!r:.40}"
                         )
+                    if (
+                        msg.meta.get("own") is True
+                    ):  # this replica's message: the names it sent, from what it sent
+                        try:
+                            msg = dataclasses.replace(msg, tensors=own_message(encs, msg.tensors, names))
+                        except RoundError as exc:
+                            raise PeerError(f"round {round_id}: host {host[:12]}: {exc}") from None
                     if set(msg.tensors) != set(names):
                         raise PeerError(
                             f"round {round_id}: host {host[:12]} relayed a message without every name"

@@ -496,6 +496,10 @@ class OptRoundPull(
     names: list[str]
     stage: int = -1
     first: int = 0  # the host checks it is in [0, 2^40)
+    # sparseloco: the caller's replica and the names of its own message it kept (it sent them): the
+    # host leaves those out of that replica's relayed message (meta `own`; ROUNDS.md)
+    replica: int = -1
+    kept: list[str] = dataclasses.field(default_factory=list)
 
 
 @message
