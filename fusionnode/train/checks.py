@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fusionnode.compress.link import LinkOptions
 from fusionnode.errors import ConfigError, FusionNodeError
 from fusionnode.sync import SyncConfig
 from fusionnode.wire import job as jp
@@ -65,7 +66,7 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    feedback = bool((params.get("link_options") or {}).get("error_feedback"))
+    feedback = LinkOptions.from_dict(params.get("link_options")).error_feedback
     if not policy.on or spec.compress == "none" or not feedback:
         # lossy links are checked as their codec makes of the recompute (verify/lossy.py); a round
         # mode's workers commit to their inner parameters, which the recompute takes (verify/inner.py)

@@ -5,7 +5,7 @@ parameters a step computed with are the worker's, not the optimizer hosts'. Thre
 each step's report (made before the worker learns anything of the step's checks) bind them:
 
 - ``params``: the stage's parameters the step computes with (as in `--offload off`),
-- ``opt``: its inner optimizer's state at the step's start (`opt_state`: AdamW's moments, its step
+- ``opt``: its inner optimizer's state at the step's start (`inner_opt_state`: AdamW's moments, its step
   counts, fp32 masters of other-precision parameters),
 - ``grads``: the parameter gradients the step accumulated (before the tied-weight sum and the clip
   the driver sends with the commit).
@@ -62,7 +62,7 @@ def stage_params(params: Mapping[str, torch.Tensor], a: Mapping[str, Any]) -> di
 # ---- the worker's side ---------------------------------------------------------------------------
 
 
-def opt_state(opt: Any) -> dict[str, torch.Tensor]:
+def inner_opt_state(opt: Any) -> dict[str, torch.Tensor]:
     """A stage's inner optimizer state (an optim.optimizers.LocalOptimizer) as named tensors (views):
     ``<kind>/<name>`` per state kind, ``steps/<name>`` (int64), ``master/<name>`` (fp32 masters of
     parameters of another dtype)."""
@@ -89,7 +89,7 @@ def own_grads(sj: Any) -> dict[str, torch.Tensor]:
 
 def commit_step_start(sj: Any) -> dict[str, str]:
     """The ``opt`` commitment of a step's start (``params`` is the ledger's own)."""
-    return {"opt": digest_tensors(opt_state(sj.opt))}
+    return {"opt": digest_tensors(inner_opt_state(sj.opt))}
 
 
 def commit_step_end(sj: Any, ledger: Any = None) -> dict[str, str]:
@@ -106,7 +106,7 @@ def snapshot(sj: Any, step: int) -> None:
     (copies, kept as `sj.inner_snap` until the next commit replaces them)."""
     with torch.no_grad():
         kept = {PREV + "param/" + n: t.detach().clone() for n, t in stage_values(sj).items()}
-        kept.update({PREV + "opt/" + n: t.detach().clone() for n, t in opt_state(sj.opt).items()})
+        kept.update({PREV + "opt/" + n: t.detach().clone() for n, t in inner_opt_state(sj.opt).items()})
         led = getattr(sj, "ledger", None)
         grads = led.own_grads if led is not None and led.own_grads else own_grads(sj)  # the committed copy
         kept.update({PREV + "grad/" + n: t.detach().clone() for n, t in grads.items()})
@@ -133,7 +133,7 @@ def inner_fetch(sj: Any) -> dict[str, torch.Tensor]:
     step, kept = snap
     out = dict(kept)
     out.update({NOW + "param/" + n: t.detach() for n, t in stage_values(sj).items()})
-    out.update({NOW + "opt/" + n: t.detach() for n, t in opt_state(sj.opt).items()})
+    out.update({NOW + "opt/" + n: t.detach() for n, t in inner_opt_state(sj.opt).items()})
     out["at"] = torch.tensor([step], dtype=torch.int64)
     return out
 
@@ -245,7 +245,7 @@ __all__ = [
     "compare_step",
     "expected_step",
     "inner_fetch",
-    "opt_state",
+    "inner_opt_state",
     "own_grads",
     "scoped",
     "snapshot",

@@ -31,6 +31,11 @@ from fusionnode.wire.job_errors import Failure as Failure
 from fusionnode.wire.job_errors import JobError as JobError
 from fusionnode.wire.job_errors import error_result as error_result
 from fusionnode.wire.job_errors import remote_error as remote_error
+from fusionnode.wire.job_rounds import OptRoundHeld as OptRoundHeld
+from fusionnode.wire.job_rounds import OptRoundHeldReply as OptRoundHeldReply
+from fusionnode.wire.job_rounds import OptRoundPull as OptRoundPull
+from fusionnode.wire.job_rounds import OptRoundVerdict as OptRoundVerdict
+from fusionnode.wire.job_rounds import OptRoundVerdictReply as OptRoundVerdictReply
 from fusionnode.wire.job_stage import MAX_RING_ID as MAX_RING_ID
 from fusionnode.wire.job_stage import AllReduceRing as AllReduceRing
 from fusionnode.wire.job_stage import Offload as Offload
@@ -485,62 +490,6 @@ class OptRelease(JobMessage):
     """`opt.release`: drop the shard."""
 
     job: str
-
-
-@message
-class OptRoundPull(
-    JobMessage
-):  # wait for the round to close, send `round_update`s, mb = first + i (ROUNDS.md)
-    job: str
-    round: int
-    names: list[str]
-    stage: int = -1
-    first: int = 0  # the host checks it is in [0, 2^40)
-    # sparseloco: the caller's replica and the names of its own message it kept (it sent them): the
-    # host leaves those out of that replica's relayed message (meta `own`; ROUNDS.md)
-    replica: int = -1
-    kept: list[str] = dataclasses.field(default_factory=list)
-
-
-@message
-class OptRoundHeld(JobMessage):
-    """`opt.round_held` (--contrib-policy score): wait until `round` is complete (held for the
-    driver's verdict); with `replica` >= 0 send that replica's pseudo-gradients of the shard as one
-    `round_contrib` message keyed (job, round, replica, host index)."""
-
-    job: str
-    round: int
-    replica: int = -1
-
-
-@message
-class OptRoundHeldReply(JobMessage):
-    replicas: int
-    norms: list[float]  # each replica's pseudo-gradient norm over the shard
-    scales: list[float]  # the norm floor's scale of each replica's weight (1: within clip x median)
-    tokens: list[float]  # each replica's token weight (from the plan)
-    gram: list[list[float]]  # [r][q]: the dot product of replicas r's and q's pseudo-gradients over the shard
-
-
-@message
-class OptRoundVerdict(JobMessage):
-    """`opt.round_verdict`: each replica's weight (1 kept, 0 dropped) in the held round, which closes."""
-
-    job: str
-    round: int
-    weights: list[float]
-
-    def __post_init__(self) -> None:
-        if not all(
-            isinstance(w, int | float) and not isinstance(w, bool) and 0 <= w <= 1 for w in self.weights
-        ):
-            raise _bad("verdict weights must be numbers in [0, 1]")
-
-
-@message
-class OptRoundVerdictReply(JobMessage):
-    closed: bool  # False: the round was closed by an earlier verdict
-    weights: list[float]  # each replica's weight in the outer step's mean (tokens x floor x verdict)
 
 
 # ---------------------------------------------------------------- the RPC table
