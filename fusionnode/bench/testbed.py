@@ -144,9 +144,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--contrib-policy",
         choices=["auto", "off", "clip", "score"],
-        default="auto",
-        help="FusionNode's weighing of round contributions (train --contrib-policy); auto scores them, "
-        "the testbed's swarm being public (no swarm key) (default %(default)s)",
+        default="off",
+        help="FusionNode's weighing of round contributions (train --contrib-policy). Off by default: "
+        "the testbed compares training systems as a group of volunteers who know each other runs "
+        "them (hivemind checks no work either); auto would score every round, the testbed's swarm "
+        "having no swarm key (default %(default)s)",
+    )
+    p.add_argument(
+        "--verify-policy",
+        choices=["auto", "off", "sample", "all"],
+        default="off",
+        help="FusionNode's spot-checks of stage work (train --verify-policy); off by default, as "
+        "--contrib-policy; auto would check, the swarm having no swarm key (default %(default)s)",
     )
     p.add_argument(
         "--out",
@@ -417,6 +426,11 @@ def bench_cluster(
         wanted = [x.strip() for x in args.configs.split(",") if x.strip()]
         rows = []
         comparison = []
+        # the work checks (issue 20), off unless asked: the settings line of each row says which
+        checks = {
+            "contrib_policy": args.contrib_policy,
+            "verify_policy": None if args.verify_policy == "auto" else args.verify_policy,
+        }
         for name, params, compress, fields in all_configs():
             if name not in wanted:
                 continue
@@ -428,7 +442,7 @@ def bench_cluster(
             run = run_config(
                 bed.controls[0],
                 job(args.steps, compress, fields),
-                {**params, "cluster": planned, "peers": bed.peer_ids, "contrib_policy": args.contrib_policy},
+                {**params, "cluster": planned, "peers": bed.peer_ids, **checks},
             )
             tx1 = bed.tx_bytes()
             rows.append(summarize(name, run, args.warmup))
@@ -437,7 +451,9 @@ def bench_cluster(
             )
             print(f"[{c.name}] {name}: links {paths_line(rows[-1]['paths'])}", file=sys.stderr, flush=True)
             record(name, run)
-            comparison.append(fusionnode_row(name, run, bed.peer_ids, args, tx0, tx1, {**params, **fields}))
+            comparison.append(
+                fusionnode_row(name, run, bed.peer_ids, args, tx0, tx1, {**params, **fields, **checks})
+            )
             print(f"[{c.name}] {name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
         for system in HIVEMIND_SYSTEMS:
             if system not in wanted:
