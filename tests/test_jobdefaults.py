@@ -38,9 +38,12 @@ def test_train_compress_defaults_to_auto_and_public_jobs_get_adatopk_with_checks
     assert resolve_compress(auto, {}, LOCAL).compress == "adatopk"
     # asked-for checks with AdaTopK: not refused, warm-up set
     asked = {"verify_policy": "sample"}
-    # a round mode is checked too (the workers commit to their inner parameters)
+    # a round mode's checks (the workers commit to their inner parameters) are opt-in: auto leaves
+    # them off with a reason, an asked-for policy turns them on
     diloco = {"sync": SyncConfig(mode="diloco", inner_steps=4).to_dict()}
-    assert job_policy(diloco, PUBLIC, resolve_compress(auto, diloco, PUBLIC))[0].on
+    policy, why = job_policy(diloco, PUBLIC, resolve_compress(auto, diloco, PUBLIC))
+    assert not policy.on and "opt-in" in why
+    assert job_policy({**diloco, **asked}, PUBLIC, resolve_compress(auto, diloco, PUBLIC))[0].on
     explicit = JobSpec(model="gpt2-tiny", compress="adatopk")
     spec, params = job_defaults(explicit, dict(asked), None, LOCAL)
     assert spec.compress == "adatopk" and params["link_options"]["warmup_steps"] == int(0.3 * spec.steps)

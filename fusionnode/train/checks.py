@@ -66,6 +66,15 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    sync = SyncConfig.from_dict(params.get("sync"))
+    if policy.on and sync.rounds and params.get("verify_policy") is None:
+        # the round modes' checks (verify/inner.py) are opt-in: asked for (--verify-policy sample|all)
+        # they run; auto leaves them off until they have held in every recovery path
+        reason = (
+            f"spot-checks are off for this job: under --sync {sync.mode} they are opt-in "
+            "(--verify-policy sample); the replicas' pseudo-gradients are still weighed (--contrib-policy)"
+        )
+        return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
     feedback = LinkOptions.from_dict(params.get("link_options")).error_feedback
     if not policy.on or spec.compress == "none" or not feedback:
         # lossy links are checked as their codec makes of the recompute (verify/lossy.py); a round
