@@ -156,6 +156,9 @@ class Transitions:
         step = max(steps, default=-1)  # the step this run checked last: the round's closing one
         if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
             return {}
+        h = job.sync.inner_steps
+        if job.sync.overlap and step >= h and step % h < job.sync.delay:
+            return {}  # --sync-overlap: the close re-based θ on the previous round's result before its Δ
         todo = []
         for a in run.stage_args:
             mine, args = self.commits.get(a.stage), self.args.get(a.stage)

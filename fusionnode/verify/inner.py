@@ -169,6 +169,8 @@ def expected_step(
     inner optimizer over them (optim.optimizers.FlatOptimizer with the job's config)."""
 
     stepped = [n for n in params if f"steps/{n}" in state]  # a frozen parameter has no inner state
+    if not stepped:  # a stage with no trained parameter (the fusion planner may plan one): no step
+        return dict(params), {}
     masters = {n: state.get(f"master/{n}", params[n]).detach().float().clone() for n in stepped}
     opt = make_opt(masters)
     kinds = {k.split("/", 1)[0] for k in state if k.split("/", 1)[0] not in ("steps", "master")}
