@@ -12,8 +12,8 @@ import json
 import sys
 
 import pytest
+from test_verify_e2e import train
 
-from fusionnode import control
 from fusionnode.localswarm import LocalSwarm
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
@@ -31,17 +31,6 @@ def spec_for(**kw) -> JobSpec:
     )  # fmt: skip
     base.update(kw)
     return JobSpec(**base)
-
-
-async def train(swarm: LocalSwarm, params: dict, on_event=None) -> tuple[dict, list[dict]]:
-    events = []
-    async for obj in control.call_stream(swarm.control(0), "train", params, timeout=600):
-        if "event" not in obj:
-            return obj["result"], events
-        events.append(obj["event"])
-        if on_event is not None:
-            await on_event(obj["event"])
-    raise AssertionError("the driver closed the job without a result")
 
 
 def job(spec: JobSpec, sync: SyncConfig) -> dict:
