@@ -108,7 +108,7 @@ def replay_rounds(
     """Rounds closed by time, replaying `schedule`; emits one record per round (its last step of the
     fastest replica, the token-weighted loss, each replica's steps, tokens and loss). Returns (the
     rounds' losses, the validation loss, θ, the combiner)."""
-    from fusionnode.train.replicas import _replica_step, _round_replicas, settle_replica
+    from fusionnode.train.replicas import _replica_step, _round_replicas, install_theta, settle_replica
 
     replicas = len(shares)
     schedule = check_schedule(spec, sync, replicas, schedule)
@@ -150,11 +150,7 @@ def replay_rounds(
         theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
         host.close(theta)
         if not sync.overlap or last:
-            with torch.no_grad():
-                for mdl in models:
-                    for n, p in mdl.named_parameters():
-                        if n in theta:
-                            p.copy_(theta[n])
+            install_theta(models, theta)
         else:
             pending = [True] * replicas
         tokens = sum(x["tokens"] for x in reps)

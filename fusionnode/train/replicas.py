@@ -250,6 +250,15 @@ def settle_replica(
                 start[n] = theta[n].clone()
 
 
+def install_theta(models: Sequence[nn.Module], theta: dict[str, torch.Tensor]) -> None:
+    """Every replica takes θ_global (the parameters in `theta`; the others are left as they are)."""
+    with torch.no_grad():
+        for mdl in models:
+            for n, p in mdl.named_parameters():
+                if n in theta:
+                    p.copy_(theta[n])
+
+
 def _round_modes(
     spec: JobSpec,
     sync: SyncConfig,
@@ -325,11 +334,7 @@ def _round_modes(
             settles = sync.settles_at_close(step, spec.steps, spec.save_every if spec.save_dir else 0)
             pending = sync.overlap and not settles
             if not sync.overlap or settles:
-                with torch.no_grad():
-                    for mdl in models:
-                        for n, p in mdl.named_parameters():
-                            if n in theta:
-                                p.copy_(theta[n])
+                install_theta(models, theta)
                 if sync.overlap:  # the next round's Δ is taken from θ_global
                     starts = [dict(theta) for _ in range(replicas)]
             tokens_in_round = [0] * replicas
