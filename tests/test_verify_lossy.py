@@ -160,3 +160,18 @@ def test_the_link_compressors_own_messages_pass_warm_up_and_top_k():
         g = _gradient(step)
         genc = link.encode({"x": _worker_copy(g, step)}, step, "grad", target_time_s=1e-3)["x"]
         assert genc.codec == "q8" and _judge(genc, g, "grad") is None
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.1"])
+def test_a_fixed_keep_ratio_under_adatopks_floor_is_the_jobs_own(spec):
+    """`--compress topk:R` with R under k_min: the link sends R as given (no floor), so an honest
+    message at R passes; another ratio, and a 1% scaling at R, are still caught."""
+    rules = LinkRules.of(spec, {})
+    ratio = float(spec.split(":")[1])
+    link = LinkCompressor(spec, LinkOptions())
+    y = _activation(4)
+    enc = link.encode({"x": _worker_copy(y, 4)}, 5, "act")["x"]
+    assert enc.codec == "topk" and enc.params["ratio"] == ratio
+    assert _judge(enc, y, rules=rules) is None
+    assert "instead of the job's" in str(_judge(_topk(y, ratio=0.2), y, rules=rules))
+    assert _judge(link.encode({"x": y * 1.01}, 6, "act")["x"], y, rules=rules) is not None

@@ -317,10 +317,12 @@ class Escalator:
         per pipeline, with `shares`) also wins under the planner's cost model at the measured speeds,
         by min(ESCALATE_GAIN, the job's threshold), for a planner's job (others: always). The move's
         own model prices an unmeasured spare by its advertisement, blind to cores it shares with the
-        plan's peers (on one machine a spare adds none), and the planner left it idle for a reason."""
+        plan's peers (on one machine a spare adds none), and the planner left it idle for a reason.
+        A ring job (--offload off): always, as `check` never escalates it; the planner's model
+        prices optimizer hosts, which such a job has none of."""
         import dataclasses
 
-        if pinned(run.strategy, run.params):
+        if pinned(run.strategy, run.params) or not job.offload:
             return True
         doc, _workers, hosts = await self.cluster(recovery, job, run, workers, run.speeds())
         moved = [

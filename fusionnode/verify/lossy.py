@@ -180,7 +180,9 @@ def _check_topk(
         return Mismatch(name, f"top-k settings {dict(p)} are not this job's")
     if rules.kind == "topk" and ratio != rules.ratio:
         return Mismatch(name, f"keep ratio {ratio} instead of the job's {rules.ratio}")
-    if not (isinstance(ratio, float | int) and rules.k_min - 1e-9 <= ratio <= 1.0):
+    # the floor is AdaTopK's: a fixed topk:R link sends R as given, even under k_min
+    floor = rules.k_min - 1e-9 if rules.kind == "adatopk" else 0.0
+    if not (isinstance(ratio, float | int) and floor <= ratio <= 1.0):
         return Mismatch(name, f"keep ratio {ratio} under the job's floor {rules.k_min}")
     numel = y.numel()
     row_len = int(y.shape[-1]) if mode_want == "row" else None
