@@ -120,7 +120,7 @@ def test_rounds_closed_by_time_turn_auto_checks_off_and_refuse_asked_ones(monkey
         for config in (PUBLIC, LOCAL):
             with pytest.raises(ConfigError, match=f"--round-close time with --verify-policy {asked}"):
                 job_policy({**timed, "verify_policy": asked}, config, spec)
-    # rounds closed by steps keep their checks
+    # rounds closed by steps are checked when asked (auto leaves a round mode's checks off: opt-in)
     steps = {"sync": SyncConfig(mode="diloco", inner_steps=4).to_dict()}
-    assert job_policy(steps, PUBLIC, spec)[0].on
+    assert not job_policy(steps, PUBLIC, spec)[0].on
     assert job_policy({**steps, "verify_policy": "all"}, PUBLIC, spec)[0].on
