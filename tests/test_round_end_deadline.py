@@ -84,3 +84,23 @@ def test_a_worker_silent_at_its_round_end_fetch_gets_weight_0_and_is_caught(tmp_
     caught = [e for e in events if e.get("kind") == "caught"]
     assert [e["peer"] for e in caught] == silent, caught
     assert "did not show its round's last inner step" in caught[0]["reason"], caught[0]["reason"]
+
+
+@pytest.mark.parametrize("codec", ["raw", "q8"])
+def test_an_honest_job_passes_every_round_end_check_in_its_sync_codec(tmp_path, codec):
+    """No false catch: q8's per-row and per-element round-end check (review 4 finding 6) and the
+    concurrent fetches pass an honest job's every round (3 rounds x 4 stages drawn at rate 1)."""
+    import sys
+
+    spec = small_spec(steps=6, micro_batches=2, batch_size=8)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    sync = SyncConfig("diloco", inner_steps=2, codec=codec)
+    params = round_job(spec, sync, contrib_policy="score", verify_policy="all", replicas=2)
+    result = asyncio.run(s.driver.run_job(params, s.emit))
+    assert not [e for e in s.events if e.get("kind") in ("caught", "failure")]
+    scored = [e for e in s.events if e.get("kind") == "scored"]
+    assert [e["verdict"] for e in scored] == [[1.0, 1.0]] * 3, scored
+    v = result["verify"]
+    # transitions: steps 0, 2, 4 (the others close a round) x 4 stages, + 3 round ends x 4 stages
+    assert v["transitions"] == 12 + 12 and v["transitions_caught"] == 0, v
+    print(f"{codec}: round-end max relative error {v['round_end_max_rel_err']:.3g}", file=sys.stderr)
