@@ -379,6 +379,7 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
             offload=getattr(args, "offload", "auto"),
             local=bool(getattr(args, "local", False)),
             round_steps=round_steps,
+            verify_policy=getattr(args, "verify_policy", None),
         )
     elif round_steps is not None:
         raise ConfigError("--round-steps: a schedule of rounds closed by time; needs --round-close time")
@@ -395,6 +396,17 @@ def state_copies(sync: dict[str, Any] | None, offload: bool) -> int:
     return 6 if mode == "sparseloco" else 5
 
 
+def time_close_checks_refusal(verify_policy: Any) -> None:
+    """Rounds closed by time run without spot-checks (train/free_rounds.py): an explicit
+    `--verify-policy sample|all` with them is refused up front (ConfigError naming both options);
+    auto and off are the driver's to settle (train/checks.job_policy turns auto's checks off)."""
+    if verify_policy in ("sample", "all"):
+        raise ConfigError(
+            f"--round-close time with --verify-policy {verify_policy}: rounds closed by time run without "
+            "spot-checks; use --round-close steps to check the work, or --verify-policy auto|off"
+        )
+
+
 def time_close_refusals(
     *,
     resume: bool,
@@ -402,10 +414,13 @@ def time_close_refusals(
     offload: Any,
     local: bool = False,
     round_steps: Any = None,
+    verify_policy: Any = None,
 ) -> None:
     """What --round-close time cannot be combined with yet (ConfigError naming the options): its
-    rounds are not checkpointed (so no --save-dir, no --resume); a failed worker ends
-    the job (train/free_rounds.py). The --local reference replays a swarm run's step counts."""
+    rounds are not checkpointed (so no --save-dir, no --resume) nor spot-checked (no --verify-policy
+    sample|all); a failed worker ends the job (train/free_rounds.py). The --local reference replays
+    a swarm run's step counts."""
+    time_close_checks_refusal(verify_policy)
     if resume or save_dir:
         raise ConfigError(
             f"--round-close time with {'--resume' if resume else '--save-dir'}: rounds closed by time are "

@@ -1,14 +1,18 @@
-"""Shared test fixtures: one torch thread per process, no child process left behind, and no libp2p
-discovery beyond loopback from any daemon the tests start."""
+"""Shared test fixtures: one torch thread per process, no child process left behind, no libp2p
+discovery beyond loopback from any daemon the tests start, and a module's swarm of `--debug` daemons."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
+import sys
 
 import psutil
 import pytest
 import torch
+
+from fusionnode.localswarm import LocalSwarm
 
 torch.set_num_threads(1)
 
@@ -34,3 +38,17 @@ def _kill_leftover_children():
             child.kill()
         except psutil.Error:
             pass
+
+
+@pytest.fixture(scope="module")
+def debug_swarm(tmp_path_factory):
+    """Four connected `fusionnode join --debug` daemons on loopback, one swarm per test module (the
+    debug lies and ban resets of the verification and contribution e2e tests)."""
+    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), 4, log=sys.stderr)
+    s.extra_args = ["--debug"]
+    try:
+        s.start()
+        asyncio.run(s.wait_connected())
+        yield s
+    finally:
+        s.stop()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import pytest
 
@@ -19,18 +18,6 @@ from fusionnode.train.spec import JobSpec
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 SYNC = SyncConfig("diloco", inner_steps=3)
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), 4, log=sys.stderr)
-    s.extra_args = ["--debug"]
-    try:
-        s.start()
-        asyncio.run(s.wait_connected())
-        yield s
-    finally:
-        s.stop()
 
 
 def spec(job_id: str) -> JobSpec:
@@ -78,8 +65,8 @@ def scored(events: list[dict]) -> list[dict]:
     return [e for e in events if e["type"] == "event" and e.get("kind") == "scored"]
 
 
-def test_an_honest_scored_job_keeps_both_replicas_and_follows_the_reference(swarm):
-    result, events = run(swarm, "contrib-honest", liar=False)
+def test_an_honest_scored_job_keeps_both_replicas_and_follows_the_reference(debug_swarm):
+    result, events = run(debug_swarm, "contrib-honest", liar=False)
     rounds = scored(events)
     assert [e["round"] for e in rounds] == [0, 1, 2]
     assert all(e["verdict"] == [1.0, 1.0] and "error" not in e for e in rounds), rounds
@@ -89,8 +76,8 @@ def test_an_honest_scored_job_keeps_both_replicas_and_follows_the_reference(swar
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) < 1e-4
 
 
-def test_a_replica_sending_random_pseudo_gradients_is_dropped_from_every_round(swarm):
-    result, events = run(swarm, "contrib-liar", liar=True)
+def test_a_replica_sending_random_pseudo_gradients_is_dropped_from_every_round(debug_swarm):
+    result, events = run(debug_swarm, "contrib-liar", liar=True)
     rounds = scored(events)
     assert len(rounds) == 3
     for e in rounds:

@@ -101,3 +101,26 @@ def test_the_driver_refuses_a_budget_it_cannot_honour():
             job_refusals(budget, params)
     with pytest.raises(ConfigError, match=r"--sync-budget 0\.1 with --inner-steps 30"):
         job_refusals(SyncConfig(mode="diloco", inner_steps=30, budget=0.1), {"planner": "fusion"})
+
+
+def test_rounds_closed_by_time_turn_auto_checks_off_and_refuse_asked_ones(monkeypatch):
+    """--round-close time runs without spot-checks (train/free_rounds.py refuses them after the plan):
+    job_policy settles it before anything is planned, in a public swarm too."""
+    monkeypatch.delenv(SWARM_KEY_ENV, raising=False)
+    spec = JobSpec(model="gpt2-tiny", compress="adatopk")
+    timed = {"sync": SyncConfig(mode="diloco", inner_steps=4, round_close="time").to_dict()}
+    policy, why = job_policy(timed, PUBLIC, spec)  # auto in a public swarm: off, with the reason
+    assert not policy.on and policy.rate == 0.0 and "--round-close time" in why
+    assert job_policy({**timed, "verify_policy": "off"}, PUBLIC, spec) == (
+        job_policy({"verify_policy": "off"}, PUBLIC, spec)[0],
+        None,
+    )
+    assert job_policy(timed, PRIVATE, spec)[1] is None  # auto already off there: no notice
+    for asked in ("sample", "all"):
+        for config in (PUBLIC, LOCAL):
+            with pytest.raises(ConfigError, match=f"--round-close time with --verify-policy {asked}"):
+                job_policy({**timed, "verify_policy": asked}, config, spec)
+    # rounds closed by steps are checked when asked (auto leaves a round mode's checks off: opt-in)
+    steps = {"sync": SyncConfig(mode="diloco", inner_steps=4).to_dict()}
+    assert not job_policy(steps, PUBLIC, spec)[0].on
+    assert job_policy({**steps, "verify_policy": "all"}, PUBLIC, spec)[0].on

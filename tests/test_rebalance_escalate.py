@@ -242,3 +242,32 @@ def test_a_peer_slow_from_the_first_step_is_replanned_by_the_planner(tmp_path, m
         assert sorted({e["step"] for e in steps}) == list(range(spec.steps))
     finally:
         swarm.stop()
+
+
+class _Asked(Exception):
+    pass
+
+
+def test_a_ring_jobs_spare_is_not_priced_by_the_planners_host_model():
+    """--offload off: `confirms` allows the move without pricing it (the planner's cost model assumes
+    optimizer hosts; the escalator's `check` is off for such jobs too); an offloaded planner's job
+    is priced (it asks the swarm's membership for the cluster document)."""
+    from fusionnode.train.escalate import Escalator
+
+    asked: list[str] = []
+
+    async def peers():
+        asked.append("peers")
+        raise _Asked
+
+    recovery = SimpleNamespace(membership=SimpleNamespace(peers=peers))
+    run = SimpleNamespace(strategy="fusion", params={}, speeds=dict)
+
+    def confirms(offload: bool) -> bool:
+        job = SimpleNamespace(offload=offload, hosts=[], pipelines=[], spec=None)
+        return asyncio.run(Escalator().confirms(recovery, job, run, 5, PEERS, [], []))
+
+    assert confirms(False) is True and asked == []
+    with pytest.raises(_Asked):
+        confirms(True)
+    assert asked == ["peers"]

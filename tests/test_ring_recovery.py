@@ -40,21 +40,27 @@ def _victim_of(s: Swarm, stage_pos: int, replica: int) -> str:
     return next(st["peer"] for st in plan["stages"] if st["replica"] == replica and st["pos"] == stage_pos)
 
 
+def _dies_at(s: Swarm, victim: str, method: str, at_step: int) -> None:
+    """Makes `victim`'s worker vanish in its `method` (`_allreduce`, `_run_step`) at step `at_step`:
+    the peer goes down and the call raises; other steps run as before."""
+    orig = getattr(s.workers[victim], method)
+
+    async def die(sj, step, *a, **kw):
+        if step == at_step:
+            s.net.down.add(victim)
+            raise PeerError("this peer vanished")
+        return await orig(sj, step, *a, **kw)
+
+    setattr(s.workers[victim], method, die)
+
+
 def test_a_ring_member_lost_mid_allreduce_is_replaced_from_its_replica(tmp_path):
     """2 pipelines x 2 stages; a member of pipeline 1 vanishes in its all-reduce at step 2: the step
     is replayed on the survivors' state and every loss is the single-process one."""
     spec = small_spec(steps=5, micro_batches=2, grad_clip=1.0)
     s = Swarm(tmp_path, workers=4)
     victim = s.ids[2]  # the simple layout: pipeline 1's first stage
-    orig = s.workers[victim]._allreduce
-
-    async def die(sj, step):
-        if step == 2:
-            s.net.down.add(victim)
-            raise PeerError("this peer vanished")
-        return await orig(sj, step)
-
-    s.workers[victim]._allreduce = die
+    _dies_at(s, victim, "_allreduce", 2)
     res = asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
     assert res["steps"] == spec.steps and victim == _victim_of(s, 0, 1)
     _assert_follows_reference(s, spec)
@@ -94,30 +100,14 @@ def test_a_stage_with_no_surviving_holder_stops_the_job_naming_it(tmp_path):
     spec = small_spec(steps=4, micro_batches=2)
     s = Swarm(tmp_path / "a", workers=3)
     victim = s.ids[1]
-    orig = s.workers[victim]._run_step
-
-    async def die(sj, step, *a):
-        if step == 2:
-            s.net.down.add(victim)
-            raise PeerError("this peer vanished")
-        return await orig(sj, step, *a)
-
-    s.workers[victim]._run_step = die
+    _dies_at(s, victim, "_run_step", 2)
     with pytest.raises(PlanError, match=r"stage 1 \(graph nodes \d+\.\.\d+\) of pipeline\(s\) 0 .* is lost"):
         asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **params}, s.emit))
 
     spec2 = small_spec(steps=4, micro_batches=2, save_dir=str(tmp_path / "ckpt"), save_every=1)
     s2 = Swarm(tmp_path / "b", workers=3)
     victim = s2.ids[1]
-    orig2 = s2.workers[victim]._run_step
-
-    async def die2(sj, step, *a):
-        if step == 3:
-            s2.net.down.add(victim)
-            raise PeerError("this peer vanished")
-        return await orig2(sj, step, *a)
-
-    s2.workers[victim]._run_step = die2
+    _dies_at(s2, victim, "_run_step", 3)
     res = asyncio.run(s2.driver.run_job({"spec": spec2.to_dict(), **params}, s2.emit))
     assert res["steps"] == spec2.steps
     (rec,) = _events(s2, "recovered")
@@ -211,15 +201,8 @@ def test_a_holder_whose_state_fetch_fails_once_is_asked_again(tmp_path):
     spec = small_spec(steps=4, micro_batches=2, grad_clip=1.0)
     s = Swarm(tmp_path, workers=4)
     victim, flaky = s.ids[3], s.ids[1]  # pipeline 1's last stage, and its replica in pipeline 0
-    orig = s.workers[victim]._allreduce
     fetch = s.net.peers[flaky]._rpc[Rpc.JOB_FETCH]
     failed = []
-
-    async def die(sj, step):
-        if step == 1:
-            s.net.down.add(victim)
-            raise PeerError("this peer vanished")
-        return await orig(sj, step)
 
     async def flaky_fetch(args, sender):
         if args.get("what") == "optim" and not failed:
@@ -227,7 +210,7 @@ def test_a_holder_whose_state_fetch_fails_once_is_asked_again(tmp_path):
             raise JobError(ErrorCode.RING_BROKEN, "woken by a ring that broke late")
         return await fetch(args, sender)
 
-    s.workers[victim]._allreduce = die
+    _dies_at(s, victim, "_allreduce", 1)
     s.net.peers[flaky].add_rpc(Rpc.JOB_FETCH, flaky_fetch)
     asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
     assert failed

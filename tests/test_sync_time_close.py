@@ -124,6 +124,24 @@ def test_bad_time_close_options_exit_2_naming_the_option(tmp_path, capsys, args,
     assert not metrics.exists()
 
 
+@pytest.mark.parametrize("where", [[], ["--local", "--replicas", "2"]])
+@pytest.mark.parametrize("asked", ["sample", "all"])
+def test_asked_for_checks_with_time_closed_rounds_exit_2_before_anything_starts(
+    tmp_path, capsys, where, asked
+) -> None:
+    # no daemon runs here: the swarm command is refused before it contacts one
+    metrics = tmp_path / "m.jsonl"
+    with pytest.raises(SystemExit) as info:
+        cli.main(
+            ["train", "--state-dir", str(tmp_path / "none"), *where, "--steps", "4", "--sync", "diloco",
+             "--round-close", "time", "--verify-policy", asked, "--metrics-out", str(metrics)]
+        )  # fmt: skip
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"--round-close time with --verify-policy {asked}" in err.strip().splitlines()[-1], err
+    assert not metrics.exists()
+
+
 def test_bad_schedule_file_exits_2(tmp_path, capsys) -> None:
     sched = tmp_path / "s.json"
     sched.write_text("[[2, 1]]")  # 4 steps at H = 2 are 2 rounds

@@ -240,3 +240,41 @@ def test_transition_checks_draw_the_step_before_and_skip_round_ends_and_new_plan
     sel = CheckSelector(b"s" * 32)
     drawn = sum(sel.draw(t, 0, -2) < transition_rate(0.3) for t in range(2000))
     assert 1100 < drawn < 1300
+
+
+def _pseudo_gradient(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(64, 96, generator=g) * 1e-3 * torch.rand(64, 1, generator=g),
+        "b": torch.randn(96, generator=g) * 1e-4,
+        "s": torch.randn((), generator=g) * 1e-4,
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_q8_pseudo_gradient_is_checked_per_row_and_element_not_by_a_flat_tolerance(seed):
+    """Review 4 finding 6: the q8 round-end tolerance was 2e-2 relative L2, so a pseudo-gradient
+    scaled by 1.9% passed every round. The honest q8 message of the recompute passes (also with the
+    worker's Δ a hair off it); a scaling of 1.9% or 0.5%, or a directed 2% component, fails."""
+    from fusionnode.compress.pseudograd import encode_pseudograd
+    from fusionnode.train.inner_checks import delta_mismatch
+    from fusionnode.wire.tensors import decode_tensor
+
+    want = _pseudo_gradient(seed)
+
+    def sent(delta):
+        return {n: decode_tensor(encode_pseudograd(t, "q8")) for n, t in delta.items()}
+
+    assert delta_mismatch("q8", sent(want), want)[0] == ""
+    g = torch.Generator().manual_seed(50 + seed)
+    hair = {n: t * (1 + 1e-6 * torch.randn(t.shape, generator=g)) for n, t in want.items()}
+    assert delta_mismatch("q8", sent(hair), want)[0] == ""
+    for factor in (1.015, 1.005):
+        why, rel = delta_mismatch("q8", sent({n: t * factor for n, t in want.items()}), want)
+        assert why and rel < 2e-2, (factor, rel)  # within the old flat tolerance
+    d = {n: torch.randn(t.shape, generator=g) for n, t in want.items()}
+    norm = sum(float(t.pow(2).sum()) for t in want.values()) ** 0.5
+    dnorm = sum(float(t.pow(2).sum()) for t in d.values()) ** 0.5
+    directed = {n: want[n] + 0.015 * norm / dnorm * d[n] for n in want}
+    why, rel = delta_mismatch("q8", sent(directed), want)
+    assert why and rel < 2e-2, rel

@@ -160,3 +160,47 @@ def test_the_link_compressors_own_messages_pass_warm_up_and_top_k():
         g = _gradient(step)
         genc = link.encode({"x": _worker_copy(g, step)}, step, "grad", target_time_s=1e-3)["x"]
         assert genc.codec == "q8" and _judge(genc, g, "grad") is None
+
+
+@pytest.mark.parametrize("spec", ["topk:0.05", "topk:0.1"])
+def test_a_fixed_keep_ratio_under_adatopks_floor_is_the_jobs_own(spec):
+    """`--compress topk:R` with R under k_min: the link sends R as given (no floor), so an honest
+    message at R passes; another ratio, and a 1% scaling at R, are still caught."""
+    rules = LinkRules.of(spec, {})
+    ratio = float(spec.split(":")[1])
+    link = LinkCompressor(spec, LinkOptions())
+    y = _activation(4)
+    enc = link.encode({"x": _worker_copy(y, 4)}, 5, "act")["x"]
+    assert enc.codec == "topk" and enc.params["ratio"] == ratio
+    assert _judge(enc, y, rules=rules) is None
+    assert "instead of the job's" in str(_judge(_topk(y, ratio=0.2), y, rules=rules))
+    assert _judge(link.encode({"x": y * 1.01}, 6, "act")["x"], y, rules=rules) is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp16_and_topk_values_are_bounded_per_element_not_by_one_budget(seed):
+    """Review 4 finding 5: the fp16 and top-k value bounds were one relative-L2 budget over the tensor
+    (about 1.1e-3 of its norm), which a liar could spend on one chosen coordinate. Each element now
+    stays within its own float16 rounding (plus the compute slack): honest copies, near-ties of the
+    rounding included, pass; half that old budget put into one element is caught."""
+    y = _activation(seed)
+    w = _worker_copy(y, seed)
+    assert _judge(encode_tensor(w, "fp16"), y) is None
+    # near-ties: values a hair either side of float16 rounding midpoints round either way
+    h = y.half()
+    mid = (h.float() + (h.view(torch.int16) + 1).view(torch.float16).float()) / 2  # exact in float32
+    near = mid * (1 + 1e-7 * torch.sign(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))))
+    assert _judge(encode_tensor(near, "fp16"), mid) is None
+    lie = w.clone()
+    lie.view(-1)[7] += 5e-4 * float(y.norm())
+    assert "fp16" in str(_judge(encode_tensor(lie, "fp16"), y))
+    # top-k values (no centering, so the lie moves no channel mean): one kept value moved
+    rules = LinkRules.of("adatopk", {"center": False})
+    plain = dict(center=False)
+    assert _judge(_topk(w, **plain), y, rules=rules) is None
+    enc = _topk(w, **plain)
+    kept = decode_tensor(enc).view(-1) != 0
+    lie = w.clone()
+    i = int(torch.nonzero(kept)[0])
+    lie.view(-1)[i] += 5e-4 * float(y.view(-1)[kept].norm()) * torch.sign(y.view(-1)[i])
+    assert "top-k values" in str(_judge(_topk(lie, **plain), y, rules=rules))

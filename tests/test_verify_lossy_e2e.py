@@ -91,3 +91,62 @@ def test_adatopk_links_are_checked_honest_passes_and_a_one_percent_liar_is_caugh
         for i in range(len(swarm.ready)):
             (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
         swarm.stop()
+
+
+@pytest.mark.slow
+def test_round_mode_with_adatopk_links_checked_honest_passes_and_a_liar_is_banned(tmp_path):
+    """--sync diloco (H = 2) over the same slow AdaTopK links, every micro-batch checked: the round
+    mode's recompute (from the worker's committed inner parameters) goes through the lossy
+    comparator; an honest run catches nobody, a worker scaling what it sends by 1% is caught,
+    banned and planned away, and the job finishes."""
+    from fusionnode.sync import SyncConfig
+
+    swarm = LocalSwarm(tmp_path, 3, log=sys.stderr)
+    swarm.extra_args = ["--debug"]
+    try:
+        swarm.start()
+        asyncio.run(swarm.wait_connected())
+        base = {
+            "stages": 2,
+            "offload": "on",
+            "rebalance_every": 0,
+            "verify_policy": "all",
+            "contrib_policy": "off",
+            "cluster": slow_cluster(swarm),
+            "sync": SyncConfig("diloco", inner_steps=2).to_dict(),
+        }
+        spec = spec_for(tmp_path, "honest", compress="adatopk", steps=8)
+        result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}))
+        kinds = [e.get("kind") for e in events if e["type"] == "event"]
+        assert not {"caught", "failure", "dispute", "notice"} & set(kinds), [
+            (e.get("kind"), e.get("reason")) for e in events if e["type"] == "event"
+        ]
+        assert result["verify"]["caught"] == 0 and result["verify"]["checked"] > 0, result["verify"]
+        assert [e["step"] for e in kept_steps(events)] == list(range(spec.steps))
+        ratios = keep_ratios(tmp_path / "honest.jsonl")
+        assert ratios[-1] <= 0.25, ratios  # top-k after the warm-up
+
+        spec = spec_for(tmp_path, "liar", compress="adatopk", steps=8, seed=6)
+        liar: list[str] = []
+
+        async def on_plan(ev: dict) -> None:
+            if ev["type"] == "plan" and not liar:
+                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+                i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
+                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
+                liar.append(victim)
+
+        result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}, on_plan))
+        evs = [e for e in events if e["type"] == "event"]
+        caught = [e for e in evs if e.get("kind") == "caught"]
+        assert liar and [e["peer"] for e in caught] == liar, caught
+        banned = [e for e in evs if e.get("kind") == "failure" and e.get("peer") == liar[0]]
+        assert banned and banned[0].get("ban_s", 0) > 0, evs
+        plans = [e for e in events if e["type"] == "plan"]
+        assert len(plans) >= 2 and liar[0] not in [s["peer"] for s in plans[-1]["stages"]]
+        assert result["verify"]["caught"] == 1, result["verify"]
+        assert max(e["step"] for e in kept_steps(events)) == spec.steps - 1
+    finally:
+        for i in range(len(swarm.ready)):
+            (swarm.state_dir(i) / "debug_lie").unlink(missing_ok=True)
+        swarm.stop()

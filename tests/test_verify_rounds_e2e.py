@@ -12,8 +12,8 @@ import json
 import sys
 
 import pytest
+from test_verify_e2e import train
 
-from fusionnode import control
 from fusionnode.localswarm import LocalSwarm
 from fusionnode.sync import SyncConfig
 from fusionnode.train.replicas import train_local_replicas
@@ -33,35 +33,12 @@ def spec_for(**kw) -> JobSpec:
     return JobSpec(**base)
 
 
-async def train(swarm: LocalSwarm, params: dict, on_event=None) -> tuple[dict, list[dict]]:
-    events = []
-    async for obj in control.call_stream(swarm.control(0), "train", params, timeout=600):
-        if "event" not in obj:
-            return obj["result"], events
-        events.append(obj["event"])
-        if on_event is not None:
-            await on_event(obj["event"])
-    raise AssertionError("the driver closed the job without a result")
-
-
 def job(spec: JobSpec, sync: SyncConfig) -> dict:
     return {
         "spec": spec.to_dict(), "stages": 2, "replicas": 2, "offload": "on", "optimizer_hosts": 2,
         "sync": sync.to_dict(), "rebalance_every": 0, "verify_policy": "all", "contrib_policy": "off",
         "debug_forget_bans": True,  # each job starts with no bans (daemons run --debug)
     }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
-    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), 4, log=sys.stderr)
-    s.extra_args = ["--debug"]
-    try:
-        s.start()
-        asyncio.run(s.wait_connected())
-        yield s
-    finally:
-        s.stop()
 
 
 def set_liar(swarm: LocalSwarm, victim: str | None, lie: dict | None) -> None:
@@ -73,12 +50,12 @@ def set_liar(swarm: LocalSwarm, victim: str | None, lie: dict | None) -> None:
             path.unlink(missing_ok=True)
 
 
-def test_diloco_honest_run_is_checked_and_a_one_percent_liar_is_caught(swarm):
+def test_diloco_honest_run_is_checked_and_a_one_percent_liar_is_caught(debug_swarm):
     sync = SyncConfig("diloco", inner_steps=H)
     # 1. honest: every micro-batch of every stage checked with the workers' own inner
     # parameters, nobody caught, the losses of the in-process reference
     spec = spec_for()
-    result, events = asyncio.run(train(swarm, job(spec, sync)))
+    result, events = asyncio.run(train(debug_swarm, job(spec, sync)))
     kinds = [e.get("kind") for e in events if e["type"] == "event"]
     assert "caught" not in kinds and "failure" not in kinds, kinds
     assert result["verify"]["caught"] == 0
@@ -102,11 +79,11 @@ def test_diloco_honest_run_is_checked_and_a_one_percent_liar_is_caught(swarm):
             first_plan.append(ev)
         if ev["type"] == "step" and ev["step"] == 1 and not liar:
             stages = first_plan[0]["stages"]
-            victim = next(s["peer"] for s in stages if s["peer"] != swarm.ready[0]["peer_id"])
-            set_liar(swarm, victim, {"kind": "scale", "factor": 1.01})
+            victim = next(s["peer"] for s in stages if s["peer"] != debug_swarm.ready[0]["peer_id"])
+            set_liar(debug_swarm, victim, {"kind": "scale", "factor": 1.01})
             liar.append(victim)
 
-    result, events = asyncio.run(train(swarm, job(spec, sync), on_event))
+    result, events = asyncio.run(train(debug_swarm, job(spec, sync), on_event))
     assert liar
     caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
     assert [e["peer"] for e in caught] == liar, caught
@@ -121,10 +98,10 @@ def test_diloco_honest_run_is_checked_and_a_one_percent_liar_is_caught(swarm):
     steps = [e for e in events if e["type"] == "step"]
     assert steps[-1]["step"] == spec.steps - 1
     assert result["verify"]["caught"] == 1
-    set_liar(swarm, None, None)
+    set_liar(debug_swarm, None, None)
 
 
-def test_diloco_inner_step_liar_is_caught_by_the_transition_check(swarm):
+def test_diloco_inner_step_liar_is_caught_by_the_transition_check(debug_swarm):
     # a worker whose messages are honest for the parameters it holds, but which scales its inner
     # optimizer's update by 1%: the transition check recomputes the step and catches it
     sync = SyncConfig("diloco", inner_steps=H)
@@ -133,11 +110,11 @@ def test_diloco_inner_step_liar_is_caught_by_the_transition_check(swarm):
 
     async def on_plan(ev: dict) -> None:
         if ev["type"] == "plan" and not liar:
-            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
-            set_liar(swarm, victim, {"kind": "update", "factor": 1.01})
+            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != debug_swarm.ready[0]["peer_id"])
+            set_liar(debug_swarm, victim, {"kind": "update", "factor": 1.01})
             liar.append(victim)
 
-    result, events = asyncio.run(train(swarm, job(spec, sync), on_plan))
+    result, events = asyncio.run(train(debug_swarm, job(spec, sync), on_plan))
     caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
     assert [e["peer"] for e in caught] == liar, caught
     assert "failed a transition check" in caught[0]["reason"], caught[0]["reason"]
@@ -145,17 +122,17 @@ def test_diloco_inner_step_liar_is_caught_by_the_transition_check(swarm):
     assert result["verify"]["transitions_caught"] == 1
     redo = [e for e in events if e["type"] == "event" and e.get("role") == "rounds"]
     assert redo and redo[0]["replay_from"] == 0, redo
-    set_liar(swarm, None, None)
+    set_liar(debug_swarm, None, None)
 
 
-def test_diloco_pseudo_gradient_liar_is_caught_at_the_round_end(swarm):
+def test_diloco_pseudo_gradient_liar_is_caught_at_the_round_end(debug_swarm):
     # scoring holds each round on the hosts: the driver checks each replica's pseudo-gradient against
     # the hosts' θ minus its stages' last inner step recomputed; an honest run passes it (and loses
     # nothing), a worker sending a random pseudo-gradient of its honest norm is caught at the first
     # round's end, its replica gets no weight in that round and the job goes on without it
     sync = SyncConfig("diloco", inner_steps=H)
     spec = spec_for(seed=8)
-    result, events = asyncio.run(train(swarm, {**job(spec, sync), "contrib_policy": "score"}))
+    result, events = asyncio.run(train(debug_swarm, {**job(spec, sync), "contrib_policy": "score"}))
     assert not [e for e in events if e["type"] == "event" and e.get("kind") in ("caught", "failure")]
     # 16 inner-step transitions (test above) + 2 rounds x 4 stages at the round ends
     assert result["verify"]["transitions"] == 16 + 8 and result["verify"]["transitions_caught"] == 0
@@ -165,11 +142,11 @@ def test_diloco_pseudo_gradient_liar_is_caught_at_the_round_end(swarm):
 
     async def on_plan(ev: dict) -> None:
         if ev["type"] == "plan" and not liar:
-            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
-            set_liar(swarm, victim, {"kind": "random_pseudo_gradient"})
+            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != debug_swarm.ready[0]["peer_id"])
+            set_liar(debug_swarm, victim, {"kind": "random_pseudo_gradient"})
             liar.append(victim)
 
-    result, events = asyncio.run(train(swarm, {**job(spec, sync), "contrib_policy": "score"}, on_plan))
+    result, events = asyncio.run(train(debug_swarm, {**job(spec, sync), "contrib_policy": "score"}, on_plan))
     caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
     assert [e["peer"] for e in caught] == liar, caught
     assert "failed a pseudo-gradient check" in caught[0]["reason"], caught[0]["reason"]
@@ -180,4 +157,4 @@ def test_diloco_pseudo_gradient_liar_is_caught_at_the_round_end(swarm):
     assert scored[0]["verdict"][replica] == 0.0, scored[0]
     steps = [e for e in events if e["type"] == "step"]
     assert [e["step"] for e in steps] == list(range(spec.steps))  # the round stood: none replayed
-    set_liar(swarm, None, None)
+    set_liar(debug_swarm, None, None)

@@ -1,7 +1,7 @@
 """The driver's spot-checks of a job's work (fusionnode/verify/), wired into its steps.
 
 `job_policy` resolves `--verify-policy` / `--verify-rate` for a job (off with a notice when its links
-use error feedback; lossy codecs are checked within their own bounds: verify/lossy.py); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
+use error feedback or its rounds close by time; lossy codecs are checked within their own bounds: verify/lossy.py); `start` makes the job's `Verifier`; the stepper calls `before_step`, `fed` (each input
 and target it sends), `prefetch` (once the stages run), then after the stages reported:
 
 - with offload (`deferred`): `launch` before the optimizer (the draw, the checked stages'
@@ -42,7 +42,7 @@ import torch
 
 from fusionnode.compress.link import LinkOptions
 from fusionnode.errors import ConfigError, FusionNodeError
-from fusionnode.sync import SyncConfig
+from fusionnode.sync import SyncConfig, time_close_checks_refusal
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, Failure, Rpc, StageAssignment
 
@@ -67,6 +67,15 @@ def job_policy(params: dict[str, Any], config: Any, spec: Any) -> tuple[Any, str
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     sync = SyncConfig.from_dict(params.get("sync"))
+    if sync.round_close == "time":
+        time_close_checks_refusal(params.get("verify_policy"))  # sample|all: refused up front
+        if policy.on:  # auto in a public swarm
+            reason = (
+                "spot-checks are off for this job: --round-close time closes rounds without them "
+                "(use --round-close steps to check the work)"
+            )
+            return dataclasses.replace(policy, policy="off", rate=0.0, grad_rate=0.0), reason
+        return policy, None
     if policy.on and sync.rounds and params.get("verify_policy") is None:
         # the round modes' checks (verify/inner.py) are opt-in: asked for (--verify-policy sample|all)
         # they run; auto leaves them off until they have held in every recovery path

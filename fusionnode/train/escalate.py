@@ -182,6 +182,33 @@ def shape(pipelines: Sequence[Any]) -> list[tuple[tuple[str, ...], tuple[int, ..
     return [(tuple(p.peers), tuple(p.bounds), int(p.samples)) for p in pipelines]
 
 
+async def _score_off_loop(
+    job: Any,
+    run: Any,
+    doc: Mapping[str, Any],
+    candidate: Sequence[Any],
+    hosts: Sequence[str],
+    cheap: Sequence[Any] | None = None,
+) -> tuple[float, float]:
+    """`score` of the job's pipelines against `candidate` for `run`'s traced graph, in a thread (the
+    planner's cost model takes a while; the driver's loop goes on)."""
+    import asyncio
+
+    spec = job.spec
+    return await asyncio.to_thread(
+        score,
+        run.traced.graph,
+        doc,
+        job.pipelines,
+        candidate,
+        hosts,
+        spec.model,
+        spec.batch_size,
+        run.seq_len,
+        cheap,
+    )
+
+
 class Escalator:
     """One run's escalation state: the streak of checks at which the planner's layout won."""
 
@@ -290,11 +317,12 @@ class Escalator:
         per pipeline, with `shares`) also wins under the planner's cost model at the measured speeds,
         by min(ESCALATE_GAIN, the job's threshold), for a planner's job (others: always). The move's
         own model prices an unmeasured spare by its advertisement, blind to cores it shares with the
-        plan's peers (on one machine a spare adds none), and the planner left it idle for a reason."""
-        import asyncio
+        plan's peers (on one machine a spare adds none), and the planner left it idle for a reason.
+        A ring job (--offload off): always, as `check` never escalates it; the planner's model
+        prices optimizer hosts, which such a job has none of."""
         import dataclasses
 
-        if pinned(run.strategy, run.params):
+        if pinned(run.strategy, run.params) or not job.offload:
             return True
         doc, _workers, hosts = await self.cluster(recovery, job, run, workers, run.speeds())
         moved = [
@@ -303,18 +331,7 @@ class Escalator:
                 job.pipelines, layouts, list(shares) or [p.samples for p in job.pipelines], strict=True
             )
         ]
-        spec = job.spec
-        cur_s, new_s = await asyncio.to_thread(
-            score,
-            run.traced.graph,
-            doc,
-            job.pipelines,
-            moved,
-            hosts,
-            spec.model,
-            spec.batch_size,
-            run.seq_len,
-        )
+        cur_s, new_s = await _score_off_loop(job, run, doc, moved, hosts)
         gain = 1.0 - new_s / cur_s if cur_s > 0 else 0.0
         bar = min(ESCALATE_GAIN, run.min_gain)
         ok = gain >= bar
@@ -342,7 +359,6 @@ class Escalator:
     ) -> tuple[Escalation, list[Any]]:
         """The planner's layout over the live workers at the measured speeds, and the decision (the
         current layout scored as the better of itself and `cheap`)."""
-        import asyncio
 
         doc, workers, hosts = await self.cluster(recovery, job, run, workers, speeds)
         graph = run.traced.graph
@@ -350,18 +366,7 @@ class Escalator:
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(
             run.strategy, spec, graph, workers, {**run.params, "cluster": doc}, True, run.seq_len
         )
-        cur_s, new_s = await asyncio.to_thread(
-            score,
-            graph,
-            doc,
-            job.pipelines,
-            pipelines,
-            hosts,
-            spec.model,
-            spec.batch_size,
-            run.seq_len,
-            cheap,
-        )
+        cur_s, new_s = await _score_off_loop(job, run, doc, pipelines, hosts, cheap)
         times = [r["step_time_s"] for r in job.history[-STEP_TIME_STEPS:]]
         esc = decide_escalation(
             cur_s,

@@ -18,7 +18,6 @@ each stage does on the workers: `runtime/rounds.py`); the job's last round is in
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
@@ -29,10 +28,9 @@ from typing import Any
 import torch
 
 from fusionnode.errors import ConfigError
-from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
+from fusionnode.optim.rounds import RoundCombiner, pseudo_gradient
 from fusionnode.sync import SyncConfig
-from fusionnode.train.data import BatchSource
-from fusionnode.train.local import DivergenceError, build_job_model, evaluate, make_optimizer
+from fusionnode.train.local import DivergenceError, evaluate
 from fusionnode.train.spec import JobSpec
 
 
@@ -110,32 +108,19 @@ def replay_rounds(
     """Rounds closed by time, replaying `schedule`; emits one record per round (its last step of the
     fastest replica, the token-weighted loss, each replica's steps, tokens and loss). Returns (the
     rounds' losses, the validation loss, θ, the combiner)."""
-    from fusionnode.train.replicas import _divisor_at_most, _replica_step
+    from fusionnode.train.replicas import _replica_step, _round_replicas, install_theta, settle_replica
 
     replicas = len(shares)
     schedule = check_schedule(spec, sync, replicas, schedule)
     h = sync.inner_steps
-    base = build_job_model(spec)
-    source = BatchSource.from_spec(spec, seq_len)
-    models = [copy.deepcopy(base) for _ in range(replicas)]
-    for mdl in models:
-        mdl.train()
-    opts = [make_optimizer(mdl, spec) for mdl in models]
-    theta = {n: p.detach().clone().float() for n, p in base.named_parameters() if p.requires_grad}
-    senders = [ReplicaSync(sync) for _ in range(replicas)]
-    host = RoundCombiner(sync, replicas)
-    ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
-    starts = [dict(theta) for _ in range(replicas)]
-    ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+    source, models, opts, theta, senders, host, ms, starts, ends = _round_replicas(
+        spec, sync, shares, seq_len
+    )
     pending = [False] * replicas
     losses: list[float] = []
 
     def settle(r: int) -> None:  # θ_r ← θ_global + (θ_r − θ_end,r), θ_start,r ← θ_global
-        with torch.no_grad():
-            for n, p in models[r].named_parameters():
-                if n in theta:
-                    p.copy_(theta[n] + (p.detach().float() - ends[r][n]))
-                    starts[r][n] = theta[n].clone()
+        settle_replica(models[r], theta, starts[r], ends[r])
         pending[r] = False
 
     for q, counts in enumerate(schedule):
@@ -165,11 +150,7 @@ def replay_rounds(
         theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
         host.close(theta)
         if not sync.overlap or last:
-            with torch.no_grad():
-                for mdl in models:
-                    for n, p in mdl.named_parameters():
-                        if n in theta:
-                            p.copy_(theta[n])
+            install_theta(models, theta)
         else:
             pending = [True] * replicas
         tokens = sum(x["tokens"] for x in reps)

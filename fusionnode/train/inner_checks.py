@@ -31,8 +31,13 @@ TRANSITION_MB = -2  # the selector's "micro-batch" of a transition check (-1: th
 ROUND_END_MB = -3  # the selector's "micro-batch" of a round's last inner step and pseudo-gradient
 # a pseudo-gradient against θ_start − θ_end recomputed, relative to its norm, per --sync-codec: raw
 # float32 differs only by the rounding of the workers' and hosts' θ_start (measured: 0 in the tests),
-# fp16 by its 2^-11 relative step, q8 by 1/254 of each block's scale per element
-DELTA_REL_TOL = {"raw": 1e-3, "fp16": 2e-3, "q8": 2e-2}
+# fp16 by its 2^-11 relative step; q8 is checked per row and element instead (`q8_mismatch`)
+DELTA_REL_TOL = {"raw": 1e-3, "fp16": 2e-3}
+# q8 (per-row absmax, round to nearest: compress/quant.py): the recompute's slack, relative, on each
+# row's scale and each element (raw's tolerance: a CUDA worker's last inner step, recomputed on the
+# driver's CPU, is within 1e-3 of that step's update); GRID_SLACK grid units for the division's rounding
+Q8_SLACK = 1e-3
+GRID_SLACK = 1e-3
 
 
 _TAGS = itertools.count(secrets.randbelow(1 << 40))  # job.fetch tags: each used once per driver process
@@ -54,6 +59,138 @@ async def fetch_stage(t: Any, job_id: str, a: Any, what: str, timeout_s: float) 
         )
         got.update(decode_checked(msg, specs, None, src))
     return got
+
+
+def delta_mismatch(
+    codec: str, delta: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
+) -> tuple[str, float]:
+    """('', relative error) when the pseudo-gradient `delta` the hosts received is `want` (θ_start −
+    θ_end recomputed) as the sync codec `codec` sends it, else (why not, relative error)."""
+    norm = sum(float(w.double().pow(2).sum()) for w in want.values()) ** 0.5
+    err = sum(float((delta[n].double() - want[n].double()).pow(2).sum()) for n in want) ** 0.5
+    rel = err / max(norm, 1e-30)
+    if codec not in DELTA_REL_TOL:  # q8
+        for n in sorted(want):
+            why = q8_mismatch(delta[n], want[n])
+            if why:
+                return f"{n}: {why}", rel
+        return "", rel
+    tol = DELTA_REL_TOL[codec]
+    if err > tol * norm + 1e-12:
+        return f"relative error {rel:.3g}, tolerance {tol:g}", rel
+    return "", rel
+
+
+def q8_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    """'' when `got` (a q8 message decoded) is the q8 encoding of `want` up to the recompute's slack:
+    each row's scale (its largest |value| / 127) that of `want`, each element within half a grid step
+    of its recomputed value (round to nearest); else why not. A flat relative-L2 tolerance let a
+    pseudo-gradient scaled by 1.9% through every round; the scale test stops a 0.2% one."""
+    from fusionnode.compress.quant import QMAX, quant_rows
+
+    rows, row_len = quant_rows(tuple(want.shape))
+    if rows == 0:
+        return ""
+    q = QMAX["q8"]
+    y = want.detach().double().reshape(rows, row_len)
+    g = got.detach().double().reshape(rows, row_len)
+    rms = float(y.pow(2).mean().sqrt())
+    s_want = y.abs().amax(dim=1) / q
+    s_got = g.abs().amax(dim=1) / q
+    off = (s_got - s_want).abs() - Q8_SLACK * (s_want + rms / q)
+    if bool((off > 0).any()):
+        r = int(off.argmax())
+        return f"row {r}'s scale {float(s_got[r]):.6g} instead of max|Δ|/{q} = {float(s_want[r]):.6g}"
+    bound = (0.5 + GRID_SLACK) * s_want.unsqueeze(1) + Q8_SLACK * (y.abs() + rms)
+    far = (g - y).abs() > bound
+    if bool(far.any()):
+        return f"{int(far.sum())} elements off the q8 grid point nearest the recomputed value"
+    return ""
+
+
+class RoundEnd:
+    """One round's drawn round-end checks (`Transitions.round_end_checks`): the drawn stages' fetches
+    start together once the round is complete on the hosts (`start`) and must end within one deadline
+    inside the scoring budget; `check` judges a replica's once the hosts' θ and its Δ are in. A drawn
+    check that did not finish leaves its replica out of the round (`unfinished`), whatever happens to
+    the scoring; a worker that did not answer in time is caught, as an unanswered audit is."""
+
+    def __init__(self, tr: Transitions, job: Any, run: Any, step: int, todo: list, deadline_s: float) -> None:
+        self.tr, self.job, self.run, self.step = tr, job, run, step
+        self.todo = todo  # [(assignment, its commitments at `step`, its commit arguments)]
+        self.deadline_s = deadline_s
+        self.fetches: dict[int, asyncio.Task[Any]] = {}  # stage -> its fetch
+        self.ended: set[int] = set()  # stages whose check ended (passed or caught)
+        self.caught: dict[str, str] = {}  # peer -> why
+
+    @property
+    def replicas(self) -> set[int]:
+        return {a.replica for a, _, _ in self.todo}
+
+    def start(self) -> None:
+        for a, commit, _args in self.todo:
+            if a.stage not in self.fetches:
+                coro = self.tr._round_end_fetch(self.job, self.step, a, commit, self.deadline_s)
+                self.fetches[a.stage] = asyncio.ensure_future(coro)
+
+    def _end(self, a: Any, why: str) -> None:
+        if a.stage in self.ended:
+            return
+        self.ended.add(a.stage)
+        self.tr.v.totals["transitions"] += 1
+        if why:
+            self.caught[a.peer] = why
+            self.tr.v.totals["transitions_caught"] += 1
+
+    async def check(
+        self, replica: int, theta: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
+    ) -> dict[str, str]:
+        """Replica `replica`'s drawn checks against its pseudo-gradient `delta`; peer -> why caught."""
+        self.start()
+        out: dict[str, str] = {}
+        for a, _commit, args in self.todo:
+            if a.replica != replica:
+                continue
+            got = await self.fetches[a.stage]
+            if isinstance(got, str):
+                why = got
+            else:
+                judge = self.tr._round_end_judge
+                why = await asyncio.to_thread(
+                    judge, self.job, self.run, self.step, a, got, args, theta, delta
+                )
+            self._end(a, why)
+            if why:
+                out[a.peer] = why
+        return out
+
+    def settle(self) -> tuple[dict[str, str], set[int], set[int]]:
+        """Once the scoring ended (or failed, or overran): the workers caught (a fetch that failed, or
+        had no answer, within its deadline included), the replicas with a drawn check that did not
+        pass, and of those the ones whose every drawn worker showed its committed snapshot (only the
+        driver's comparison is missing)."""
+        answered: set[int] = set()
+        for a, _commit, _args in self.todo:
+            task = self.fetches.get(a.stage)
+            ok = task is not None and task.done() and not task.cancelled() and task.exception() is None
+            if a.stage not in self.ended and ok and isinstance(task.result(), str):
+                self._end(a, task.result())
+        self.cancel()
+        out = {a.replica for a, _, _ in self.todo if a.stage not in self.ended or a.peer in self.caught}
+        for r in out:
+            mine = [(a, self.fetches.get(a.stage)) for a, _, _ in self.todo if a.replica == r]
+            if all(
+                a.peer not in self.caught and t is not None and t.done() and not t.cancelled()
+                and t.exception() is None and isinstance(t.result(), dict)
+                for a, t in mine
+            ):  # fmt: skip
+                answered.add(r)
+        return dict(self.caught), out, answered
+
+    def cancel(self) -> None:
+        for task in self.fetches.values():
+            if not task.done():
+                task.cancel()
 
 
 def transition_rate(grad_rate: float) -> float:
@@ -143,63 +280,48 @@ class Transitions:
     def _margin(self, key: str, rel: float) -> None:
         self.v.totals[key] = max(self.v.totals[key], float(rel))
 
-    async def round_end(
-        self, job: Any, run: Any, replica: int, theta: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]
-    ) -> dict[str, str]:
-        """--sync diloco with the round held (scoring): replica `replica`'s pseudo-gradient `delta`,
-        as the hosts received it, against θ_start − θ_end, θ_start the hosts' `theta` and θ_end the
-        round's last inner step (the step checked last) recomputed from what each drawn stage of the replica committed
-        to at that step; peer -> why caught. Drawn by the secret after the pseudo-gradients arrived."""
+    def round_end_checks(self, job: Any, run: Any, deadline_s: float) -> RoundEnd | None:
+        """--sync diloco with the round held (scoring): the round-end checks drawn (by the secret,
+        after the pseudo-gradients arrived) among the stages that committed to the round's last inner
+        step (the step this run checked last); None when none applies. Drawn before any fetch."""
         if job.sync.mode != "diloco" or run.names_by_stage is None:
-            return {}  # sparseloco: its message goes through the replica's error feedback (not committed)
+            return None  # sparseloco: its message goes through the replica's error feedback (not committed)
         steps = {c[0] for c in self.commits.values()}
         step = max(steps, default=-1)  # the step this run checked last: the round's closing one
         if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
-            return {}
+            return None
         h = job.sync.inner_steps
         if job.sync.overlap and step >= h and step % h < job.sync.delay:
-            return {}  # --sync-overlap: the close re-based θ on the previous round's result before its Δ
+            return None  # --sync-overlap: the close re-based θ on the previous round's result before its Δ
         todo = []
         for a in run.stage_args:
             mine, args = self.commits.get(a.stage), self.args.get(a.stage)
-            if a.replica != replica or mine is None or mine[:3] != (step, job.plan_version, a.peer):
+            if mine is None or mine[:3] != (step, job.plan_version, a.peer):
                 continue
             if (
                 args is not None
                 and args[0] == step
                 and self.v.selector.draw(step, a.stage, ROUND_END_MB)
-                < (transition_rate(self.v.policy.grad_rate))
+                < transition_rate(self.v.policy.grad_rate)
             ):
                 todo.append((a, mine[3], args))
-        caught: dict[str, str] = {}
-        tol = DELTA_REL_TOL.get(str(job.sync.codec), DELTA_REL_TOL["q8"])
-        for a, commit, args in todo:
-            try:
-                why = await self._round_end_one(job, run, step, a, commit, args, theta, delta, tol)
-            except (TimeoutError, FusionNodeError, OSError) as exc:
-                why = f"stage {a.stage} did not show its round's last inner step {step}: {exc}"
-            self.v.totals["transitions"] += 1
-            if why:
-                caught[a.peer] = why
-                self.v.totals["transitions_caught"] += 1
-        return caught
+        return RoundEnd(self, job, run, step, todo, deadline_s) if todo else None
 
-    async def _round_end_one(
-        self,
-        job: Any,
-        run: Any,
-        step: int,
-        a: Any,
-        commit: dict,
-        args: tuple,
-        theta: dict,
-        delta: dict,
-        tol: float,
-    ) -> str:
+    async def _round_end_fetch(
+        self, job: Any, step: int, a: Any, commit: dict, deadline_s: float
+    ) -> dict[str, dict[str, torch.Tensor]] | str:
+        """Stage `a`'s snapshot of the round's last inner step, checked against its commitments (its
+        parts), or why the worker is caught: no answer within `deadline_s` included."""
         what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
         if any(k not in commit for k in ("params", "opt", "grads")):
             return f"{what}: it did not commit to its inner state"
-        got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
+        try:
+            got = await asyncio.wait_for(
+                fetch_stage(self.v.t, job.spec.job_id, a, "inner", deadline_s), deadline_s
+            )
+        except (TimeoutError, FusionNodeError, OSError) as exc:
+            why = str(exc) or f"no answer within {deadline_s:.3g} s"
+            return f"stage {a.stage} did not show its round's last inner step {step}: {why}"
         at = got.pop("at", None)
         if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != step:
             return f"{what}: it showed no snapshot of that step"
@@ -211,33 +333,32 @@ class Transitions:
         ):
             if digest_tensors(parts[part]) != digest:
                 return f"{what}: it showed a {part} other than it committed to"
+        return parts
+
+    def _round_end_judge(
+        self, job: Any, run: Any, step: int, a: Any, parts: dict, args: tuple, theta: dict, delta: dict
+    ) -> str:
+        """'' when replica `a`'s pseudo-gradient on stage `a`'s names is θ_start − θ_end recomputed."""
+        from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+        what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
         names = [n for n in run.names_by_stage.get(a.stage, []) if n in theta and n in delta]
         _step, lr, clip, shared = args
-
-        def judge() -> str:
-            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
-
-            prev = parts["prev/param"]
-            trained = {
-                n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]
-            }
-            cfg = job_optimizer_config(a.spec, trained)
-            end, _state = inner.expected_step(
-                prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
+        prev = parts["prev/param"]
+        trained = {n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]}
+        cfg = job_optimizer_config(a.spec, trained)
+        end, _state = inner.expected_step(
+            prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
+        )
+        want = {n: theta[n].float() - end[n].float() for n in names}
+        why, rel = delta_mismatch(str(job.sync.codec), {n: delta[n] for n in names}, want)
+        if why:
+            return (
+                f"{what} failed a pseudo-gradient check: its round's contribution differs from the "
+                f"hosts' round start minus its recomputed last inner step ({why})"
             )
-            want = {n: theta[n].float() - end[n].float() for n in names}
-            norm = sum(float(w.double().pow(2).sum()) for w in want.values()) ** 0.5
-            err = sum(float((delta[n].double() - want[n].double()).pow(2).sum()) for n in names) ** 0.5
-            if err > tol * norm + 1e-12:
-                return (
-                    f"{what} failed a pseudo-gradient check: its round's contribution differs from the "
-                    f"hosts' round start minus its recomputed last inner step (relative error "
-                    f"{err / max(norm, 1e-30):.3g}, tolerance {tol:g})"
-                )
-            self._margin("round_end_max_rel_err", err / max(norm, 1e-30))
-            return ""
-
-        return await asyncio.to_thread(judge)
+        self._margin("round_end_max_rel_err", rel)
+        return ""
 
     async def _one(
         self, job: Any, t: int, a: Any, before: dict[str, Any], after: dict[str, Any], args: tuple
@@ -295,4 +416,14 @@ class Transitions:
         return await asyncio.to_thread(judge)
 
 
-__all__ = ["DELTA_REL_TOL", "ROUND_END_MB", "TRANSITION_MB", "Transitions", "fetch_stage", "transition_rate"]
+__all__ = [
+    "DELTA_REL_TOL",
+    "ROUND_END_MB",
+    "TRANSITION_MB",
+    "RoundEnd",
+    "Transitions",
+    "delta_mismatch",
+    "fetch_stage",
+    "q8_mismatch",
+    "transition_rate",
+]

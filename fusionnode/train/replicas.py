@@ -202,6 +202,63 @@ def train_local_replicas(
     return res
 
 
+def _round_replicas(
+    spec: JobSpec, sync: SyncConfig, shares: list[int], seq_len: int
+) -> tuple[
+    BatchSource,
+    list[nn.Module],
+    list[torch.optim.Optimizer],
+    dict[str, torch.Tensor],
+    list[ReplicaSync],
+    RoundCombiner,
+    list[int],
+    list[dict[str, torch.Tensor]],
+    list[dict[str, torch.Tensor]],
+]:
+    """The round modes' replicas, as `_round_modes` and `free_rounds_local` start them: the data
+    source, R copies of the job's model (in train mode) with their inner optimizers, θ (float32),
+    each replica's sender, the host's combiner, each replica's micro-batch count, and for
+    --sync-overlap each replica's θ_start (θ) and θ_end (empty)."""
+    replicas = len(shares)
+    base = build_job_model(spec)
+    source = BatchSource.from_spec(spec, seq_len)
+    models = [copy.deepcopy(base) for _ in range(replicas)]
+    for mdl in models:
+        mdl.train()
+    opts = [make_optimizer(mdl, spec) for mdl in models]
+    theta = {n: p.detach().clone().float() for n, p in base.named_parameters() if p.requires_grad}
+    senders = [ReplicaSync(sync) for _ in range(replicas)]
+    host = RoundCombiner(sync, replicas)
+    ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
+    starts = [dict(theta) for _ in range(replicas)]
+    ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
+    return source, models, opts, theta, senders, host, ms, starts, ends
+
+
+def settle_replica(
+    model: nn.Module,
+    theta: dict[str, torch.Tensor],
+    start: dict[str, torch.Tensor],
+    end: dict[str, torch.Tensor],
+) -> None:
+    """--sync-overlap's late update of one replica: θ_r ← θ_global + (θ_r − θ_end,r) and
+    θ_start,r ← θ_global (`start` is updated in place)."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in theta:
+                p.copy_(theta[n] + (p.detach().float() - end[n]))
+                start[n] = theta[n].clone()
+
+
+def install_theta(models: Sequence[nn.Module], theta: dict[str, torch.Tensor]) -> None:
+    """Every replica takes θ_global (the parameters in `theta`; the others are left as they are)."""
+    with torch.no_grad():
+        for mdl in models:
+            for n, p in mdl.named_parameters():
+                if n in theta:
+                    p.copy_(theta[n])
+
+
 def _round_modes(
     spec: JobSpec,
     sync: SyncConfig,
@@ -216,30 +273,16 @@ def _round_modes(
 ) -> ReplicasResult:
     """diloco / sparseloco: R model copies, each with its own inner optimizer, synced by rounds."""
     replicas = len(shares)
-    base = build_job_model(spec)
-    source = BatchSource.from_spec(spec, seq_len)
-    models = [copy.deepcopy(base) for _ in range(replicas)]
-    for mdl in models:
-        mdl.train()
-    opts = [make_optimizer(mdl, spec) for mdl in models]
-    theta = {n: p.detach().clone().float() for n, p in base.named_parameters() if p.requires_grad}
-    senders = [ReplicaSync(sync) for _ in range(replicas)]
-    host = RoundCombiner(sync, replicas)
-    ms = [_divisor_at_most(s, spec.micro_batches) for s in shares]
+    source, models, opts, theta, senders, host, ms, starts, ends = _round_replicas(
+        spec, sync, shares, seq_len
+    )
     tokens_in_round = [0] * replicas
     losses: list[float] = []
-    # --sync-overlap: each replica's θ_start and θ_end, and whether the last round's update is due
-    starts = [dict(theta) for _ in range(replicas)]
-    ends: list[dict[str, torch.Tensor]] = [{} for _ in range(replicas)]
-    pending = False
+    pending = False  # --sync-overlap: whether the last round's update is due
 
     def settle() -> None:  # θ_i ← θ_global + (θ_i − θ_end,i), θ_start,i ← θ_global
-        with torch.no_grad():
-            for r in range(replicas):
-                for n, p in models[r].named_parameters():
-                    if n in theta:
-                        p.copy_(theta[n] + (p.detach().float() - ends[r][n]))
-                        starts[r][n] = theta[n].clone()
+        for r in range(replicas):
+            settle_replica(models[r], theta, starts[r], ends[r])
 
     for step in range(spec.steps):
         t0 = time.perf_counter()
@@ -291,11 +334,7 @@ def _round_modes(
             settles = sync.settles_at_close(step, spec.steps, spec.save_every if spec.save_dir else 0)
             pending = sync.overlap and not settles
             if not sync.overlap or settles:
-                with torch.no_grad():
-                    for mdl in models:
-                        for n, p in mdl.named_parameters():
-                            if n in theta:
-                                p.copy_(theta[n])
+                install_theta(models, theta)
                 if sync.overlap:  # the next round's Δ is taken from θ_global
                     starts = [dict(theta) for _ in range(replicas)]
             tokens_in_round = [0] * replicas

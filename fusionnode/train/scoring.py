@@ -22,9 +22,11 @@ longer than SCORE_BUDGET x the step timeout, sends the verdict "all kept" (the f
 the round) rather than leaving the round held, but for a replica a round-end check caught.
 
 With spot-checks on, step 2 also checks each replica's pseudo-gradient against the hosts' θ minus
-its stages' last inner step recomputed (`Transitions.round_end`, train/inner_checks.py; diloco): a
-replica whose worker fails it gets weight 0 and the worker is banned after the round
-(`Stepper.caught_at_round_end`). A `scored` event records each round: scores, verdict, weights.
+its stages' last inner step recomputed (`Transitions.round_end_checks`, train/inner_checks.py;
+diloco), drawn before any fetch, the drawn workers' snapshots fetched together within a third of the
+budget: a replica whose worker fails it, or does not answer in time, gets weight 0 and the worker
+is banned after the round (`Stepper.caught_at_round_end`); a replica whose drawn check did not
+finish (the scoring failed or overran first) gets weight 0 too, also in the "all kept" verdict. A `scored` event records each round: scores, verdict, weights.
 """
 
 from __future__ import annotations
@@ -121,12 +123,22 @@ class RoundScorer:
         replicas = len(job.pipelines)
         record: dict[str, Any] = {"round": round_id}
         t0 = time.perf_counter()
+        budget = SCORE_BUDGET * self.timeout_s
+        # the round-end checks, drawn before any fetch; their fetches must end within a third of the
+        # budget (a worker that does not answer is caught, and its replica left out, in time)
+        ends = (
+            run.checks.inner_checks().round_end_checks(job, run, budget / 3)
+            if run.checks is not None
+            else None
+        )
         try:
             # within a budget shorter than the hosts' deadline on the workers' round pulls
-            scored = await asyncio.wait_for(self.score(job, run, round_id), SCORE_BUDGET * self.timeout_s)
+            scored = await asyncio.wait_for(self.score(job, run, round_id, ends), budget)
             weights = [float(w) for w in scored["verdict"]]
             if len(weights) != replicas:
                 raise FusionNodeError(f"a verdict of {len(weights)} weights for {replicas} replicas")
+            if ends is not None:  # every drawn check ended in score(); else its replica is left out
+                weights = self._unchecked_out(run, ends, weights)
             record.update(scored)
         except Exception as exc:  # any failure (a malformed reply too): the round must not stay held
             if isinstance(exc, TimeoutError):
@@ -142,6 +154,11 @@ class RoundScorer:
             self.failed += 1
             dropped = {a.replica for a in run.stage_args if a.peer in self.caught}  # a round-end check's
             weights = [0.0 if r in dropped else 1.0 for r in range(replicas)]
+            if ends is not None:  # a drawn round-end check that did not pass: its replica is left out
+                weights = self._unchecked_out(run, ends, weights)
+        finally:
+            if ends is not None:
+                ends.cancel()
         if scale is not None:
             weights = [w * x for w, x in zip(weights, scale, strict=True)]
         req = jp.OptRoundVerdict(job=job.spec.job_id, round=round_id, weights=weights)
@@ -162,7 +179,20 @@ class RoundScorer:
                 self.dropped[r] = self.dropped.get(r, 0) + 1
         await run.event(job, "scored", **record)
 
-    async def score(self, job: Any, run: Any, round_id: int) -> dict[str, Any]:
+    def _unchecked_out(self, run: Any, ends: Any, weights: list[float]) -> list[float]:
+        """`weights` with weight 0 for each replica whose drawn round-end check did not pass (its
+        worker caught, silent, or not judged yet); the workers caught are recorded. The hosts read a
+        verdict dropping every replica as all kept: when nothing else would be kept, the replicas
+        whose drawn workers all showed their committed snapshots (the driver's own scoring failed
+        before comparing) keep their weight."""
+        caught, unfinished, answered = ends.settle()
+        self.caught.update(caught)
+        out = [0.0 if r in unfinished else w for r, w in enumerate(weights)]
+        if not any(w > 0 for w in out):
+            out = [w if r in answered else o for r, (w, o) in enumerate(zip(weights, out, strict=True))]
+        return out
+
+    async def score(self, job: Any, run: Any, round_id: int, ends: Any = None) -> dict[str, Any]:
         """The base loss, each replica's loss gain on the held-out batch, the verdict, the norms."""
         jid, hosts = job.spec.job_id, list(job.hosts)
         held = await asyncio.gather(
@@ -177,6 +207,8 @@ class RoundScorer:
                 for h in hosts
             )
         )
+        if ends is not None:  # the round is complete on the hosts: the workers hold its last step
+            ends.start()
         specs = {n: {"shape": list(run.full[n].shape), "dtype": "float32"} for n in run.host_of}
         theta = await self.hosts.pull(jid, hosts, run.host_of, specs)  # the round's start: held, not stepped
         n = len(job.pipelines)
@@ -191,8 +223,8 @@ class RoundScorer:
             base += loss0
             for r in range(n):  # one replica at a time: the driver holds θ and one Δ
                 delta = await self._fetch(job, run, round_id, r)
-                if batches == 0 and run.checks is not None:  # its stages' last inner steps (verify/inner.py)
-                    self.caught.update(await run.checks.inner_checks().round_end(job, run, r, theta, delta))
+                if batches == 0 and ends is not None:  # its stages' last inner steps (verify/inner.py)
+                    self.caught.update(await ends.check(r, theta, delta))
                 scores[r] += loss0 - await asyncio.to_thread(self._loss, theta, delta, step, x, y)
             batches += 1
             if all(a >= self.policy.min_agree for a in agree) or conclusive(scores, self.policy.keep_ratio):

@@ -292,7 +292,7 @@ class Stepper:
                     scoring.cancel()  # the round is redone on the new plan (its contributions dropped)
                 await asyncio.gather(scoring, return_exceptions=True)
                 if run.scorer.caught:  # its replica's round was dropped: ban it, go on without it
-                    caught = await self.caught_at_round_end(job, run, step)
+                    caught = await self.caught_at_round_end(job, run, step, sys.exc_info()[1])
                     if late is not None:
                         caught.errors.update(late.errors)
                     late = caught
@@ -324,9 +324,15 @@ class Stepper:
                     raise res
                 fail.unapplied.add(a.peer)
 
-    async def caught_at_round_end(self, job: Job, run: Run, step: int) -> StepFailed:
+    async def caught_at_round_end(
+        self, job: Job, run: Run, step: int, raised: BaseException | None = None
+    ) -> StepFailed:
         """The workers a round-end check caught (their replicas got no weight in the round): out of
-        the job, and the failure recovery bans them for (the round is applied: the job goes on)."""
+        the job, and the failure recovery bans them for (the round is applied: the job goes on).
+
+        `raised`: the closing commit's own error, going up instead of the returned failure (a host
+        that died recovers the hosts only; any other error ends the job): the caught are banned
+        here, as recovery would have, so the catch is not lost with the returned failure."""
         caught, run.scorer.caught = dict(run.scorer.caught), {}
         for peer, why in sorted(caught.items()):
             run.gone.add(peer)
@@ -334,7 +340,14 @@ class Stepper:
         blame = {
             p: [Failure(ErrorCode.BAD_TENSOR, f"verification: {why}", blame=p)] for p, why in caught.items()
         }
-        return StepFailed(step, blame, [])
+        failed = StepFailed(step, blame, [])
+        if raised is not None:
+            now = time.monotonic()
+            for peer in sorted(caught):
+                ban_s = run.bans.fail(peer, now)
+                run.recent.forget(peer)
+                await run.event(job, "failure", peer=peer, step=step, reason=failed.reason(peer), ban_s=ban_s)
+        return failed
 
     async def gather_or_fail(
         self, job: Job, run: Run, step: int, calls: dict[Any, Any], peer_of: dict[Any, str]

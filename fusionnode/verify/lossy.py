@@ -13,14 +13,17 @@ settings make of `y`, within the codec's own error bound plus the compute tolera
   can at most send as sparsely as a worker on the slowest allowed link), and `k` must be the count
   that ratio gives;
 - raw: the plain comparison (compare.py);
-- fp16: ``||got - y|| <= (2u + rel_tol) ||y||`` with u = 2^-11, float16's unit roundoff;
+- fp16: every element within its own float16 rounding of the recompute, plus the compute's slack:
+  ``|got_i - y_i| <= (u + rel_tol) |y_i| + rel_tol rms(y) + h`` with u = 2^-11, float16's unit
+  roundoff, and h = 2^-25 (half its smallest subnormal step): a per-element bound, so a liar
+  cannot spend a whole tensor's error budget on a few chosen coordinates;
 - topk: the channel means sent must be those of `y` within ``2u + rel_tol`` (relative L2); the
   sent indices must be a valid top-k of the recomputed centered tensor within tolerance (every
   unsent element's magnitude at most the smallest sent one's plus ``rel_tol * max|c|``: exact ties,
   and near-ties a recompute's summation order moves, may go either way); the sent values must be the
-  recomputed ones at those indices within ``2u + rel_tol`` (relative L2; u of the value dtype:
-  2^-11 float16, 2^-8 bfloat16, 0 float32). A 1% scaling moves every sent value by 1e-2, ten times
-  the float16 bound;
+  recomputed ones at those indices, each within its own rounding as fp16's are (u of the value
+  dtype: 2^-11 float16, 2^-8 bfloat16, 0 float32; rms over the whole centered tensor). A 1% scaling
+  moves every sent value by 1e-2, about 17 times the float16 bound;
 - q8/q4 (per-row absmax, Q = 127 / 7): each row's scale must be ``max|y_row| / Q`` within rel_tol
   (a 1% scaling of a row moves it by 1e-2); every element must lie on one of the two grid points
   around its recomputed value (``|got - y| <= s (1 + e)``, e = rel_tol Q + 1e-3 grid units; half a
@@ -50,6 +53,8 @@ from fusionnode.verify.compare import Mismatch, compare_tensor
 Z_LIMIT = 6.0  # standard errors a quantized message's bias / excess-variance statistic may reach
 GRID_SLACK = 1e-3  # grid units of slack on a quantized element's distance to its recomputed value
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 0.0}
+# half the smallest subnormal step: the absolute rounding error of values under the normal range
+SUBNORMAL_HALF_STEP = {"float16": 2.0**-25, "bfloat16": 2.0**-134, "float32": 0.0}
 FLOAT16_MAX = 65504.0
 DITHER_ELEMENTS = 1 << 16  # compress/quant.py _CHUNK_ELEMENTS: its dither block repeats every chunk
 
@@ -109,6 +114,29 @@ def _close(
     return None
 
 
+def _rounded(
+    name: str, got: torch.Tensor, want: torch.Tensor, dtype: str, rel_tol: float, what: str
+) -> Mismatch | None:
+    """Each element of `got` within its own rounding to `dtype` of the recomputed `want`, plus the
+    compute's slack: ``|got_i - y_i| <= (u + rel_tol) |y_i| + rel_tol rms(y) + h`` (u the dtype's unit
+    roundoff, h half its smallest subnormal step). A per-element bound: no error budget over the
+    whole tensor a liar could spend on a few chosen coordinates."""
+    g, w = got.double().reshape(-1), want.double().reshape(-1)
+    if not w.numel():
+        return None
+    rms = float(w.pow(2).mean().sqrt())
+    bound = (UNIT_ROUNDOFF[dtype] + rel_tol) * w.abs() + rel_tol * rms + SUBNORMAL_HALF_STEP[dtype]
+    off = (g - w).abs() - bound
+    if bool((off > 0).any()):
+        i = int(off.argmax())
+        return Mismatch(
+            name,
+            f"{what}: {int((off > 0).sum())} elements beyond their {dtype} rounding, element {i} "
+            f"{float(g[i]):.6g} where the recompute gives {float(w[i]):.6g}",
+        )
+    return None
+
+
 def compare_sent(
     name: str, enc: Any, got: torch.Tensor, want: torch.Tensor, rules: LinkRules, key: str, rel_tol: float
 ) -> Mismatch | None:
@@ -129,9 +157,7 @@ def compare_sent(
     if not bool(torch.isfinite(want).all()):
         return Mismatch(name, "the recompute is not finite")
     if enc.codec == "fp16":
-        return _close(
-            name, got, want.clamp(-FLOAT16_MAX, FLOAT16_MAX), 2 * UNIT_ROUNDOFF["float16"] + rel_tol, "fp16"
-        )
+        return _rounded(name, got, want.clamp(-FLOAT16_MAX, FLOAT16_MAX), "float16", rel_tol, "fp16")
     if enc.codec == "topk":
         return _check_topk(name, enc, want, rules, key, rel_tol)
     return _check_quant(name, enc, got, want, rules, rel_tol)
@@ -180,7 +206,9 @@ def _check_topk(
         return Mismatch(name, f"top-k settings {dict(p)} are not this job's")
     if rules.kind == "topk" and ratio != rules.ratio:
         return Mismatch(name, f"keep ratio {ratio} instead of the job's {rules.ratio}")
-    if not (isinstance(ratio, float | int) and rules.k_min - 1e-9 <= ratio <= 1.0):
+    # the floor is AdaTopK's: a fixed topk:R link sends R as given, even under k_min
+    floor = rules.k_min - 1e-9 if rules.kind == "adatopk" else 0.0
+    if not (isinstance(ratio, float | int) and floor <= ratio <= 1.0):
         return Mismatch(name, f"keep ratio {ratio} under the job's floor {rules.k_min}")
     numel = y.numel()
     row_len = int(y.shape[-1]) if mode_want == "row" else None
@@ -224,8 +252,19 @@ def _check_topk(
     want_vals = c[idx]
     if rules.value_dtype == "float16":
         want_vals = want_vals.clamp(-FLOAT16_MAX, FLOAT16_MAX)
-    floor = rel_tol * float(c.double().pow(2).mean().sqrt()) * math.sqrt(max(1, int(idx.numel())))
-    return _close(name, values, want_vals, 2 * u + rel_tol, "top-k values", floor)
+    # each value within its own rounding of the recomputed one (the compute slack: rms of all of c)
+    rms_c = float(c.double().pow(2).mean().sqrt()) if numel else 0.0
+    off = (values.double() - want_vals.double()).abs() - (
+        (u + rel_tol) * want_vals.double().abs() + rel_tol * rms_c + SUBNORMAL_HALF_STEP[rules.value_dtype]
+    )
+    if bool((off > 0).any()):
+        i = int(off.argmax())
+        return Mismatch(
+            name,
+            f"top-k values: {int((off > 0).sum())} beyond their {rules.value_dtype} rounding, at index "
+            f"{int(idx[i])} {float(values[i]):.6g} where the recompute gives {float(want_vals[i]):.6g}",
+        )
+    return None
 
 
 # ----------------------------------------------------------------- q8 / q4
