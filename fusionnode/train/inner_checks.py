@@ -193,6 +193,43 @@ class RoundEnd:
                 task.cancel()
 
 
+def shown(
+    got: dict[str, torch.Tensor],
+    step: int,
+    what: str,
+    before: dict[str, Any],
+    after: dict[str, Any] | None = None,
+) -> dict[str, dict[str, torch.Tensor]] | str:
+    """A stage's `inner` fetch by part, each checked against its commitment (`before`: the step's
+    params/opt/grads; `after`, a transition check's: the next step's params/opt), or why not."""
+    at = got.pop("at", None)
+    if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != step:
+        return f"{what}: it showed no snapshot of that step"
+    parts = inner.split_fetch(got)
+    commits = [("prev/param", before["params"]), ("prev/opt", before["opt"]), ("prev/grad", before["grads"])]
+    if after is not None:
+        commits += [("now/param", after["params"]), ("now/opt", after["opt"])]
+    for part, digest in commits:
+        if digest_tensors(parts[part]) != digest:
+            return f"{what}: it showed a {part} other than it committed to"
+    return parts
+
+
+def replay(a: Any, parts: dict[str, dict[str, torch.Tensor]], args: tuple) -> tuple[dict, dict]:
+    """Stage `a`'s inner step recomputed from the snapshot it showed (`parts`) and the commit arguments
+    the driver sent (`args`: step, lr, clip, tied-weight sums): inner.expected_step with the job's
+    optimizer over the parameters that carry inner state."""
+    from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
+
+    _step, lr, clip, shared = args
+    prev = parts["prev/param"]
+    trained = {n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]}
+    cfg = job_optimizer_config(a.spec, trained)
+    return inner.expected_step(
+        prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
+    )
+
+
 def transition_rate(grad_rate: float) -> float:
     """The transition checks' rate: twice the gradient checks' (a transition check recomputes no
     micro-batch: the stage's kept state crosses once and the driver runs one optimizer step), so
@@ -322,34 +359,15 @@ class Transitions:
         except (TimeoutError, FusionNodeError, OSError) as exc:
             why = str(exc) or f"no answer within {deadline_s:.3g} s"
             return f"stage {a.stage} did not show its round's last inner step {step}: {why}"
-        at = got.pop("at", None)
-        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != step:
-            return f"{what}: it showed no snapshot of that step"
-        parts = inner.split_fetch(got)
-        for part, digest in (
-            ("prev/param", commit["params"]),
-            ("prev/opt", commit["opt"]),
-            ("prev/grad", commit["grads"]),
-        ):
-            if digest_tensors(parts[part]) != digest:
-                return f"{what}: it showed a {part} other than it committed to"
-        return parts
+        return shown(got, step, what, commit)
 
     def _round_end_judge(
         self, job: Any, run: Any, step: int, a: Any, parts: dict, args: tuple, theta: dict, delta: dict
     ) -> str:
         """'' when replica `a`'s pseudo-gradient on stage `a`'s names is θ_start − θ_end recomputed."""
-        from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
-
         what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
         names = [n for n in run.names_by_stage.get(a.stage, []) if n in theta and n in delta]
-        _step, lr, clip, shared = args
-        prev = parts["prev/param"]
-        trained = {n: {"shape": list(p.shape)} for n, p in prev.items() if f"steps/{n}" in parts["prev/opt"]}
-        cfg = job_optimizer_config(a.spec, trained)
-        end, _state = inner.expected_step(
-            prev, parts["prev/opt"], parts["prev/grad"], shared, clip, lr, lambda m: FlatOptimizer(m, cfg)
-        )
+        end, _state = replay(a, parts, args)
         want = {n: theta[n].float() - end[n].float() for n in names}
         why, rel = delta_mismatch(str(job.sync.codec), {n: delta[n] for n in names}, want)
         if why:
@@ -370,43 +388,16 @@ class Transitions:
         ):
             return f"{what}: it did not commit to its inner state"
         got = await fetch_stage(self.v.t, job.spec.job_id, a, "inner", self.timeout_s)
-        at = got.pop("at", None)
-        if at is None or at.numel() != 1 or int(at.reshape(-1)[0]) != t:
-            return f"{what}: it showed no snapshot of that step"
-        parts = inner.split_fetch(got)
-        for part, digest in (
-            ("prev/param", before["params"]),
-            ("prev/opt", before["opt"]),
-            ("prev/grad", before["grads"]),
-            ("now/param", after["params"]),
-            ("now/opt", after["opt"]),
-        ):
-            if digest_tensors(parts[part]) != digest:
-                return f"{what}: it showed a {part} other than it committed to"
+        parts = shown(got, t, what, before, after)
+        if isinstance(parts, str):
+            return parts
         kind = str(before.get("device") or "cpu")
         if kind != "cpu" and self.v.device_kinds.get(a.peer) != kind:
             kind = "cpu"  # claiming a GPU to be compared more loosely does not work
         tol = inner.TRANSITION_REL_TOL.get(kind, inner.TRANSITION_REL_TOL["cuda"])
-        _step, lr, clip, shared = args
 
         def judge() -> str:
-            from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
-
-            trained = {
-                n: {"shape": list(p.shape)}
-                for n, p in parts["prev/param"].items()
-                if f"steps/{n}" in parts["prev/opt"]
-            }
-            cfg = job_optimizer_config(a.spec, trained)
-            want = inner.expected_step(
-                parts["prev/param"],
-                parts["prev/opt"],
-                parts["prev/grad"],
-                shared,
-                clip,
-                lr,
-                lambda m: FlatOptimizer(m, cfg),
-            )
+            want = replay(a, parts, args)
             why = inner.compare_step(parts["prev/param"], want, (parts["now/param"], parts["now/opt"]), tol)
             if not why:
                 err, size = inner.update_error(parts["prev/param"], want[0], parts["now/param"])
