@@ -48,11 +48,9 @@ def test_two_replicas_of_two_stages_follow_the_local_reference(tmp_path, sync, t
         assert s.net.peers[pid].calls.count(Rpc.JOB_COMMIT) == spec.steps
 
 
-def test_the_fusion_planner_lays_out_replicas_for_a_round_mode(tmp_path):
-    # `--planner fusion --sync sparseloco`: the planner prices the replicas' sync once per round of
-    # H steps (plan/syncprice.py), so over 20 Mbit/s links it runs data-parallel replicas
-    spec = small_spec(steps=4, micro_batches=2)
-    s = Swarm(tmp_path, workers=4, hosts=1)
+def slow_homes_job(s: Swarm, spec, sync: SyncConfig) -> dict:
+    """A `--planner fusion` round-mode job on `s` (4 workers, the rest optimizer hosts) whose cluster
+    document puts 20 Mbit/s links between every two peers."""
     n = len(s.ids)
     cluster = {
         "version": 1,
@@ -68,14 +66,22 @@ def test_the_fusion_planner_lays_out_replicas_for_a_round_mode(tmp_path):
             }
         },
     }
-    sync = SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 16, chunk=256)
-    params = {
+    return {
         "spec": spec.to_dict(),
         "planner": "fusion",
         "offload": "on",
         "cluster": cluster,
         "sync": sync.to_dict(),
     }
+
+
+def test_the_fusion_planner_lays_out_replicas_for_a_round_mode(tmp_path):
+    # `--planner fusion --sync sparseloco`: the planner prices the replicas' sync once per round of
+    # H steps (plan/syncprice.py), so over 20 Mbit/s links it runs data-parallel replicas
+    spec = small_spec(steps=4, micro_batches=2)
+    s = Swarm(tmp_path, workers=4, hosts=1)
+    sync = SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 16, chunk=256)
+    params = slow_homes_job(s, spec, sync)
     asyncio.run(s.driver.run_job(params, s.emit))
     plan = next(e for e in s.events if e["type"] == "plan")
     assert plan["planner"] == "fusion"

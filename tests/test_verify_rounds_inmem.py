@@ -12,6 +12,7 @@ import asyncio
 import pytest
 import torch
 from test_components import Swarm, round_job, small_spec
+from test_sync_components import slow_homes_job
 
 from fusionnode.optim.optimizers import FlatOptimizer, job_optimizer_config
 from fusionnode.sync import SyncConfig
@@ -72,30 +73,8 @@ def test_the_fusion_planners_empty_stages_pass_their_checks(tmp_path):
     # stage of no parameter; with every check on, none is caught and no round is redone
     spec = small_spec(steps=4, micro_batches=2)
     s = Swarm(tmp_path, workers=4, hosts=1)
-    n = len(s.ids)
-    cluster = {
-        "version": 1,
-        "name": "slow-homes",
-        "devices": [
-            {"id": pid, "tflops": 0.05, "memory_gb": 4.0, "roles": ["worker"] if i < 4 else ["optimizer"]}
-            for i, pid in enumerate(s.ids)
-        ],
-        "links": {
-            "matrix": {
-                "bandwidth_gbps": [[1.0 if i == j else 0.02 for j in range(n)] for i in range(n)],
-                "latency_ms": [[0.0] * n for _ in range(n)],
-            }
-        },
-    }
     sync = SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 16, chunk=256)
-    params = {
-        "spec": spec.to_dict(),
-        "planner": "fusion",
-        "offload": "on",
-        "cluster": cluster,
-        "sync": sync.to_dict(),
-        "verify_policy": "all",
-    }
+    params = {**slow_homes_job(s, spec, sync), "verify_policy": "all"}
     result = asyncio.run(s.driver.run_job(params, s.emit))
     assert bad_events(s) == []
     assert result["verify"]["transitions"] > 0 and result["verify"]["transitions_caught"] == 0
