@@ -42,6 +42,20 @@ def keep_ratios(metrics_path) -> list[float]:
     return out
 
 
+def scale_liar_on_plan(swarm, liar: list[str]):
+    """An event callback that, at the first plan, makes a worker other than the driver's peer scale
+    what it sends by 1% (the debug liar) and appends its peer id to `liar`."""
+
+    async def on_plan(ev: dict) -> None:
+        if ev["type"] == "plan" and not liar:
+            victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
+            i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
+            (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
+            liar.append(victim)
+
+    return on_plan
+
+
 def test_adatopk_links_are_checked_honest_passes_and_a_one_percent_liar_is_caught(tmp_path):
     swarm = LocalSwarm(tmp_path, 3, log=sys.stderr)
     swarm.extra_args = ["--debug"]
@@ -72,13 +86,7 @@ def test_adatopk_links_are_checked_honest_passes_and_a_one_percent_liar_is_caugh
         # 2. a worker other than the driver's peer scales what it sends by 1% from its first step
         spec = spec_for(tmp_path, "liar", compress="adatopk", steps=8, seed=6)
         liar: list[str] = []
-
-        async def on_plan(ev: dict) -> None:
-            if ev["type"] == "plan" and not liar:
-                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
-                i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
-                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
-                liar.append(victim)
+        on_plan = scale_liar_on_plan(swarm, liar)
 
         result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}, on_plan))
         caught = [e for e in events if e["type"] == "event" and e.get("kind") == "caught"]
@@ -128,13 +136,7 @@ def test_round_mode_with_adatopk_links_checked_honest_passes_and_a_liar_is_banne
 
         spec = spec_for(tmp_path, "liar", compress="adatopk", steps=8, seed=6)
         liar: list[str] = []
-
-        async def on_plan(ev: dict) -> None:
-            if ev["type"] == "plan" and not liar:
-                victim = next(s["peer"] for s in ev["stages"] if s["peer"] != swarm.ready[0]["peer_id"])
-                i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == victim)
-                (swarm.state_dir(i) / "debug_lie").write_text(json.dumps({"kind": "scale", "factor": 1.01}))
-                liar.append(victim)
+        on_plan = scale_liar_on_plan(swarm, liar)
 
         result, events = asyncio.run(train(swarm, {"spec": spec.to_dict(), **base}, on_plan))
         evs = [e for e in events if e["type"] == "event"]
