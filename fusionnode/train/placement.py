@@ -450,7 +450,10 @@ class Placement:
 
     async def propose(self, stage_args: list[StageAssignment], metrics: Any, emit: Any) -> list[str]:
         results = await asyncio.gather(
-            *(jp.call(self.t, a.peer, Rpc.JOB_ASSIGN, a) for a in stage_args), return_exceptions=True
+            # a re-sent assignment replaces the one held (rpc_assign): a stream reset asks once more,
+            # it does not count as a refusal
+            *(jp.call(self.t, a.peer, Rpc.JOB_ASSIGN, a, idempotent=True) for a in stage_args),
+            return_exceptions=True,
         )
         refused = []
         for a, res in zip(stage_args, results, strict=True):
