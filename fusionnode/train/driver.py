@@ -20,8 +20,8 @@ Optimizer, two ways (the same math):
 The life cycle reads top to bottom in `Driver.run_job`; the parts live apart: `train/state.py`
 (the job's books), `train/placement.py` (layout -> stage assignments, propose, ship, release),
 `train/step.py` (one step: the stages' reports or a typed failure), `train/recovery.py` (blame,
-bans, re-plans), `train/checkpoint.py` (what a checkpoint holds) and `optim/client.py` (the
-optimizer hosts). The messages between them and the peers are `wire/job.py`'s.
+bans, re-plans), `train/checkpoint.py` (what a checkpoint holds), `train/finish.py` (the result)
+and `optim/client.py` (the optimizer hosts). The messages between them and the peers are `wire/job.py`'s.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from fusionnode.train.checkpoint import (
     save_at,
     save_job,
 )
+from fusionnode.train.finish import canonical_names, finish_job
 from fusionnode.train.jobdefaults import job_defaults
 from fusionnode.train.placement import (
     PLANNERS,
@@ -160,7 +161,7 @@ class Driver:
             source = await asyncio.to_thread(BatchSource.from_spec, spec, seq_len)
             sample = torch.zeros(1, seq_len, dtype=torch.long)
             traced = await asyncio.to_thread(trace_model, model, sample, spec.model)
-            canonical = _canonical_names(model)
+            canonical = canonical_names(model)
             job.aliases = {name: canon for name, canon in canonical.items() if name != canon}
             full = {name: p.detach() for name, p in model.named_parameters()}
             job.model_bytes = sum(t.numel() * 4 for t in full.values())
@@ -381,7 +382,7 @@ class Driver:
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
             feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
-            result = await self._finish(job, model, final, source, metrics, feedback)
+            result = await finish_job(job, model, final, source, metrics, feedback)
             if run.checks is not None:  # the checks' totals, and the secret their choices came from
                 v = run.checks.v
                 result["verify"] = {
@@ -572,46 +573,6 @@ class Driver:
                     continue
                 await self.recovery.maybe_rebalance(job, run, step)
 
-    async def _finish(
-        self,
-        job: Job,
-        model: Any,
-        final: dict[str, torch.Tensor],
-        source: Any,
-        metrics: Any,
-        feedback: dict[int, dict[str, torch.Tensor]] | None = None,
-    ) -> dict[str, Any]:
-        from fusionnode.train.generate import generate
-        from fusionnode.train.local import evaluate
-
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(final[name])
-        val_loss = await asyncio.to_thread(evaluate, model, source)
-        job.validation.append({"step": job.step, "loss": val_loss})
-        sample = await asyncio.to_thread(generate, model, "def ", 160, 0.8, 40, job.spec.seed)
-        checkpoint = None
-        if job.spec.save_dir:
-            try:
-                checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final, feedback)
-            except (OSError, FusionNodeError) as exc:  # the trained result is still reported
-                logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
-                metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)
-        return {
-            "job": job.spec.job_id,
-            "steps": job.step,
-            "loss": job.loss,
-            "val_loss": val_loss,
-            "tokens_per_s": job.tokens_per_s,
-            "stages": job.stages,
-            "offload": job.offload,
-            "optimizer_hosts": job.hosts,
-            "checkpoint": checkpoint,
-            "metrics_out": job.spec.metrics_out,
-            "sample": sample,
-            "summary": metrics.summary.as_dict(),
-        }
-
     async def _release(self, job: Job) -> None:
         self.t.mailbox.release(job.spec.job_id, "driver")
         # a job that failed or was cancelled (its `train` client hung up) may have a step in flight on
@@ -621,12 +582,6 @@ class Driver:
         calls = self.placement.release_calls(job, abort)
         calls += self.hosts.release(job.spec.job_id, job.hosts)
         await asyncio.gather(*calls, return_exceptions=True)
-
-
-def _canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """Every state-dict name of a parameter -> the name named_parameters() reports (tied weights share one)."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return {name: by_id[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 __all__ = [  # with the names other modules and tests know the driver by
