@@ -13,7 +13,7 @@ import pytest
 from fusionnode.bench import testbed
 from fusionnode.plan.cluster import load_cluster_dict
 from fusionnode.runtime.hooks import DEBUG_PACE_FILE, DEBUG_SLOW_FILE, PacingHook, hook_from_env
-from fusionnode.runtime.worker import mb_rows
+from fusionnode.runtime.stagejob import mb_rows
 
 
 def _step(step_time, stages, phases=None):
