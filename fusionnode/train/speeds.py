@@ -24,9 +24,9 @@ NOISE_SIGMAS = 2.0  # ... and a gain above this many times the measured noise of
 # most significantly (`SpeedBook.shift`) fell below its speed before by more than this many standard
 # errors of that drop (in log space: to e^-(DROP_SIGMAS x error) of it at most), and by MIN_DROP at
 # least: a straggler lost 65% of its speed (2.9x slower). Shared hardware makes a peer 1.5-2.8x
-# slower for several steps now and then, which a clean run must ride out: 7 recorded clean 300-step
-# runs (2 x 2 ring and hosts, load 5-17) measured up to 2.8x (0.36) that way, while 4x slow-downs of
-# 11 recorded straggler runs measured as 0.22-0.34 (issue 18, /work/notes/issue-18-s5t5.md)
+# slower for several steps now and then, which a clean run must ride out: in 9 of 10 recorded clean
+# 300-step runs (ring and hosts, load 4-20) no such spell went under 0.36 at two checks in a row,
+# while recorded 4x slow-downs measure 0.22-0.34 (tests/test_straggler_replay.py)
 DROP_SIGMAS = 2.0
 MIN_DROP = 0.65
 
@@ -214,8 +214,8 @@ class Trigger:
         by `culprit` (the bottleneck peer), whose speed is now `slowed` x its earlier speed on the
         plan (None: not measured long enough to say). A streak needs the same culprit at every
         check, and that culprit slowed down by more than `drop_bar` (a fraction of its speed set by
-        the measured `spread`, the standard error of its drop): timing noise makes a random peer look slow now and
-        then, and the flops of a stage are not its seconds everywhere (a plan's imbalance that was
+        the measured `spread`, the standard error of its drop): timing noise makes a random peer
+        look slow now and then, and the flops of a stage are not its seconds everywhere (a plan's imbalance that was
         there from its start is no straggler: the next plan prices measured speeds); a straggler
         is the same bottleneck each time, slower than it was."""
         bar = self.threshold(min_gain, noise)
