@@ -232,6 +232,10 @@ def test_relayed_links_are_flagged_in_records_and_in_the_planners_cluster():
     doc = cluster_from_records([a, b], [a_id, b_id], [])
     (pair,) = doc["links"]["pairs"]
     assert pair["relayed"] is True and pair["bandwidth_gbps"] == 2e6 / 1e9  # the slower measured figure
+    # a live peer left out of the job (`train --peers`) is no device, nor in any pair: the planner
+    # refused such a document ("links.pairs[0]: unknown device")
+    alone = cluster_from_records([a, b], [a_id], [])
+    assert [d["id"] for d in alone["devices"]] == [a_id] and alone["links"]["pairs"] == []
 
 
 def test_the_probe_before_start_speaks_the_private_swarms_authentication():

@@ -95,7 +95,8 @@ def test_a_member_lost_while_applying_the_step_leaves_no_step_half_applied(tmp_p
 
 def test_a_stage_with_no_surviving_holder_stops_the_job_naming_it(tmp_path):
     """One pipeline (no replica): its second stage's only holder dies: without a checkpoint the job
-    stops with the lost stage named; with one it resumes from it and finishes."""
+    stops with the lost stage named; with one it resumes from it, with the workers' AdamW state the
+    checkpoint holds, and follows the uninterrupted single-process run (every step, 1e-5)."""
     params = {"stages": 2, "offload": "off"}
     spec = small_spec(steps=4, micro_batches=2)
     s = Swarm(tmp_path / "a", workers=3)
@@ -104,19 +105,62 @@ def test_a_stage_with_no_surviving_holder_stops_the_job_naming_it(tmp_path):
     with pytest.raises(PlanError, match=r"stage 1 \(graph nodes \d+\.\.\d+\) of pipeline\(s\) 0 .* is lost"):
         asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **params}, s.emit))
 
-    spec2 = small_spec(steps=4, micro_batches=2, save_dir=str(tmp_path / "ckpt"), save_every=1)
+    spec2 = small_spec(steps=6, micro_batches=2, save_dir=str(tmp_path / "ckpt"), save_every=1)
     s2 = Swarm(tmp_path / "b", workers=3)
     victim = s2.ids[1]
     _dies_at(s2, victim, "_run_step", 3)
     res = asyncio.run(s2.driver.run_job({"spec": spec2.to_dict(), **params}, s2.emit))
     assert res["steps"] == spec2.steps
     (rec,) = _events(s2, "recovered")
-    assert rec["replay_from"] == 3 and rec["fresh_optimizer"] is True
-    # the steps before the checkpoint are the single-process ones; after it the optimizer restarted
+    assert rec["replay_from"] == 3 and rec["fresh_optimizer"] is False
+    # the replayed step 3 too: the optimizer state came back with the checkpoint
     ref = train_local(spec2.replace(save_dir=None, save_every=0)).losses
     got = {e["step"]: e["loss"] for e in s2.steps()}
-    for i in range(3):
-        assert abs(got[i] - ref[i]) < 1e-5
+    assert sorted(got) == list(range(spec2.steps))
+    for i in range(spec2.steps):
+        assert abs(got[i] - ref[i]) < 1e-5, f"step {i}: swarm {got[i]:.7f} vs local {ref[i]:.7f}"
+
+
+def test_a_resumed_ring_job_takes_the_checkpoints_optimizer_state(tmp_path):
+    """A 2 x 2 ring job saves every 2 steps (the workers' AdamW state with the parameters); resumed
+    from its step-2 checkpoint on new workers, it follows the uninterrupted single-process run within
+    1e-5. A checkpoint without that state resumes with new optimizer state, and
+    its steps after the resume are off the reference."""
+    import shutil
+
+    from fusionnode.train.checkpoint import load_checkpoint
+
+    save = tmp_path / "ckpt"
+    spec = small_spec(steps=5, micro_batches=2, grad_clip=1.0, save_dir=str(save), save_every=2)
+    s = Swarm(tmp_path / "a", workers=4)
+    asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
+    for step in (5, 4):  # the newest checkpoint left is step 2's
+        shutil.rmtree(save / f"step-{step:08d}")
+    ckpt = load_checkpoint(save)
+    assert ckpt.step == 2 and {k.rpartition("|")[2] for k in ckpt.optimizer_state["worker_optim"]} == {
+        "exp_avg",
+        "exp_avg_sq",
+        "steps",
+    }
+    ref = train_local(spec.replace(save_dir=None, save_every=0)).losses
+
+    def resumed(name: str) -> list[float]:
+        s2 = Swarm(tmp_path / name, workers=4)
+        res = asyncio.run(s2.driver.run_job({"spec": spec.to_dict(), **RING, "resume": True}, s2.emit))
+        assert res["steps"] == spec.steps and [e["step"] for e in s2.steps()] == [2, 3, 4]
+        return [e["loss"] for e in s2.steps()]
+
+    for i, loss in enumerate(resumed("b"), start=2):
+        assert abs(loss - ref[i]) < 1e-5, f"step {i}: resumed {loss:.7f} vs local {ref[i]:.7f}"
+    # the same checkpoint less the workers' optimizer state (as before this was saved): new state
+    for step in (5, 4):
+        shutil.rmtree(save / f"step-{step:08d}", ignore_errors=True)
+    from fusionnode.train.checkpoint import save_checkpoint
+
+    state = {k: v for k, v in ckpt.optimizer_state.items() if k != "worker_optim"}
+    save_checkpoint(save, 2, ckpt.params, state, ckpt.data_state, ckpt.spec)
+    fresh = resumed("c")
+    assert max(abs(a - b) for a, b in zip(fresh[1:], ref[3:], strict=True)) > 1e-4
 
 
 def test_optimizer_state_round_trips_through_the_wire_format():

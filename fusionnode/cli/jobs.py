@@ -139,7 +139,7 @@ def add_train_command(sub: Any) -> None:
         help="every N steps, re-plan if measured stage times promise a faster layout, by a gain that "
         "clears the measured timing noise, from the same bottleneck peer that slowed down, at two "
         "checks in a row (with --offload off a moved stage takes its optimizer state along; 0 = never; "
-        "default: every 2 steps when the job's optimizer state is offloaded, else never)",
+        "default: every 2 steps, never under the --sync round modes)",
     )
     p.add_argument(
         "--rebalance-gain",

@@ -30,7 +30,7 @@ import secrets
 import shutil
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,17 +315,21 @@ def save_job(
     source: Any,
     params: Mapping[str, torch.Tensor],
     feedback: Mapping[int, Mapping[str, torch.Tensor]] | None = None,
+    worker_optim: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
     """Saves every state-dict name of a job's model (tied weights under each of their names, stored
     once), so the checkpoint loads strictly into the model (`fusionnode generate`, `export`), with
     the job secret and the data source's state; `feedback` (--sync sparseloco): each replica's
-    error-feedback accumulators, by name (the outer state the workers keep)."""
+    error-feedback accumulators, by name (the outer state the workers keep); `worker_optim`
+    (--offload off): the workers' optimizer state, `<name>|<kind>` tensors (runtime/optstate.py)."""
     full = {**params, **{alias: params[name] for alias, name in job.aliases.items() if name in params}}
     state: dict[str, Any] = {"job_secret": job.secret}
     if job.sync.rounds:  # the job's H: a --resume keeps it (train/jobdefaults.py)
         state["sync"] = job.sync.to_dict()
     if feedback:
         state["feedback"] = {int(r): dict(acc) for r, acc in feedback.items()}
+    if worker_optim:
+        state["worker_optim"] = dict(worker_optim)
     path = save_checkpoint(job.spec.save_dir, step, full, state, source.state(step), job.spec)
     return str(path)
 
@@ -350,6 +354,22 @@ def checkpoint_feedback(ckpt: Checkpoint | None) -> dict[int, dict[str, torch.Te
         for r, acc in raw.items()
         if isinstance(acc, Mapping)
     }
+
+
+def checkpoint_worker_optim(
+    ckpt: Checkpoint | None, names: Iterable[str]
+) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The workers' optimizer state a --offload off checkpoint holds, name -> its `<name>|<kind>`
+    tensors (what `Placement.ship` sends a stage), for every one of `names`; None when it holds
+    none, or not every name's (an older checkpoint: the stages start new optimizer state)."""
+    raw = (ckpt.optimizer_state or {}).get("worker_optim") if ckpt is not None else None
+    if not isinstance(raw, Mapping):
+        return None
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in raw.items():
+        if isinstance(key, str) and "|" in key and isinstance(t, torch.Tensor):
+            out.setdefault(key.rpartition("|")[0], {})[key] = t.float()
+    return out if set(names) <= set(out) else None
 
 
 def load_resume(

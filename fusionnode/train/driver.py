@@ -40,9 +40,10 @@ from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig, job_refusals
-from fusionnode.train import checks, free_rounds, scoring
+from fusionnode.train import checks, free_rounds, ringrecovery, scoring
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
+    checkpoint_worker_optim,
     job_secret,
     load_resume,
     read_resume,
@@ -84,9 +85,9 @@ def rebalance_every(params: dict[str, Any], job: Job) -> int:
     asked = params.get("rebalance_every")
     if asked is not None:
         return int(asked)
-    # offload off (a ring) rebalances when asked only: clean 300-step 2 x 2 ring runs re-planned once
-    # each at load 8-17 (2 runs, 2026-11-24), where the same job with hosts did not
-    return DEFAULT_REBALANCE_EVERY if job.offload and not job.sync.rounds else 0
+    # offload off (a ring) too: with the trigger's slow-down measured from where it began
+    # (SpeedBook.shift) clean 300-step 2 x 2 ring runs make no re-plan (issue 18, s5t5's runs)
+    return DEFAULT_REBALANCE_EVERY if not job.sync.rounds else 0
 
 
 class Driver:
@@ -346,7 +347,18 @@ class Driver:
                         reason="no error feedback for this step: the replicas start new ones",
                         step=start_step,
                     )
-            await self.placement.ship(job, stage_args, full, feedback)
+            optim = None
+            if not job.offload and ckpt is not None:  # the workers' optimizer state of that step
+                optim = checkpoint_worker_optim(ckpt, ringrecovery.trainable_names(job, stage_args))
+                if optim is None or start_step != ckpt.step:
+                    optim = None
+                    metrics.event(
+                        "resume",
+                        reason="the checkpoint holds no workers' optimizer state: new optimizer state",
+                        step=start_step,
+                        fresh_optimizer=True,
+                    )
+            await self.placement.ship(job, stage_args, full, feedback, optim)
             job.state = "running"
             run = Run(
                 traced=traced,
@@ -382,7 +394,12 @@ class Driver:
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
             feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
-            result = await finish_job(job, model, final, source, metrics, feedback)
+            optim = (
+                await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args)
+                if spec.save_dir
+                else None
+            )
+            result = await finish_job(job, model, final, source, metrics, feedback, optim)
             if run.checks is not None:  # the checks' totals, and the secret their choices came from
                 v = run.checks.v
                 result["verify"] = {
@@ -558,6 +575,7 @@ class Driver:
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
                         await self.placement.fetch_feedback(job, run.stage_args),
+                        await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on
                     await run.event(job, "failure", peer=None, step=step, reason=f"checkpoint: {exc}")

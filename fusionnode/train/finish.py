@@ -26,6 +26,7 @@ async def finish_job(
     source: Any,
     metrics: Any,
     feedback: dict[int, dict[str, torch.Tensor]] | None = None,
+    worker_optim: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     from fusionnode.train.generate import generate
     from fusionnode.train.local import evaluate
@@ -39,7 +40,9 @@ async def finish_job(
     checkpoint = None
     if job.spec.save_dir:
         try:
-            checkpoint = await asyncio.to_thread(save_job, job, job.spec.steps, source, final, feedback)
+            checkpoint = await asyncio.to_thread(
+                save_job, job, job.spec.steps, source, final, feedback, worker_optim
+            )
         except (OSError, FusionNodeError) as exc:  # the trained result is still reported
             logger.error("job %s: the final checkpoint failed: %s", job.spec.job_id, exc)
             metrics.event("failure", reason=f"final checkpoint: {exc}", step=job.spec.steps)

@@ -449,8 +449,9 @@ class Check:
     act: bool
     why: str
     noise: float  # the measured noise of the window's speeds (SpeedBook.noise)
-    spread: float  # the step-to-step spread of stage speeds before it (SpeedBook.spread)
-    slowed: float | None  # the bottleneck's speed / its earlier speed (SpeedBook.slowdown)
+    spread: float  # the standard error of the bottleneck's log slow-down (SpeedBook.shift; not measured
+    # yet: the step-to-step spread of stage speeds, SpeedBook.spread)
+    slowed: float | None  # the bottleneck's speed / its speed before it slowed (SpeedBook.shift)
 
 
 def check_job(
@@ -466,8 +467,11 @@ def check_job(
     `book` of measured speeds: what a driver's rebalance check does, without the network."""
     d = decide_job(current, flops, speeds, micro_batches, **decide)
     in_plan = [p for lay in current for p in lay.peers]
-    noise, spread = book.noise(in_plan), book.spread(in_plan)
-    slowed = book.slowdown(d.culprit) if d.culprit else None
+    noise = book.noise(in_plan)
+    # the bottleneck's drop since it began (its own level shift is not compared with, nor counted
+    # as noise: a slow-down the previous checks saw too is still measured against the speed before)
+    shift = book.shift(d.culprit) if d.culprit else None
+    slowed, spread = shift if shift is not None else (None, book.spread(in_plan))
     act, why = trigger.check(
         d.adopt, d.gain, decide.get("min_gain", DEFAULT_MIN_GAIN), noise, d.culprit, slowed, spread
     )

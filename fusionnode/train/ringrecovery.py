@@ -18,8 +18,10 @@ each step. When a member dies:
    replacement worker) and each new stage starts from that state (`Recovery.adopt(state_=...)`).
 
 A parameter whose every holder died cannot be recovered from the swarm: the job resumes from its
-newest driver checkpoint (with new optimizer state) when it keeps one, else it stops with an error
-that names the lost stage.
+newest driver checkpoint when it keeps one, else it stops with an error that names the lost stage.
+Driver checkpoints of these jobs hold the workers' optimizer state too (`checkpoint_optim`, one
+holder's per name), so the resumed stages take the AdamW state of the checkpoint's step, as a
+`--resume` does (train/driver.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.runtime.optstate import STEPS
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
-from fusionnode.train.checkpoint import load_resume, read_resume
+from fusionnode.train.checkpoint import checkpoint_worker_optim, load_resume, read_resume
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, StageAssignment
@@ -93,6 +95,39 @@ async def fetch_stage(placement: Any, job: Any, a: StageAssignment, what: str) -
                 raise JobError(ErrorCode.BAD_TENSOR, f"unexpected optimizer state {key!r}", src)
             got[key] = tensor
     return got
+
+
+def trainable_names(job: Any, stage_args: list[StageAssignment]) -> set[str]:
+    """The names whose optimizer state the stages keep (every stage's, less the frozen ones)."""
+    return {n for a in stage_args for n in a.param_specs if n not in job.frozen}
+
+
+async def checkpoint_optim(
+    placement: Any, job: Any, stage_args: list[StageAssignment]
+) -> dict[str, torch.Tensor] | None:
+    """--offload off: the workers' optimizer state for a driver checkpoint, `<name>|<kind>` tensors of
+    every trainable name from one holder each (replica 0 first); None with hosts (they checkpoint
+    their own shards). The driver's mailbox takes the state for the fetch, then the usual budget."""
+    if job.offload:
+        return None
+    chosen, lost = choose_holders(stage_args, set(), set(job.frozen))
+    if lost:
+        raise PlanError(f"no stage holds the optimizer state of {sorted(lost)[:3]}")
+    placement.t.mailbox.accept(
+        job.spec.job_id,
+        "driver",
+        {a.peer for a in stage_args},
+        STATE_COPIES * job.model_bytes + MAILBOX_SLACK_BYTES,
+    )
+    try:
+        parts = await asyncio.gather(*(fetch_stage(placement, job, a, "optim") for a in chosen))
+    finally:
+        placement.accept(job, stage_args)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for key, t in part.items():
+            out.setdefault(key, t)
+    return out
 
 
 async def survivor_state(
@@ -178,23 +213,25 @@ async def recover(
             "the optimizer state was only on them; the job keeps no checkpoint to resume from "
             "(--save DIR --save-every N, or --offload on)"
         )
+    # the checkpoint's optimizer state (None from a checkpoint without it: new state)
+    optim = checkpoint_worker_optim(ckpt, trainable_names(job, run.stage_args)) if at == ckpt.step else None
     await rec.adopt(
         job,
         run,
         workers,
         reason=f"{where} lost at step {step}: from the step-{at} checkpoint",
-        state_=(full, None),
+        state_=(full, optim),
     )
     job.step = at
+    state = "its optimizer state" if optim is not None else "new optimizer state"
     await run.event(
         job,
         "recovered",
         step=step,
         replay_from=at,
-        fresh_optimizer=True,
+        fresh_optimizer=optim is None,
         time_to_recover_s=round(time.perf_counter() - t0, 3),
         plan_version=job.plan_version,
-        reason=f"{where} lost: resumed from the step-{at} checkpoint with new optimizer state; "
-        f"steps {at}..{step} replayed",
+        reason=f"{where} lost: resumed from the step-{at} checkpoint with {state}; steps {at}..{step} replayed",
     )
     return at

@@ -3,7 +3,7 @@ the noise-aware trigger (`Trigger`). Plain data, no network (train/rebalance.py 
 
 A straggler is told from timing noise by what noise does not do: it is the same bottleneck peer at
 consecutive checks, slower than that peer itself was earlier on the plan (by more than the
-measured step-to-step spread of stage speeds), with a predicted gain over the job's threshold and
+standard error of that drop, `SpeedBook.shift`), with a predicted gain over the job's threshold and
 over the measured noise of the speeds. Speeds are medians over a short window, so a step or two
 that the machine's other load slowed changes nothing.
 """
@@ -20,13 +20,15 @@ RUN_HISTORY = 24  # steps of measurements a run keeps per peer (its window, and 
 SPEED_WINDOW = 8  # samples per peer the driver's table keeps across jobs (a stall stays in it that long)
 PERSIST_CHECKS = 2  # a re-plan needs its gain at this many consecutive checks (one window is noise)
 NOISE_SIGMAS = 2.0  # ... and a gain above this many times the measured noise of the stage speeds
-# ... and a bottleneck peer that slowed down: its speed over the window fell below its own earlier
-# speed on the plan by more than this many times the step-to-step spread of stage speeds (in log
-# space: e^-(DROP_SIGMAS x spread) of it at most), and by
-# MIN_DROP at least (a straggler at least halved its speed: shared hardware makes a peer 1.5-2x
-# slower for several steps now and then, which a clean run must ride out)
+# ... and a bottleneck peer that slowed down: its speed since the point its run of samples drops at
+# most significantly (`SpeedBook.shift`) fell below its speed before by more than this many standard
+# errors of that drop (in log space: to e^-(DROP_SIGMAS x error) of it at most), and by MIN_DROP at
+# least: a straggler lost 65% of its speed (2.9x slower). Shared hardware makes a peer 1.5-2.8x
+# slower for several steps now and then, which a clean run must ride out: in 9 of 10 recorded clean
+# 300-step runs (ring and hosts, load 4-20) no such spell went under 0.36 at two checks in a row,
+# while recorded 4x slow-downs measure 0.22-0.34 (tests/test_straggler_replay.py)
 DROP_SIGMAS = 2.0
-MIN_DROP = 0.5
+MIN_DROP = 0.65
 
 
 def _quantile(v: Sequence[float], q: float) -> float:
@@ -120,6 +122,29 @@ class SpeedBook:
         ref = _median([w / s for w, s in before])
         return _median([w / s for w, s in last]) / ref if ref > 0 else None
 
+    def shift(self, peer: str) -> tuple[float, float] | None:
+        """(slowed, error) of the peer's latest lasting slow-down: its run of samples split at the
+        point where the drop of its (log) speed is the most significant, with at least `recent`
+        samples on each side, the last one now: `slowed` is the median speed after the split / the
+        median before (~1 for a steady peer, 0.25 for one that slowed 4x), `error` the standard error
+        of that log ratio (the pooled robust spread of both sides around their own medians, x 1.2533
+        for a median, over sqrt(1/n_before + 1/n_after)). None while fewer than 2 x `recent`
+        samples are in. Unlike `slowdown`, a slow-down that began before the window is not part of
+        the speed it is compared with, nor of the noise it is measured against (its own level shift
+        would otherwise pass for noise): the split follows where it began."""
+        x = [math.log(w / s) for w, s in self.samples.get(peer, ())]
+        n, m = len(x), self.recent
+        best: tuple[float, float, float] | None = None  # (z, slowed, error)
+        for k in range(m, n - m + 1):
+            before, after = x[:k], x[k:]
+            mb, ma = _median(before), _median(after)
+            resid = [abs(v - mb) for v in before] + [abs(v - ma) for v in after]
+            err = 1.2533 * 1.4826 * _median(resid) * math.sqrt(1.0 / k + 1.0 / (n - k))
+            z = (mb - ma) / err if err > 0 else (math.inf if mb > ma else 0.0)
+            if best is None or z > best[0]:
+                best = (z, math.exp(ma - mb), err)
+        return None if best is None else (best[1], best[2])
+
     def spread(self, peers: Iterable[str] | None = None) -> float:
         """The step-to-step spread of stage speeds, in log space (timing noise multiplies): the
         median over peers of the robust standard deviation (1.4826 MAD) of the log of each one's
@@ -171,7 +196,8 @@ class Trigger:
 
     def drop_bar(self, min_gain: float, spread: float) -> float:
         """How far (a fraction of its earlier speed) the bottleneck's speed must have fallen: by
-        `min_gain` and `min_drop` at least, and by `drop_sigmas` x the log `spread` of speeds."""
+        `min_gain` and `min_drop` at least, and by `drop_sigmas` x `spread`, the measured standard
+        error of its log drop (`SpeedBook.shift`)."""
         return 1.0 - min(1.0 - min_gain, 1.0 - self.min_drop, math.exp(-self.drop_sigmas * spread))
 
     def check(
@@ -188,8 +214,8 @@ class Trigger:
         by `culprit` (the bottleneck peer), whose speed is now `slowed` x its earlier speed on the
         plan (None: not measured long enough to say). A streak needs the same culprit at every
         check, and that culprit slowed down by more than `drop_bar` (a fraction of its speed set by
-        the measured `spread` of stage speeds): timing noise makes a random peer look slow now and
-        then, and the flops of a stage are not its seconds everywhere (a plan's imbalance that was
+        the measured `spread`, the standard error of its drop): timing noise makes a random peer
+        look slow now and then, and the flops of a stage are not its seconds everywhere (a plan's imbalance that was
         there from its start is no straggler: the next plan prices measured speeds); a straggler
         is the same bottleneck each time, slower than it was."""
         bar = self.threshold(min_gain, noise)

@@ -137,7 +137,8 @@ def cluster_from_records(
         if getattr(m, "relayed", False)
     }
     for (a, b), (bps, rtt_s) in sorted(measured.items()):
-        if a < b and a in by_id and b in by_id and (a, b) not in seen:
+        # the document's devices only: a live peer the job leaves out (`train --peers`) is no device
+        if a < b and a in ids and b in ids and (a, b) not in seen:
             seen.add((a, b))
             pair = {"a": a, "b": b, "bandwidth_gbps": bps / 1e9, "latency_ms": rtt_s * 500.0}
             if frozenset((a, b)) in relayed:
