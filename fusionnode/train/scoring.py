@@ -181,10 +181,11 @@ class RoundScorer:
 
     def _unchecked_out(self, run: Any, ends: Any, weights: list[float]) -> list[float]:
         """`weights` with weight 0 for each replica whose drawn round-end check did not pass (its
-        worker caught, silent, or not judged yet); the workers caught are recorded. The hosts read a
-        verdict dropping every replica as all kept: when nothing else would be kept, the replicas
-        whose drawn workers all showed their committed snapshots (the driver's own scoring failed
-        before comparing) keep their weight."""
+        worker caught, silent, or not judged yet); the workers caught are recorded. A verdict
+        dropping every replica applies nothing on the hosts (optim/rounds.py): when nothing else
+        would be kept, the replicas whose drawn workers all showed their committed snapshots (the
+        driver's own scoring failed before comparing) keep their weight; a replica with a caught
+        worker never does, so a round whose every replica has one applies nothing."""
         caught, unfinished, answered = ends.settle()
         self.caught.update(caught)
         out = [0.0 if r in unfinished else w for r, w in enumerate(weights)]
