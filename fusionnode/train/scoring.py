@@ -23,7 +23,7 @@ the round) rather than leaving the round held, but for a replica a round-end che
 
 With spot-checks on, step 2 also checks each replica's pseudo-gradient against the hosts' θ minus
 its stages' last inner step recomputed (`Transitions.round_end_checks`, train/inner_checks.py;
-diloco), drawn before any fetch, the drawn workers' snapshots fetched together within a third of the
+under sparseloco through the replica's error feedback, verify/feedback.py), drawn before any fetch, the drawn workers' snapshots fetched together within a third of the
 budget: a replica whose worker fails it, or does not answer in time, gets weight 0 and the worker
 is banned after the round (`Stepper.caught_at_round_end`); a replica whose drawn check did not
 finish (the scoring failed or overran first) gets weight 0 too, also in the "all kept" verdict. A `scored` event records each round: scores, verdict, weights.
