@@ -137,8 +137,8 @@ def test_a_verdict_leaves_a_replica_out_and_sparseloco_relays_only_the_kept():
     comb, _, judged = _round(DILOCO, [*deltas[:2], {n: -t for n, t in deltas[2].items()}], 2.0, [1, 1, 0])
     assert comb.last_weights == [4.0, 4.0, 0.0]
     assert all(torch.allclose(two[n], judged[n], atol=1e-6) for n in two)
-    comb, _, _ = _round(DILOCO, deltas, None, [0, 0, 0])  # dropping everyone: ignored
-    assert comb.last_weights == [4.0, 4.0, 4.0]
+    comb, _, nothing = _round(DILOCO, deltas, None, [0, 0, 0])  # dropping everyone: nothing applied
+    assert comb.last_weights == [0.0, 0.0, 0.0] and all(float(t.abs().sum()) == 0 for t in nothing.values())
     with pytest.raises(RoundError):
         _round(DILOCO, deltas, None, [1, 2, 0])
     sparse = SyncConfig("sparseloco", inner_steps=2, topk_density=1 / 4, chunk=16)
@@ -361,3 +361,22 @@ def test_a_scored_round_reads_as_one_line():
     assert format_event(ev) == "round 2: dropped replica(s) [1], loss gains [0.3, -0.01]"
     ev = {"type": "event", "kind": "scored", "round": 0, "verdict": [1.0, 1.0], "error": "deadline"}
     assert format_event(ev) == "round 0: every replica kept (not scored: deadline)"
+
+
+@pytest.mark.parametrize("mode", ["diloco", "sparseloco"])
+def test_a_verdict_dropping_every_replica_applies_nothing(mode):
+    # every replica has a worker a round-end check caught: the round closes (the workers' pulls get
+    # an update) but moves nothing, and the outer optimizer's state is as if the round never was
+    cfg = SyncConfig(mode, inner_steps=2)
+    comb, update, masters = _round(cfg, _deltas(2), 2.0, [0.0, 0.0])
+    assert comb.last_weights == [0.0, 0.0] and comb.round == 1
+    assert all(float(t.abs().sum()) == 0 for t in masters.values())  # used to be all kept
+    moved = update_tensors(update, ["b", "w"])
+    assert all(float(t.abs().sum()) == 0 for t in moved.values())
+    # the next round's update is a fresh combiner's first one, bit for bit (diloco: no momentum taken)
+    nxt = _deltas(2, seed=1)
+    for r, d in enumerate(nxt):
+        comb.add(1, r, 4.0, {n: encode_pseudograd(t, cfg.codec) for n, t in d.items()})
+    comb.close(masters, [1.0, 1.0])
+    _, _, fresh = _round(cfg, nxt, 2.0, [1.0, 1.0])
+    assert all(torch.equal(masters[n], fresh[n]) for n in masters)

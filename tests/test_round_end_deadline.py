@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 DILOCO = SyncConfig("diloco", inner_steps=2)
 
 
-def _run(tmp_path, monkeypatch, overrun: bool):
+def _run(tmp_path, monkeypatch, overrun: bool, silent_replicas: tuple[int, ...] = (1,)):
     from fusionnode.train import scoring
 
     spec = small_spec(steps=2, micro_batches=2, batch_size=8)
@@ -42,9 +42,10 @@ def _run(tmp_path, monkeypatch, overrun: bool):
             await asyncio.sleep(0.005)
             held = {pid: sj for pid, w in s.workers.items() for sj in w.jobs.values()}
             if len(held) == 4:
-                pid = next(p for p, sj in held.items() if sj.replica == 1)
-                _patch(s.workers[pid])
-                silent.append(pid)
+                for r in silent_replicas:
+                    pid = next(p for p, sj in held.items() if sj.replica == r)
+                    _patch(s.workers[pid])
+                    silent.append(pid)
                 break
         try:
             return await job
@@ -52,7 +53,7 @@ def _run(tmp_path, monkeypatch, overrun: bool):
             return exc
 
     result = asyncio.run(main())
-    return result, s.events, silent
+    return result, s.events, silent, s
 
 
 def _patch(worker) -> None:
@@ -72,7 +73,7 @@ def _patch(worker) -> None:
 
 @pytest.mark.parametrize("overrun", [False, True], ids=["scored", "scoring_overruns"])
 def test_a_worker_silent_at_its_round_end_fetch_gets_weight_0_and_is_caught(tmp_path, monkeypatch, overrun):
-    _result, events, silent = _run(tmp_path, monkeypatch, overrun)
+    _result, events, silent, _s = _run(tmp_path, monkeypatch, overrun)
     scored = [e for e in events if e.get("kind") == "scored"]
     assert scored, events[-5:]
     first = scored[0]
@@ -104,3 +105,42 @@ def test_an_honest_job_passes_every_round_end_check_in_its_sync_codec(tmp_path, 
     # transitions: steps 0, 2, 4 (the others close a round) x 4 stages, + 3 round ends x 4 stages
     assert v["transitions"] == 12 + 12 and v["transitions_caught"] == 0, v
     print(f"{codec}: round-end max relative error {v['round_end_max_rel_err']:.3g}", file=sys.stderr)
+
+
+def test_a_round_whose_every_replica_has_a_caught_worker_applies_nothing(tmp_path, monkeypatch):
+    """Both replicas have a worker silent at the round-end fetch: both are caught, the verdict drops
+    every replica, and the hosts close the round applying nothing (they used to read such a verdict
+    as "all kept" and apply the caught workers' pseudo-gradients at full weight)."""
+    from fusionnode.optim.rounds import RoundUpdate
+
+    closed: list[RoundUpdate] = []
+    from fusionnode.optim import rounds as optim_rounds
+
+    real_close = optim_rounds.RoundCombiner.close
+
+    def close(self, masters=None, verdict=None):
+        before = {n: t.clone() for n, t in (masters or {}).items()}
+        update = real_close(self, masters, verdict)
+        if update.round == 0:
+            closed.append((update, before, {n: t.clone() for n, t in (masters or {}).items()}))
+        return update
+
+    monkeypatch.setattr(optim_rounds.RoundCombiner, "close", close)
+    _result, events, silent, _s = _run(tmp_path, monkeypatch, False, silent_replicas=(0, 1))
+    scored = [e for e in events if e.get("kind") == "scored"]
+    assert scored and scored[0]["round"] == 0, events[-5:]
+    assert scored[0]["verdict"] == [0.0, 0.0], scored[0]
+    assert scored[0]["weights"] == [[0.0, 0.0]] * 2, scored[0]  # every host: nothing kept
+    caught = [e for e in events if e.get("kind") == "caught"]
+    assert sorted(e["peer"] for e in caught) == sorted(silent), caught
+    # round 0 closed on both hosts with a zero update: θ as it was
+    assert len(closed) == 2, closed
+    for update, before, after in closed:
+        assert update.updates and all(t.abs().sum() == 0 for t in _decoded(update.updates).values())
+        assert before and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def _decoded(encs):
+    from fusionnode.wire.tensors import decode_tensor
+
+    return {n: decode_tensor(e) for n, e in encs.items()}

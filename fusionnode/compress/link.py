@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import fusionnode.compress.quant  # noqa: F401  (registers "q8" and "q4")
+from fusionnode.compress.dither import DITHERS, dither_seed
 from fusionnode.compress.feedback import ErrorFeedback
 from fusionnode.compress.policy import DEFAULT_K_MIN, AdaTopKPolicy, CompressSpec, parse_compress
 from fusionnode.compress.topk import MODES, VALUE_DTYPES
@@ -53,6 +54,7 @@ class LinkOptions:
     center: bool = True  # activations: send channel means, top-k of the centered tensor
     grad_codec: str = "q8"  # gradients ("grad" messages) on a compressing link: "q8", "q4" or "topk"
     stochastic: bool = True  # q8/q4: seeded stochastic (unbiased) rounding instead of nearest
+    dither: str = "keyed"  # its seed: "keyed" (compress/dither.py, the checker's) or "counter" (per link)
     warmup_codec: str = "q8"  # warm-up steps on a compressing link send this both ways: "q8", "q4" or "raw"
     center_gradients: bool = False  # with `center`: gradients centered too (an experiment's knob)
     min_sparse_numel: int = MIN_SPARSE_NUMEL  # smaller tensors go dense (fp16 on a compressing link)
@@ -64,6 +66,8 @@ class LinkOptions:
             raise ConfigError(f"value_dtype must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}")
         if self.grad_codec not in GRAD_CODECS:
             raise ConfigError(f"grad_codec must be one of {GRAD_CODECS}, got {self.grad_codec!r}")
+        if self.dither not in DITHERS:
+            raise ConfigError(f"dither must be one of {DITHERS}, got {self.dither!r}")
         if self.warmup_codec not in WARMUP_CODECS:
             raise ConfigError(f"warmup_codec must be one of {WARMUP_CODECS}, got {self.warmup_codec!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
@@ -88,14 +92,18 @@ class LinkCompressor:
         *,
         bandwidth_bps: float | None = None,
         latency_s: float = DEFAULT_LATENCY_S,
+        dither_key: tuple[str, int] | None = None,
     ):
+        """`dither_key`: (job, stage) of the sender, which keys q8/q4 stochastic rounding
+        (compress/dither.py) in the messages `encode` is given a micro-batch for."""
         self.spec = parse_compress(spec) if isinstance(spec, str) else spec
         self.options = options or LinkOptions()
         self.policy = AdaTopKPolicy(k_min=self.options.k_min, value_dtype=self.options.value_dtype)
         self.probed_bps = bandwidth_bps
         self.latency_s = latency_s
         self.feedback = ErrorFeedback() if self.options.error_feedback else None
-        self._sends = 0  # stochastic-rounding seed counter
+        self.dither_key = dither_key
+        self._sends = 0  # stochastic-rounding seed counter (dither "counter", or no key / micro-batch)
         self.dense_bytes = 0
         self.wire_bytes = 0
         self.last_ratio = 1.0
@@ -132,9 +140,19 @@ class LinkCompressor:
         return 1.0 if ratio > DENSE_ABOVE else ratio
 
     def encode(
-        self, tensors: dict[str, torch.Tensor], step: int, key: str, target_time_s: float | None = None
+        self,
+        tensors: dict[str, torch.Tensor],
+        step: int,
+        key: str,
+        target_time_s: float | None = None,
+        mb: int | None = None,
     ) -> dict[str, EncodedTensor]:
-        """Encodes one message's tensors; `key` names the message slot ("act" or "grad")."""
+        """Encodes one message's tensors; `key` names the message slot ("act" or "grad"), `mb` its
+        micro-batch (with the link's `dither_key`: the q8/q4 dither is keyed)."""
+        seed_of = None
+        if self.dither_key is not None and mb is not None and self.options.dither == "keyed":
+            job, stage = self.dither_key
+            seed_of = lambda name: dither_seed(job, stage, step, mb, key, name)  # noqa: E731
         floating = [t for t in tensors.values() if t.is_floating_point()]
         dense = sum(t.numel() * t.element_size() for t in floating)
         self._shape_policy(floating, key)
@@ -150,9 +168,9 @@ class LinkCompressor:
             if not t.is_floating_point():
                 enc = encode_tensor(t, "raw")
             elif warm_quant:
-                enc = self._quantize(t, self.options.warmup_codec)
+                enc = self._quantize(t, self.options.warmup_codec, seed_of and seed_of(name))
             elif ratio < 1.0 and key == GRAD_KEY and self.options.grad_codec != "topk":
-                enc = self._quantize(t, self.options.grad_codec)
+                enc = self._quantize(t, self.options.grad_codec, seed_of and seed_of(name))
             elif ratio < 1.0 and t.numel() >= self.options.min_sparse_numel:
                 mode = self.options.mode if t.dim() >= 2 else "global"
                 center = (
@@ -188,12 +206,13 @@ class LinkCompressor:
         centered = self.options.center and (key != GRAD_KEY or self.options.center_gradients)
         self.policy.center_channels = last if centered else 0
 
-    def _quantize(self, t: torch.Tensor, codec: str) -> EncodedTensor:
-        """q8/q4 per row (seeded stochastic rounding by default); fp16 when `t` holds non-finite values."""
+    def _quantize(self, t: torch.Tensor, codec: str, keyed: int | None = None) -> EncodedTensor:
+        """q8/q4 per row (seeded stochastic rounding by default, with the `keyed` seed when given);
+        fp16 when `t` holds non-finite values."""
         seed = None
         if self.options.stochastic:
             self._sends += 1
-            seed = self._sends
+            seed = self._sends if keyed is None else keyed
         try:
             return encode_tensor(t, codec, seed=seed)
         except ValueError:  # inf/nan have no quantized form; let the receiver see them

@@ -57,6 +57,22 @@ def quant_payload_bytes(
     return rows * SCALE_BYTES[scale_dtype] + value_bytes
 
 
+def dither_block(seed: int, rows: int, row_len: int) -> torch.Tensor:
+    """The seeded block of uniforms in [0, 1) that stochastic rounding adds (`rows` x `row_len`)."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.rand(rows, row_len, generator=gen)
+
+
+def dither_rows(seed: int, rows: int, row_len: int) -> torch.Tensor:
+    """The uniforms `QuantCodec.encode(seed=seed)` adds to each of a tensor's `rows` x `row_len`
+    elements: one block of `_CHUNK_ELEMENTS // row_len` rows, repeated for every chunk of rows."""
+    chunk = max(1, _CHUNK_ELEMENTS // max(row_len, 1))
+    block = dither_block(seed, min(rows, chunk), row_len)
+    if rows <= chunk:
+        return block
+    return block.repeat((rows + chunk - 1) // chunk, 1)[:rows]
+
+
 class QuantCodec:
     """Per-row absmax quantization to signed 8-bit ("q8") or 4-bit ("q4") integers."""
 
@@ -93,10 +109,7 @@ class QuantCodec:
         # chunks of rows keep the float temporaries in cache; the dither (stochastic rounding) is
         # one seeded block of uniforms reused by every chunk: each element still gets u ~ U[0, 1)
         chunk = max(1, _CHUNK_ELEMENTS // max(row_len, 1))
-        dither = None
-        if seed is not None:
-            gen = torch.Generator().manual_seed(int(seed))
-            dither = torch.rand(min(rows, chunk), row_len, generator=gen)
+        dither = None if seed is None else dither_block(seed, min(rows, chunk), row_len)
         buf = torch.empty(min(rows, chunk), row_len)
         for start in range(0, rows, chunk):
             stop = min(rows, start + chunk)

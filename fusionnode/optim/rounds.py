@@ -74,6 +74,9 @@ class ReplicaSync:
         return out
 
 
+NO_REPLICA = -1  # the replica of a relayed message that is no replica's (`RoundCombiner._nothing`)
+
+
 @dataclass
 class RoundUpdate:
     """What closes a round, sent to every replica: u per name (diloco), or every replica's message
@@ -274,7 +277,7 @@ class RoundCombiner:
         verdict the floor's reference is the kept replicas' norms only (a dropped one, a liar sending
         a tiny contribution, must not scale the kept ones down), and a dropped replica never gets a
         weight: a round whose kept replicas weigh nothing is a RoundError, not the floor's. A
-        verdict that drops every replica (the driver never sends one) counts as all kept."""
+        verdict that drops every replica weighs nothing: `close` applies nothing then."""
         tokens = [self.pending[r][0] for r in range(self.replicas)]
         norms = self.norms() if self.clip is not None else None
         if verdict is not None:
@@ -303,9 +306,13 @@ class RoundCombiner:
         self, masters: Mapping[str, Tensor] | None = None, verdict: list[float] | None = None
     ) -> RoundUpdate:
         """Close the open round: the update (also applied to `masters` when given); `verdict`: the
-        driver's weight of each replica (--contrib-policy score)."""
+        driver's weight of each replica (--contrib-policy score). A verdict that drops every replica
+        (each has a worker a round-end check caught) closes the round applying nothing: a zero
+        update, the outer optimizer's state untouched."""
         if not self.complete():
             raise RoundError(f"round {self.round} is missing contributions")
+        if verdict is not None and len(verdict) == self.replicas and not any(v > 0 for v in verdict):
+            return self._closed(self._nothing(), [0.0] * self.replicas, masters)
         if self.clip is not None or verdict is not None:
             weights = self.weights(verdict)[0]
         else:
@@ -327,6 +334,23 @@ class RoundCombiner:
             self.outer.rounds += 1
             update.relayed = contributions
             update.relayed_replicas = kept_replicas
+        return self._closed(update, weights, masters)
+
+    def _nothing(self) -> RoundUpdate:
+        """A round's update that changes nothing: u = 0 (diloco), or one zero message relayed at
+        weight 1 as no replica's (sparseloco: its mean is 0). The workers' pulls take it as any."""
+        update = RoundUpdate(self.round, self.cfg.mode, self.cfg.outer_lr)
+        encs = self.pending[0][1]
+        zero = {n: encode_pseudograd(torch.zeros(encs[n].shape), self.cfg.codec) for n in sorted(encs)}
+        if self.cfg.mode == "diloco":
+            update.updates = zero
+        else:
+            update.relayed, update.relayed_replicas = [(1.0, zero)], [NO_REPLICA]
+        return update
+
+    def _closed(
+        self, update: RoundUpdate, weights: list[float], masters: Mapping[str, Tensor] | None
+    ) -> RoundUpdate:
         if masters is not None:
             apply_update(masters, update, self.limits)
         self.sent_bytes += sum(update.nbytes_to(r) for r in range(self.replicas))

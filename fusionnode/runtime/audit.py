@@ -41,11 +41,14 @@ class StageAudit:
             )
         ledger = Ledger(step, m, digest, device=sj.device.type, autocast=sj.autocast)
         if sj.rounds is not None and sj.opt is not None:  # the inner optimizer's state (verify/inner.py)
+            from fusionnode.verify.feedback import feedback_commit
             from fusionnode.verify.inner import commit_step_start
 
             ledger.extra.update(
                 await asyncio.get_running_loop().run_in_executor(self.executor, commit_step_start, sj)
             )
+            # sparseloco: its error feedback too (the round-end check's e_prev: verify/feedback.py)
+            ledger.extra.update(feedback_commit(sj))
         return ledger
 
     async def rpc_audit(self, req: jp.AuditRequest, sender: str) -> jp.AuditReply:

@@ -71,7 +71,7 @@ async def run_step(
         liar = w._liar()
         if liar is not None:
             tensors = liar.tamper(kind, sj.stage, step, mb, sj.is_last, tensors)
-        enc = link.encode(tensors, step, kind, target)
+        enc = link.encode(tensors, step, kind, target, mb=mb)
         msg = TensorMessage(kind=kind, meta=meta, tensors=enc)
         if ledger is not None:  # the commitment travels with the tensors
             from fusionnode.verify.commitment import DIGEST_KEY

@@ -34,6 +34,7 @@ from fusionnode.optim.rounds import (
     pseudo_gradient,
 )
 from fusionnode.sync import SyncConfig
+from fusionnode.verify.feedback import keep_before_fold
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -137,6 +138,7 @@ class StageRounds:
 
         def encode() -> dict[str, Any]:
             delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
+            keep_before_fold(sj, round_id)  # sparseloco, checked: e_prev for the round-end check
             return self.sender.encode(_lie(worker, delta))
 
         encs = await loop.run_in_executor(worker.executor, encode)

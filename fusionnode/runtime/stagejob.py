@@ -44,8 +44,9 @@ class StageJob:
         self.spec: dict[str, Any] = a.spec
         opts = LinkOptions.from_dict(a.link_options)
         compress = str(self.spec.get("compress") or "none")
-        self.fwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_next)  # activations to the next stage
-        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_prev)  # their gradients back
+        key = (self.job, self.stage)  # keys the q8/q4 dither the checker recomputes (compress/dither.py)
+        self.fwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_next, dither_key=key)  # activations on
+        self.bwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_prev, dither_key=key)  # gradients back
         self.need_bytes: int = need_bytes
         self.flops_per_sample: float = a.flops_per_sample  # forward, for --debug pacing
         # offload: where the parameters live and this stage's contributor key at their hosts

@@ -324,7 +324,11 @@ class WorkerService(StageAudit, HostLink):
         if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
             tensors = sj.rounds.feedback_state() if sj.rounds is not None else {}
         elif what == "inner":  # a transition check of its last inner step (verify/inner.py)
+            from fusionnode.verify.feedback import feedback_fetch
+
             tensors = inner.inner_fetch(sj)
+            if tensors:  # a round end's under sparseloco: its error feedback too (verify/feedback.py)
+                tensors.update(feedback_fetch(sj))
         else:
             zero = torch.zeros_like
             tensors = {

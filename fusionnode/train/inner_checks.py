@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import FusionNodeError
-from fusionnode.verify import inner
+from fusionnode.verify import feedback, inner
 from fusionnode.verify.commitment import digest_tensors
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked
@@ -251,6 +251,8 @@ class Transitions:
         self.args: dict[
             int, tuple[int, float, float, dict[str, torch.Tensor]]
         ] = {}  # stage -> (step, lr, clip, sums)
+        # sparseloco: stage -> (plan, peer, round, digest) its reports of `round` must commit `ef` to
+        self.ef_chain: dict[int, tuple[int, str, int, str]] = {}
         # the largest relative error an accepted check saw (the tolerances' margin, measured)
         for key, zero in (
             ("transitions", 0),
@@ -287,9 +289,10 @@ class Transitions:
                 for a, r in zip(run.stage_args, reports, strict=True)
             },
         )
+        chained = self._feedback_chain(job, run, step, reports)
         t = step - 1
         if t < 0 or not self.checkable(job, t):
-            return {}
+            return chained
         todo = []
         for a in run.stage_args:
             before, args = prev.get(a.stage), self.args.get(a.stage)
@@ -298,10 +301,10 @@ class Transitions:
             if self.drawn(t, a.stage):
                 todo.append((a, before[3], self.commits[a.stage][3], args))
         if not todo:
-            return {}
+            return chained
         t0 = time.perf_counter()
         results = await asyncio.gather(*(self._one(job, t, *x) for x in todo), return_exceptions=True)
-        caught: dict[str, str] = {}
+        caught: dict[str, str] = dict(chained)
         for (a, *_), res in zip(todo, results, strict=True):
             if isinstance(res, BaseException):
                 if not isinstance(res, FusionNodeError | OSError | asyncio.TimeoutError):
@@ -314,15 +317,40 @@ class Transitions:
         self.v.totals["transition_s"] += time.perf_counter() - t0
         return caught
 
+    def _feedback_chain(self, job: Any, run: Any, step: int, reports: list[Any]) -> dict[str, str]:
+        """Sparseloco: each stage whose error feedback a round-end check saw must commit `ef`, in its
+        first report of the next round, to the accumulators it showed then; peer -> why caught."""
+        caught: dict[str, str] = {}
+        if not self.ef_chain:
+            return caught
+        for a, r in zip(run.stage_args, reports, strict=True):
+            want = self.ef_chain.get(a.stage)
+            if want is None or step // job.sync.inner_steps < want[2]:
+                continue
+            del self.ef_chain[a.stage]
+            if want[:2] != (job.plan_version, a.peer) or step // job.sync.inner_steps != want[2]:
+                continue  # a new plan (its feedback restarts or is restored), or a round redone
+            if (r.verify or {}).get(feedback.EF_KEY) != want[3]:
+                caught[a.peer] = (
+                    f"stage {a.stage} (peer {a.peer[:12]}…) committed at step {step} to an error "
+                    f"feedback other than the one it showed at round {want[2] - 1}'s end"
+                )
+        if caught:
+            self.v.totals["transitions_caught"] += len(caught)
+        return caught
+
     def _margin(self, key: str, rel: float) -> None:
         self.v.totals[key] = max(self.v.totals[key], float(rel))
 
     def round_end_checks(self, job: Any, run: Any, deadline_s: float) -> RoundEnd | None:
-        """--sync diloco with the round held (scoring): the round-end checks drawn (by the secret,
+        """--sync diloco|sparseloco (sparseloco: not overlapped; its error feedback, verify/feedback.py)
+        with the round held (scoring): the round-end checks drawn (by the secret,
         after the pseudo-gradients arrived) among the stages that committed to the round's last inner
         step (the step this run checked last); None when none applies. Drawn before any fetch."""
-        if job.sync.mode != "diloco" or run.names_by_stage is None:
-            return None  # sparseloco: its message goes through the replica's error feedback (not committed)
+        if job.sync.mode not in ("diloco", "sparseloco") or run.names_by_stage is None:
+            return None
+        if job.sync.mode == "sparseloco" and job.sync.overlap:
+            return None  # its fold runs beside the next round's steps (verify/feedback.py)
         steps = {c[0] for c in self.commits.values()}
         step = max(steps, default=-1)  # the step this run checked last: the round's closing one
         if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
@@ -350,7 +378,10 @@ class Transitions:
         """Stage `a`'s snapshot of the round's last inner step, checked against its commitments (its
         parts), or why the worker is caught: no answer within `deadline_s` included."""
         what = f"stage {a.stage} (peer {a.peer[:12]}…) round end at step {step}"
-        if any(k not in commit for k in ("params", "opt", "grads")):
+        sparse = job.sync.mode == "sparseloco"
+        if any(k not in commit for k in ("params", "opt", "grads")) or (
+            sparse and feedback.EF_KEY not in commit
+        ):
             return f"{what}: it did not commit to its inner state"
         try:
             got = await asyncio.wait_for(
@@ -359,7 +390,17 @@ class Transitions:
         except (TimeoutError, FusionNodeError, OSError) as exc:
             why = str(exc) or f"no answer within {deadline_s:.3g} s"
             return f"stage {a.stage} did not show its round's last inner step {step}: {why}"
-        return shown(got, step, what, commit)
+        round_id, prev, nxt = feedback.split_feedback(got)
+        parts = shown(got, step, what, commit)
+        if isinstance(parts, str) or not sparse:
+            return parts
+        # sparseloco: the error feedback before the round's fold, against the last step's commitment
+        if round_id != step // job.sync.inner_steps:
+            return f"{what}: it showed no error feedback of that round"
+        if digest_tensors(prev) != commit[feedback.EF_KEY]:
+            return f"{what}: it showed an error feedback other than it committed to"
+        parts["ef/prev"], parts["ef/next"] = prev, nxt
+        return parts
 
     def _round_end_judge(
         self, job: Any, run: Any, step: int, a: Any, parts: dict, args: tuple, theta: dict, delta: dict
@@ -369,7 +410,14 @@ class Transitions:
         names = [n for n in run.names_by_stage.get(a.stage, []) if n in theta and n in delta]
         end, _state = replay(a, parts, args)
         want = {n: theta[n].float() - end[n].float() for n in names}
-        why, rel = delta_mismatch(str(job.sync.codec), {n: delta[n] for n in names}, want)
+        if job.sync.mode == "sparseloco":  # through its error feedback (verify/feedback.py)
+            nxt = parts["ef/next"]
+            why, rel = feedback.feedback_mismatch(job.sync, names, want, parts["ef/prev"], nxt, delta)
+            if not why:  # the next round's reports must commit to the e_next it showed
+                self.ef_chain[a.stage] = (job.plan_version, a.peer, step // job.sync.inner_steps + 1,
+                                          feedback.next_digest(nxt))  # fmt: skip
+        else:
+            why, rel = delta_mismatch(str(job.sync.codec), {n: delta[n] for n in names}, want)
         if why:
             return (
                 f"{what} failed a pseudo-gradient check: its round's contribution differs from the "

@@ -23,7 +23,7 @@ the round) rather than leaving the round held, but for a replica a round-end che
 
 With spot-checks on, step 2 also checks each replica's pseudo-gradient against the hosts' θ minus
 its stages' last inner step recomputed (`Transitions.round_end_checks`, train/inner_checks.py;
-diloco), drawn before any fetch, the drawn workers' snapshots fetched together within a third of the
+under sparseloco through the replica's error feedback, verify/feedback.py), drawn before any fetch, the drawn workers' snapshots fetched together within a third of the
 budget: a replica whose worker fails it, or does not answer in time, gets weight 0 and the worker
 is banned after the round (`Stepper.caught_at_round_end`); a replica whose drawn check did not
 finish (the scoring failed or overran first) gets weight 0 too, also in the "all kept" verdict. A `scored` event records each round: scores, verdict, weights.
@@ -181,10 +181,11 @@ class RoundScorer:
 
     def _unchecked_out(self, run: Any, ends: Any, weights: list[float]) -> list[float]:
         """`weights` with weight 0 for each replica whose drawn round-end check did not pass (its
-        worker caught, silent, or not judged yet); the workers caught are recorded. The hosts read a
-        verdict dropping every replica as all kept: when nothing else would be kept, the replicas
-        whose drawn workers all showed their committed snapshots (the driver's own scoring failed
-        before comparing) keep their weight."""
+        worker caught, silent, or not judged yet); the workers caught are recorded. A verdict
+        dropping every replica applies nothing on the hosts (optim/rounds.py): when nothing else
+        would be kept, the replicas whose drawn workers all showed their committed snapshots (the
+        driver's own scoring failed before comparing) keep their weight; a replica with a caught
+        worker never does, so a round whose every replica has one applies nothing."""
         caught, unfinished, answered = ends.settle()
         self.caught.update(caught)
         out = [0.0 if r in unfinished else w for r, w in enumerate(weights)]

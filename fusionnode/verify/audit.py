@@ -86,7 +86,7 @@ class AuditJob:
     m: int  # micro-batches of the step
     rel_tol: float
     step: int
-    link: dict[str, Any] | None = None  # the job's link codec: {"compress", "link_options"} (lossy.py)
+    link: dict[str, Any] | None = None  # the job's link codec: {"compress", "link_options", "job"} (lossy.py)
 
 
 def examine_audit(job: AuditJob) -> str | tuple[dict[int, dict[str, dict[str, torch.Tensor]]], Any]:
@@ -150,7 +150,7 @@ def judge_audit(job: AuditJob, mine: Mapping[str, torch.Tensor], module_for: Cal
     parts_of, shown = examined
     module = module_for(job.a, mine)
     link = job.link or {}
-    rules = LinkRules.of(link.get("compress"), link.get("link_options"))
+    rules = LinkRules.of(link.get("compress"), link.get("link_options"), link.get("job") or "")
     return check_stage_work(
         module, job.a, mine, parts_of, job.mbs, job.losses, job.m, job.rel_tol, shown, job.step, rules
     )

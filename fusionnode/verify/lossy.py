@@ -30,7 +30,12 @@ settings make of `y`, within the codec's own error bound plus the compute tolera
   step for round-to-nearest), and, with stochastic rounding (unbiased, of known variance
   ``f (1 - f) s^2`` per element, f the fractional grid position), two z-tests over each block of
   independent dither: the error's correlation with `y` (a scaling that keeps each row's largest
-  element) and its excess variance (added noise) must both stay under Z_LIMIT standard errors.
+  element) and its excess variance (added noise) must both stay under Z_LIMIT standard errors;
+  with the job's keyed dither (link option ``dither`` "keyed", compress/dither.py) the checker
+  knows each element's ``u`` and asks for the exact grid point ``floor(y / s + u)``: only where
+  ``y / s + u`` lies within the recompute's slack (e grid units) of a grid boundary may it go
+  either way, so a worker cannot steer its rounding (the per-link counter seed it replaces let
+  it couple the directions to any vector orthogonal to ``y``: review finding 4).
 
 Error feedback (`error_feedback`) sends what earlier messages dropped: no recompute can reproduce it,
 so a job with it is not spot-checked (train/checks.py).
@@ -74,9 +79,11 @@ class LinkRules:
     warmup_codec: str = "q8"
     stochastic: bool = True
     error_feedback: bool = False
+    dither: str = "keyed"  # q8/q4 stochastic rounding's seed: "keyed" (compress/dither.py) or "counter"
+    job: str = ""  # the job's id (keys the dither)
 
     @classmethod
-    def of(cls, compress: str | None, link_options: Mapping[str, Any] | None) -> LinkRules:
+    def of(cls, compress: str | None, link_options: Mapping[str, Any] | None, job: str = "") -> LinkRules:
         from fusionnode.compress.link import LinkOptions
         from fusionnode.compress.policy import parse_compress
 
@@ -84,8 +91,18 @@ class LinkRules:
         o = LinkOptions.from_dict(dict(link_options or {}))
         return cls(
             spec.kind, spec.ratio, o.k_min, o.mode, o.value_dtype, o.center, o.center_gradients,
-            o.grad_codec, o.warmup_codec, o.stochastic, o.error_feedback,
+            o.grad_codec, o.warmup_codec, o.stochastic, o.error_feedback, o.dither, str(job or ""),
         )  # fmt: skip
+
+    def seed(self, at: tuple[int, int, int] | None, key: str, name: str) -> int | None:
+        """The keyed q8/q4 dither seed of tensor `name` in the `key` message stage/step/micro-batch
+        `at` sent; None where the job's links round to nearest or count their seeds."""
+        if at is None or not self.stochastic or self.dither != "keyed":
+            return None
+        from fusionnode.compress.dither import dither_seed
+
+        stage, step, mb = at
+        return dither_seed(self.job, stage, step, mb, key, name)
 
     @property
     def lossy(self) -> bool:
@@ -138,10 +155,18 @@ def _rounded(
 
 
 def compare_sent(
-    name: str, enc: Any, got: torch.Tensor, want: torch.Tensor, rules: LinkRules, key: str, rel_tol: float
+    name: str,
+    enc: Any,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    rules: LinkRules,
+    key: str,
+    rel_tol: float,
+    seed: int | None = None,
 ) -> Mismatch | None:
     """None when `enc` (what the worker sent, `got` decoded) is what the job's link codec makes of the
-    recomputed `want`, within the bounds of the module docstring; else what differs."""
+    recomputed `want`, within the bounds of the module docstring; else what differs. `seed`: the
+    keyed dither of a stochastically rounded q8/q4 message (`LinkRules.seed`)."""
     if tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
         return Mismatch(name, f"{got.dtype}{list(got.shape)} instead of {want.dtype}{list(want.shape)}")
     if not got.is_floating_point() or enc.codec == "raw":
@@ -160,7 +185,7 @@ def compare_sent(
         return _rounded(name, got, want.clamp(-FLOAT16_MAX, FLOAT16_MAX), "float16", rel_tol, "fp16")
     if enc.codec == "topk":
         return _check_topk(name, enc, want, rules, key, rel_tol)
-    return _check_quant(name, enc, got, want, rules, rel_tol)
+    return _check_quant(name, enc, got, want, rules, rel_tol, seed)
 
 
 # ----------------------------------------------------------------- top-k
@@ -271,7 +296,13 @@ def _check_topk(
 
 
 def _check_quant(
-    name: str, enc: Any, got: torch.Tensor, y: torch.Tensor, rules: LinkRules, rel_tol: float
+    name: str,
+    enc: Any,
+    got: torch.Tensor,
+    y: torch.Tensor,
+    rules: LinkRules,
+    rel_tol: float,
+    seed: int | None,
 ) -> Mismatch | None:
     from fusionnode.compress.quant import QMAX, quant_rows
 
@@ -305,6 +336,10 @@ def _check_quant(
         )
     if not rules.stochastic:
         return None
+    if seed is not None:
+        bad = _keyed_grid(name, g2, y2, step, live, seed, qmax, GRID_SLACK + rel_tol * qmax)
+        if bad is not None:
+            return bad
     f = torch.where(live.unsqueeze(1), y2 / step - torch.floor(y2 / step), torch.zeros_like(y2))
     var = f * (1 - f) * step**2  # each element's rounding error variance, known from y
     fourth = (f * (1 - f) ** 4 + (1 - f) * f**4) * step**4
@@ -329,6 +364,37 @@ def _check_quant(
     return None
 
 
+def _keyed_grid(
+    name: str,
+    g2: torch.Tensor,
+    y2: torch.Tensor,
+    step: torch.Tensor,
+    live: torch.Tensor,
+    seed: int,
+    qmax: int,
+    slack: float,
+) -> Mismatch | None:
+    """Every element of a live row on the grid point ``floor(y / s + u)`` the keyed dither `u` gives,
+    or on its neighbour where ``y / s + u`` is within `slack` grid units of the boundary between them."""
+    from fusionnode.compress.quant import dither_rows
+
+    rows, row_len = y2.shape
+    w = y2 / step + dither_rows(seed, rows, row_len).double()
+    lo = torch.floor(w - slack).clamp(-qmax, qmax)
+    hi = torch.floor(w + slack).clamp(-qmax, qmax)
+    q = torch.round(g2 / step)
+    off = ((q < lo) | (q > hi)) & live.unsqueeze(1)
+    if bool(off.any()):
+        r, c = (int(i) for i in off.nonzero()[0])
+        return Mismatch(
+            name,
+            f"{int(off.sum())} elements not on the grid point the job's dither gives (row {r} element {c}: "
+            f"{int(q[r, c])} where floor(y / s + u) = {int(torch.floor(w[r, c]).clamp(-qmax, qmax))}): "
+            "rounding steered",
+        )
+    return None
+
+
 def compare_sent_all(
     got: Mapping[str, torch.Tensor],
     enc: Mapping[str, Any],
@@ -337,8 +403,10 @@ def compare_sent_all(
     key: str,
     rel_tol: float,
     what: str,
+    at: tuple[int, int, int] | None = None,
 ) -> list[Mismatch]:
-    """`compare_sent` over a message's tensors (missing or extra names included)."""
+    """`compare_sent` over a message's tensors (missing or extra names included); `at`: the (stage,
+    step, micro-batch) that sent it, which keys a q8/q4 dither (`LinkRules.seed`)."""
     out = []
     for name in sorted(set(got) | set(want)):
         label = f"{what} {name}"
@@ -348,8 +416,9 @@ def compare_sent_all(
             out.append(Mismatch(label, "not expected"))
         else:
             m = compare_sent(
-                label, enc[name], got[name].detach().cpu(), want[name].detach().cpu(), rules, key, rel_tol
-            )
+                label, enc[name], got[name].detach().cpu(), want[name].detach().cpu(), rules, key, rel_tol,
+                rules.seed(at, key, name),
+            )  # fmt: skip
             if m is not None:
                 out.append(m)
     return out

@@ -160,11 +160,13 @@ def check_micro_batch(
     rel_tol: float = CPU_REL_TOL,
     accumulate: bool = False,
     rules: Any = None,
+    at: tuple[int, int, int] | None = None,
 ) -> list[Mismatch]:
     """Pure: recomputes one micro-batch of stage `a` from `parts` (its ledger's decoded messages)
     and lists what differs from what the worker sent (and, on the last stage, reported). With
     `rules` (verify/lossy.LinkRules of a lossy job) and the sent messages' encoded forms in `parts`
-    ("sent:out", "sent:gout"), what it sent is compared as its link codec makes of the recompute."""
+    ("sent:out", "sent:gout"), what it sent is compared as its link codec makes of the recompute;
+    `at` = (stage, step, micro-batch) keys its q8/q4 dither (verify/lossy.LinkRules.seed)."""
     last, first = a["pos"] == a["num_stages"] - 1, a["pos"] == 0
     target = parts.get("target", {}).get("target") if last else None
     res = recompute(
@@ -183,7 +185,7 @@ def check_micro_batch(
     def compare(part: str, want: Mapping[str, torch.Tensor], key: str, what: str) -> list[Mismatch]:
         sent = parts.get("sent:" + part)
         if rules is not None and rules.lossy and sent is not None:
-            return compare_sent_all(parts.get(part, {}), sent, want, rules, key, rel_tol, what)
+            return compare_sent_all(parts.get(part, {}), sent, want, rules, key, rel_tol, what, at)
         return compare_tensors(parts.get(part, {}), want, rel_tol, what)
 
     if not last:
@@ -219,7 +221,10 @@ def check_stage_work(
         p.grad = None
     for mb in mbs:
         loss = losses[mb] if mb < len(losses) else None
-        bad = check_micro_batch(module, a, parts_of[mb], m, loss, rel_tol, accumulate=True, rules=rules)
+        at = (int(a["stage"]), step, mb)
+        bad = check_micro_batch(
+            module, a, parts_of[mb], m, loss, rel_tol, accumulate=True, rules=rules, at=at
+        )
         if bad:
             return (
                 f"stage {a['stage']} (peer {a['peer'][:12]}…) failed a spot-check at step {step}, "
@@ -550,7 +555,7 @@ class Verifier:
         audit = AuditJob(
             dict(a), dict(commit), listed, portable(chunks), src, mbs, grads, pushed,
             list(report.get("losses") or []), m, rel_tol, step,
-            {"compress": a.get("compress"), "link_options": a.get("link_options")},
+            {"compress": a.get("compress"), "link_options": a.get("link_options"), "job": self.job_id},
         )  # fmt: skip
         self.totals["audit_s"] += time.perf_counter() - t1
         if defer:

@@ -22,6 +22,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:  # run as a script from a checkout without `pip install -e .`
     sys.path.insert(0, str(HERE.parents[1]))
 
+from fusionnode.compress.dither import dither_seed  # noqa: E402
 from fusionnode.compress.quant import Q4, Q8  # noqa: E402  (registers "q8" and "q4")
 from fusionnode.wire import pack_encoded  # noqa: E402
 from fusionnode.wire.vectors import (  # noqa: E402
@@ -115,6 +116,23 @@ def build_vectors() -> dict[str, dict[str, Any]]:
             invalid_variant("q4 payload declared as q8", enc, codec="q8"),
         ],
     )
+    # q8 with the keyed dither of a link (compress/dither.py): the seed derived from the message, then
+    # torch's CPU generator's uniforms (one block of rows, reused per 65536-element chunk)
+    ctx = {"job": "job-7f3a", "stage": 3, "step": 12, "mb": 1, "key": "grad", "name": "x"}
+    seed = dither_seed(**ctx)
+    w = torch.tensor([[0.3, -0.71, 0.05, 0.9], [-1.2, 0.44, 0.61, -0.02]])
+    enc = Q8.encode(w, seed=seed)
+    vectors["q8_keyed_dither"] = {
+        **tensor_vector(
+            f"q8, float32 [2, 4], stochastic rounding with the keyed dither of job 'job-7f3a', stage 3, "
+            f"step 12, micro-batch 1, key 'grad', tensor 'x': seed {seed:#x} (the first 8 bytes of "
+            "SHA-256 of 'fusionnode-q-dither/1', job, stage, step, mb, key, name joined by NUL bytes, "
+            "little-endian, shifted right by 1), uniforms from torch.Generator().manual_seed(seed)",
+            enc,
+            [invalid_variant("payload truncated by one byte", enc, data=bytes(enc.data)[:-1])],
+        ),
+        "dither": {**ctx, "seed": seed},
+    }
     return vectors
 
 
