@@ -239,7 +239,7 @@ def test_data_parallel_configuration_shares_the_batch_by_speed():
     sync = SyncConfig.from_dict(options["sync"])
     assert (sync.mode, sync.inner_steps, sync.codec, sync.topk_density, sync.chunk) == (
         "sparseloco",
-        5,
+        4,
         "ctopk2",
         1 / 16,
         256,
@@ -247,7 +247,7 @@ def test_data_parallel_configuration_shares_the_batch_by_speed():
     assert sync.overlap and sync.overlap_steps == 1  # the exchange overlaps the next round's first step
     assert sync_from_args(_train_args(sync, options)) == sync
     line = systems.settings_of(got)
-    assert line["shares"] == [7, 4, 3, 2] and line["H"] == 5 and line["density"] == "1/16"
+    assert line["shares"] == [7, 4, 3, 2] and line["H"] == 4 and line["density"] == "1/16"
     assert "one replica per device" in line["why"] and line["overlap"] == "the update 1 inner step(s) late"
     # the blocking variant runs only when named
     (blocking,) = [c for c in systems.OPTIONAL_CONFIGS if c[0] == f"{systems.DP_NAME}-blocking"]
