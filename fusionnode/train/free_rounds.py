@@ -23,7 +23,8 @@ round's last step of the fastest replica, `loss` the token-weighted mean of the 
 losses, `tokens` every token fed in the round, `step_time_s` the time since the previous round's
 record, each stage's compute, wait and link seconds summed over its steps in the round, and
 `replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
-replays: train/free_rounds_local.py).
+replays: train/free_rounds_local.py) and whether its inner steps were fused (one `job.step` each,
+the optimizer step on the stage: train/fused_rounds.py).
 
 Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`;
 a worker or host that fails ends the job with an error naming `--round-close steps` (which
@@ -41,6 +42,7 @@ from typing import Any
 from fusionnode.errors import ConfigError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.optim.rounds import contributing_names
+from fusionnode.train import fused_rounds
 from fusionnode.train.free_rounds_local import round_count, round_limit, token_verdict
 from fusionnode.train.spec import lr_at
 from fusionnode.train.state import HISTORY_KEPT, Job, Run
@@ -114,6 +116,10 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
     n_rounds = round_count(spec, sync)
     rounds: dict[int, _Round] = {}
     closed = [0]  # rounds the hosts closed (their verdicts answered)
+    fused_of = {  # replicas whose inner steps take one call each (train/fused_rounds.py)
+        p.replica: fused_rounds.fuses(job, [a for a in run.stage_args if a.replica == p.replica])
+        for p in job.pipelines
+    }
 
     def round_at(q: int) -> _Round:
         if q not in rounds:
@@ -143,6 +149,8 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         # the next step's inputs go out while this step's commit runs (its step id is known once this
         # step decided whether it closes the round)
         feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
+        fused = fused_of[pipe.replica]
+        close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         try:
             for q in range(n_rounds):
                 rd = round_at(q)
@@ -151,8 +159,15 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
                     assert feeding is not None
-                    await feeding
-                    reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
+                    if fused:  # the step's call goes out with its inputs
+                        got = fused_rounds.fused_step(driver, job, run, pipe, mine, step, lr, close)
+                        reports, loss, norm, round_bytes = (await asyncio.gather(got, feeding))[0]
+                        job.count_round(step, round_bytes, closed[0])
+                        rd.wire += job.round_bytes
+                        close = None
+                    else:
+                        await feeding
+                        reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
                     rd.add(reports, mine)
                     rd.losses[idx].append(loss)
                     rd.norms.append(norm)
@@ -175,8 +190,16 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                     feeding = None
                     if not (last and q == n_rounds - 1):
                         feeding = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, following))
-                    await _commit(driver, job, run, mine, step, lr, clip, info, closed)
-                    rd.wire += job.round_bytes
+                    if not fused:
+                        await _commit(driver, job, run, mine, step, lr, clip, info, closed)
+                        rd.wire += job.round_bytes
+                    elif last and q == n_rounds - 1:  # no later step closes the job's last round
+                        assert info is not None
+                        round_bytes = await fused_rounds.close_last(driver, job, run, mine, step, info)
+                        job.count_round(step, round_bytes, closed[0])
+                        rd.wire += job.round_bytes
+                    else:
+                        close = info
                     if last:
                         break
                 rd.finished += 1
@@ -201,6 +224,8 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
             sent = driver.t.bytes_sent.get(spec.job_id, 0)
             rec = _record(job, run, rd, t_done - t_prev, rd.wire + sent - sent0, closed[0])
             t_prev, sent0 = t_done, sent
+            for rep in rec["replicas"]:
+                rep["fused"] = fused_of[rep["replica"]]
             tokens_total += rec["tokens"]
             time_total += rec["step_time_s"]
             run.metrics.step(rec)
