@@ -37,6 +37,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fusionnode.errors import ConfigError, PeerError
@@ -150,6 +151,7 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         # step decided whether it closes the round)
         feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
         fused = fused_of[pipe.replica]
+        feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
         close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         try:
             for q in range(n_rounds):
@@ -159,9 +161,14 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
                     assert feeding is not None
-                    if fused:  # the step's call goes out with its inputs
-                        got = fused_rounds.fused_step(driver, job, run, pipe, mine, step, lr, close)
-                        reports, loss, norm, round_bytes = (await asyncio.gather(got, feeding))[0]
+                    if fused:  # the step's call goes out with its inputs, the likely next's after them
+                        ends = k + 1 >= rd.limit
+                        guess = (q + 1) * sync.inner_steps if ends else step + 1
+                        feed_next = None if ends and q == n_rounds - 1 else partial(_feed, *feed_args, guess)
+                        got, ahead = await fused_rounds.fused_step_fed(
+                            driver, job, run, pipe, mine, step, lr, close, feeding, feed_next
+                        )
+                        reports, loss, norm, round_bytes = got
                         job.count_round(step, round_bytes, closed[0])
                         rd.wire += job.round_bytes
                         close = None
@@ -188,7 +195,10 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                         }
                     following = (q + 1) * sync.inner_steps if last else step + 1
                     feeding = None
-                    if not (last and q == n_rounds - 1):
+                    if fused and ahead is not None and guess == following:
+                        feeding, ahead = ahead, None
+                    fused_rounds.drop(ahead if fused else None)
+                    if feeding is None and not (last and q == n_rounds - 1):
                         feeding = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, following))
                     if not fused:
                         await _commit(driver, job, run, mine, step, lr, clip, info, closed)

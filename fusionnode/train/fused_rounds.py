@@ -15,7 +15,9 @@ by `job.commit` with `close_only`.
 
 from __future__ import annotations
 
+import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fusionnode.train.state import Job, Run
@@ -107,3 +109,42 @@ async def close_last(
         job, run, step, calls, {("commit", a.stage): a.peer for a in mine}
     )
     return [r.round_bytes for r in got.values()]
+
+
+async def fused_step_fed(
+    driver: Any,
+    job: Job,
+    run: Run,
+    pipe: Any,
+    mine: list[Any],
+    step: int,
+    lr: float,
+    close: dict[str, Any] | None,
+    feeding: asyncio.Future,
+    guess: Callable[[], Awaitable[None]] | None,
+) -> tuple[tuple[list[Any], float, float, list[dict[str, list[int]]]], asyncio.Future | None]:
+    """`fused_step` sent while its inputs (`feeding`) go out; once they are out, the inputs of the
+    step most likely next (`guess`: the next of the round, or the next round's first when this one
+    ends it) go out while the step runs, so the stage finds them there. A guess the round's close
+    proves wrong (another replica ended the round during this step) is fed in vain: a few kB that
+    wait unread in the stage's mailbox until the job ends. Returns (`fused_step`'s result, the
+    guess's feed)."""
+    call = asyncio.ensure_future(fused_step(driver, job, run, pipe, mine, step, lr, close))
+    ahead: asyncio.Future | None = None
+    try:
+        await feeding
+        if guess is not None:
+            ahead = asyncio.ensure_future(guess())
+        return await call, ahead
+    except BaseException:
+        for f in (call, ahead):
+            if f is not None and not f.done():
+                f.cancel()
+        await asyncio.gather(*(f for f in (call, ahead) if f is not None), return_exceptions=True)
+        raise
+
+
+def drop(fut: asyncio.Future | None) -> None:
+    """A guessed feed not needed: left to finish (its bytes are partly out), its outcome ignored."""
+    if fut is not None:
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
