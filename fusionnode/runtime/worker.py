@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import GraphError
-from fusionnode.runtime import optstate
+from fusionnode.runtime import fused, optstate
 from fusionnode.runtime.allreduce import reweigh
 from fusionnode.runtime.audit import StageAudit
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
@@ -350,7 +350,13 @@ class WorkerService(StageAudit, HostLink):
             raise JobError(ErrorCode.LEAVING, "this peer is leaving: no new steps")
         if self.hook is not None:
             self.hook.before_step()
+        if req.commit_lr is not None and (why := fused.refusal(sj, req)) is not None:
+            raise JobError(ErrorCode.BAD_REQUEST, why)
         async with sj.busy:
+            if req.commit_lr is not None and sj.last_step >= req.step:  # a fused step sent again
+                if sj.last_report is not None and sj.last_report[0] == req.step:
+                    return sj.last_report[1]
+                raise JobError(ErrorCode.BAD_REQUEST, f"fused step {req.step}: stage {sj.stage} is past it")
             if sj.pull_task is not None:  # parameters prefetched since the last commit
                 task, sj.pull_task = sj.pull_task, None
                 await task
@@ -364,7 +370,9 @@ class WorkerService(StageAudit, HostLink):
                 for old in sorted(sj.ledgers)[:-KEPT_LEDGERS]:
                     del sj.ledgers[old]
             task = asyncio.ensure_future(
-                self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
+                fused.fused_step(self, sj, req)  # with its inner optimizer step (runtime/fused.py)
+                if req.commit_lr is not None
+                else self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
             )
             sj.step_task, sj.step_task_step = task, req.step
             try:
@@ -399,6 +407,8 @@ class WorkerService(StageAudit, HostLink):
 
     async def rpc_commit(self, req: jp.CommitRequest, sender: str) -> jp.CommitReply:
         sj = self._get(req, sender)
+        if req.close_only:  # the job's last round after fused steps (runtime/fused.py)
+            return await fused.close_only(self, sj, req)
         step = req.step
         if sj.last_step >= step:  # a retried commit whose first reply was lost: applied (or pulling) already
             return jp.CommitReply(applied=step, again=True)

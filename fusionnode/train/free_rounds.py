@@ -23,7 +23,8 @@ round's last step of the fastest replica, `loss` the token-weighted mean of the 
 losses, `tokens` every token fed in the round, `step_time_s` the time since the previous round's
 record, each stage's compute, wait and link seconds summed over its steps in the round, and
 `replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
-replays: train/free_rounds_local.py).
+replays: train/free_rounds_local.py) and whether its inner steps were fused (one `job.step` each,
+the optimizer step on the stage: train/fused_rounds.py).
 
 Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`;
 a worker or host that fails ends the job with an error naming `--round-close steps` (which
@@ -36,11 +37,13 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fusionnode.errors import ConfigError, PeerError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.optim.rounds import contributing_names
+from fusionnode.train import fused_rounds
 from fusionnode.train.free_rounds_local import round_count, round_limit, token_verdict
 from fusionnode.train.spec import lr_at
 from fusionnode.train.state import HISTORY_KEPT, Job, Run
@@ -114,6 +117,10 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
     n_rounds = round_count(spec, sync)
     rounds: dict[int, _Round] = {}
     closed = [0]  # rounds the hosts closed (their verdicts answered)
+    fused_of = {  # replicas whose inner steps take one call each (train/fused_rounds.py)
+        p.replica: fused_rounds.fuses(job, [a for a in run.stage_args if a.replica == p.replica])
+        for p in job.pipelines
+    }
 
     def round_at(q: int) -> _Round:
         if q not in rounds:
@@ -143,6 +150,9 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         # the next step's inputs go out while this step's commit runs (its step id is known once this
         # step decided whether it closes the round)
         feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
+        fused = fused_of[pipe.replica]
+        feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
+        close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         try:
             for q in range(n_rounds):
                 rd = round_at(q)
@@ -151,8 +161,20 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
                     assert feeding is not None
-                    await feeding
-                    reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
+                    if fused:  # the step's call goes out with its inputs, the likely next's after them
+                        ends = k + 1 >= rd.limit
+                        guess = (q + 1) * sync.inner_steps if ends else step + 1
+                        feed_next = None if ends and q == n_rounds - 1 else partial(_feed, *feed_args, guess)
+                        got, ahead = await fused_rounds.fused_step_fed(
+                            driver, job, run, pipe, mine, step, lr, close, feeding, feed_next
+                        )
+                        reports, loss, norm, round_bytes = got
+                        job.count_round(step, round_bytes, closed[0])
+                        rd.wire += job.round_bytes
+                        close = None
+                    else:
+                        await feeding
+                        reports, loss, norm, clip = await _compute(driver, job, run, pipe, mine, step)
                     rd.add(reports, mine)
                     rd.losses[idx].append(loss)
                     rd.norms.append(norm)
@@ -173,10 +195,21 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                         }
                     following = (q + 1) * sync.inner_steps if last else step + 1
                     feeding = None
-                    if not (last and q == n_rounds - 1):
+                    if fused and ahead is not None and guess == following:
+                        feeding, ahead = ahead, None
+                    fused_rounds.drop(ahead if fused else None)
+                    if feeding is None and not (last and q == n_rounds - 1):
                         feeding = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, following))
-                    await _commit(driver, job, run, mine, step, lr, clip, info, closed)
-                    rd.wire += job.round_bytes
+                    if not fused:
+                        await _commit(driver, job, run, mine, step, lr, clip, info, closed)
+                        rd.wire += job.round_bytes
+                    elif last and q == n_rounds - 1:  # no later step closes the job's last round
+                        assert info is not None
+                        round_bytes = await fused_rounds.close_last(driver, job, run, mine, step, info)
+                        job.count_round(step, round_bytes, closed[0])
+                        rd.wire += job.round_bytes
+                    else:
+                        close = info
                     if last:
                         break
                 rd.finished += 1
@@ -201,6 +234,8 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
             sent = driver.t.bytes_sent.get(spec.job_id, 0)
             rec = _record(job, run, rd, t_done - t_prev, rd.wire + sent - sent0, closed[0])
             t_prev, sent0 = t_done, sent
+            for rep in rec["replicas"]:
+                rep["fused"] = fused_of[rep["replica"]]
             tokens_total += rec["tokens"]
             time_total += rec["step_time_s"]
             run.metrics.step(rec)

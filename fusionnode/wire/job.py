@@ -159,10 +159,21 @@ class StepRequest(JobMessage):
     mb_size: int
     target_time_s: float | None = None  # the time one micro-batch may take on a link (compression)
     verify: bool = False  # spot-checked: commit to every message, keep them until the next step
+    # fused inner steps (--round-close time, runtime/fused.py): with `commit_lr` the stage applies its
+    # inner optimizer step right after the backward, no job.commit (gradients clipped to `commit_clip`
+    # by the stage's own norm); `close_round` (CommitRequest.round's map) first closes the round whose
+    # last inner step was the stage's previous fused step. Left out otherwise (older peers refuse them)
+    commit_lr: float | None = None
+    commit_clip: float | None = None
+    close_round: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1 or self.mb_size < 1:
             raise _bad(f"micro_batches and mb_size must be >= 1, got {self.micro_batches}, {self.mb_size}")
+        if self.commit_lr is None and (self.commit_clip is not None or self.close_round is not None):
+            raise _bad("commit_clip and close_round belong to a fused step: give commit_lr")
+        if self.commit_clip is not None and not self.commit_clip > 0:
+            raise _bad(f"commit_clip must be > 0, got {self.commit_clip}")
 
 
 @message
@@ -180,6 +191,7 @@ class StepReport(JobMessage):
     grad_sq: float  # squared norm of the stage's own (not shared) gradients
     links: dict[str, Any]  # {"fwd": counters, "bwd": counters} of the link compressors
     verify: dict[str, Any] | None = None  # with StepRequest.verify: verify.Ledger.commitments()
+    round_bytes: dict[str, list[int]] | None = None  # fused steps: per host [sent, received] (as a commit)
 
 
 @message
@@ -210,6 +222,9 @@ class CommitRequest(JobMessage):
     lr: float | None = None  # needed with a local optimizer
     clip_coef: float = 1.0
     round: dict[str, Any] | None = None  # closes a sync round: {id, tokens, names} (protocol/ROUNDS.md)
+    # fused steps: `step`'s inner step was applied by its job.step (StepRequest.commit_lr); only
+    # close `round` (the job's last round, which no later step closes)
+    close_only: bool | None = None
 
 
 @message
