@@ -38,6 +38,30 @@ def _swarm_cpu_s(swarm: Any) -> float:
     return total
 
 
+def _cpu_by_role(swarm: Any) -> dict[str, float]:
+    """CPU seconds used so far, by role: the driver's daemon (driver, optimizer host and a worker),
+    its check process, the other daemons (workers, the spare), and every daemon's p2pd."""
+    import psutil
+
+    out = {"driver_daemon": 0.0, "check_process": 0.0, "other_daemons": 0.0, "p2pd": 0.0}
+    for i, proc in enumerate(swarm.procs):
+        try:
+            top = psutil.Process(proc.pid)
+            family = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for q in family:
+            try:
+                cmd = " ".join(q.cmdline())
+                t = q.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            role = "p2pd" if "p2pd" in cmd else "check_process" if "spawn_main" in cmd else None
+            role = role or ("driver_daemon" if i == 0 else "other_daemons")
+            out[role] += t.user + t.system
+    return out
+
+
 def _family(swarm: Any) -> list[Any]:
     """Every live process of the swarm: its daemons and their children."""
     import psutil
@@ -98,6 +122,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     on/off ratio (median and range over the pairs), and the ratio of the runs' medians."""
     per_run: dict[str, list[float]] = {"off": [], "on": []}  # each run's median step time
     cpu: dict[str, list[float]] = {"off": [], "on": []}  # each run's swarm CPU seconds per step
+    roles: dict[str, list[dict[str, float]]] = {"off": [], "on": []}  # the same, by role
     verify_s: list[float] = []
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
@@ -125,7 +150,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     for r in range(args.overhead_repeats):
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # interleaved: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
-            c0 = _swarm_cpu_s(swarm)
+            c0, r0 = _swarm_cpu_s(swarm), _cpu_by_role(swarm)
             result, events = asyncio.run(
                 _train(
                     swarm,
@@ -136,6 +161,7 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
             )
             steps = _steps(events)
             cpu[mode].append((_swarm_cpu_s(swarm) - c0) / len(steps))
+            roles[mode].append({k: (v - r0[k]) / len(steps) for k, v in _cpu_by_role(swarm).items()})
             per_run[mode].append(statistics.median(s["step_time_s"] for s in steps[3:]))
             if mode == "on":
                 verify_s += [s.get("phases", {}).get("verify_s", 0.0) for s in steps[3:]]
@@ -160,6 +186,11 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         "cpu_overhead": _spread(cpu_pairs),  # each pair's swarm CPU per step on / off - 1
         "cpu_s_per_step_off": _spread(cpu["off"]),
         "cpu_s_per_step_on": _spread(cpu["on"]),
+        # where the CPU goes (medians over the runs): what the checks add is on - off per role
+        "cpu_s_per_step_by_role": {
+            mode: {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]}
+            for mode, rs in roles.items()
+        },
         "load_avg_1min": load,
         "pinned": {"swarm_cpus": [0], "check_cpus": [1], "check_pid": check_pid} if pin else None,
         "busy_percent_per_core": busy,  # over the timed runs, whatever ran on each core (others' too)

@@ -2,7 +2,7 @@
 
 An audit is the kept messages of a stage's checked micro-batches (and, for a gradient check, the
 parameter gradients it pushed), as encoded on the wire. Judging it (`judge_audit`) means: every
-shown message must match the commitment the stage made in its report (BLAKE2b of the encoded
+shown message must match the commitment the stage made in its report (BLAKE3 of the encoded
 tensors), the gradients must match what the optimizer hosts received, then the micro-batches are
 recomputed and compared (verifier.check_stage_work). All of that is CPU work the driver's process
 need not do: `AuditJob` carries it, as plain bytes and one flat buffer of parameters (one
