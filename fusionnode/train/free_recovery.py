@@ -66,6 +66,7 @@ class Segment:
         self.lost: dict[int, StepFailed] = {}  # replica index -> why it lost its round
         self.host: HostFailed | None = None  # an optimizer host died: the segment is cancelled
         self.redo = False  # the stopped round gets no verdict: redone after the re-plan
+        self.stopped: Any = None  # the round a replica lost (`_Round`)
         self.flags = {"restart": restart, "fresh_outer": fresh_outer, "fresh_feedback": fresh_feedback}
 
     def failed(self) -> bool:
@@ -88,7 +89,8 @@ class Segment:
         if isinstance(fail, HostFailed):
             raise fail
         self.lost[idx] = fail
-        self.stop = rd.q if self.stop is None else min(self.stop, rd.q)
+        if self.stop is None or rd.q < self.stop:
+            self.stop, self.stopped = rd.q, rd
         if rd.verdict is not None and rd.verdict.done() and not rd.verdict.cancelled():
             return  # the hosts closed the round with it already: its steps were applied
         rd.lost[idx] = int(rd.counts[idx] or 0)
@@ -128,6 +130,7 @@ async def applied(job: Any, run: Any, rd: Any, replies: list[Any]) -> None:
         took = [len(r.weights) > idx and r.weights[idx] > 0 for r in replies]
         if took and all(took):
             rd.counts[idx] = steps
+            del rd.lost[idx]
         elif any(took):
             await run.event(
                 job,
@@ -205,7 +208,7 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
     first = applied_steps[0] // h
     job.rounds_closed = first
     job.step = min(first * h, job.spec.steps)
-    lost = sorted(job.pipelines[i].replica for i in seg.lost if i < len(job.pipelines))
+    lost = sorted(seg.stopped.lost) if seg.host is None and seg.stopped is not None else []
     await run.event(
         job,
         "recovered",
@@ -216,11 +219,7 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
         lost_replicas=lost,
         reason=(
             f"rounds 0..{first - 1} applied once; "
-            + (
-                f"round {seg.stop} closed without replica(s) {lost}, "
-                if seg.host is None and seg.stop is not None and first > seg.stop
-                else ""
-            )
+            + (f"round {seg.stop} closed without replica(s) {lost}, " if lost and first > seg.stop else "")
             + f"the job goes on at round {first} on the new plan"
         ),
     )
