@@ -32,9 +32,10 @@ checkpoints of time-closed rounds hold none: the stages are already in the next 
 taken). Its record says so (`restart`, `fresh_outer`, `fresh_feedback`), which
 `--local --round-steps FILE` replays (train/free_rounds_local.py `load_restarts`).
 
-Checkpoints: after round q's verdict, when (q+1)·H is due (`SyncConfig.checkpoint_due`), the
+Checkpoints: after round q's record, when (q+1)·H is due (`SyncConfig.checkpoint_due`), the
 driver saves the hosts' parameters (the hosts save their shards as they close the round); the next
-round's verdict waits for it, so no later round can change the parameters being saved.
+round's verdict waits for it, so no later round can change the parameters being saved, and a
+checkpoint never holds a round without its record.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Segment:
         self.host: HostFailed | None = None  # an optimizer host died: the segment is cancelled
         self.redo = False  # the stopped round gets no verdict: redone after the re-plan
         self.stopped: Any = None  # the round a replica lost (`_Round`)
+        self.ending = False  # a failure cancelled the replicas: the records of the rounds closed only
         self.flags = {"restart": restart, "fresh_outer": fresh_outer, "fresh_feedback": fresh_feedback}
 
     def failed(self) -> bool:
@@ -109,6 +111,29 @@ class Segment:
         return all(c is not None for c in rd.counts)
 
 
+def verdict_ok(rd: Any) -> bool:
+    """Whether round `rd`'s verdict went through (the hosts closed it)."""
+    v = rd.verdict
+    return v is not None and v.done() and not v.cancelled() and v.exception() is None
+
+
+async def flush(seg: Segment, replicas: list[asyncio.Future], records: asyncio.Future, rounds: dict) -> None:
+    """A failure ended the segment at once: the replicas are cancelled; the verdicts of the rounds
+    before the one to redo, which the hosts close whatever follows, are awaited (not under a dead
+    host: its rounds since the checkpoint are redone anyway); the records of every round closed are
+    emitted, in order, before the recovery."""
+    seg.ending = True
+    for t in replicas:
+        t.cancel()
+    await asyncio.gather(*replicas, return_exceptions=True)
+    if seg.host is None:
+        before = [rd.verdict for q, rd in rounds.items() if rd.verdict is not None and q < (seg.stop or 0)]
+        await asyncio.gather(*before, return_exceptions=True)
+    for rd in rounds.values():
+        rd.done.set()
+    await asyncio.gather(records, return_exceptions=True)
+
+
 async def wait_verdict(rd: Any) -> None:
     """Awaits round `rd`'s verdict, following it when it is sent again (`Segment.lose`); returns at
     once when there is none."""
@@ -143,7 +168,7 @@ async def applied(job: Any, run: Any, rd: Any, replies: list[Any]) -> None:
 
 
 async def checkpoint(driver: Any, job: Any, run: Any, q: int) -> None:
-    """After round q's verdict: the driver's checkpoint of step (q+1)·H when one is due (the hosts'
+    """After round q's record: the driver's checkpoint of step (q+1)·H when one is due (the hosts'
     parameters, which are θ after round q until the next round's verdict); a failure to write is
     an event and the job goes on with its earlier checkpoints."""
     spec, h = job.spec, job.sync.inner_steps
@@ -198,6 +223,8 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
                 errors.setdefault(peer, []).extend(fs)
             unreachable.update(f.unreachable)
         fail = StepFailed(min(f.step for f in seg.lost.values()), errors, sorted(unreachable))
+        if seg.stopped is not None:  # the ledger as the hosts have it (a re-plan that fails saves it)
+            job.rounds_closed = seg.stop + int(verdict_ok(seg.stopped))
         await driver.recovery.recover(job, run, source, fail.step, fail)
         applied_steps, fresh_outer = list(job.hosts_applied), False
     if len(set(applied_steps)) != 1 or applied_steps[0] % h:

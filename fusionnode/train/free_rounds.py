@@ -90,6 +90,7 @@ class _Round:
         self.done = asyncio.Event()
         self.t_done = 0.0
         self.verdict: asyncio.Task | None = None
+        self.saved = asyncio.Event()  # recorded, and checkpointed when due: the next round may close
         self.lost: dict[int, int] = {}  # replica index -> the steps it did before it lost the round
 
     def add(self, reports: list[Any], args: list[Any]) -> None:
@@ -128,8 +129,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         return rounds[q]
 
     async def verdict(rd: _Round) -> None:
-        if rd.q - 1 in rounds:  # its checkpoint first
-            await free_recovery.wait_verdict(rounds[rd.q - 1])
+        if rd.q - 1 in rounds:  # the round before recorded and checkpointed first
+            await rounds[rd.q - 1].saved.wait()
         weights = token_verdict([int(c or 0) for c in rd.counts])
         if run.scorer is not None:  # --contrib-policy score: its verdict (kept 1, dropped 0) x these
             await run.scorer.launch(job, run, rd.q, weights)
@@ -145,7 +146,6 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
             )
             await free_recovery.applied(job, run, rd, list(got.values()))
         closed[0] = max(closed[0], rd.q + 1)
-        await free_recovery.checkpoint(driver, job, run, rd.q)
 
     async def replica(idx: int) -> None:
         pipe = job.pipelines[idx]
@@ -223,6 +223,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
             await rd.done.wait()
             if not seg.runs(q) or rd.verdict is None:  # stopped before it, or it is to be redone
                 return
+            if seg.ending and not free_recovery.verdict_ok(rd):  # a failure: the rounds closed only
+                return
             await free_recovery.wait_verdict(rd)
             t_done = max(rd.t_done, t_prev)
             sent = driver.t.bytes_sent.get(spec.job_id, 0)
@@ -238,6 +240,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
             job.step, job.loss = rec["step"] + 1, rec["loss"]
             job.tokens_per_s = tokens_total / max(time_total, 1e-9)
             await run.emit({"type": "step", **rec, "steps": spec.steps})
+            await free_recovery.checkpoint(driver, job, run, q)  # a checkpoint holds recorded rounds
+            rd.saved.set()
             if not seg.runs(q + 1):
                 return
 
@@ -245,10 +249,11 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
     tasks.append(asyncio.ensure_future(records()))
     try:
         await asyncio.gather(*tasks)
-    except HostFailed as fail:  # the hosts are restored, the rounds since their checkpoint redone
-        seg.host = fail
-    except free_recovery.Redo:  # the round a replica lost is redone on the new plan
-        pass
+    except (HostFailed, free_recovery.Redo) as fail:
+        # a dead host: the hosts are restored, the rounds since their checkpoint redone; a round
+        # without a verdict: redone on the new plan. The rounds the hosts closed get their records.
+        seg.host = fail if isinstance(fail, HostFailed) else None
+        await free_recovery.flush(seg, tasks[:-1], tasks[-1], rounds)
     except StepFailed as fail:  # the verdict, every host alive
         raise free_recovery.ended_by_verdict(fail) from None
     finally:
