@@ -17,9 +17,11 @@ import torch
 from test_components import Swarm, round_job, small_spec
 from test_sync_faults import FaultySwarm, Interrupted, _a_worker, _first_host, recovered
 
+from fusionnode import cli
 from fusionnode.sync import SyncConfig
 from fusionnode.train.free_rounds_local import load_restarts, load_schedule
 from fusionnode.train.replicas import train_local_replicas
+from fusionnode.train.spec import JobSpec
 
 torch.set_num_threads(1)
 
@@ -222,3 +224,31 @@ def test_a_schedule_with_a_lost_round_and_restarts_replays_from_the_metrics_file
     assert got.records[1]["tokens"] == got.records[1]["replicas"][0]["tokens"]
     with_it = train_local_replicas(spec, sync, replicas=2, round_steps=[[3, 2], [3, 1]], restart_rounds={1})
     assert abs(with_it.val_loss - got.val_loss) > 1e-5
+
+
+def test_the_cli_replay_of_a_metrics_file_takes_its_lost_rounds_and_restarts(tmp_path, capsys):
+    """`train --local --round-close time --round-steps FILE` replays what the file says: round 1 lost
+    by replica 1, round 2 run on new stages (what a swarm run's metrics file holds after a worker
+    died in round 1)."""
+    m = tmp_path / "swarm.jsonl"
+    recs = [
+        {"round_closed": 0, "replicas": [{"steps": 2}, {"steps": 1}]},
+        {"round_closed": 1, "replicas": [{"steps": 2}, {"steps": 0, "lost": True}]},
+        {"round_closed": 2, "replicas": [{"steps": 1}, {"steps": 2}], "restart": True},
+    ]
+    m.write_text("\n".join(json.dumps({"type": "step", **r}) for r in recs))
+    cli.main(
+        ["train", "--local", "--replicas", "2", "--steps", "6", "--batch-size", "8", "--seq-len", "16",
+         "--sync", "diloco", "--inner-steps", "2", "--round-close", "time", "--round-steps", str(m),
+         "--json"]
+    )  # fmt: skip
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    got = [r for r in got if r.get("type") == "step"]
+    assert [[rep["steps"] for rep in r["replicas"]] for r in got] == [[2, 1], [2, 0], [1, 2]]
+    spec = JobSpec(steps=6, batch_size=8, seq_len=16)
+    sync = _timed(SyncConfig("diloco", inner_steps=2))
+    schedule = [[2, 1], [2, 0], [1, 2]]
+    want = train_local_replicas(spec, sync, replicas=2, round_steps=schedule, restart_rounds={2}).losses
+    plain = train_local_replicas(spec, sync, replicas=2, round_steps=schedule).losses
+    assert [r["loss"] for r in got] == pytest.approx(want, abs=1e-6)
+    assert abs(plain[2] - want[2]) > 1e-4  # the restart is a real difference
