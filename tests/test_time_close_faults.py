@@ -157,8 +157,11 @@ def test_an_optimizer_host_dying_mid_round_is_replaced_and_the_rounds_since_redo
     assert all(h["rounds_closed"] == 4 for h in rounds[-1]["optimizer_hosts"])
     new = next(h for h in plans[-1]["optimizer_hosts"] if h not in plans[0]["optimizer_hosts"])
     kept = next(h for h in plans[-1]["optimizer_hosts"] if h != new)
-    # the dead host closed 0..2; the one kept 0..2, then (restored to step 6) 2 and 3; the new one 2, 3
-    assert closes == {s.downed[0]: [0, 1, 2, *extra], kept: [0, 1, 2, *extra, 2, 3], new: [2, 3]}
+    # the dead host closed 0..2 (and 3, had a verdict reached it as it died); the one kept 0..2 (3),
+    # then, restored to step 6, 2 and 3 once each; the new one 2 and 3
+    assert set(closes) == {s.downed[0], kept, new}
+    assert closes[s.downed[0]] in ([0, 1, 2], [0, 1, 2, 3]) and closes[new] == [2, 3]
+    assert closes[kept] in ([0, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3]), closes[kept]
     ref = _replay(spec, sync, rounds, restart_rounds={2}, fresh_outer_rounds={2})
     _follows(rounds, ref)
 
