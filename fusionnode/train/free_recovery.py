@@ -41,12 +41,14 @@ checkpoint never holds a round without its record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from fusionnode.errors import FusionNodeError, PeerError, PlanError
 from fusionnode.train.checkpoint import save_job
 from fusionnode.train.step import HostFailed, StepFailed
 
+POLL_S = 0.05  # seconds between looks at a round's verdict while its replicas run
 MAX_RECOVERIES = 6  # segments a job may lose in a row to failures before it gives up
 
 
@@ -132,6 +134,17 @@ async def flush(seg: Segment, replicas: list[asyncio.Future], records: asyncio.F
     for rd in rounds.values():
         rd.done.set()
     await asyncio.gather(records, return_exceptions=True)
+
+
+async def round_done(rd: Any) -> None:
+    """Waits until every replica is done with round `rd`; raises its verdict's error as soon as it
+    fails (a dead host: the replicas would wait out their pulls of the round's update)."""
+    while not rd.done.is_set():
+        v = rd.verdict
+        if v is not None and v.done() and not v.cancelled() and v.exception() is not None:
+            raise v.exception()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rd.done.wait(), POLL_S)
 
 
 async def wait_verdict(rd: Any) -> None:

@@ -220,7 +220,7 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         tokens_total, time_total = 0, 0.0
         for q in range(seg.first, n_rounds):
             rd = round_at(q)
-            await rd.done.wait()
+            await free_recovery.round_done(rd)
             if not seg.runs(q) or rd.verdict is None:  # stopped before it, or it is to be redone
                 return
             if seg.ending and not free_recovery.verdict_ok(rd):  # a failure: the rounds closed only
