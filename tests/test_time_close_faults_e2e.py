@@ -89,13 +89,17 @@ def check_rounds_once(events: list[dict], sp: JobSpec) -> list[dict]:
     ref = train_local_replicas(
         sp.replace(metrics_out=None), SYNC, replicas=2, round_steps=schedule, **restarts
     )
-    for q, (r, want) in enumerate(zip(rounds, ref.losses, strict=True)):
-        assert abs(r["loss"] - want) < TOL, f"round {q}: swarm {r['loss']:.6f} vs replay {want:.6f}"
+    diffs = [abs(r["loss"] - w) for r, w in zip(rounds, ref.losses, strict=True)]
+    plans = [
+        [[st["peer"][-4:], st["lo"], st["hi"]] for st in e["stages"]] for e in events if e["type"] == "plan"
+    ]
     print(
-        f"{sp.metrics_out}: schedule {schedule}, restarts {restarts}; max |loss - replay| "
-        f"{max(abs(r['loss'] - w) for r, w in zip(rounds, ref.losses, strict=True)):.2e}",
+        f"{sp.metrics_out}: schedule {schedule}, restarts {restarts}, plans {plans}; "
+        f"|loss - replay| per round {[f'{d:.1e}' for d in diffs]}",
         file=sys.stderr,
     )
+    for q, (r, want) in enumerate(zip(rounds, ref.losses, strict=True)):
+        assert abs(r["loss"] - want) < TOL, f"round {q}: swarm {r['loss']:.6f} vs replay {want:.6f}"
     return rounds
 
 
