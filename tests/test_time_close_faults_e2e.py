@@ -6,9 +6,9 @@ rounds since are redone. Every round is applied exactly once in the trajectory k
 last record, the hosts' count of rounds closed), and the losses are the replay of the run's own
 metrics file (its schedule and its restarts: what `train --local --round-close time --round-steps
 FILE` reads) within 1e-3. Two runs deviated by at most 3.8e-5 and 2.9e-4 after the worker's death
-(the same code in one process, tests/test_time_close_faults.py, matches within 1e-7: the residual
-here is not explained; fp noise across processes amplified by the new stages' fresh inner AdamW is
-the suspect). Counting one step of the lost replica's partial round would move the losses by
+(the same code in one process, tests/test_time_close_faults.py, matches within 1e-7). Those runs
+computed the reference with torch's default threads, the daemons with one: fp noise that the new
+stages' fresh inner AdamW amplifies is the suspect, and the reference now runs on one thread. Counting one step of the lost replica's partial round would move the losses by
 ~1e-1, which the test checks is far outside that tolerance."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import signal
 import sys
 
 import pytest
+import torch
 
 from fusionnode import control
 from fusionnode.localswarm import LocalSwarm
@@ -29,6 +30,7 @@ from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+torch.set_num_threads(1)  # the reference computes as the daemons do (one thread each)
 
 TOL = 1e-3
 H = 3
