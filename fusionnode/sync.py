@@ -374,8 +374,6 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
     round_steps = getattr(args, "round_steps", None)
     if cfg.round_close == "time":
         time_close_refusals(
-            resume=bool(getattr(args, "resume", False)),
-            save_dir=getattr(args, "save_dir", None),
             offload=getattr(args, "offload", "auto"),
             local=bool(getattr(args, "local", False)),
             round_steps=round_steps,
@@ -409,23 +407,16 @@ def time_close_checks_refusal(verify_policy: Any) -> None:
 
 def time_close_refusals(
     *,
-    resume: bool,
-    save_dir: Any,
     offload: Any,
     local: bool = False,
     round_steps: Any = None,
     verify_policy: Any = None,
 ) -> None:
     """What --round-close time cannot be combined with yet (ConfigError naming the options): its
-    rounds are not checkpointed (so no --save-dir, no --resume) nor spot-checked (no --verify-policy
-    sample|all); a failed worker ends the job (train/free_rounds.py). The --local reference replays
-    a swarm run's step counts."""
+    rounds are not spot-checked (no --verify-policy sample|all), and close on optimizer hosts. They
+    are checkpointed and resumed, and recover from failures (train/free_recovery.py). The --local
+    reference replays a swarm run's step counts."""
     time_close_checks_refusal(verify_policy)
-    if resume or save_dir:
-        raise ConfigError(
-            f"--round-close time with {'--resume' if resume else '--save-dir'}: rounds closed by time are "
-            "not checkpointed yet; use --round-close steps"
-        )
     if offload == "off":
         raise ConfigError("--round-close time closes rounds on the optimizer hosts: use --offload on or auto")
     if local and round_steps is None:
@@ -455,12 +446,7 @@ def job_refusals(sync: SyncConfig, params: Mapping[str, Any]) -> None:
             "lets the planner choose H)"
         )
     if sync.round_close == "time":
-        spec = params.get("spec") or {}
-        time_close_refusals(
-            resume=bool(params.get("resume")),
-            save_dir=spec.get("save_dir") if isinstance(spec, Mapping) else None,
-            offload=params.get("offload"),
-        )
+        time_close_refusals(offload=params.get("offload"))
     if sync.rounds and (params.get("planner") or "simple") not in ROUND_PLANNERS:
         raise ConfigError(
             f"--planner {params.get('planner')} prices data-parallel sync every step and cannot honour "

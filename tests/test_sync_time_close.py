@@ -70,11 +70,13 @@ def test_hosts_weigh_the_tokens_the_driver_fed_not_the_plan_or_a_claim() -> None
 def test_schedules_that_do_not_fit_the_job_are_refused(tmp_path) -> None:
     sync = _timed(SyncConfig("diloco", inner_steps=3))
     assert check_schedule(SPEC, sync, 2, [[3, 1], [2, 3], [1, 1]])
+    # 0: a replica that lost its round (train/free_recovery.py); the one at the limit may be it
+    assert check_schedule(SPEC, sync, 2, [[3, 0], [0, 2], [1, 1]])
     for bad, says in [
         ([[3, 1], [2, 3]], "2 rounds given; the job has 3"),
         ([[3, 1], [2, 3], [1, 1, 1]], "round 2 needs 2 step counts"),
-        ([[3, 0], [2, 3], [1, 1]], "round 0 needs 2 step counts in [1, 3]"),
-        ([[4, 1], [2, 3], [1, 1]], "in [1, 3]"),
+        ([[0, 0], [2, 3], [1, 1]], "round 0 needs 2 step counts in [0, 3], not all 0"),
+        ([[4, 1], [2, 3], [1, 1]], "in [0, 3]"),
         ([[2, 2], [2, 3], [1, 1]], "round 0: no replica did the round's 3 steps"),
     ]:
         with pytest.raises(ConfigError, match=f"--round-steps: .*{bad and ''}"):
@@ -105,7 +107,6 @@ def test_schedules_that_do_not_fit_the_job_are_refused(tmp_path) -> None:
             ["--sync", "diloco", "--round-steps", "x.json"],
             "--round-steps: a schedule of rounds closed by time",
         ),
-        (["--sync", "diloco", "--round-close", "time", "--save", "ck"], "--round-close time with --save-dir"),
         (
             ["--sync", "diloco", "--round-close", "time", "--round-steps", "nope.json"],
             "--round-steps nope.json",
@@ -289,51 +290,12 @@ def test_a_swarm_job_sent_without_the_cli_is_refused_the_same_way() -> None:
 
     sync = _timed(SyncConfig("sparseloco", inner_steps=5))
     for params, says in [
-        ({"resume": True}, "--round-close time with --resume"),
-        ({"spec": {"save_dir": "/tmp/x"}}, "--round-close time with --save-dir"),
         ({"offload": "off"}, "--offload on or auto"),
     ]:
         with pytest.raises(ConfigError, match=says):
             job_refusals(sync, params)
     job_refusals(sync, {"offload": "on", "planner": "simple"})
+    # checkpointed and resumed (train/free_recovery.py)
+    job_refusals(sync, {"offload": "on", "resume": True, "spec": {"save_dir": "/tmp/x"}})
     with pytest.raises(ConfigError, match="--round-close 'hourly'"):
         SyncConfig.from_dict({**sync.to_dict(), "round_close": "hourly"})
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_a_dead_worker_ends_the_job_with_an_error_naming_the_option(tmp_path) -> None:
-    # recovery of rounds closed by time is not built: the job stops with a clear error (no round
-    # applied twice or lost in silence), naming --round-close steps, which recovers
-    s = LocalSwarm(tmp_path, N_PEERS, log=sys.stderr)
-    try:
-        s.start()
-        asyncio.run(s.wait_connected())
-        ids = [s.ready[i]["peer_id"] for i in range(N_PEERS)]
-        spec = JobSpec(model="gpt2-tiny", steps=40, batch_size=4, seq_len=32, seed=5, warmup_steps=3)
-        sync = _timed(SyncConfig("diloco", inner_steps=4))
-
-        async def go():
-            params = {
-                "spec": spec.to_dict(),
-                "stages": 2,
-                "replicas": 2,
-                "offload": "on",
-                "optimizer_hosts": 1,
-                "optimizer_peers": ids[:1],
-                "sync": sync.to_dict(),
-            }
-            victim = None
-            async for obj in control.call_stream(s.control(0), "train", params, timeout=600):
-                ev = obj.get("event") or {}
-                if ev.get("type") == "plan":
-                    victim = next(ids.index(st["peer"]) for st in ev["stages"] if st["peer"] != ids[0])
-                if ev.get("type") == "step" and ev["round_closed"] == 1:
-                    s.procs[victim].kill()
-            raise AssertionError("the job finished")
-
-        with pytest.raises(Exception, match="--round-close steps") as info:
-            asyncio.run(go())
-        assert "under --round-close time" in str(info.value)
-    finally:
-        s.stop()

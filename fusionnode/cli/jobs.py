@@ -378,10 +378,12 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if (
             args.round_steps
         ):  # --round-close time: a swarm run's schedule, replayed (train/free_rounds_local.py)
-            from fusionnode.train.free_rounds_local import check_schedule, load_schedule
+            from fusionnode.train.free_rounds_local import check_schedule, load_restarts, load_schedule
 
             try:
-                args.round_steps = load_schedule(args.round_steps)
+                schedule = load_schedule(args.round_steps)
+                args.round_restarts = load_restarts(args.round_steps)  # after a recovery: new plans
+                args.round_steps = schedule
                 check_schedule(spec, sync, len(shares) if shares else args.replicas, args.round_steps)
             except FusionNodeError as exc:
                 parser.error(str(exc))
@@ -514,7 +516,13 @@ def _train_local_replicas(spec: Any, sync: Any, args: argparse.Namespace, shares
 
     try:
         res = train_local_replicas(
-            spec, sync, replicas=args.replicas, shares=shares, progress=show, round_steps=args.round_steps
+            spec,
+            sync,
+            replicas=args.replicas,
+            shares=shares,
+            progress=show,
+            round_steps=args.round_steps,
+            **getattr(args, "round_restarts", None) or {},
         )
     finally:
         progress.close()

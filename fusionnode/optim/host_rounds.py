@@ -113,19 +113,20 @@ class HostRounds:
             shard.rounds.clip = float(contrib["clip"]) if contrib.get("clip") is not None else None
             shard.rounds.hold = bool(contrib.get("score"))
 
-    async def _complete_round(self, shard: Any, round_id: int) -> Any:
-        """The shard's rounds once round `round_id` is open and complete (waits up to the deadline)."""
+    async def _complete_round(self, shard: Any, round_id: int, verdict: list[float] | None = None) -> Any:
+        """The shard's rounds once round `round_id` is open and complete (waits up to the deadline);
+        with a `verdict`, complete in the replicas it keeps (`RoundCombiner.complete`)."""
         rounds = shard.rounds
         if rounds is None:
             raise JobError(ErrorCode.BAD_REQUEST, f"job {shard.job} has no rounds (--sync step)")
         deadline = time.monotonic() + self.step_deadline_s
-        while not (rounds.round == round_id and rounds.complete()) and time.monotonic() < deadline:
+        while not (rounds.round == round_id and rounds.complete(verdict)) and time.monotonic() < deadline:
             if rounds.round > round_id:
                 break
             await asyncio.sleep(READY_POLL_S)
         if rounds.round > round_id:
             raise JobError(ErrorCode.BAD_REQUEST, f"round {round_id} is closed (open: {rounds.round})")
-        if rounds.round != round_id or not rounds.complete():
+        if rounds.round != round_id or not rounds.complete(verdict):
             raise JobError(ErrorCode.DEADLINE, f"round {round_id} was not complete in time")
         return rounds
 
@@ -153,12 +154,16 @@ class HostRounds:
 
     async def rpc_round_verdict(self, req: jp.OptRoundVerdict, sender: str) -> jp.OptRoundVerdictReply:
         """The driver's verdict on a held round: each replica's weight (1 kept, 0 dropped), times the
-        floor's; the round closes with it. A verdict on a round closed already answers its weights."""
+        floor's; the round closes with it, once the replicas it keeps sent their contributions (one it
+        drops may have sent nothing: --round-close time, a replica that lost its round). A verdict on
+        a round closed already answers its weights."""
         shard = self._shard(req.job, sender)
         rounds = shard.rounds
         if rounds is not None and req.round == rounds.round - 1:
             return jp.OptRoundVerdictReply(closed=False, weights=list(rounds.last_weights))
-        rounds = await self._complete_round(shard, req.round)
+        if rounds is not None and len(req.weights) != rounds.replicas:
+            raise JobError(ErrorCode.BAD_REQUEST, f"a verdict needs {rounds.replicas} weights")
+        rounds = await self._complete_round(shard, req.round, list(req.weights))
         try:  # on the loop, as a round closed by its last push is
             weights = self._close_round(shard, list(req.weights))
         except RoundError as exc:

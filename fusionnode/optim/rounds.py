@@ -207,12 +207,16 @@ class RoundCombiner:
         self.pending = {}
         self._gram = None
 
-    def complete(self) -> bool:
-        if len(self.pending) != self.replicas:
+    def complete(self, verdict: list[float] | None = None) -> bool:
+        """Whether every replica sent every name; with the driver's `verdict`, every replica it keeps
+        (weight > 0): a replica it gives 0 (one that lost its round: train/free_recovery.py) may have
+        sent nothing, or part, which the close leaves out. A verdict keeping none needs them all."""
+        need = [r for r, v in enumerate(verdict or ()) if v > 0] or range(self.replicas)
+        if any(r not in self.pending for r in need):
             return False
         if self.names is None:
             return True
-        return all(set(encs) >= self.names for _, encs in self.pending.values())
+        return all(set(self.pending[r][1]) >= self.names for r in need)
 
     def add(self, round_id: int, replica: int, tokens: float, encs: dict[str, EncodedTensor]) -> bool:
         """Accept (part of) replica `replica`'s contribution to `round_id`; returns whether the round
@@ -266,6 +270,9 @@ class RoundCombiner:
             return [math.sqrt(max(self._gram[r][r], 0.0)) for r in range(self.replicas)]
         out = []
         for r in range(self.replicas):
+            if r not in self.pending:  # a replica the verdict dropped, which sent nothing: not weighed
+                out.append(0.0)
+                continue
             encs = self.pending[r][1]
             sq = sum(float(decode_tensor(encs[n], self.limits).double().pow(2).sum()) for n in sorted(encs))
             out.append(math.sqrt(sq))
@@ -278,7 +285,7 @@ class RoundCombiner:
         a tiny contribution, must not scale the kept ones down), and a dropped replica never gets a
         weight: a round whose kept replicas weigh nothing is a RoundError, not the floor's. A
         verdict that drops every replica weighs nothing: `close` applies nothing then."""
-        tokens = [self.pending[r][0] for r in range(self.replicas)]
+        tokens = [self.pending[r][0] if r in self.pending else 0.0 for r in range(self.replicas)]
         norms = self.norms() if self.clip is not None else None
         if verdict is not None:
             if len(verdict) != self.replicas or any(not 0 <= v <= 1 for v in verdict):
@@ -306,10 +313,11 @@ class RoundCombiner:
         self, masters: Mapping[str, Tensor] | None = None, verdict: list[float] | None = None
     ) -> RoundUpdate:
         """Close the open round: the update (also applied to `masters` when given); `verdict`: the
-        driver's weight of each replica (--contrib-policy score). A verdict that drops every replica
-        (each has a worker a round-end check caught) closes the round applying nothing: a zero
-        update, the outer optimizer's state untouched."""
-        if not self.complete():
+        driver's weight of each replica (--contrib-policy score, or 0 for a replica that lost its
+        round under --round-close time). A verdict that drops every replica (each has a worker a
+        round-end check caught) closes the round applying nothing: a zero update, the outer
+        optimizer's state untouched."""
+        if not self.complete(verdict):
             raise RoundError(f"round {self.round} is missing contributions")
         if verdict is not None and len(verdict) == self.replicas and not any(v > 0 for v in verdict):
             return self._closed(self._nothing(), [0.0] * self.replicas, masters)

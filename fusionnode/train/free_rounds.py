@@ -26,9 +26,8 @@ record, each stage's compute, wait and link seconds summed over its steps in the
 replays: train/free_rounds_local.py) and whether its inner steps were fused (one `job.step` each,
 the optimizer step on the stage: train/fused_rounds.py).
 
-Not built yet, refused up front (sync.time_close_refusals): checkpoints and `--resume`;
-a worker or host that fails ends the job with an error naming `--round-close steps` (which
-recovers), rather than a round applied twice or lost in silence.
+Faults, checkpoints and `--resume`: train/free_recovery.py (a replica that loses a worker loses
+only its round; a dead host restores the hosts from their checkpoints; no round applied twice).
 """
 
 from __future__ import annotations
@@ -40,14 +39,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fusionnode.errors import ConfigError, PeerError
+from fusionnode.errors import ConfigError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.optim.rounds import contributing_names
-from fusionnode.train import fused_rounds
+from fusionnode.train import free_recovery, fused_rounds
 from fusionnode.train.free_rounds_local import round_count, round_limit, token_verdict
 from fusionnode.train.spec import lr_at
 from fusionnode.train.state import HISTORY_KEPT, Job, Run
-from fusionnode.train.step import StepFailed
+from fusionnode.train.step import HostFailed, StepFailed
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import tensor_message
 from fusionnode.wire.job import Rpc, TensorKind
@@ -93,6 +92,8 @@ class _Round:
         self.done = asyncio.Event()
         self.t_done = 0.0
         self.verdict: asyncio.Task | None = None
+        self.saved = asyncio.Event()  # recorded, and checkpointed when due: the next round may close
+        self.lost: dict[int, int] = {}  # replica index -> the steps it did before it lost the round
 
     def add(self, reports: list[Any], args: list[Any]) -> None:
         for a, r in zip(args, reports, strict=True):
@@ -108,15 +109,21 @@ class _Round:
 
 
 async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: int) -> None:
-    """The job's rounds closed by time: a task per replica, the records in round order."""
+    """The job's rounds closed by time from `start_step` (a round boundary), failures recovered."""
+    if run.checks is not None or not job.offload:
+        raise ConfigError("--round-close time: runs on optimizer hosts, without spot-checks")
+    await free_recovery.run(driver, job, run, source, start_step, _segment)
+
+
+async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) -> None:
+    """Rounds `seg.first`.. until the job's end or a failure (train/free_recovery.py): a task per
+    replica, the records in round order."""
     spec, sync = job.spec, job.sync
-    if start_step or run.checks is not None or not job.offload:
-        raise ConfigError("--round-close time: runs from step 0, on optimizer hosts, without spot-checks")
     if run.names_by_stage is None:
         run.names_by_stage = contributing_names(run.stage_args)
     n_rounds = round_count(spec, sync)
     rounds: dict[int, _Round] = {}
-    closed = [0]  # rounds the hosts closed (their verdicts answered)
+    closed = [seg.first]  # rounds the hosts closed (their verdicts answered)
     fused_of = {  # replicas whose inner steps take one call each (train/fused_rounds.py)
         p.replica: fused_rounds.fuses(job, [a for a in run.stage_args if a.replica == p.replica])
         for p in job.pipelines
@@ -128,20 +135,22 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         return rounds[q]
 
     async def verdict(rd: _Round) -> None:
+        if rd.q - 1 in rounds:  # the round before recorded and checkpointed first
+            await rounds[rd.q - 1].saved.wait()
         weights = token_verdict([int(c or 0) for c in rd.counts])
         if run.scorer is not None:  # --contrib-policy score: its verdict (kept 1, dropped 0) x these
             await run.scorer.launch(job, run, rd.q, weights)
-            closed[0] = max(closed[0], rd.q + 1)
-            return
-        req = jp.OptRoundVerdict(job=spec.job_id, round=rd.q, weights=weights)
-        timeout = driver.stepper.step_timeout_s
-        calls = {
-            ("verdict", h): jp.call(driver.t, h, Rpc.OPT_ROUND_VERDICT, req, timeout=timeout + 5)
-            for h in job.hosts
-        }
-        await driver.stepper.gather_or_fail(
-            job, run, rd.q * sync.inner_steps, calls, {k: k[1] for k in calls}
-        )
+        else:
+            req = jp.OptRoundVerdict(job=spec.job_id, round=rd.q, weights=weights)
+            timeout = driver.stepper.step_timeout_s
+            calls = {
+                ("verdict", h): jp.call(driver.t, h, Rpc.OPT_ROUND_VERDICT, req, timeout=timeout + 5)
+                for h in job.hosts
+            }
+            got = await driver.stepper.gather_or_fail(
+                job, run, rd.q * sync.inner_steps, calls, {k: k[1] for k in calls}
+            )
+            await free_recovery.applied(job, run, rd, list(got.values()))
         closed[0] = max(closed[0], rd.q + 1)
 
     async def replica(idx: int) -> None:
@@ -149,15 +158,20 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
         mine = sorted((a for a in run.stage_args if a.replica == pipe.replica), key=lambda a: a.pos)
         # the next step's inputs go out while this step's commit runs (its step id is known once this
         # step decided whether it closes the round)
-        feeding: asyncio.Future | None = asyncio.ensure_future(_feed(driver, job, run, pipe, idx, mine, 0))
+        feeding: asyncio.Future | None = asyncio.ensure_future(
+            _feed(driver, job, run, pipe, idx, mine, seg.first * sync.inner_steps)
+        )
+        rd = None
         fused = fused_of[pipe.replica]
         feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
         close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         try:
-            for q in range(n_rounds):
+            for q in range(seg.first, n_rounds):
                 rd = round_at(q)
                 k = 0
                 while True:
+                    if not seg.runs(q):  # a replica lost round q - 1 (--sync-overlap ran ahead)
+                        return
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
                     assert feeding is not None
@@ -184,7 +198,7 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                     info = None
                     if last:
                         rd.counts[idx] = k
-                        if all(c is not None for c in rd.counts):
+                        if seg.may_close(rd):
                             rd.verdict = asyncio.ensure_future(verdict(rd))
                         info = {
                             "id": q,
@@ -212,27 +226,42 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
                         close = info
                     if last:
                         break
-                rd.finished += 1
-                if rd.finished == len(job.pipelines):
-                    rd.t_done = time.perf_counter()
-                    rd.done.set()
+                finish(rd)
+                if not seg.runs(q + 1):
+                    return
+        except StepFailed as fail:  # this replica loses its round (a dead host: the segment's)
+            assert rd is not None
+            seg.lose(rd, idx, fail, run.scorer is not None)
+            if seg.may_close(rd) and rd.verdict is None:
+                rd.verdict = asyncio.ensure_future(verdict(rd))
+            finish(rd)
         finally:
             if feeding is not None and not feeding.done():
                 feeding.cancel()
                 await asyncio.gather(feeding, return_exceptions=True)
 
+    def finish(rd: _Round) -> None:
+        rd.finished += 1
+        if rd.finished == len(job.pipelines):
+            rd.t_done = time.perf_counter()
+            rd.done.set()
+
     async def records() -> None:
         t_prev = time.perf_counter()
         sent0 = driver.t.bytes_sent.get(spec.job_id, 0)
         tokens_total, time_total = 0, 0.0
-        for q in range(n_rounds):
+        for q in range(seg.first, n_rounds):
             rd = round_at(q)
-            await rd.done.wait()
-            assert rd.verdict is not None
-            await rd.verdict
+            await free_recovery.round_done(rd)
+            if not seg.runs(q) or rd.verdict is None:  # stopped before it, or it is to be redone
+                return
+            if seg.ending and not free_recovery.verdict_ok(rd):  # a failure: the rounds closed only
+                return
+            await free_recovery.wait_verdict(rd)
             t_done = max(rd.t_done, t_prev)
             sent = driver.t.bytes_sent.get(spec.job_id, 0)
             rec = _record(job, run, rd, t_done - t_prev, rd.wire + sent - sent0, closed[0])
+            rec.update(seg.record_flags(q))
             t_prev, sent0 = t_done, sent
             for rep in rec["replicas"]:
                 rep["fused"] = fused_of[rep["replica"]]
@@ -245,16 +274,22 @@ async def run_rounds(driver: Any, job: Job, run: Run, source: Any, start_step: i
             job.step, job.loss = rec["step"] + 1, rec["loss"]
             job.tokens_per_s = tokens_total / max(time_total, 1e-9)
             await run.emit({"type": "step", **rec, "steps": spec.steps})
+            await free_recovery.checkpoint(driver, job, run, q)  # a checkpoint holds recorded rounds
+            rd.saved.set()
+            if not seg.runs(q + 1):
+                return
 
     tasks = [asyncio.ensure_future(replica(i)) for i in range(len(job.pipelines))]
     tasks.append(asyncio.ensure_future(records()))
     try:
         await asyncio.gather(*tasks)
-    except StepFailed as fail:
-        raise PeerError(
-            f"step {fail.step} failed under --round-close time ({fail.summary()}); a replica's failure "
-            "ends a job whose rounds close by time (not recovered yet): use --round-close steps"
-        ) from None
+    except (HostFailed, free_recovery.Redo) as fail:
+        # a dead host: the hosts are restored, the rounds since their checkpoint redone; a round
+        # without a verdict: redone on the new plan. The rounds the hosts closed get their records.
+        seg.host = fail if isinstance(fail, HostFailed) else None
+        await free_recovery.flush(seg, tasks[:-1], tasks[-1], rounds)
+    except StepFailed as fail:  # the verdict, every host alive
+        raise free_recovery.ended_by_verdict(fail) from None
     finally:
         for t in tasks:
             t.cancel()
@@ -365,14 +400,16 @@ def _record(job: Job, run: Run, rd: _Round, seconds: float, wire: int, closed: i
                 "replica": pipe.replica,
                 "steps": steps,
                 "tokens": pipe.samples * run.seq_len * steps,
-                "loss": sum(losses) / len(losses),
+                "loss": sum(losses) / len(losses) if steps else None,
             }
         )
+        if not steps:  # it lost its round (a worker died): no part in the outer step
+            reps[-1]["lost"] = True
     tokens = sum(r["tokens"] for r in reps)
     step = rd.q * job.sync.inner_steps + rd.limit - 1
     return {
         "step": step,
-        "loss": sum(r["loss"] * r["tokens"] for r in reps) / tokens,
+        "loss": sum(r["loss"] * r["tokens"] for r in reps if r["tokens"]) / tokens,
         "tokens": tokens,
         "step_time_s": seconds,
         "wire_bytes": wire,

@@ -14,6 +14,11 @@ round (its share x the sequence length x its steps). Everything else is `train/r
 outer step of `optim.rounds`, and with `sync.overlap` the round's update applied after the D-th inner
 step of the next round, or at the replica's next close if it does fewer (each replica on its own, as
 each stage does on the workers: `runtime/rounds.py`); the job's last round is installed at once.
+
+Faults (train/free_recovery.py): a replica that lost its round has 0 steps in it and no part in its
+outer step; the rounds the swarm ran on a new plan (`restart`: new inner optimizers, every replica
+from θ; `fresh_outer`: hosts restored with new outer state) come from its metrics file too
+(`load_restarts`), and a round redone there is replayed as its last run.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ def round_limit(spec: JobSpec, sync: SyncConfig, q: int) -> int:
 def check_schedule(spec: JobSpec, sync: SyncConfig, replicas: int, schedule: Any) -> list[list[int]]:
     """`schedule` as a list of per-round lists of step counts; ConfigError naming --round-steps when
     it does not fit the job: one round per ceil(steps / H), one count per replica, each in
-    [1, the round's limit], and some replica at the limit (the one that closed the round)."""
+    [0, the round's limit] (0: the replica lost its round, a worker died), not all 0, and some
+    replica at the limit (the one that closed the round) unless one lost its round (it may have
+    been the one at the limit)."""
     rounds = round_count(spec, sync)
     if not isinstance(schedule, list) or len(schedule) != rounds:
         n = len(schedule) if isinstance(schedule, list) else type(schedule).__name__
@@ -58,12 +65,14 @@ def check_schedule(spec: JobSpec, sync: SyncConfig, replicas: int, schedule: Any
         if (
             not isinstance(counts, list)
             or len(counts) != replicas
-            or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= limit for c in counts)
+            or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= limit for c in counts)
+            or not any(counts)
         ):
             raise ConfigError(
-                f"--round-steps: round {q} needs {replicas} step counts in [1, {limit}], got {counts!r:.80}"
+                f"--round-steps: round {q} needs {replicas} step counts in [0, {limit}], not all 0 "
+                f"(0: a replica that lost its round), got {counts!r:.80}"
             )
-        if max(counts) != limit:
+        if max(counts) != limit and 0 not in counts:
             raise ConfigError(f"--round-steps: round {q}: no replica did the round's {limit} steps")
         out.append([int(c) for c in counts])
     return out
@@ -82,17 +91,50 @@ def load_schedule(path: str) -> list[list[int]]:
         doc = None
     if isinstance(doc, list):
         return doc
-    rounds = []
-    for line in text.splitlines():
+    rounds = [[rep.get("steps") for rep in rec["replicas"]] for rec in _round_records(path, text)]
+    if not rounds:
+        raise ConfigError(f"--round-steps {path}: no round records (a run under --round-close time)")
+    return rounds
+
+
+def _round_records(path: str, text: str) -> list[dict[str, Any]]:
+    """A metrics file's round records, the last run of each round (a round redone after a recovery
+    is recorded again), in round order."""
+    by_round: dict[int, dict[str, Any]] = {}
+    for i, line in enumerate(text.splitlines()):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             raise ConfigError(f"--round-steps {path}: neither a JSON list nor a metrics file") from None
         if isinstance(rec, dict) and rec.get("type") == "step" and isinstance(rec.get("replicas"), list):
-            rounds.append([rep.get("steps") for rep in rec["replicas"]])
-    if not rounds:
-        raise ConfigError(f"--round-steps {path}: no round records (a run under --round-close time)")
-    return rounds
+            q = rec.get("round_closed")
+            by_round[q if isinstance(q, int) else -1 - i] = rec
+    return [by_round[q] for q in sorted(by_round, key=lambda q: (q < 0, q if q >= 0 else -q))]
+
+
+def load_restarts(path: str) -> dict[str, list[int]]:
+    """The rounds of a swarm run's metrics file that ran on a new plan, as `train_local_replicas`
+    takes them: `restart_rounds` (new inner optimizers, every replica from θ), `fresh_outer_rounds`
+    (the hosts restored with new outer state), `fresh_feedback_rounds` (sparseloco: new error
+    feedback). None for a JSON list of counts."""
+    text = Path(path).read_text()
+    try:
+        if isinstance(json.loads(text), list):
+            return {}
+    except json.JSONDecodeError:
+        pass
+    recs = _round_records(path, text)
+    out: dict[str, list[int]] = {"restart_rounds": [], "fresh_outer_rounds": [], "fresh_feedback_rounds": []}
+    for rec in recs:
+        q = rec.get("round_closed")
+        if not isinstance(q, int) or not rec.get("restart"):
+            continue
+        out["restart_rounds"].append(q)
+        if rec.get("fresh_outer"):
+            out["fresh_outer_rounds"].append(q)
+        if rec.get("fresh_feedback"):
+            out["fresh_feedback_rounds"].append(q)
+    return out
 
 
 def replay_rounds(
@@ -104,10 +146,16 @@ def replay_rounds(
     emit: Callable[[dict[str, Any]], None],
     eval_batches: int,
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    restarts: tuple[frozenset[int], ...] = (frozenset(), frozenset(), frozenset()),
 ) -> tuple[list[float], float, dict[str, torch.Tensor], RoundCombiner]:
     """Rounds closed by time, replaying `schedule`; emits one record per round (its last step of the
-    fastest replica, the token-weighted loss, each replica's steps, tokens and loss). Returns (the
-    rounds' losses, the validation loss, θ, the combiner)."""
+    fastest replica, the token-weighted loss, each replica's steps, tokens and loss). `restarts`:
+    the rounds that start with new inner optimizers (every replica from θ), new outer state, new
+    error feedback (`train_local_replicas`). Returns (the rounds' losses, the validation loss, θ,
+    the combiner)."""
+    from fusionnode.optim.outer import make_outer
+    from fusionnode.optim.rounds import ReplicaSync
+    from fusionnode.train.local import make_optimizer
     from fusionnode.train.replicas import _replica_step, _round_replicas, install_theta, settle_replica
 
     replicas = len(shares)
@@ -126,8 +174,20 @@ def replay_rounds(
     for q, counts in enumerate(schedule):
         t0 = time.perf_counter()
         last = q == len(schedule) - 1
+        if q in restarts[0]:  # the swarm's new stages: θ, new inner optimizers (no update due)
+            opts = [make_optimizer(mdl, spec) for mdl in models]
+            install_theta(models, theta)
+            starts = [{n: t.clone() for n, t in theta.items()} for _ in range(replicas)]
+            pending = [False] * replicas
+        if q in restarts[1]:
+            host.outer = make_outer(sync)
+        if q in restarts[2]:
+            senders = [ReplicaSync(sync) for _ in range(replicas)]
         reps = []
         for r in range(replicas):
+            if not counts[r]:  # it lost its round: no part in the outer step (a new plan follows)
+                reps.append({"replica": r, "steps": 0, "tokens": 0, "loss": None, "lost": True})
+                continue
             rlosses = []
             for k in range(counts[r]):
                 step = q * h + k
@@ -148,13 +208,13 @@ def replay_rounds(
             )
         before = host.received_bytes + host.sent_bytes
         theta = {n: t.clone() for n, t in theta.items()} if sync.overlap else theta
-        host.close(theta)
+        host.close(theta, verdict=[1.0 if c else 0.0 for c in counts] if 0 in counts else None)
         if not sync.overlap or last:
             install_theta(models, theta)
         else:
             pending = [True] * replicas
         tokens = sum(x["tokens"] for x in reps)
-        loss = sum(x["loss"] * x["tokens"] for x in reps) / tokens
+        loss = sum(x["loss"] * x["tokens"] for x in reps if x["tokens"]) / tokens
         if not math.isfinite(loss):
             raise DivergenceError(f"round {q}: loss is {loss}; lower --lr or --outer-lr")
         losses.append(loss)

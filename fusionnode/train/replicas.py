@@ -176,8 +176,9 @@ def train_local_replicas(
             if round_steps is None:
                 raise ConfigError("--round-close time: the reference replays a schedule; give --round-steps")
             losses, val, theta, host = replay_rounds(
-                spec, sync, shares, seq_len, round_steps, emit, eval_batches, on_round
-            )
+                spec, sync, shares, seq_len, round_steps, emit, eval_batches, on_round,
+                (frozenset(restart_rounds), frozenset(fresh_outer_rounds), frozenset(fresh_feedback_rounds)),
+            )  # fmt: skip
             res = ReplicasResult(
                 spec, sync, replicas, tuple(losses), val, theta, tuple(records),
                 host.received_bytes, host.sent_bytes, host.round,
