@@ -179,8 +179,8 @@ def test_a_worker_sending_non_finite_activations_is_blamed_by_its_peer_id_and_re
                 bad, sj = stages[1]
         encode = sj.fwd.encode
 
-        def poisoned(tensors, step, key, target):
-            return encode({n: t * math.nan for n, t in tensors.items()}, step, key, target)
+        def poisoned(tensors, step, key, target, **where):
+            return encode({n: t * math.nan for n, t in tensors.items()}, step, key, target, **where)
 
         sj.fwd.encode = poisoned
         return await job, bad
