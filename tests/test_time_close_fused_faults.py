@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_components import Swarm, round_job, small_spec
 from test_sync_faults import FaultySwarm, Interrupted, _a_worker, _first_host, recovered
-from test_time_close_faults import TOL, _follows, _kept, _ledger, _replay, _timed
+from test_time_close_faults import SPARSE_TOL, TOL, _follows, _kept, _ledger, _replay, _timed
 
 from fusionnode.sync import SyncConfig
 from fusionnode.train.free_rounds_local import load_restarts, load_schedule
@@ -26,6 +26,7 @@ torch.set_num_threads(1)
 
 DILOCO = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
 OVERLAP = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, overlap=True, overlap_steps=1)
+SPARSE = SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256)
 
 
 def _fused_job(spec, sync, **extra):
@@ -66,8 +67,12 @@ class CloseKiller(Swarm):
         return step
 
 
-@pytest.mark.parametrize("sync", [DILOCO, OVERLAP], ids=["diloco", "diloco-overlap"])
-def test_a_fused_worker_dying_mid_round_costs_its_replica_that_round_only(tmp_path, sync):
+@pytest.mark.parametrize(
+    ("sync", "tol"),
+    [(DILOCO, TOL), (OVERLAP, TOL), (SPARSE, SPARSE_TOL)],
+    ids=["diloco", "diloco-overlap", "sparseloco"],
+)
+def test_a_fused_worker_dying_mid_round_costs_its_replica_that_round_only(tmp_path, sync, tol):
     """The other replica stops after the lost round with its close still pending: it is sent
     (`job.commit` close_only), so the hosts close the round with it."""
     spec = small_spec(steps=9, micro_batches=2, metrics_out=str(tmp_path / "m.jsonl"))
@@ -88,7 +93,7 @@ def test_a_fused_worker_dying_mid_round_costs_its_replica_that_round_only(tmp_pa
     schedule, restarts = load_schedule(spec.metrics_out), load_restarts(spec.metrics_out)
     assert restarts["restart_rounds"] == [2]
     ref = train_local_replicas(spec, _timed(sync), replicas=2, round_steps=schedule, **restarts)
-    _follows(rounds, ref)
+    _follows(rounds, ref, tol)
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
@@ -185,3 +190,24 @@ def test_a_fused_job_resumes_from_its_checkpoints(tmp_path):
     assert rounds[0]["rounds_applied"] == k + 1 and rounds[-1]["rounds_applied"] == 5
     kept = first[:k] + rounds
     _follows(kept, _replay(spec, _timed(DILOCO), kept, restart_rounds={k}))
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
+def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after):
+    """--contrib-policy score (auto here): the round the replica lost is redone on the new plan,
+    whether it died mid-round or on the step carrying round 1's close; each host closes each round
+    once."""
+    sync = _timed(DILOCO)
+    spec = small_spec(steps=9, micro_batches=2)
+    s = CloseKiller(tmp_path, workers=4, hosts=2, close=1, after=after)
+    closes = _ledger(s)
+    params = round_job(spec, sync, stages=1, rebalance_every=0)
+    result = asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 120))
+    assert s.downed and result["steps"] == spec.steps and result["contrib"]["rounds_scored"] == 3
+    rounds = _kept(s)
+    _all_fused(rounds)
+    assert [r["round_closed"] for r in rounds] == [0, 1, 2]
+    assert not any(rep.get("lost") for r in rounds for rep in r["replicas"])
+    assert all(c == [0, 1, 2] for c in closes.values()) and len(closes) == 2, closes
+    restart = next(r["round_closed"] for r in rounds if r.get("restart"))
+    _follows(rounds, _replay(spec, sync, rounds, restart_rounds={restart}))
