@@ -203,7 +203,9 @@ def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, a
     closes = _ledger(s)
     params = round_job(spec, sync, stages=1, rebalance_every=0)
     result = asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 120))
-    assert s.downed and result["steps"] == spec.steps and result["contrib"]["rounds_scored"] == 3
+    order = [(r["round_closed"], [rep["steps"] for rep in r["replicas"]]) for r in s.steps()]
+    assert s.downed and result["steps"] == spec.steps, order
+    assert result["contrib"]["rounds_scored"] == 3, (order, closes, recovered(s))
     rounds = _kept(s)
     _all_fused(rounds)
     assert [r["round_closed"] for r in rounds] == [0, 1, 2]

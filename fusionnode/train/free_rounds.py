@@ -372,11 +372,16 @@ async def _compute(
     shared_sum = await driver.stepper.sum_shared(job, mine, step)
     norm = math.sqrt(sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum))
     clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
+    sends = {}  # a stage gone by now fails the step (StepFailed), as its feed would
     for a in mine:
         part = {n: shared_sum[n] for n in a.shared_names}
         if part:
             meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
-            await driver.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
+            sends[("shared", a.stage)] = driver.t.send(
+                a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part)
+            )
+    if sends:
+        await gather(job, run, step, sends, {("shared", a.stage): a.peer for a in mine})
     losses = reports[-1].losses
     return reports, sum(losses) / len(losses), norm, clip
 
