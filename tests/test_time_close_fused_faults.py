@@ -194,18 +194,22 @@ def test_a_fused_job_resumes_from_its_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
 def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after):
-    """--contrib-policy score (auto here): the round the replica lost is redone on the new plan,
-    whether it died mid-round or on the step carrying round 1's close; each host closes each round
-    once."""
+    """--contrib-policy score (auto here): the round the replica lost is redone on the new plan
+    when the worker dies on the step carrying round 1's close; each host closes each round once, and
+    the trajectory kept (each round's last record) is the replay's."""
     sync = _timed(DILOCO)
     spec = small_spec(steps=9, micro_batches=2)
     s = CloseKiller(tmp_path, workers=4, hosts=2, close=1, after=after)
     closes = _ledger(s)
     params = round_job(spec, sync, stages=1, rebalance_every=0)
     result = asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 120))
-    order = [(r["round_closed"], [rep["steps"] for rep in r["replicas"]]) for r in s.steps()]
-    assert s.downed and result["steps"] == spec.steps, order
-    assert result["contrib"]["rounds_scored"] == 3, (order, closes, recovered(s))
+    assert s.downed and result["steps"] == spec.steps
+    # the round the replica lost is redone; when its close failed after the scorer had judged the
+    # round (the judge sends the verdict and keeps the hosts' refusal in its record), that round
+    # also has an earlier record (its last, the redone one, is kept) and is judged twice
+    order = [r["round_closed"] for r in s.steps()]
+    assert order in ([0, 1, 2], [0, 1, 1, 2]), order
+    assert result["contrib"]["rounds_scored"] == len(order)
     rounds = _kept(s)
     _all_fused(rounds)
     assert [r["round_closed"] for r in rounds] == [0, 1, 2]
