@@ -169,3 +169,42 @@ def test_a_worker_and_an_optimizer_host_killed_mid_round_leave_every_round_appli
         assert killed[0] not in [e for e in events if e["type"] == "plan"][-1]["optimizer_hosts"]
     finally:
         swarm.stop()
+
+
+def test_a_fused_worker_killed_mid_round_leaves_every_round_applied_once(tmp_path):
+    """One stage per replica: every replica fuses (one `job.step` per inner step, a round's close on
+    its next step: train/fused_rounds.py). The worker is SIGKILLed within round 2's first step, the
+    step that carries its round-1 close (or just after): the survivor stops after the lost round with
+    its close of it still pending, which it sends by `close_only` (tests/test_time_close_fused_faults.py
+    has the in-process cases)."""
+    swarm = LocalSwarm(tmp_path, 4, log=sys.stderr)
+    try:
+        swarm.start()
+        asyncio.run(swarm.wait_connected())
+        ids = [r["peer_id"] for r in swarm.ready]
+        sp = spec(tmp_path, "fused")
+        params = {
+            "spec": sp.to_dict(),
+            "stages": 1,
+            "replicas": 2,
+            "offload": "on",
+            "optimizer_hosts": 1,
+            "sync": SYNC.to_dict(),
+            "rebalance_every": 0,
+            "peers": ids[:3],
+            "optimizer_peers": [ids[3]],
+        }
+        result, events, killed = train(
+            swarm, params, 1, lambda plan: next(s["peer"] for s in plan["stages"] if s["peer"] != ids[0])
+        )
+        assert killed and result["steps"] == STEPS
+        rounds = check_rounds_once(events, sp)
+        assert all(rep["fused"] for r in rounds for rep in r["replicas"])
+        assert len([e for e in events if e["type"] == "step"]) == len(rounds)  # nothing redone
+        lost = [
+            (r["round_closed"], rep["replica"]) for r in rounds for rep in r["replicas"] if rep.get("lost")
+        ]
+        assert len(lost) == 1 and lost[0][0] in (1, 2), lost
+        assert rounds[lost[0][0] + 1].get("restart")
+    finally:
+        swarm.stop()

@@ -26,6 +26,11 @@ step, (rounds applied) x H).
   applied, and the record counts the replica's steps when every host applied them (when the hosts
   differ, each name's update is still applied once, and a `notice` event says so).
 
+- **Fused replicas** (train/fused_rounds.py: a round's close rides on the replica's next step):
+  a failed call that carried a close loses the round of that close unless its verdict already
+  answered (else the round the replica was in), and a replica that stops after the lost round sends
+  that round's close it still holds (`close_only`): train/free_rounds.py `replica`.
+
 Every round of a segment that follows a recovery (or a resume) runs on new stages: new inner
 optimizers, every replica from the hosts' θ, new error feedback under sparseloco (the driver's
 checkpoints of time-closed rounds hold none: the stages are already in the next round when it is

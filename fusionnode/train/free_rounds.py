@@ -165,12 +165,25 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         fused = fused_of[pipe.replica]
         feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
         close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
+        close_step = -1  # fused: the step whose round `close` is (its last inner step)
+
+        async def send_close() -> None:
+            """The segment stops: a pending close of a round it runs is sent by itself (close_only);
+            one of a later round is dropped (nothing of that round reaches the hosts)."""
+            nonlocal close
+            if close is not None and seg.runs(close["id"]):
+                round_bytes = await fused_rounds.close_last(driver, job, run, mine, close_step, close)
+                job.count_round(close_step, round_bytes, closed[0])
+                round_at(close["id"]).wire += job.round_bytes
+            close = None
+
         try:
             for q in range(seg.first, n_rounds):
                 rd = round_at(q)
                 k = 0
                 while True:
                     if not seg.runs(q):  # a replica lost round q - 1 (--sync-overlap ran ahead)
+                        await send_close()
                         return
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
@@ -223,18 +236,25 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                         job.count_round(step, round_bytes, closed[0])
                         rd.wire += job.round_bytes
                     else:
-                        close = info
+                        close, close_step = info, step
                     if last:
                         break
                 finish(rd)
                 if not seg.runs(q + 1):
+                    await send_close()
                     return
         except StepFailed as fail:  # this replica loses its round (a dead host: the segment's)
             assert rd is not None
-            seg.lose(rd, idx, fail, run.scorer is not None)
+            if close is not None and not free_recovery.verdict_ok(round_at(close["id"])):
+                # fused: the call that failed carried the close of a round counted (and finished) with
+                # this replica's steps and not closed by the hosts yet: that round is the one it loses
+                rd = round_at(close["id"])
+                seg.lose(rd, idx, fail, run.scorer is not None)
+            else:
+                seg.lose(rd, idx, fail, run.scorer is not None)
+                finish(rd)
             if seg.may_close(rd) and rd.verdict is None:
                 rd.verdict = asyncio.ensure_future(verdict(rd))
-            finish(rd)
         finally:
             if feeding is not None and not feeding.done():
                 feeding.cancel()
@@ -259,6 +279,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                 return
             await free_recovery.wait_verdict(rd)
             t_done = max(rd.t_done, t_prev)
+            if job.rounds_closed < closed[0]:  # fused: its close's bytes come with a later step's report
+                job.count_round(rd.q * sync.inner_steps, [], closed[0])
             sent = driver.t.bytes_sent.get(spec.job_id, 0)
             rec = _record(job, run, rd, t_done - t_prev, rd.wire + sent - sent0, closed[0])
             rec.update(seg.record_flags(q))
@@ -350,11 +372,16 @@ async def _compute(
     shared_sum = await driver.stepper.sum_shared(job, mine, step)
     norm = math.sqrt(sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum))
     clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
+    sends = {}  # a stage gone by now fails the step (StepFailed), as its feed would
     for a in mine:
         part = {n: shared_sum[n] for n in a.shared_names}
         if part:
             meta = {"job": jid, "step": step, "mb": -1, "stage": a.stage}
-            await driver.t.send(a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part))
+            sends[("shared", a.stage)] = driver.t.send(
+                a.peer, tensor_message(TensorKind.SHARED_SUM, meta, part)
+            )
+    if sends:
+        await gather(job, run, step, sends, {("shared", a.stage): a.peer for a in mine})
     losses = reports[-1].losses
     return reports, sum(losses) / len(losses), norm, clip
 

@@ -1,0 +1,219 @@
+"""Faults under `--round-close time` with *fused* replicas (one `job.step` per inner step, the
+optimizer step on the stage, a round's close carried by the replica's next step: train/fused_rounds.py)
+on the in-memory network. tests/test_time_close_faults.py runs the same faults on 2-stage replicas
+under a clip, which never fuse; here every replica is one stage, so every replica fuses. The
+fused-only cases: a worker that dies on the step that carries its round's deferred close (the round
+was counted for it, its pseudo-gradient never arrives), and the segment that stops with a close still
+pending (every other replica's close of the stopped round). Every round is closed once by every host
+in the trajectory kept, and the losses are the replay of the recorded schedule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_components import Swarm, round_job, small_spec
+from test_sync_faults import FaultySwarm, Interrupted, _a_worker, _first_host, recovered
+from test_time_close_faults import SPARSE_TOL, TOL, _follows, _kept, _ledger, _replay, _timed
+
+from fusionnode.sync import SyncConfig
+from fusionnode.train.free_rounds_local import load_restarts, load_schedule
+from fusionnode.train.replicas import train_local_replicas
+from fusionnode.wire.job import Rpc
+
+torch.set_num_threads(1)
+
+DILOCO = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9)
+OVERLAP = SyncConfig("diloco", inner_steps=3, outer_lr=0.7, overlap=True, overlap_steps=1)
+SPARSE = SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256)
+
+
+def _fused_job(spec, sync, **extra):
+    """2 replicas of ONE stage each: every replica fuses (train/fused_rounds.fuses)."""
+    return round_job(spec, _timed(sync), stages=1, rebalance_every=0, contrib_policy="off", **extra)
+
+
+def _all_fused(rounds: list[dict]) -> None:
+    assert all(rep["fused"] for r in rounds for rep in r["replicas"]), "a replica did not fuse"
+
+
+class CloseKiller(Swarm):
+    """A Swarm whose first worker (not the driver's peer) taking a fused `job.step` that carries round `close`'s deferred
+    close goes down on it: before the stage reads it (`after=False`: nothing of the round reaches the
+    hosts) or once the stage ran it (`after=True`: its pseudo-gradient went out, the reply is lost)."""
+
+    def __init__(self, tmp_path, workers: int, hosts: int, close: int, after: bool):
+        super().__init__(tmp_path, workers=workers, hosts=hosts)
+        self.close, self.after = close, after
+        self.downed: list[str] = []
+        for pid, t in self.net.peers.items():
+            if pid in self.workers and pid != self.ids[0]:  # not the driver's own peer
+                t._rpc[Rpc.JOB_STEP] = self._wrap(pid, t._rpc[Rpc.JOB_STEP])
+
+    def _wrap(self, pid: str, handler):
+        async def step(args: dict, sender: str):
+            rnd = args.get("close_round")
+            if rnd is not None and rnd.get("id") == self.close and not self.downed:
+                self.downed.append(pid)
+                if not self.after:
+                    self.net.down.add(pid)
+                    raise ConnectionError("the worker died")
+                result = await handler(args, sender)
+                self.net.down.add(pid)  # the call's reply is dropped (MemTransport.call)
+                return result
+            return await handler(args, sender)
+
+        return step
+
+
+@pytest.mark.parametrize(
+    ("sync", "tol"),
+    [(DILOCO, TOL), (OVERLAP, TOL), (SPARSE, SPARSE_TOL)],
+    ids=["diloco", "diloco-overlap", "sparseloco"],
+)
+def test_a_fused_worker_dying_mid_round_costs_its_replica_that_round_only(tmp_path, sync, tol):
+    """The other replica stops after the lost round with its close still pending: it is sent
+    (`job.commit` close_only), so the hosts close the round with it."""
+    spec = small_spec(steps=9, micro_batches=2, metrics_out=str(tmp_path / "m.jsonl"))
+    s = FaultySwarm(tmp_path, workers=4, hosts=2, at=2, victim=_a_worker)  # after round 0's record
+    closes = _ledger(s)
+    result = asyncio.run(s.driver.run_job(_fused_job(spec, sync), s.emit))
+    assert s.downed and result["steps"] == spec.steps
+    rounds = s.steps()
+    _all_fused(rounds)
+    assert [r["round_closed"] for r in rounds] == [0, 1, 2]
+    lost = [rep for rep in rounds[1]["replicas"] if rep.get("lost")]
+    assert len(lost) == 1 and lost[0]["steps"] == 0
+    assert rounds[2].get("restart") and not rounds[1].get("restart")
+    rec = [e for e in recovered(s) if e.get("role") == "rounds"]
+    assert len(rec) == 1 and rec[0]["replay_from"] == 6 and rec[0]["rounds_applied"] == 2
+    assert sorted(closes) == sorted(s.hosts) and all(c == [0, 1, 2] for c in closes.values()), closes
+    assert all(h["rounds_closed"] == 3 for h in rounds[-1]["optimizer_hosts"])
+    schedule, restarts = load_schedule(spec.metrics_out), load_restarts(spec.metrics_out)
+    assert restarts["restart_rounds"] == [2]
+    ref = train_local_replicas(spec, _timed(sync), replicas=2, round_steps=schedule, **restarts)
+    _follows(rounds, ref, tol)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
+@pytest.mark.parametrize("sync", [DILOCO, OVERLAP], ids=["diloco", "diloco-overlap"])
+def test_a_fused_worker_dying_on_the_step_carrying_its_close(tmp_path, sync, after):
+    """Round 1 was counted for the replica (its steps done, its close deferred to its next step), and
+    the worker dies on that step. Before the close ran: the replica loses round 1 (weight 0, the hosts
+    close it without it). After it ran: the hosts may hold its pseudo-gradient; a host that closed the
+    round with it answers so and the record keeps its steps, else it is lost. Either way every host
+    closes every round once and the losses follow the recorded schedule."""
+    spec = small_spec(steps=9, micro_batches=2, metrics_out=str(tmp_path / "m.jsonl"))
+    s = CloseKiller(tmp_path, workers=4, hosts=2, close=1, after=after)
+    closes = _ledger(s)
+    result = asyncio.run(asyncio.wait_for(s.driver.run_job(_fused_job(spec, sync), s.emit), 120))
+    assert s.downed and result["steps"] == spec.steps
+    rounds = s.steps()
+    _all_fused(rounds)
+    assert [r["round_closed"] for r in rounds] == [0, 1, 2], [r["round_closed"] for r in rounds]
+    rec = [e for e in recovered(s) if e.get("role") == "rounds"]
+    assert len(rec) == 1
+    # after the close ran, the hosts may have closed round 1 with it before the failure was seen:
+    # then the replica loses the round its failed step was in, round 2 (the job's last)
+    k = 1 if not after else rec[0]["rounds_applied"] - 1
+    assert k in (1, 2) and rec[0]["replay_from"] == 3 * (k + 1) and rec[0]["rounds_applied"] == k + 1
+    lost = [(q, rep) for q, r in enumerate(rounds) for rep in r["replicas"] if rep.get("lost")]
+    if not after:
+        assert len(lost) == 1 and lost[0][0] == 1 and lost[0][1]["steps"] == 0
+    else:  # round 1 with its steps (the hosts took its close), or lost; round 2 lost
+        assert [q for q, _ in lost] in ([], [1], [2]) and (k == 1 or [q for q, _ in lost] == [2])
+    assert sorted(closes) == sorted(s.hosts) and all(c == [0, 1, 2] for c in closes.values()), closes
+    assert all(h["rounds_closed"] == 3 for h in rounds[-1]["optimizer_hosts"])
+    plans = [e for e in s.events if e["type"] == "plan"]
+    assert s.downed[0] not in {st["peer"] for st in plans[-1]["stages"]}
+    schedule, restarts = load_schedule(spec.metrics_out), load_restarts(spec.metrics_out)
+    assert restarts["restart_rounds"] == ([2] if k == 1 else [])
+    ref = train_local_replicas(spec, _timed(sync), replicas=2, round_steps=schedule, **restarts)
+    _follows(rounds, ref)
+    if not after:  # a real test: had its round-1 steps counted, round 2 would differ
+        full = [list(c) for c in schedule]
+        full[1] = [3 if c == 0 else c for c in full[1]]
+        other = train_local_replicas(spec, _timed(sync), replicas=2, round_steps=full, **restarts)
+        assert abs(other.losses[2] - rounds[2]["loss"]) > 3 * TOL
+
+
+def test_a_fused_job_loses_an_optimizer_host_and_redoes_the_rounds_since_the_checkpoint(tmp_path):
+    """As tests/test_time_close_faults.py's host test, fused: the host dies after round 2's record,
+    while the replicas' closes of round 2 may be pending in their next steps."""
+    spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=6)
+    s = FaultySwarm(tmp_path, workers=3, hosts=3, at=8, victim=_first_host)
+    closes = _ledger(s)
+    result = asyncio.run(s.driver.run_job(_fused_job(spec, DILOCO), s.emit))
+    assert s.downed and result["steps"] == spec.steps
+    rec = {e.get("role"): e for e in recovered(s)}
+    assert rec["rounds"]["replay_from"] == 6 and rec["rounds"]["rounds_applied"] == 2
+    order = [r["round_closed"] for r in s.steps()]
+    assert order[:3] == [0, 1, 2] and order[3:-2] in ([], [3]) and order[-2:] == [2, 3], order
+    rounds = _kept(s)
+    _all_fused(rounds)
+    assert [r["round_closed"] for r in rounds] == [0, 1, 2, 3]
+    assert rounds[2].get("restart") and rounds[2].get("fresh_outer") and not rounds[3].get("restart")
+    assert all(h["rounds_closed"] == 4 for h in rounds[-1]["optimizer_hosts"])
+    plans = [e for e in s.events if e["type"] == "plan"]
+    new = next(h for h in plans[-1]["optimizer_hosts"] if h not in plans[0]["optimizer_hosts"])
+    kept = next(h for h in plans[-1]["optimizer_hosts"] if h != new)
+    assert closes[s.downed[0]] in ([0, 1, 2], [0, 1, 2, 3]) and closes[new] == [2, 3]
+    assert closes[kept] in ([0, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3]), closes[kept]
+    _follows(rounds, _replay(spec, _timed(DILOCO), rounds, restart_rounds={2}, fresh_outer_rounds={2}))
+
+
+def test_a_fused_job_resumes_from_its_checkpoints(tmp_path):
+    """Stopped after round 2's record (the replicas' closes of round 2 pending or sent), resumed."""
+    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+    s = Swarm(tmp_path, workers=2, hosts=2)
+    params = _fused_job(spec, DILOCO)
+
+    async def stop_after_round_2(event: dict) -> None:
+        s.events.append(event)
+        if event["type"] == "step" and event["round_closed"] == 2:
+            await asyncio.sleep(0.5)  # the hosts' shard checkpoints are written in threads
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        asyncio.run(s.driver.run_job(params, stop_after_round_2))
+    first = s.steps()
+    assert [r["round_closed"] for r in first] == [0, 1, 2]
+    s.events.clear()
+    result = asyncio.run(s.driver.run_job({**params, "resume": True}, s.emit))
+    assert result["steps"] == spec.steps
+    rounds = s.steps()
+    _all_fused(rounds)
+    k = rounds[0]["round_closed"]
+    assert k in (2, 3) and [r["round_closed"] for r in rounds] == list(range(k, 5))
+    assert rounds[0].get("restart") and not rounds[0].get("fresh_outer")
+    assert rounds[0]["rounds_applied"] == k + 1 and rounds[-1]["rounds_applied"] == 5
+    kept = first[:k] + rounds
+    _follows(kept, _replay(spec, _timed(DILOCO), kept, restart_rounds={k}))
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
+def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after):
+    """--contrib-policy score (auto here): the round the replica lost is redone on the new plan
+    when the worker dies on the step carrying round 1's close; each host closes each round once, and
+    the trajectory kept (each round's last record) is the replay's."""
+    sync = _timed(DILOCO)
+    spec = small_spec(steps=9, micro_batches=2)
+    s = CloseKiller(tmp_path, workers=4, hosts=2, close=1, after=after)
+    closes = _ledger(s)
+    params = round_job(spec, sync, stages=1, rebalance_every=0)
+    result = asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 120))
+    assert s.downed and result["steps"] == spec.steps
+    # the round the replica lost is redone; when its close failed after the scorer had judged the
+    # round (the judge sends the verdict and keeps the hosts' refusal in its record), that round
+    # also has an earlier record (its last, the redone one, is kept) and is judged twice
+    order = [r["round_closed"] for r in s.steps()]
+    assert order in ([0, 1, 2], [0, 1, 1, 2]), order
+    assert result["contrib"]["rounds_scored"] == len(order)
+    rounds = _kept(s)
+    _all_fused(rounds)
+    assert [r["round_closed"] for r in rounds] == [0, 1, 2]
+    assert not any(rep.get("lost") for r in rounds for rep in r["replicas"])
+    assert all(c == [0, 1, 2] for c in closes.values()) and len(closes) == 2, closes
+    restart = next(r["round_closed"] for r in rounds if r.get("restart"))
+    _follows(rounds, _replay(spec, sync, rounds, restart_rounds={restart}))
