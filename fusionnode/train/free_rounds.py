@@ -193,7 +193,9 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                         guess = (q + 1) * sync.inner_steps if ends else step + 1
                         feed_next = None if ends and q == n_rounds - 1 else partial(_feed, *feed_args, guess)
                         got, ahead = await fused_rounds.fused_step_fed(
-                            driver, job, run, pipe, mine, step, lr, close, feeding, feed_next
+                            fused_rounds.fused_step(driver, job, run, pipe, mine, step, lr, close),
+                            feeding,
+                            feed_next,
                         )
                         reports, loss, norm, round_bytes = got
                         job.count_round(step, round_bytes, closed[0])

@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fusionnode.train.state import Job, Run
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
+
+T = TypeVar("T")
 
 
 def fuses(job: Job, mine: list[Any]) -> bool:
@@ -112,24 +114,15 @@ async def close_last(
 
 
 async def fused_step_fed(
-    driver: Any,
-    job: Job,
-    run: Run,
-    pipe: Any,
-    mine: list[Any],
-    step: int,
-    lr: float,
-    close: dict[str, Any] | None,
-    feeding: asyncio.Future,
-    guess: Callable[[], Awaitable[None]] | None,
-) -> tuple[tuple[list[Any], float, float, list[dict[str, list[int]]]], asyncio.Future | None]:
-    """`fused_step` sent while its inputs (`feeding`) go out; once they are out, the inputs of the
-    step most likely next (`guess`: the next of the round, or the next round's first when this one
-    ends it) go out while the step runs, so the stage finds them there. A guess the round's close
-    proves wrong (another replica ended the round during this step) is fed in vain: a few kB that
-    wait unread in the stage's mailbox until the job ends. Returns (`fused_step`'s result, the
-    guess's feed)."""
-    call = asyncio.ensure_future(fused_step(driver, job, run, pipe, mine, step, lr, close))
+    step: Awaitable[T], feeding: asyncio.Future, guess: Callable[[], Awaitable[None]] | None
+) -> tuple[T, asyncio.Future | None]:
+    """A replica's `fused_step` (the coroutine `step`) sent while its inputs (`feeding`) go out; once
+    they are out, the inputs of the step most likely next (`guess`: the next of the round, or the next
+    round's first when this one ends it) go out while the step runs, so the stage finds them there. A
+    guess the round's close proves wrong (another replica ended the round during this step) is fed in
+    vain: a few kB that wait unread in the stage's mailbox until the job ends. Returns (`step`'s
+    result, the guess's feed)."""
+    call = asyncio.ensure_future(step)
     ahead: asyncio.Future | None = None
     try:
         await feeding
