@@ -355,22 +355,7 @@ async def _compute(
     its gradient norm, its clip factor)."""
     spec, jid = job.spec, job.spec.job_id
     gather = driver.stepper.gather_or_fail
-    timeout = driver.stepper.step_timeout_s
-    calls = {
-        ("step", a.stage): jp.call(
-            driver.t,
-            a.peer,
-            Rpc.JOB_STEP,
-            jp.StepRequest(
-                job=jid, stage=a.stage, step=step, micro_batches=pipe.micro_batches, mb_size=pipe.mb_size
-            ),
-            timeout=timeout * 2,
-            recall=Rpc.JOB_STEP_RESULT,
-        )
-        for a in mine
-    }
-    got = await gather(job, run, step, calls, {("step", a.stage): a.peer for a in mine})
-    reports = [got[("step", a.stage)] for a in mine]
+    reports = await fused_rounds.step_reports(driver, job, run, pipe, mine, step)
     shared_sum = await driver.stepper.sum_shared(job, mine, step)
     norm = math.sqrt(sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum))
     clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))
