@@ -166,14 +166,11 @@ def test_an_optimizer_host_dying_mid_round_is_replaced_and_the_rounds_since_redo
     _follows(rounds, ref)
 
 
-def test_a_resumed_job_continues_the_rounds_from_its_checkpoints(tmp_path):
-    """Stopped after round 2's record (H = 3, checkpoints every 3 steps), resumed: the hosts' shard
-    checkpoints hold the masters, the ledger and the outer Nesterov buffer, so the resumed rounds are
-    the replay's with new inner optimizers from the resumed round on."""
-    sync = _timed(SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9))
-    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
-    s = Swarm(tmp_path, workers=4, hosts=2)
-    params = round_job(spec, sync, rebalance_every=0)
+def _stopped_after_round_2_and_resumed(s: Swarm, spec, params: dict) -> tuple[list, list, int]:
+    """Runs `params` on `s` until round 2's record (the hosts' shard checkpoints given time to be
+    written), then resumes it to the end; checks the resumed rounds restart (with the outer state kept)
+    from the round after the newest checkpoint and returns (the first run's rounds, the resumed run's,
+    the first resumed round)."""
 
     async def stop_after_round_2(event: dict) -> None:
         s.events.append(event)
@@ -195,6 +192,19 @@ def test_a_resumed_job_continues_the_rounds_from_its_checkpoints(tmp_path):
     assert k in (2, 3) and [r["round_closed"] for r in rounds] == list(range(k, 5))
     assert rounds[0].get("restart") and not rounds[0].get("fresh_outer")
     assert rounds[0]["rounds_applied"] == k + 1 and rounds[-1]["rounds_applied"] == 5
+    return first, rounds, k
+
+
+def test_a_resumed_job_continues_the_rounds_from_its_checkpoints(tmp_path):
+    """Stopped after round 2's record (H = 3, checkpoints every 3 steps), resumed: the hosts' shard
+    checkpoints hold the masters, the ledger and the outer Nesterov buffer, so the resumed rounds are
+    the replay's with new inner optimizers from the resumed round on."""
+    sync = _timed(SyncConfig("diloco", inner_steps=3, outer_lr=0.7, outer_momentum=0.9))
+    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    params = round_job(spec, sync, rebalance_every=0)
+
+    first, rounds, k = _stopped_after_round_2_and_resumed(s, spec, params)
     kept = first[:k] + rounds
     _follows(kept, _replay(spec, sync, kept, restart_rounds={k}))
     # the outer state came back: with a new one the resumed rounds would differ

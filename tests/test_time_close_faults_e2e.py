@@ -14,13 +14,13 @@ matches within 1e-7. Counting one step of the lost replica's partial round would
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import sys
 
 import pytest
 import torch
+from test_sync_faults_e2e import kill
+from test_sync_faults_e2e import spec as faults_spec
 
 from fusionnode import control
 from fusionnode.localswarm import LocalSwarm
@@ -39,25 +39,28 @@ SYNC = SyncConfig("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9, rou
 
 
 def spec(tmp_path, name: str, **kw) -> JobSpec:
-    base = dict(
-        model="gpt2-tiny",
-        steps=STEPS,
-        batch_size=8,
-        micro_batches=2,
-        seq_len=32,
-        seed=5,
-        lr=3e-3,
-        warmup_steps=3,
-        metrics_out=str(tmp_path / f"{name}.jsonl"),
-    )
-    base.update(kw)
-    return JobSpec(**base)
+    """tests/test_sync_faults_e2e.py's job, STEPS steps."""
+    return faults_spec(tmp_path, name, **{"steps": STEPS, **kw})
 
 
-def kill(swarm: LocalSwarm, peer: str) -> None:
-    i = next(i for i, r in enumerate(swarm.ready) if r["peer_id"] == peer)
-    os.killpg(swarm.procs[i].pid, signal.SIGKILL)  # the daemon, its DHT child and p2pd: no goodbye
-    swarm.procs[i].wait(10)
+def job_params(sp: JobSpec, stages: int, peers: list[str], hosts: list[str]) -> dict:
+    """`train`'s params: 2 replicas of `stages` stages on `peers`, one optimizer host of `hosts`."""
+    return {
+        "spec": sp.to_dict(),
+        "stages": stages,
+        "replicas": 2,
+        "offload": "on",
+        "optimizer_hosts": 1,
+        "sync": SYNC.to_dict(),
+        "rebalance_every": 0,
+        "peers": peers,
+        "optimizer_peers": hosts,
+    }
+
+
+def a_worker(driver: str):
+    """`train`'s `pick_victim`: a worker of the plan other than the driver's daemon."""
+    return lambda plan: next(s["peer"] for s in plan["stages"] if s["peer"] != driver)
 
 
 def train(swarm: LocalSwarm, params: dict, after: int, pick_victim) -> tuple[dict, list[dict], list[str]]:
@@ -117,20 +120,8 @@ def test_a_worker_and_an_optimizer_host_killed_mid_round_leave_every_round_appli
 
         # 1. a worker dies in round 2: 5 workers (4 in the plan, a spare), one optimizer host apart
         sp = spec(tmp_path, "worker")
-        params = {
-            "spec": sp.to_dict(),
-            "stages": 2,
-            "replicas": 2,
-            "offload": "on",
-            "optimizer_hosts": 1,
-            "sync": SYNC.to_dict(),
-            "rebalance_every": 0,
-            "peers": ids[:5],
-            "optimizer_peers": [ids[5]],
-        }
-        result, events, killed = train(
-            swarm, params, 1, lambda plan: next(s["peer"] for s in plan["stages"] if s["peer"] != ids[0])
-        )
+        params = job_params(sp, 2, ids[:5], [ids[5]])
+        result, events, killed = train(swarm, params, 1, a_worker(ids[0]))
         assert killed and result["steps"] == STEPS
         rounds = check_rounds_once(events, sp)
         assert len([e for e in events if e["type"] == "step"]) == len(rounds)  # nothing redone
@@ -183,20 +174,8 @@ def test_a_fused_worker_killed_mid_round_leaves_every_round_applied_once(tmp_pat
         asyncio.run(swarm.wait_connected())
         ids = [r["peer_id"] for r in swarm.ready]
         sp = spec(tmp_path, "fused")
-        params = {
-            "spec": sp.to_dict(),
-            "stages": 1,
-            "replicas": 2,
-            "offload": "on",
-            "optimizer_hosts": 1,
-            "sync": SYNC.to_dict(),
-            "rebalance_every": 0,
-            "peers": ids[:3],
-            "optimizer_peers": [ids[3]],
-        }
-        result, events, killed = train(
-            swarm, params, 1, lambda plan: next(s["peer"] for s in plan["stages"] if s["peer"] != ids[0])
-        )
+        params = job_params(sp, 1, ids[:3], [ids[3]])
+        result, events, killed = train(swarm, params, 1, a_worker(ids[0]))
         assert killed and result["steps"] == STEPS
         rounds = check_rounds_once(events, sp)
         assert all(rep["fused"] for r in rounds for rep in r["replicas"])

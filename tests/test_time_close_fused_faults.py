@@ -14,8 +14,17 @@ import asyncio
 import pytest
 import torch
 from test_components import Swarm, round_job, small_spec
-from test_sync_faults import FaultySwarm, Interrupted, _a_worker, _first_host, recovered
-from test_time_close_faults import SPARSE_TOL, TOL, _follows, _kept, _ledger, _replay, _timed
+from test_sync_faults import FaultySwarm, _a_worker, _first_host, recovered
+from test_time_close_faults import (
+    SPARSE_TOL,
+    TOL,
+    _follows,
+    _kept,
+    _ledger,
+    _replay,
+    _stopped_after_round_2_and_resumed,
+    _timed,
+)
 
 from fusionnode.sync import SyncConfig
 from fusionnode.train.free_rounds_local import load_restarts, load_schedule
@@ -169,25 +178,8 @@ def test_a_fused_job_resumes_from_its_checkpoints(tmp_path):
     s = Swarm(tmp_path, workers=2, hosts=2)
     params = _fused_job(spec, DILOCO)
 
-    async def stop_after_round_2(event: dict) -> None:
-        s.events.append(event)
-        if event["type"] == "step" and event["round_closed"] == 2:
-            await asyncio.sleep(0.5)  # the hosts' shard checkpoints are written in threads
-            raise Interrupted
-
-    with pytest.raises(Interrupted):
-        asyncio.run(s.driver.run_job(params, stop_after_round_2))
-    first = s.steps()
-    assert [r["round_closed"] for r in first] == [0, 1, 2]
-    s.events.clear()
-    result = asyncio.run(s.driver.run_job({**params, "resume": True}, s.emit))
-    assert result["steps"] == spec.steps
-    rounds = s.steps()
+    first, rounds, k = _stopped_after_round_2_and_resumed(s, spec, params)
     _all_fused(rounds)
-    k = rounds[0]["round_closed"]
-    assert k in (2, 3) and [r["round_closed"] for r in rounds] == list(range(k, 5))
-    assert rounds[0].get("restart") and not rounds[0].get("fresh_outer")
-    assert rounds[0]["rounds_applied"] == k + 1 and rounds[-1]["rounds_applied"] == 5
     kept = first[:k] + rounds
     _follows(kept, _replay(spec, _timed(DILOCO), kept, restart_rounds={k}))
 

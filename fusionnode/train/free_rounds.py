@@ -193,7 +193,9 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                         guess = (q + 1) * sync.inner_steps if ends else step + 1
                         feed_next = None if ends and q == n_rounds - 1 else partial(_feed, *feed_args, guess)
                         got, ahead = await fused_rounds.fused_step_fed(
-                            driver, job, run, pipe, mine, step, lr, close, feeding, feed_next
+                            fused_rounds.fused_step(driver, job, run, pipe, mine, step, lr, close),
+                            feeding,
+                            feed_next,
                         )
                         reports, loss, norm, round_bytes = got
                         job.count_round(step, round_bytes, closed[0])
@@ -353,22 +355,7 @@ async def _compute(
     its gradient norm, its clip factor)."""
     spec, jid = job.spec, job.spec.job_id
     gather = driver.stepper.gather_or_fail
-    timeout = driver.stepper.step_timeout_s
-    calls = {
-        ("step", a.stage): jp.call(
-            driver.t,
-            a.peer,
-            Rpc.JOB_STEP,
-            jp.StepRequest(
-                job=jid, stage=a.stage, step=step, micro_batches=pipe.micro_batches, mb_size=pipe.mb_size
-            ),
-            timeout=timeout * 2,
-            recall=Rpc.JOB_STEP_RESULT,
-        )
-        for a in mine
-    }
-    got = await gather(job, run, step, calls, {("step", a.stage): a.peer for a in mine})
-    reports = [got[("step", a.stage)] for a in mine]
+    reports = await fused_rounds.step_reports(driver, job, run, pipe, mine, step)
     shared_sum = await driver.stepper.sum_shared(job, mine, step)
     norm = math.sqrt(sum(r.grad_sq for r in reports) + FlatOptimizer.grad_sq_norm(shared_sum))
     clip = 1.0 if spec.grad_clip is None else min(1.0, spec.grad_clip / (norm + 1e-6))

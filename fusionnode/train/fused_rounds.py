@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fusionnode.train.state import Job, Run
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
+
+T = TypeVar("T")
 
 
 def fuses(job: Job, mine: list[Any]) -> bool:
@@ -35,6 +37,45 @@ def fuses(job: Job, mine: list[Any]) -> bool:
 
 def _round(run: Run, stage: int, info: dict[str, Any] | None) -> dict[str, Any] | None:
     return None if info is None else {**info, "names": run.names_by_stage[stage]}
+
+
+async def step_reports(
+    driver: Any,
+    job: Job,
+    run: Run,
+    pipe: Any,
+    mine: list[Any],
+    step: int,
+    lr: float | None = None,
+    clip: float | None = None,
+    close: dict[str, Any] | None = None,
+) -> list[Any]:
+    """`job.step` `step` on a replica's stages `mine` (its inputs fed), fused when `lr` is given
+    (`commit_lr`, `commit_clip`, `close_round`); their reports in `mine` order."""
+    calls = {
+        ("step", a.stage): jp.call(
+            driver.t,
+            a.peer,
+            Rpc.JOB_STEP,
+            jp.StepRequest(
+                job=job.spec.job_id,
+                stage=a.stage,
+                step=step,
+                micro_batches=pipe.micro_batches,
+                mb_size=pipe.mb_size,
+                commit_lr=lr,
+                commit_clip=clip,
+                close_round=_round(run, a.stage, close),
+            ),
+            timeout=driver.stepper.step_timeout_s * 2,
+            recall=Rpc.JOB_STEP_RESULT,  # a reply lost to a stream reset: fetch it, the step ran
+        )
+        for a in mine
+    }
+    got = await driver.stepper.gather_or_fail(
+        job, run, step, calls, {("step", a.stage): a.peer for a in mine}
+    )
+    return [got[("step", a.stage)] for a in mine]
 
 
 async def fused_step(
@@ -50,33 +91,10 @@ async def fused_step(
     """A replica's fused inner step `step` (its inputs fed), closing round `close` first if given.
     Returns (reports in `mine` order, its mean micro-batch loss, its gradient norm, each stage's
     round bytes per host)."""
-    jid = job.spec.job_id
-    timeout = driver.stepper.step_timeout_s
     clip = job.spec.grad_clip
-    calls = {
-        ("step", a.stage): jp.call(
-            driver.t,
-            a.peer,
-            Rpc.JOB_STEP,
-            jp.StepRequest(
-                job=jid,
-                stage=a.stage,
-                step=step,
-                micro_batches=pipe.micro_batches,
-                mb_size=pipe.mb_size,
-                commit_lr=lr,
-                commit_clip=None if clip is None else float(clip),
-                close_round=_round(run, a.stage, close),
-            ),
-            timeout=timeout * 2,
-            recall=Rpc.JOB_STEP_RESULT,
-        )
-        for a in mine
-    }
-    got = await driver.stepper.gather_or_fail(
-        job, run, step, calls, {("step", a.stage): a.peer for a in mine}
+    reports = await step_reports(
+        driver, job, run, pipe, mine, step, lr, None if clip is None else float(clip), close
     )
-    reports = [got[("step", a.stage)] for a in mine]
     norm = math.sqrt(sum(r.grad_sq for r in reports))
     losses = reports[-1].losses
     return reports, sum(losses) / len(losses), norm, [r.round_bytes or {} for r in reports]
@@ -112,24 +130,15 @@ async def close_last(
 
 
 async def fused_step_fed(
-    driver: Any,
-    job: Job,
-    run: Run,
-    pipe: Any,
-    mine: list[Any],
-    step: int,
-    lr: float,
-    close: dict[str, Any] | None,
-    feeding: asyncio.Future,
-    guess: Callable[[], Awaitable[None]] | None,
-) -> tuple[tuple[list[Any], float, float, list[dict[str, list[int]]]], asyncio.Future | None]:
-    """`fused_step` sent while its inputs (`feeding`) go out; once they are out, the inputs of the
-    step most likely next (`guess`: the next of the round, or the next round's first when this one
-    ends it) go out while the step runs, so the stage finds them there. A guess the round's close
-    proves wrong (another replica ended the round during this step) is fed in vain: a few kB that
-    wait unread in the stage's mailbox until the job ends. Returns (`fused_step`'s result, the
-    guess's feed)."""
-    call = asyncio.ensure_future(fused_step(driver, job, run, pipe, mine, step, lr, close))
+    step: Awaitable[T], feeding: asyncio.Future, guess: Callable[[], Awaitable[None]] | None
+) -> tuple[T, asyncio.Future | None]:
+    """A replica's `fused_step` (the coroutine `step`) sent while its inputs (`feeding`) go out; once
+    they are out, the inputs of the step most likely next (`guess`: the next of the round, or the next
+    round's first when this one ends it) go out while the step runs, so the stage finds them there. A
+    guess the round's close proves wrong (another replica ended the round during this step) is fed in
+    vain: a few kB that wait unread in the stage's mailbox until the job ends. Returns (`step`'s
+    result, the guess's feed)."""
+    call = asyncio.ensure_future(step)
     ahead: asyncio.Future | None = None
     try:
         await feeding
