@@ -18,23 +18,36 @@ from typing import Any
 from fusionnode.bench.verify import _params, _spec, _steps, _train
 
 
+def _members(swarm: Any) -> list[tuple[int, Any]]:
+    """Every live process of the swarm with its daemon's index: the daemons and their children."""
+    import psutil
+
+    out = []
+    for i, proc in enumerate(swarm.procs):
+        try:
+            top = psutil.Process(proc.pid)
+            out += [(i, q) for q in (top, *top.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _family(swarm: Any) -> list[Any]:
+    """Every live process of the swarm: its daemons and their children."""
+    return [q for _, q in _members(swarm)]
+
+
 def _swarm_cpu_s(swarm: Any) -> float:
     """CPU seconds used so far by the swarm's daemons and their children (p2pd, the check process)."""
     import psutil
 
     total = 0.0
-    for proc in swarm.procs:
+    for _, q in _members(swarm):
         try:
-            top = psutil.Process(proc.pid)
-            family = [top, *top.children(recursive=True)]
+            t = q.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        for q in family:
-            try:
-                t = q.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += t.user + t.system + t.children_user + t.children_system
+        total += t.user + t.system + t.children_user + t.children_system
     return total
 
 
@@ -44,35 +57,15 @@ def _cpu_by_role(swarm: Any) -> dict[str, float]:
     import psutil
 
     out = {"driver_daemon": 0.0, "check_process": 0.0, "other_daemons": 0.0, "p2pd": 0.0}
-    for i, proc in enumerate(swarm.procs):
+    for i, q in _members(swarm):
         try:
-            top = psutil.Process(proc.pid)
-            family = [top, *top.children(recursive=True)]
+            cmd = " ".join(q.cmdline())
+            t = q.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        for q in family:
-            try:
-                cmd = " ".join(q.cmdline())
-                t = q.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            role = "p2pd" if "p2pd" in cmd else "check_process" if "spawn_main" in cmd else None
-            role = role or ("driver_daemon" if i == 0 else "other_daemons")
-            out[role] += t.user + t.system
-    return out
-
-
-def _family(swarm: Any) -> list[Any]:
-    """Every live process of the swarm: its daemons and their children."""
-    import psutil
-
-    out = []
-    for proc in swarm.procs:
-        try:
-            top = psutil.Process(proc.pid)
-            out += [top, *top.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
+        role = "p2pd" if "p2pd" in cmd else "check_process" if "spawn_main" in cmd else None
+        role = role or ("driver_daemon" if i == 0 else "other_daemons")
+        out[role] += t.user + t.system
     return out
 
 
