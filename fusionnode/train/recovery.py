@@ -30,6 +30,7 @@ from fusionnode.train.placement import (
 )
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import Rollback, StepFailed
+from fusionnode.verify import compat
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
 
@@ -75,7 +76,7 @@ class Recovery:
         for peer, kind in sorted(verdict.items()):
             if kind == "leave":
                 run.gone.add(peer)
-                await run.event(job, "leave", peer=peer, step=step, reason="the peer drained and left")
+                await run.event(job, "leave", peer=peer, step=step, reason=fail.reason(peer) or "it left")
             else:
                 # it attracted work and stalled: banned (per driver, doubling at each offence), and
                 # its measured speed counts the stall, so it is planned as slow once the ban ends
@@ -229,6 +230,7 @@ class Recovery:
         if wanted:
             ids = [w for w in ids if w in wanted] + [w for w in ids if w not in wanted]
         ids = sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid)) if not wanted else ids
+        ids = await compat.screen_joins(self.t, job, run, ids)  # checks on: no peer of older checks
         for pid in ids:
             if pid not in run.known:
                 run.known.add(pid)
