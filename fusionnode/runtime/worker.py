@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -85,7 +86,8 @@ class WorkerService(StageAudit, HostLink):
         self.on_jobs_changed = on_jobs_changed
         self.draining = False
         self.hook = hook  # tests and benchmarks only (runtime/hooks.py); None in production
-        self.caps = advertised()  # the check capabilities job.ping advertises (verify/compat.py)
+        # the check capabilities job.ping advertises (verify/compat.py; a debug daemon may pose as older)
+        self.caps = advertised(os.environ.get(DEBUG_ENV) == "1")
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")

@@ -46,12 +46,11 @@ PING_TIMEOUT_S = 5.0
 WHAT = {"commit": "the commitment hash", "dither": "the q8/q4 dither"}
 
 
-def advertised() -> dict[str, list[str]] | None:
+def advertised(debug: bool = False) -> dict[str, list[str]] | None:
     """What this peer answers to ``job.ping`` with ``caps``; None: refuse the field as a peer from
-    before the capabilities does (a test's older peer, `DEBUG_CAPS_ENV`)."""
-    from fusionnode.runtime.hooks import DEBUG_ENV
-
-    override = os.environ.get(DEBUG_CAPS_ENV) if os.environ.get(DEBUG_ENV) == "1" else None
+    before the capabilities does. `debug` (the daemon runs with FUSIONNODE_DEBUG=1, runtime/hooks.py)
+    lets `DEBUG_CAPS_ENV` set another answer: a test's older peer."""
+    override = os.environ.get(DEBUG_CAPS_ENV) if debug else None
     if not override:
         return {k: list(v) for k, v in CAPS.items()}
     if override == "legacy":
