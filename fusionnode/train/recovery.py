@@ -167,6 +167,8 @@ class Recovery:
             and not run.bans.banned(p.peer_id, now)
             and p.peer_id not in run.gone
         ]
+        wanted = compat.needs(run.checks is not None, job.spec.compress, run.params.get("link_options"))
+        spares, _old = await compat.screen(self.t, spares, compat.host_needs(wanted), "optimizer")
         workers = {a.peer for a in run.stage_args}
         spares.sort(key=lambda h: (h in workers, h))  # prefer peers that are not the job's workers
         hosts = list(job.hosts)
