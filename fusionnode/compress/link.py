@@ -42,6 +42,8 @@ ACT_KEY = TensorKind.ACT  # message key of activations (the forward direction)
 GRAD_KEY = TensorKind.GRAD  # message key of activation gradients (the backward direction)
 GRAD_CODECS = ("q8", "q4", "topk")  # what a compressing link does to gradients
 WARMUP_CODECS = ("q8", "q4", "raw")  # what warm-up steps of a compressing link send
+DEFAULT_DITHER = "keyed"  # what a driver writes into every job's link_options unless asked otherwise
+ABSENT_DITHER = "counter"  # what a worker reads when an assignment's link_options carry no dither
 
 
 @dataclasses.dataclass
@@ -54,7 +56,7 @@ class LinkOptions:
     center: bool = True  # activations: send channel means, top-k of the centered tensor
     grad_codec: str = "q8"  # gradients ("grad" messages) on a compressing link: "q8", "q4" or "topk"
     stochastic: bool = True  # q8/q4: seeded stochastic (unbiased) rounding instead of nearest
-    dither: str = "keyed"  # its seed: "keyed" (compress/dither.py, the checker's) or "counter" (per link)
+    dither: str = DEFAULT_DITHER  # its seed: "keyed" (compress/dither.py) or "counter" (per link)
     warmup_codec: str = "q8"  # warm-up steps on a compressing link send this both ways: "q8", "q4" or "raw"
     center_gradients: bool = False  # with `center`: gradients centered too (an experiment's knob)
     min_sparse_numel: int = MIN_SPARSE_NUMEL  # smaller tensors go dense (fp16 on a compressing link)
@@ -77,9 +79,25 @@ class LinkOptions:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> LinkOptions:
+        """Options given in-process or by the user (a job's ``link_options``): the dataclass's
+        defaults fill what is absent; an option this version does not know is refused (ConfigError
+        naming it) rather than dropped, so no peer runs a link the job did not ask for."""
         d = dict(d or {})
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ConfigError(f"unknown link option(s) {unknown} (this version knows {sorted(known)})")
+        return cls(**d)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any] | None) -> LinkOptions:
+        """A stage assignment's ``link_options`` as a worker reads them: as `from_dict`, except that an
+        absent ``dither`` is ``"counter"``, what drivers from before the keyed dither meant (they sent
+        none and their checkers expected counted seeds); this version's driver always writes it
+        (protocol/COMPRESSION.md, "Keyed dither")."""
+        d = dict(d or {})
+        d.setdefault("dither", ABSENT_DITHER)
+        return cls.from_dict(d)
 
 
 class LinkCompressor:

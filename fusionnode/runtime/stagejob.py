@@ -42,7 +42,7 @@ class StageJob:
         self.shared_names: set[str] = set(a.shared_names)
         self.args_frozen: list[str] = list(a.frozen)  # parameters a LoRA job does not train
         self.spec: dict[str, Any] = a.spec
-        opts = LinkOptions.from_dict(a.link_options)
+        opts = LinkOptions.from_wire(a.link_options)  # no dither: an older driver's counter (link.py)
         compress = str(self.spec.get("compress") or "none")
         key = (self.job, self.stage)  # keys the q8/q4 dither the checker recomputes (compress/dither.py)
         self.fwd = LinkCompressor(compress, opts, bandwidth_bps=a.bw_next, dither_key=key)  # activations on

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,8 @@ from typing import Any
 
 import torch
 
-from fusionnode.errors import GraphError
+from fusionnode.compress.link import LinkOptions
+from fusionnode.errors import ConfigError, GraphError
 from fusionnode.runtime import fused, optstate
 from fusionnode.runtime.allreduce import reweigh
 from fusionnode.runtime.audit import StageAudit
@@ -49,6 +51,7 @@ from fusionnode.runtime.transport import Transport
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES, MAX_STAGES_PER_DRIVER
 from fusionnode.sync import state_copies
 from fusionnode.verify import inner
+from fusionnode.verify.compat import advertised
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import ErrorCode, JobError, Rpc, TensorKind
@@ -83,6 +86,8 @@ class WorkerService(StageAudit, HostLink):
         self.on_jobs_changed = on_jobs_changed
         self.draining = False
         self.hook = hook  # tests and benchmarks only (runtime/hooks.py); None in production
+        # the check capabilities job.ping advertises (verify/compat.py; a debug daemon may pose as older)
+        self.caps = advertised(os.environ.get(DEBUG_ENV) == "1")
         self.push_slots: asyncio.Semaphore | None = None
         # torch work runs off the event loop so streams keep moving while we compute
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -127,12 +132,15 @@ class WorkerService(StageAudit, HostLink):
         (the driver's keep-alive while it waits on optimizer hosts or re-plans)."""
         job = req.job
         held = 0
+        if req.caps and self.caps is None:  # a test's peer from before the capabilities
+            raise JobError(ErrorCode.BAD_REQUEST, "PingRequest: unknown field(s) ['caps']")
         if job is not None:
             for sj in self.jobs.values():
                 if sj.job == job and sj.driver == sender:
                     sj.renew()
                     held += 1
-        return jp.PingReply(alive=True, draining=self.draining, jobs=len(self.jobs), stages=held)
+        caps = self.caps if req.caps else None
+        return jp.PingReply(alive=True, draining=self.draining, jobs=len(self.jobs), stages=held, caps=caps)
 
     async def rpc_debug_slow(self, req: jp.DebugSlow, sender: str) -> jp.DebugSlow:
         if sender != self.t.peer_id or self.hook is None:
@@ -205,6 +213,10 @@ class WorkerService(StageAudit, HostLink):
         held = self.jobs.get(key)
         if held is not None and held.driver != sender:
             raise JobError(ErrorCode.FORBIDDEN, f"stage {key[1]} of job {key[0]} belongs to another driver")
+        try:  # an option this version does not know is refused, not dropped (compress/link.py)
+            LinkOptions.from_wire(a.link_options)
+        except ConfigError as exc:
+            raise JobError(ErrorCode.BAD_REQUEST, f"job.assign: {exc}") from None
         need = self._need_bytes(a)
         lease_s = self.config.lease_s if a.lease_s is None else a.lease_s
         mine = sum(1 for k, sj in self.jobs.items() if sj.driver == sender and k != key)
@@ -471,16 +483,12 @@ class WorkerService(StageAudit, HostLink):
     @staticmethod
     def _record_received(ledger: Any, kind: str, mb: int, msg: TensorMessage, src: str) -> None:
         """Keeps a received message for the driver's checks; refuses one whose attached digest (the
-        sender's commitment) is not that of the tensors that arrived."""
-        from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+        sender's commitment) is not that of the tensors that arrived (`check_claim`: a digest of
+        another algorithm is a version skew, not a lie)."""
+        from fusionnode.verify.commitment import DIGEST_KEY, check_claim, digest_encoded
         from fusionnode.verify.ledger import RECEIVED_PART
 
         digest = digest_encoded(msg.tensors)
-        claimed = msg.meta.get(DIGEST_KEY)
-        if kind in (TensorKind.ACT, TensorKind.GRAD) and claimed != digest:
-            raise JobError(
-                ErrorCode.BAD_TENSOR,
-                f"peer {src[:12]}… sent {kind!r} tensors that do not match its commitment",
-                blame=src,
-            )
+        if kind in (TensorKind.ACT, TensorKind.GRAD):
+            check_claim(msg.meta.get(DIGEST_KEY), digest, src, kind)
         ledger.record(mb, RECEIVED_PART[kind], msg, digest)

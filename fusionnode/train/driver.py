@@ -65,6 +65,7 @@ from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
 from fusionnode.train.swarm_cluster import cluster_from_records, cluster_links
+from fusionnode.verify import compat
 from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
@@ -137,6 +138,7 @@ class Driver:
             raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
         shares = [int(n) for n in params["shares"]] if params.get("shares") else None
         verify_policy, verify_off = checks.job_policy(params, self.config, spec)
+        needs = compat.needs(verify_policy.on, spec.compress, params.get("link_options"))  # mixed versions
         if params.get("debug_forget_bans"):  # `bench verify`'s seeded runs: each starts with no bans
             from fusionnode.runtime.hooks import DEBUG_ENV
 
@@ -175,7 +177,9 @@ class Driver:
             # auto: offload whenever an optimizer host is available, which also lets the job survive a
             # failed worker (its step is replayed on a new plan); a local optimizer cannot
             hosts_available = bool(
-                await self.placement.candidates(params.get("optimizer_peers"), "optimizer")
+                await self.placement.candidates(
+                    params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
+                )
             )
             # several pipelines without hosts average their gradients by ring all-reduce among the
             # replicas of each stage (runtime/allreduce.py); the --sync round modes need hosts
@@ -187,7 +191,7 @@ class Driver:
                     f"several pipelines under --sync {job.sync.mode} synchronise through optimizer hosts: "
                     "use --offload on|auto"
                 )
-            workers = await self.placement.candidates(params.get("peers"), "worker")
+            workers = await self.placement.candidates(params.get("peers"), "worker", needs)
             if not workers:
                 raise PlanError("no worker peers are available in the swarm")
             strategy = params.get("planner") or "simple"
@@ -234,7 +238,7 @@ class Driver:
                         spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
                     )
                     if job.offload:
-                        job.hosts = await self.placement.pick_hosts(params, workers)
+                        job.hosts = await self.placement.pick_hosts(params, workers, needs)
                         if params.get("resume"):
                             job.hosts = await self._holders(job, job.hosts, params)
                 else:
@@ -251,6 +255,7 @@ class Driver:
                         job.offload,
                         seq_len,
                         dp_sync="auto" if auto else None,
+                        needs=needs,
                     )
                     job.offload = prediction.get("dp_sync", "hosts" if job.offload else "ring") == "hosts"
                     job.sync = SyncConfig.from_dict(params.get("sync"))  # H chosen for a --sync-budget
@@ -282,6 +287,10 @@ class Driver:
                 )
 
             stage_args, workers = await self.placement.place(workers, lay, assign, metrics, emit)
+            for peer, why in sorted(self.placement.left_out.items()):  # checks on: older check versions
+                metrics.event("notice", what="version_skew", peer=peer, reason=why)
+                await emit({"type": "event", "kind": "notice", "what": "version_skew", "reason": why})
+            self.placement.left_out.clear()
             self.placement.accept(job, stage_args)
             job.stages = stage_rows(stage_args)
             job.plan_version = 1

@@ -4,6 +4,8 @@
   or `--verify-policy sample|all`): the checks compare what a stage sent with what its link codec
   makes of the recompute (verify/lossy.py).
 - AdaTopK's warm-up on 8-bit links (what kept convergence: protocol/COMPRESSION.md).
+- The link options' ``dither`` written out ("keyed" unless asked): a worker reads an absent one as
+  an older driver's "counter"; an option this version does not know refuses the job.
 - `--resume` of a round mode: the job's H is the one its checkpoint recorded (`save_job`), not one
   chosen anew for `--sync-budget` (the optimizer hosts' round ids were counted at the old H).
 """
@@ -14,6 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fusionnode.compress.link import DEFAULT_DITHER, LinkOptions
 from fusionnode.errors import ConfigError
 from fusionnode.sync import SyncConfig
 
@@ -57,8 +60,10 @@ def job_defaults(spec: Any, params: dict[str, Any], ckpt: Any, config: Any) -> t
     if ckpt is not None:
         params = resumed_sync(params, (ckpt.optimizer_state or {}).get("sync"))
     spec = resolve_compress(spec, params, config)
+    link_options = dict(params.get("link_options") or {})
+    LinkOptions.from_dict(link_options)  # an unknown option: ConfigError naming it, before anything starts
+    # written out: a worker reads an absent dither as the old "counter" (an older driver's links)
+    link_options.setdefault("dither", DEFAULT_DITHER)
     if spec.compress == "adatopk":
-        link_options = dict(params.get("link_options") or {})
         link_options.setdefault("warmup_steps", int(ADATOPK_WARMUP_FRACTION * spec.steps))
-        params = {**params, "link_options": link_options}
-    return spec, params
+    return spec, {**params, "link_options": link_options}

@@ -29,6 +29,7 @@ from fusionnode.sync import SyncConfig, state_copies
 from fusionnode.train.rebalance import PeerBook
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.train.swarm_cluster import cluster_from_records, symmetric_links
+from fusionnode.verify import compat
 from fusionnode.wire import job as jp
 from fusionnode.wire.checked import decode_checked, tensor_message
 from fusionnode.wire.job import Rpc, StageAssignment, TensorKind
@@ -182,6 +183,7 @@ class Placement:
         self.step_timeout_s = step_timeout_s
         self.hosts = hosts
         self.book = book if book is not None else PeerBook()  # the driver's: speeds and bans across jobs
+        self.left_out: dict[str, str] = {}  # peers a checked job could not use, why (verify/compat.py)
 
     async def place(
         self,
@@ -204,7 +206,18 @@ class Placement:
             workers = [w for w in workers if w not in refused]
         raise PlanError("could not place the job's stages after several proposals")
 
-    async def candidates(self, wanted: list[str] | None, role: str) -> list[str]:
+    async def candidates(
+        self, wanted: list[str] | None, role: str, needs: dict[str, str] | None = None
+    ) -> list[str]:
+        """The `role`'s peers for a job: `wanted` (checked to be in the swarm), else the live ones
+        this driver has not banned; with `needs` (a job with checks on: verify/compat.py) only those
+        that advertise them (a named peer that lacks them refuses the job)."""
+        ids = await self._candidates(wanted, role)
+        ids, left_out = await compat.screen(self.t, ids, needs or {}, role, named=bool(wanted))
+        self.left_out.update(left_out)
+        return ids
+
+    async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
         peers = await self.membership.peers()
         ids = [
             p.peer_id
@@ -234,9 +247,13 @@ class Placement:
         leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, jp.PingReply) and r.draining]
         return dead, leaving
 
-    async def pick_hosts(self, params: dict[str, Any], workers: list[str]) -> list[str]:
+    async def pick_hosts(
+        self, params: dict[str, Any], workers: list[str], needs: dict[str, str] | None = None
+    ) -> list[str]:
         """The job's optimizer hosts: --optimizer-hosts of the optimizer peers, those apart from the workers first."""
-        hosts = await self.candidates(params.get("optimizer_peers"), "optimizer")
+        hosts = await self.candidates(
+            params.get("optimizer_peers"), "optimizer", compat.host_needs(needs or {})
+        )
         if not hosts:
             raise PlanError(
                 "--offload on needs at least one peer with the optimizer role (fusionnode join "
@@ -261,6 +278,7 @@ class Placement:
         offload: bool,
         seq_len: int,
         dp_sync: str | None = None,
+        needs: dict[str, str] | None = None,
     ) -> tuple[list[Pipeline], list[str], dict[str, Any]]:
         """Pipelines from the planner (OP-Fence + asymmetric DP x PP) or one of its baselines.
         `dp_sync` "auto" (with `offload`): the planner prices optimizer hosts against a ring all-reduce
@@ -271,7 +289,10 @@ class Placement:
         from fusionnode.plan.planner import plan as make_plan
         from fusionnode.plan.syncprice import SyncPrice
 
-        hosts = await self.candidates(params.get("optimizer_peers"), "optimizer") if offload else []
+        host_needs = compat.host_needs(needs or {})  # a job with checks on: hosts that can check
+        hosts = (
+            await self.candidates(params.get("optimizer_peers"), "optimizer", host_needs) if offload else []
+        )
         doc = params.get("cluster") or cluster_from_records(
             await self.membership.peers(), workers, hosts, self.book.speeds.speeds()
         )
@@ -317,7 +338,7 @@ class Placement:
             first += len(peers)
         plan_hosts = [h.device for h in p.optimizer_hosts] if offload else []
         if offload and not plan_hosts:
-            plan_hosts = await self.pick_hosts(params, workers)
+            plan_hosts = await self.pick_hosts(params, workers, needs)
         pred = p.prediction
         simulated = pred.simulated_step_time_s if pred else None
         if pred and simulated is None:  # the event simulation of the same plan, for the record

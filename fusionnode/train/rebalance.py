@@ -517,7 +517,8 @@ def blame(
 
     `errors`: peer -> the failures of the calls to it (wire/job.py `Failure`: code, peer to blame);
     `unreachable`: peers that did not answer a liveness probe. A peer whose refusal has the code
-    `leaving` is marked "leave" (also once it is gone); other unreachable peers are failed;
+    `leaving`, or that a `version_skew` failure names (it runs another version of the checks, which
+    is no lie), is marked "leave" (also once it is gone); other unreachable peers are failed;
     otherwise a peer of the plan that a failure blames (it sent wrong shapes or non-finite values:
     `bad_tensor`) is failed; if nobody is blamed, the peers whose calls failed, except calls a live
     peer closed unanswered (`unanswered`: its rate or stream limits, transient; nobody is blamed and
@@ -527,6 +528,8 @@ def blame(
     out: dict[str, str] = {
         p: "leave" for p, fs in errors.items() if any(f.code == ErrorCode.LEAVING for f in fs)
     }
+    for fs in errors.values():  # another version of the checks (verify/compat.py): out of the plan, no ban
+        out.update({f.blame: "leave" for f in fs if f.code == ErrorCode.VERSION_SKEW and f.blame in peers})
     for p in unreachable:
         out.setdefault(p, "failure")  # a peer that said it is leaving may be gone already: still a leave
     if out:

@@ -30,6 +30,7 @@ from fusionnode.train.placement import (
 )
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import Rollback, StepFailed
+from fusionnode.verify import compat
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
 
@@ -75,7 +76,7 @@ class Recovery:
         for peer, kind in sorted(verdict.items()):
             if kind == "leave":
                 run.gone.add(peer)
-                await run.event(job, "leave", peer=peer, step=step, reason="the peer drained and left")
+                await run.event(job, "leave", peer=peer, step=step, reason=fail.reason(peer) or "it left")
             else:
                 # it attracted work and stalled: banned (per driver, doubling at each offence), and
                 # its measured speed counts the stall, so it is planned as slow once the ban ends
@@ -166,6 +167,8 @@ class Recovery:
             and not run.bans.banned(p.peer_id, now)
             and p.peer_id not in run.gone
         ]
+        wanted = compat.needs(run.checks is not None, job.spec.compress, run.params.get("link_options"))
+        spares, _old = await compat.screen(self.t, spares, compat.host_needs(wanted), "optimizer")
         workers = {a.peer for a in run.stage_args}
         spares.sort(key=lambda h: (h in workers, h))  # prefer peers that are not the job's workers
         hosts = list(job.hosts)
@@ -229,6 +232,7 @@ class Recovery:
         if wanted:
             ids = [w for w in ids if w in wanted] + [w for w in ids if w not in wanted]
         ids = sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid)) if not wanted else ids
+        ids = await compat.screen_joins(self.t, job, run, ids)  # checks on: no peer of older checks
         for pid in ids:
             if pid not in run.known:
                 run.known.add(pid)

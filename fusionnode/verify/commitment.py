@@ -14,6 +14,11 @@ hashed by its sender and its receiver, and every pushed gradient by its optimize
 speed is paid on every micro-batch. On this machine BLAKE3 hashes 3.2 MB (gpt2-tiny's gradients) in
 0.43 ms against BLAKE2b's 3.0 ms (one thread; 7.4 vs 1.1 GB/s), and it is as sound a commitment
 (a cryptographic hash: neither collisions nor second preimages are within reach at 128 bits).
+
+A digest names its hash: ``b3:`` and 32 hex digits (`DIGEST_PREFIX`). Versions before the prefix
+sent bare BLAKE2b-128 hex, which a receiver cannot match whatever the tensors are; `check_claim` tells
+such a digest (any digest without this version's prefix) from a lie and raises a `version_skew`
+error that blames nobody for lying (verify/compat.py; protocol/SPEC.md, section 5.4).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from fusionnode.wire.tensors import encode_tensor
 DIGEST_KEY = "digest"  # in a TensorMessage's meta: hex digest of its tensors
 COMMIT_KEY = "commit"  # in a gradient push's meta: true = the host records the digest of what arrived
 DIGEST_SIZE = 16  # bytes of BLAKE3 output kept (128-bit: second preimages are out of reach)
+COMMIT_ALG = "b3"  # the commitment algorithm this version speaks (verify/compat.py advertises it)
+DIGEST_PREFIX = COMMIT_ALG + ":"  # every digest starts with it: "b3:" + 32 hex digits
 
 
 def _update(h: Any, name: str, enc: EncodedTensor) -> None:
@@ -46,7 +53,7 @@ def digest_encoded(tensors: Mapping[str, EncodedTensor]) -> str:
     h = blake3()
     for name in sorted(tensors):
         _update(h, name, tensors[name])
-    return h.hexdigest(DIGEST_SIZE)
+    return DIGEST_PREFIX + h.hexdigest(DIGEST_SIZE)
 
 
 def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -62,7 +69,7 @@ def digest_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
         t = t.resolve_conj().resolve_neg().contiguous()
         data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
         _update(h, name, EncodedTensor(DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape), "raw", {}, data))
-    return h.hexdigest(DIGEST_SIZE)
+    return DIGEST_PREFIX + h.hexdigest(DIGEST_SIZE)
 
 
 def digest_value(value: float) -> str:
@@ -70,4 +77,57 @@ def digest_value(value: float) -> str:
     return digest_tensors({"value": torch.tensor([float(value)], dtype=torch.float64)})
 
 
-__all__ = ["COMMIT_KEY", "DIGEST_KEY", "DIGEST_SIZE", "digest_encoded", "digest_tensors", "digest_value"]
+def digest_alg(digest: Any) -> str:
+    """The algorithm a digest names ("b3" for this version's); "" for a bare hex digest (BLAKE2b-128,
+    the versions before the prefix), "?" for anything that is no digest at all."""
+    if not isinstance(digest, str):
+        return "?"
+    alg, sep, rest = digest.partition(":")
+    if not sep:
+        return "" if _is_hex(digest) else "?"
+    return alg if alg and _is_hex(rest) else "?"
+
+
+def _is_hex(s: str) -> bool:
+    return bool(s) and len(s) % 2 == 0 and all(c in "0123456789abcdef" for c in s)
+
+
+def check_claim(claimed: Any, digest: str, src: str, what: str) -> None:
+    """Refuses a message whose attached digest (`claimed`, its sender `src`'s commitment) is not
+    `digest`, that of the tensors that arrived: `bad_tensor` blaming `src` when the claim is a digest
+    of this version's algorithm (a lie, or bytes changed on the way), absent or no digest at all;
+    `version_skew` naming the skew when it is a digest of another algorithm (an older peer's bare
+    BLAKE2b hex: another version of the check protocol, not a lie; the driver re-plans without
+    `src` and does not ban it)."""
+    from fusionnode.wire.job_errors import ErrorCode, JobError
+
+    if claimed == digest:
+        return
+    alg = digest_alg(claimed)
+    if alg in (COMMIT_ALG, "?"):
+        raise JobError(
+            ErrorCode.BAD_TENSOR,
+            f"peer {src[:12]}… sent {what!r} tensors that do not match its commitment",
+            blame=src,
+        )
+    seen = "a bare (BLAKE2b-128) digest" if alg == "" else f"a digest of algorithm {alg!r}"
+    raise JobError(
+        ErrorCode.VERSION_SKEW,
+        f"peer {src[:12]}… sent {what!r} tensors with {seen}, not a {DIGEST_PREFIX!r} (BLAKE3-128) one: "
+        "it runs an older or other version of the check protocol (a version skew, not a lie)",
+        blame=src,
+    )
+
+
+__all__ = [
+    "COMMIT_ALG",
+    "COMMIT_KEY",
+    "DIGEST_KEY",
+    "DIGEST_PREFIX",
+    "DIGEST_SIZE",
+    "check_claim",
+    "digest_alg",
+    "digest_encoded",
+    "digest_tensors",
+    "digest_value",
+]

@@ -296,9 +296,12 @@ class ReleaseReply(JobMessage):
 
 @message
 class PingRequest(JobMessage):
-    """`job.ping`: liveness; with `job`, renews the leases the caller holds here for that job."""
+    """`job.ping`: liveness; with `job`, renews the leases the caller holds here for that job; with
+    `caps` true, asks for the peer's check capabilities (verify/compat.py): a peer from before them
+    refuses the unknown field with `bad_request`, which reads as the old capabilities."""
 
     job: str | None = None
+    caps: bool | None = None
 
 
 @message
@@ -307,6 +310,7 @@ class PingReply(JobMessage):
     draining: bool
     jobs: int
     stages: int
+    caps: dict[str, Any] | None = None  # only when asked: {"commit": [algs], "dither": [modes]}
 
 
 @message
@@ -529,7 +533,7 @@ RPCS: dict[str, RpcSpec] = {
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.BAD_TENSOR, _E.DEADLINE)),
         RpcSpec(Rpc.JOB_STEP, StepRequest, StepReport, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.LEAVING, _E.BAD_TENSOR, _E.ABORTED, _E.DEADLINE,
-                 _E.RING_BROKEN)),
+                 _E.RING_BROKEN, _E.VERSION_SKEW)),
         RpcSpec(Rpc.JOB_STEP_RESULT, StepRequest, StepReport, "the stage's driver (the job.step request again: its recall)",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.ABORTED, _E.NO_REPORT)),
         RpcSpec(Rpc.JOB_COMMIT, CommitRequest, CommitReply, "the stage's driver",

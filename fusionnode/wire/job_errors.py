@@ -29,6 +29,9 @@ class ErrorCode:
     UNANSWERED: Final = "unanswered"  # the call's stream closed before its reply (transient)
     DEADLINE: Final = "deadline"  # a wait ran past its deadline
     RING_BROKEN: Final = "ring_broken"  # a gradient all-reduce lost `blame`, the ring member it waited on
+    VERSION_SKEW: Final = (
+        "version_skew"  # `blame` runs another version of the checks: re-plan without it, no ban
+    )
     FAILED: Final = "failed"  # anything else
     ALL: ClassVar[frozenset[str]]
 

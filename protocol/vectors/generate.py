@@ -38,6 +38,13 @@ def _message(description: str, msg: Any, checksum: bool = False) -> dict[str, An
     return {"description": description, "kind": "message", "hex": frame.hex(), "decoded": message_json(msg)}
 
 
+def _committed(msg: Any) -> Any:
+    from fusionnode.verify.commitment import DIGEST_KEY, digest_encoded
+
+    msg.meta[DIGEST_KEY] = digest_encoded(msg.tensors)
+    return msg
+
+
 def build_vectors() -> dict[str, dict[str, Any]]:
     f32 = torch.tensor([[0.0, 1.5, -2.25], [1e-3, 3.0e30, -7.0]], dtype=torch.float32)
     activation = torch.tensor([[0.5, -1.0, 2.0], [0.1, 70000.0, -3.0e-6]], dtype=torch.float32)
@@ -138,6 +145,17 @@ def build_vectors() -> dict[str, dict[str, Any]]:
                 tensors={"g": encode_tensor(torch.tensor([0.5, -0.25], dtype=torch.float64))},
             ),
             checksum=True,
+        ),
+        "message_act_commitment": _message(
+            "TensorMessage `act` of a checked job (SPEC.md 5.4): meta.digest is the sender's commitment, "
+            "'b3:' + the hex BLAKE3-128 of its tensors in name order (fusionnode/verify/commitment.py)",
+            _committed(
+                TensorMessage(
+                    kind="act",
+                    meta={"job": "job-1", "step": 3, "mb": 1, "stage": 1},
+                    tensors={"h": encode_tensor(activation, "raw"), "pos": encode_tensor(torch.arange(3))},
+                )
+            ),
         ),
         "message_tensors_empty": _message(
             "TensorMessage with no tensors: the body is the envelope alone",
