@@ -51,13 +51,14 @@ def test_the_testbed_configuration_in_runs_of_one_mode_each_combined(tmp_path, c
     sparse = json.loads(files[1].read_text())
     assert sparse["meta"]["shares"] == [6, 5, 3, 2] and sparse["meta"]["seq_len"] == 16
     c = sparse["modes"]["sparseloco"]["sync"]
-    assert (c["inner_steps"], c["topk_density"], c["chunk"], c["outer_lr"]) == (
+    assert (c["inner_steps"], c["topk_density"], c["chunk"], c["outer_lr"], c["ef_decay"]) == (
         DP_SYNC.inner_steps,
         DP_SYNC.topk_density,
         DP_SYNC.chunk,
         DP_SYNC.outer_lr,
+        DP_SYNC.ef_decay,
     )
-    assert DP_SYNC.outer_lr == 2.0
+    assert DP_SYNC.outer_lr == 2.0 and DP_SYNC.ef_decay == 0.9
     assert c["overlap"] and c["overlap_steps"] == 1
     assert bench.main(["--combine", *map(str, files), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
