@@ -32,13 +32,15 @@ step, (rounds applied) x H).
   that round's close it still holds (`close_only`): train/free_rounds.py `replica`.
 
 Every round of a segment that follows a recovery (or a resume) runs on new stages: new inner
-optimizers, every replica from the hosts' θ, new error feedback under sparseloco (the driver's
-checkpoints of time-closed rounds hold none: the stages are already in the next round when it is
-taken). Its record says so (`restart`, `fresh_outer`, `fresh_feedback`), which
-`--local --round-steps FILE` replays (train/free_rounds_local.py `load_restarts`).
+optimizers, every replica from the hosts' θ, and under sparseloco the error feedback of the driver's
+checkpoint of that round boundary when there is one, else new accumulators. Its record says so
+(`restart`, `fresh_outer`, `fresh_feedback`), which `--local --round-steps FILE` replays
+(train/free_rounds_local.py `load_restarts`).
 
 Checkpoints: after round q's record, when (q+1)·H is due (`SyncConfig.checkpoint_due`), the
-driver saves the hosts' parameters (the hosts save their shards as they close the round); the next
+driver saves the hosts' parameters (the hosts save their shards as they close the round) and, under
+sparseloco, each replica's error feedback as it was after round q (a stage may have folded round
+q + 1 in by then: it keeps the accumulators of the round before, `FetchRequest.round`); the next
 round's verdict waits for it, so no later round can change the parameters being saved, and a
 checkpoint never holds a round without its record.
 """
@@ -195,7 +197,12 @@ async def checkpoint(driver: Any, job: Any, run: Any, q: int) -> None:
         return
     try:
         params = await driver.placement.current_params(job, run.stage_args, run.host_of)
-        await asyncio.to_thread(save_job, job, at, run.source, params)
+        try:  # sparseloco: the feedback after round q (a replica that lost it: none, new ones on resume)
+            feedback = await driver.placement.fetch_feedback(job, run.stage_args, q)
+        except (FusionNodeError, TimeoutError) as exc:
+            feedback = None
+            await run.event(job, "notice", what="checkpoint_feedback", step=at, reason=f"not saved: {exc}")
+        await asyncio.to_thread(save_job, job, at, run.source, params, feedback)
     except (OSError, FusionNodeError) as exc:
         await run.event(job, "failure", peer=None, step=at, reason=f"checkpoint: {exc}")
 
@@ -210,7 +217,7 @@ async def run(driver: Any, job: Any, run_: Any, source: Any, start_step: int, se
         start_step // h,
         restart=start_step > 0,
         fresh_outer=start_step > 0 and job.fresh_optimizer,
-        fresh_feedback=start_step > 0 and job.sync.mode == "sparseloco",
+        fresh_feedback=start_step > 0 and job.sync.mode == "sparseloco" and not job.feedback_shipped,
     )
     recoveries = 0
     while True:
@@ -268,7 +275,8 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
             + f"the job goes on at round {first} on the new plan"
         ),
     )
-    return Segment(first, restart=True, fresh_outer=fresh_outer, fresh_feedback=job.sync.mode == "sparseloco")
+    fresh_feedback = job.sync.mode == "sparseloco" and not job.feedback_shipped  # Recovery.round_feedback
+    return Segment(first, restart=True, fresh_outer=fresh_outer, fresh_feedback=fresh_feedback)
 
 
 def ended_by_verdict(fail: StepFailed) -> PeerError:
