@@ -29,7 +29,10 @@ step, (rounds applied) x H).
 - **Fused replicas** (train/fused_rounds.py: a round's close rides on the replica's next step):
   a failed call that carried a close loses the round of that close unless its verdict already
   answered (else the round the replica was in), and a replica that stops after the lost round sends
-  that round's close it still holds (`close_only`): train/free_rounds.py `replica`.
+  that round's close it still holds (`close_only`): train/free_rounds.py `replica`. Under scored
+  rounds a verdict still being judged of a round complete on the hosts is awaited first (`judged`):
+  the hosts close that round with the replica, so it loses the next one (redone), and no round is
+  both recorded and redone.
 
 Every round of a segment that follows a recovery (or a resume) runs on new stages: new inner
 optimizers, every replica from the hosts' θ, and under sparseloco the error feedback of the driver's
@@ -108,6 +111,8 @@ class Segment:
         rd.counts[idx] = 0
         if scored or not any(c is None or c for c in rd.counts):
             self.redo = True
+            if rd.verdict is not None:  # being judged (scored): none for a round redone, no record
+                rd.verdict.cancel()
             raise Redo
         if rd.verdict is not None:  # sent with its steps: again, without (see the module's docstring)
             rd.verdict.cancel()
@@ -124,6 +129,19 @@ def verdict_ok(rd: Any) -> bool:
     """Whether round `rd`'s verdict went through (the hosts closed it)."""
     v = rd.verdict
     return v is not None and v.done() and not v.cancelled() and v.exception() is None
+
+
+async def judged(scorer: Any, rd: Any, timeout: float) -> None:
+    """--contrib-policy score, a fused replica's step carrying round `rd`'s close failed: when the
+    scorer already holds that round complete (the close reached every host before the worker died),
+    its verdict is on its way and is awaited (within the scorer's budget, bounded by `timeout`), so
+    the replica loses the round its step was in, not one the hosts close with it; a round not
+    complete on the hosts is the one it loses (its verdict is dropped with it)."""
+    v = rd.verdict
+    if v is None or v.done() or scorer.complete < rd.q:
+        return
+    with contextlib.suppress(Exception):  # its error is the records' and the segment's to raise
+        await asyncio.wait_for(asyncio.shield(v), timeout)
 
 
 async def flush(seg: Segment, replicas: list[asyncio.Future], records: asyncio.Future, rounds: dict) -> None:
