@@ -261,3 +261,40 @@ def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, a
     if not after:
         assert restart == 1
     _follows(rounds, _replay(spec, sync, rounds, restart_rounds={restart}))
+
+
+def test_inputs_fed_ahead_on_a_wrong_guess_are_dropped_at_the_next_step(tmp_path, monkeypatch):
+    """One replica's worker 0.3 s slower per step: it is mid-step when the other ends each round, so
+    the inputs it fed ahead for its next step of the round (the guess) are never read; its stage
+    drops them (`Mailbox.drop_before`) at the next round's first step instead of holding them, and
+    their bytes, until the job ends."""
+    from fusionnode.runtime import mailbox
+
+    dropped: list[tuple[int, int, int]] = []
+    drop = mailbox.Mailbox.drop_before
+
+    def counted(self, job, stage, step, kinds):
+        n = drop(self, job, stage, step, kinds)
+        if n:
+            dropped.append((stage, step, n))
+        return n
+
+    monkeypatch.setattr(mailbox.Mailbox, "drop_before", counted)
+    spec = small_spec(steps=12, micro_batches=2)
+    s = Swarm(tmp_path, workers=2, hosts=2)
+    t = s.net.peers[sorted(s.workers)[1]]
+    step = t._rpc[Rpc.JOB_STEP]
+
+    async def slow(args: dict, sender: str):
+        await asyncio.sleep(0.3)
+        return await step(args, sender)
+
+    t._rpc[Rpc.JOB_STEP] = slow
+    asyncio.run(asyncio.wait_for(s.driver.run_job(_fused_job(spec, DILOCO), s.emit), 120))
+    rounds = s.steps()
+    _all_fused(rounds)
+    short = [q for q, r in enumerate(rounds) if min(rep["steps"] for rep in r["replicas"]) < 3]
+    assert short, "no replica was cut short: nothing guessed wrong"
+    # each round cut short (but the job's last) left one step's inputs and targets, 2 micro-batches
+    assert sorted(st for _, st, _ in dropped) == [3 * (q + 1) for q in short if q + 1 < len(rounds)]
+    assert all(n == 2 * spec.micro_batches for _, _, n in dropped)
