@@ -236,7 +236,7 @@ def test_a_resumed_sparseloco_job_keeps_its_error_feedback(tmp_path):
 def test_a_stage_keeps_the_error_feedback_of_the_round_before_the_one_it_folds():
     """What `job.fetch` what="feedback" round=q answers (runtime/rounds.py `feedback_state`): the
     accumulators after round q while the stage folds (or has folded) q + 1, the live ones after the
-    last fold, and not_held for any other round; `round` is refused with another `what`."""
+    last fold, and not_held for any other round; `round` is ignored with another `what`."""
     from fusionnode.runtime.rounds import StageRounds
     from fusionnode.wire import job as jp
 
@@ -255,7 +255,7 @@ def test_a_stage_keeps_the_error_feedback_of_the_round_before_the_one_it_folds()
     assert err.value.code == jp.ErrorCode.NOT_HELD
     assert jp.FetchRequest(job="j", stage=0, what="feedback", round=4).round == 4
     with pytest.raises(jp.JobError):
-        jp.FetchRequest(job="j", stage=0, what="params", round=4)
+        jp.FetchRequest(job="j", stage=0, what="feedback", round=-2)
 
 
 def test_a_schedule_with_a_lost_round_and_restarts_replays_from_the_metrics_file(tmp_path):

@@ -254,8 +254,8 @@ class FetchRequest(JobMessage):
             raise _bad(f"what must be one of {sorted(FETCH_KIND)}, got {self.what!r:.40}")
         if not -1 <= self.tag < 1 << 62:
             raise _bad(f"tag must be -1 or a non-negative integer below 2^62, got {self.tag!r:.40}")
-        if not -1 <= self.round < 1 << 62 or (self.round >= 0 and self.what != "feedback"):
-            raise _bad(f"round must be -1, or a round number with what='feedback', got {self.round!r:.40}")
+        if not -1 <= self.round < 1 << 62:
+            raise _bad(f"round must be -1 or a non-negative integer below 2^62, got {self.round!r:.40}")
 
 
 @message
