@@ -212,6 +212,52 @@ def test_a_resumed_job_continues_the_rounds_from_its_checkpoints(tmp_path):
     assert abs(fresh.losses[4] - rounds[-1]["loss"]) > 3 * TOL
 
 
+def test_a_resumed_sparseloco_job_keeps_its_error_feedback(tmp_path):
+    """Checkpoints every 6 steps (H = 3), stopped after round 2's record: the driver's step-6
+    checkpoint holds each replica's error feedback as it was after round 1 (taken while the stages
+    may be folding round 2 in: `FetchRequest.round`), so the resumed job goes on with it rather than
+    with new accumulators, and follows the replay that keeps them."""
+    sync = _timed(SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256))
+    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=6)
+    s = Swarm(tmp_path, workers=4, hosts=2)
+    params = round_job(spec, sync, rebalance_every=0)
+
+    first, rounds, k = _stopped_after_round_2_and_resumed(s, spec, params)
+    assert k == 2 and not rounds[0].get("fresh_feedback")  # the hosts save at 6 and 12 only
+    assert not [e for e in s.events if e.get("kind") == "resume" and "feedback" in e.get("reason", "")]
+    kept = first[:k] + rounds
+    _follows(kept, _replay(spec, sync, kept, restart_rounds={k}), SPARSE_TOL)
+    # the feedback came back: with new accumulators the resumed rounds would differ
+    fresh = _replay(spec, sync, kept, restart_rounds={k}, fresh_feedback_rounds={k})
+    print("fresh-feedback deviation", [abs(a - r["loss"]) for a, r in zip(fresh.losses, kept, strict=True)])
+    assert max(abs(a - r["loss"]) for a, r in zip(fresh.losses[k:], rounds, strict=True)) > SPARSE_TOL
+
+
+def test_a_stage_keeps_the_error_feedback_of_the_round_before_the_one_it_folds():
+    """What `job.fetch` what="feedback" round=q answers (runtime/rounds.py `feedback_state`): the
+    accumulators after round q while the stage folds (or has folded) q + 1, the live ones after the
+    last fold, and not_held for any other round; `round` is ignored with another `what`."""
+    from fusionnode.runtime.rounds import StageRounds
+    from fusionnode.wire import job as jp
+
+    sync = SyncConfig("sparseloco", inner_steps=3, topk_density=1 / 16, chunk=256)
+    st = StageRounds(sync, {"w": torch.nn.Parameter(torch.zeros(512))})
+    gen = torch.Generator().manual_seed(0)
+    st._fold(0, {"w": torch.randn(512, generator=gen)})
+    after_0 = st.feedback_state(0)["w"].clone()
+    assert torch.equal(st.feedback_state()["w"], after_0)
+    st._fold(1, {"w": torch.randn(512, generator=gen)})
+    assert torch.equal(st.feedback_state(0)["w"], after_0)
+    assert not torch.equal(st.feedback_state(1)["w"], after_0)
+    assert torch.equal(st.feedback_state(1)["w"], st.sender.feedback.acc["w"])
+    with pytest.raises(jp.JobError) as err:
+        st.feedback_state(3)
+    assert err.value.code == jp.ErrorCode.NOT_HELD
+    assert jp.FetchRequest(job="j", stage=0, what="feedback", round=4).round == 4
+    with pytest.raises(jp.JobError):
+        jp.FetchRequest(job="j", stage=0, what="feedback", round=-2)
+
+
 def test_a_schedule_with_a_lost_round_and_restarts_replays_from_the_metrics_file(tmp_path):
     """The reference's side: a replica with 0 steps has no part in the round's outer step, and a
     metrics file's redone rounds count once (their last run)."""

@@ -147,13 +147,15 @@ def test_a_fused_worker_dying_on_the_step_carrying_its_close(tmp_path, sync, aft
         assert abs(other.losses[2] - rounds[2]["loss"]) > 3 * TOL
 
 
-def test_a_fused_job_loses_an_optimizer_host_and_redoes_the_rounds_since_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("sync", [DILOCO, OVERLAP], ids=["diloco", "diloco-overlap"])
+def test_a_fused_job_loses_an_optimizer_host_and_redoes_the_rounds_since_the_checkpoint(tmp_path, sync):
     """As tests/test_time_close_faults.py's host test, fused: the host dies after round 2's record,
-    while the replicas' closes of round 2 may be pending in their next steps."""
+    while the replicas' closes of round 2 may be pending in their next steps (with --sync-overlap,
+    round 2's exchange may be under way beside round 3's steps as well)."""
     spec = small_spec(steps=12, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=6)
     s = FaultySwarm(tmp_path, workers=3, hosts=3, at=8, victim=_first_host)
     closes = _ledger(s)
-    result = asyncio.run(s.driver.run_job(_fused_job(spec, DILOCO), s.emit))
+    result = asyncio.run(asyncio.wait_for(s.driver.run_job(_fused_job(spec, sync), s.emit), 120))
     assert s.downed and result["steps"] == spec.steps
     rec = {e.get("role"): e for e in recovered(s)}
     assert rec["rounds"]["replay_from"] == 6 and rec["rounds"]["rounds_applied"] == 2
@@ -169,43 +171,130 @@ def test_a_fused_job_loses_an_optimizer_host_and_redoes_the_rounds_since_the_che
     kept = next(h for h in plans[-1]["optimizer_hosts"] if h != new)
     assert closes[s.downed[0]] in ([0, 1, 2], [0, 1, 2, 3]) and closes[new] == [2, 3]
     assert closes[kept] in ([0, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3]), closes[kept]
-    _follows(rounds, _replay(spec, _timed(DILOCO), rounds, restart_rounds={2}, fresh_outer_rounds={2}))
+    _follows(rounds, _replay(spec, _timed(sync), rounds, restart_rounds={2}, fresh_outer_rounds={2}))
 
 
-def test_a_fused_job_resumes_from_its_checkpoints(tmp_path):
-    """Stopped after round 2's record (the replicas' closes of round 2 pending or sent), resumed."""
-    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=3)
+@pytest.mark.parametrize(
+    ("sync", "every", "tol"),
+    [(DILOCO, 3, TOL), (OVERLAP, 3, TOL), (SPARSE, 6, SPARSE_TOL)],
+    ids=["diloco", "diloco-overlap", "sparseloco"],
+)
+def test_a_fused_job_resumes_from_its_checkpoints(tmp_path, sync, every, tol):
+    """Stopped after round 2's record (the replicas' closes of round 2 pending or sent), resumed.
+    Sparseloco: checkpoints every 6 steps, so the hosts' and the driver's newest are both of step 6
+    and the replicas' error feedback of round 1 comes back with it (the stages may have folded round
+    2 in when it was fetched)."""
+    spec = small_spec(steps=15, micro_batches=2, save_dir=str(tmp_path / "ck"), save_every=every)
     s = Swarm(tmp_path, workers=2, hosts=2)
-    params = _fused_job(spec, DILOCO)
+    params = _fused_job(spec, sync)
 
     first, rounds, k = _stopped_after_round_2_and_resumed(s, spec, params)
     _all_fused(rounds)
+    if sync.mode == "sparseloco":
+        assert k == 2 and not rounds[0].get("fresh_feedback")
     kept = first[:k] + rounds
-    _follows(kept, _replay(spec, _timed(DILOCO), kept, restart_rounds={k}))
+    _follows(kept, _replay(spec, _timed(sync), kept, restart_rounds={k}), tol)
 
 
-@pytest.mark.parametrize("after", [False, True], ids=["before-close", "after-close"])
-def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after):
+class SlowJudge(CloseKiller):
+    """A CloseKiller whose driver takes 1 s to record the scorer's judgement of round `close`: the
+    worker's failed step (after its close ran, so after the hosts closed that round) is seen while
+    the verdict is still under way (the window the race hit in 2 of about 10 runs)."""
+
+    async def emit(self, event: dict) -> None:
+        await super().emit(event)
+        if event.get("kind") == "scored" and event.get("round") == self.close:
+            await asyncio.sleep(1.0)
+
+
+class LateDeath(CloseKiller):
+    """A CloseKiller whose worker dies 1 s into the step carrying round `close`'s close, before it
+    ran it: the other replica is in its own close-carrying step by then, and the records wait on the
+    round's verdict, which is being judged (the path that recorded the round, then redid it, after
+    the scorer's and the hosts' deadlines, in 2 of about 10 runs)."""
+
+    def _wrap(self, pid: str, handler):
+        inner = super()._wrap(pid, handler)
+
+        async def step(args: dict, sender: str):
+            rnd = args.get("close_round")
+            if rnd is not None and rnd.get("id") == self.close and not self.downed:
+                await asyncio.sleep(1.0)
+            return await inner(args, sender)
+
+        return step
+
+
+@pytest.mark.parametrize(
+    ("after", "kind"),
+    [(False, CloseKiller), (False, LateDeath), (True, CloseKiller), (True, SlowJudge)],
+    ids=["before-close", "before-close-late", "after-close", "after-close-slow-judge"],
+)
+def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after, kind):
     """--contrib-policy score (auto here): the round the replica lost is redone on the new plan
-    when the worker dies on the step carrying round 1's close; each host closes each round once, and
-    the trajectory kept (each round's last record) is the replay's."""
+    when the worker dies on the step carrying round 1's close (before the close ran: round 1; after
+    it: round 2, the hosts closed round 1 with it, its verdict awaited when still under way); each
+    host closes each round once, each round has one record and one judgement, and the records are
+    the replay's."""
     sync = _timed(DILOCO)
     spec = small_spec(steps=9, micro_batches=2)
-    s = CloseKiller(tmp_path, workers=4, hosts=2, close=1, after=after)
+    s = kind(tmp_path, workers=4, hosts=2, close=1, after=after)
     closes = _ledger(s)
-    params = round_job(spec, sync, stages=1, rebalance_every=0)
+    # the hosts' norm floor (2 x the lower median) would scale down a replica of 3 steps beside one
+    # of 1 in a redone round, which the replay does not model: set out of reach here
+    params = {**round_job(spec, sync, stages=1, rebalance_every=0), "contrib_clip": 100.0}
     result = asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 120))
     assert s.downed and result["steps"] == spec.steps
-    # the round the replica lost is redone; when its close failed after the scorer had judged the
-    # round (the judge sends the verdict and keeps the hosts' refusal in its record), that round
-    # also has an earlier record (its last, the redone one, is kept) and is judged twice
-    order = [r["round_closed"] for r in s.steps()]
-    assert order in ([0, 1, 2], [0, 1, 1, 2]), order
-    assert result["contrib"]["rounds_scored"] == len(order)
-    rounds = _kept(s)
-    _all_fused(rounds)
+    rounds = s.steps()
     assert [r["round_closed"] for r in rounds] == [0, 1, 2]
+    assert result["contrib"]["rounds_scored"] == 3
+    # no judgement ran out its budget waiting for the dead replica's part (nor the hosts their deadline)
+    assert not [
+        e for e in s.events if e.get("kind") == "scored" and (e.get("error") or e.get("verdict_errors"))
+    ]
+    _all_fused(rounds)
     assert not any(rep.get("lost") for r in rounds for rep in r["replicas"])
     assert all(c == [0, 1, 2] for c in closes.values()) and len(closes) == 2, closes
+    rec = [e for e in recovered(s) if e.get("role") == "rounds"]
     restart = next(r["round_closed"] for r in rounds if r.get("restart"))
+    assert len(rec) == 1 and rec[0]["rounds_applied"] == restart
+    if not after:
+        assert restart == 1
     _follows(rounds, _replay(spec, sync, rounds, restart_rounds={restart}))
+
+
+def test_inputs_fed_ahead_on_a_wrong_guess_are_dropped_at_the_next_step(tmp_path, monkeypatch):
+    """One replica's worker 0.3 s slower per step: it is mid-step when the other ends each round, so
+    the inputs it fed ahead for its next step of the round (the guess) are never read; its stage
+    drops them (`Mailbox.drop_before`) at the next round's first step instead of holding them, and
+    their bytes, until the job ends."""
+    from fusionnode.runtime import mailbox
+
+    dropped: list[tuple[int, int, int]] = []
+    drop = mailbox.Mailbox.drop_before
+
+    def counted(self, job, stage, step, kinds):
+        n = drop(self, job, stage, step, kinds)
+        if n:
+            dropped.append((stage, step, n))
+        return n
+
+    monkeypatch.setattr(mailbox.Mailbox, "drop_before", counted)
+    spec = small_spec(steps=12, micro_batches=2)
+    s = Swarm(tmp_path, workers=2, hosts=2)
+    t = s.net.peers[sorted(s.workers)[1]]
+    step = t._rpc[Rpc.JOB_STEP]
+
+    async def slow(args: dict, sender: str):
+        await asyncio.sleep(0.3)
+        return await step(args, sender)
+
+    t._rpc[Rpc.JOB_STEP] = slow
+    asyncio.run(asyncio.wait_for(s.driver.run_job(_fused_job(spec, DILOCO), s.emit), 120))
+    rounds = s.steps()
+    _all_fused(rounds)
+    short = [q for q, r in enumerate(rounds) if min(rep["steps"] for rep in r["replicas"]) < 3]
+    assert short, "no replica was cut short: nothing guessed wrong"
+    # each round cut short (but the job's last) left one step's inputs and targets, 2 micro-batches
+    assert sorted(st for _, st, _ in dropped) == [3 * (q + 1) for q in short if q + 1 < len(rounds)]
+    assert all(n == 2 * spec.micro_batches for _, _, n in dropped)

@@ -132,3 +132,28 @@ def test_a_malformed_key_is_a_protocol_error(meta):
     box.accept("j", "stage", {"p"}, MiB)
     with pytest.raises(ProtocolError):
         box.put(TensorMessage("act", meta, {}), "p")
+
+
+def test_a_fused_stage_drops_the_inputs_of_steps_it_skipped():
+    """`drop_before` (runtime/fused.py, a fused stage's next step): the inputs and targets fed ahead
+    for a step the round's close skipped are forgotten and their bytes freed; those of the step
+    itself, later steps, other kinds and other stages stay."""
+    box = T.Mailbox()
+    box.accept("j", "stage", {"driver"}, MiB)
+
+    def put(kind: str, step: int, stage: int = 1) -> None:
+        meta = {"job": "j", "step": step, "mb": 0, "stage": stage}
+        box.put(tensor_message(kind, meta, {"x": torch.zeros(64)}), "driver")
+
+    for step in (4, 5, 6):
+        put("input", step)
+        put("target", step)
+    put("input", 4, stage=2)
+    put("act", 4)
+    before = box.held_bytes()
+    assert box.drop_before("j", 1, 6, ("input", "target")) == 4  # steps 4 and 5 of stage 1
+    left = sorted(k for k in box._items)
+    assert left == sorted(
+        [("act", "j", 4, 0, 1), ("input", "j", 4, 0, 2), ("input", "j", 6, 0, 1), ("target", "j", 6, 0, 1)]
+    )
+    assert box.held_bytes() == before * 4 // 8

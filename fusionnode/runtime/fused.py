@@ -23,7 +23,7 @@ import torch
 
 from fusionnode.verify import inner
 from fusionnode.wire import job as jp
-from fusionnode.wire.job import ErrorCode, JobError
+from fusionnode.wire.job import ErrorCode, JobError, TensorKind
 
 
 def refusal(sj: Any, req: jp.StepRequest) -> str | None:
@@ -43,6 +43,9 @@ async def fused_step(worker: Any, sj: Any, req: jp.StepRequest) -> jp.StepReport
     """`req`'s inner step with its optimizer step: close the pending round (`close_round`), run
     the 1F1B schedule, clip, apply the inner optimizer step, then the delayed update if due."""
     round_bytes: dict[str, list[int]] = {}
+    # inputs fed ahead for a step the round's close skipped (train/fused_rounds.py `fused_step_fed`):
+    # a stage's fused steps only go up, so what is held of an earlier step is never read
+    worker.t.mailbox.drop_before(sj.job, sj.stage, req.step, (TensorKind.INPUT, TensorKind.TARGET))
     if req.close_round is not None:  # the round whose last inner step was this stage's previous one
         _add(round_bytes, await sj.rounds.after_step(worker, sj, sj.last_step, req.close_round))
     report = await worker._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)

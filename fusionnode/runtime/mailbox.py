@@ -168,6 +168,16 @@ class Mailbox:
             for src, m in self._items.pop(key).items():
                 self._unhold(job, src, message_bytes(m))
 
+    def drop_before(self, job: str, stage: int, step: int, kinds: tuple[str, ...]) -> int:
+        """Forgets the messages of `kinds` held for stage `stage` of `job` with a step below `step`
+        (a fused stage's inputs fed ahead on a guess the round's close proved wrong: its steps only
+        go up); returns how many."""
+        keys = [k for k in self._items if k[1] == job and k[4] == stage and k[2] < step and k[0] in kinds]
+        for key in keys:
+            for src, m in self._items.pop(key).items():
+                self._unhold(job, src, message_bytes(m))
+        return len(keys)
+
     def held_bytes(self) -> int:
         return sum(self._held.values())
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -59,6 +60,12 @@ class StageRounds:
         self.sender = ReplicaSync(cfg)
         self.start = {n: p.detach().to(torch.float32).clone() for n, p in params.items()}
         self.closed = -1  # the last round this stage closed
+        # sparseloco: the last round folded into the error feedback, and the accumulators as they were
+        # before that fold (round, copy): what a checkpoint of the round before is given while this
+        # stage closes the next (`feedback_state`); the lock keeps a fetch out of a fold under way
+        self.folded = -1
+        self.fb_before: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.fb_lock = threading.Lock()
         # --sync-overlap: θ_global of the last round installed, θ_end of the round under way, its exchange
         self.glob = {n: t.clone() for n, t in self.start.items()} if cfg.overlap else {}
         self.end: dict[str, torch.Tensor] = {}
@@ -75,11 +82,34 @@ class StageRounds:
         if self.side is not None:
             self.side.shutdown(wait=False, cancel_futures=True)
 
-    def feedback_state(self) -> dict[str, torch.Tensor]:
+    def feedback_state(self, round_id: int = -1) -> dict[str, torch.Tensor]:
         """SparseLoCo: the error-feedback accumulators of the names this stage sends (none before its
-        first round); diloco keeps none."""
+        first round; diloco keeps none), as they are (`round_id` -1) or as they were once the stage
+        had folded round `round_id` in: the last round folded, or the one before (a checkpoint of
+        rounds closed by time is taken after round q's record, when a stage may be closing q + 1)."""
         fb = self.sender.feedback
-        return fb.state_dict() if fb is not None else {}
+        if fb is None:
+            return {}
+        with self.fb_lock:
+            if round_id >= 0 and self.fb_before is not None and self.fb_before[0] == round_id:
+                return dict(self.fb_before[1])
+            if round_id < 0 or round_id == self.folded:
+                return {n: t.clone() for n, t in fb.acc.items()}
+        raise JobError(
+            ErrorCode.NOT_HELD,
+            f"no error feedback of round {round_id} (the stage folded round {self.folded} in last)",
+        )
+
+    def _fold(self, round_id: int, delta: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Round `round_id`'s pseudo-gradient encoded (sparseloco: folded into the error feedback, a
+        copy of the accumulators before kept)."""
+        if self.sender.feedback is None:
+            return self.sender.encode(delta)
+        with self.fb_lock:
+            self.fb_before = (round_id - 1, {n: t.clone() for n, t in self.sender.feedback.acc.items()})
+            encs = self.sender.encode(delta)
+            self.folded = round_id
+        return encs
 
     async def load_feedback(self, worker: Any, sj: Any, count: int) -> None:
         """Takes the `count` error-feedback tensors the driver sent before `job.start` (a resumed job)."""
@@ -139,7 +169,7 @@ class StageRounds:
         def encode() -> dict[str, Any]:
             delta = pseudo_gradient({n: self.start[n] for n in mine}, {n: sj.params[n] for n in mine})
             keep_before_fold(sj, round_id)  # sparseloco, checked: e_prev for the round-end check
-            return self.sender.encode(_lie(worker, delta))
+            return self._fold(round_id, _lie(worker, delta))
 
         encs = await loop.run_in_executor(worker.executor, encode)
         counted = await self._exchange(worker, sj, info, round_id, encs, self.start)
@@ -170,7 +200,7 @@ class StageRounds:
         glob = self.glob
 
         async def exchange() -> dict[str, list[int]]:
-            encs = await loop.run_in_executor(self.side, self.sender.encode, _lie(worker, delta))
+            encs = await loop.run_in_executor(self.side, self._fold, round_id, _lie(worker, delta))
             return await self._exchange(worker, sj, info, round_id, encs, glob, self.side)  # θ_global
 
         self.closed = round_id

@@ -29,16 +29,21 @@ step, (rounds applied) x H).
 - **Fused replicas** (train/fused_rounds.py: a round's close rides on the replica's next step):
   a failed call that carried a close loses the round of that close unless its verdict already
   answered (else the round the replica was in), and a replica that stops after the lost round sends
-  that round's close it still holds (`close_only`): train/free_rounds.py `replica`.
+  that round's close it still holds (`close_only`): train/free_rounds.py `replica`. Under scored
+  rounds a verdict still being judged of a round complete on the hosts is awaited first (`judged`):
+  the hosts close that round with the replica, so it loses the next one (redone), and no round is
+  both recorded and redone.
 
 Every round of a segment that follows a recovery (or a resume) runs on new stages: new inner
-optimizers, every replica from the hosts' θ, new error feedback under sparseloco (the driver's
-checkpoints of time-closed rounds hold none: the stages are already in the next round when it is
-taken). Its record says so (`restart`, `fresh_outer`, `fresh_feedback`), which
-`--local --round-steps FILE` replays (train/free_rounds_local.py `load_restarts`).
+optimizers, every replica from the hosts' θ, and under sparseloco the error feedback of the driver's
+checkpoint of that round boundary when there is one, else new accumulators. Its record says so
+(`restart`, `fresh_outer`, `fresh_feedback`), which `--local --round-steps FILE` replays
+(train/free_rounds_local.py `load_restarts`).
 
 Checkpoints: after round q's record, when (q+1)·H is due (`SyncConfig.checkpoint_due`), the
-driver saves the hosts' parameters (the hosts save their shards as they close the round); the next
+driver saves the hosts' parameters (the hosts save their shards as they close the round) and, under
+sparseloco, each replica's error feedback as it was after round q (a stage may have folded round
+q + 1 in by then: it keeps the accumulators of the round before, `FetchRequest.round`); the next
 round's verdict waits for it, so no later round can change the parameters being saved, and a
 checkpoint never holds a round without its record.
 """
@@ -106,6 +111,8 @@ class Segment:
         rd.counts[idx] = 0
         if scored or not any(c is None or c for c in rd.counts):
             self.redo = True
+            if rd.verdict is not None:  # being judged (scored): none for a round redone, no record
+                rd.verdict.cancel()
             raise Redo
         if rd.verdict is not None:  # sent with its steps: again, without (see the module's docstring)
             rd.verdict.cancel()
@@ -122,6 +129,19 @@ def verdict_ok(rd: Any) -> bool:
     """Whether round `rd`'s verdict went through (the hosts closed it)."""
     v = rd.verdict
     return v is not None and v.done() and not v.cancelled() and v.exception() is None
+
+
+async def judged(scorer: Any, rd: Any, timeout: float) -> None:
+    """--contrib-policy score, a fused replica's step carrying round `rd`'s close failed: when the
+    scorer already holds that round complete (the close reached every host before the worker died),
+    its verdict is on its way and is awaited (within the scorer's budget, bounded by `timeout`), so
+    the replica loses the round its step was in, not one the hosts close with it; a round not
+    complete on the hosts is the one it loses (its verdict is dropped with it)."""
+    v = rd.verdict
+    if v is None or v.done() or scorer.complete < rd.q:
+        return
+    with contextlib.suppress(Exception):  # its error is the records' and the segment's to raise
+        await asyncio.wait_for(asyncio.shield(v), timeout)
 
 
 async def flush(seg: Segment, replicas: list[asyncio.Future], records: asyncio.Future, rounds: dict) -> None:
@@ -195,7 +215,12 @@ async def checkpoint(driver: Any, job: Any, run: Any, q: int) -> None:
         return
     try:
         params = await driver.placement.current_params(job, run.stage_args, run.host_of)
-        await asyncio.to_thread(save_job, job, at, run.source, params)
+        try:  # sparseloco: the feedback after round q (a replica that lost it: none, new ones on resume)
+            feedback = await driver.placement.fetch_feedback(job, run.stage_args, q)
+        except (FusionNodeError, TimeoutError) as exc:
+            feedback = None
+            await run.event(job, "notice", what="checkpoint_feedback", step=at, reason=f"not saved: {exc}")
+        await asyncio.to_thread(save_job, job, at, run.source, params, feedback)
     except (OSError, FusionNodeError) as exc:
         await run.event(job, "failure", peer=None, step=at, reason=f"checkpoint: {exc}")
 
@@ -210,7 +235,7 @@ async def run(driver: Any, job: Any, run_: Any, source: Any, start_step: int, se
         start_step // h,
         restart=start_step > 0,
         fresh_outer=start_step > 0 and job.fresh_optimizer,
-        fresh_feedback=start_step > 0 and job.sync.mode == "sparseloco",
+        fresh_feedback=start_step > 0 and job.sync.mode == "sparseloco" and not job.feedback_shipped,
     )
     recoveries = 0
     while True:
@@ -268,7 +293,8 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
             + f"the job goes on at round {first} on the new plan"
         ),
     )
-    return Segment(first, restart=True, fresh_outer=fresh_outer, fresh_feedback=job.sync.mode == "sparseloco")
+    fresh_feedback = job.sync.mode == "sparseloco" and not job.feedback_shipped  # Recovery.round_feedback
+    return Segment(first, restart=True, fresh_outer=fresh_outer, fresh_feedback=fresh_feedback)
 
 
 def ended_by_verdict(fail: StepFailed) -> PeerError:

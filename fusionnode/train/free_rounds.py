@@ -247,6 +247,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                     return
         except StepFailed as fail:  # this replica loses its round (a dead host: the segment's)
             assert rd is not None
+            if close is not None and run.scorer is not None:  # its close may have reached the hosts
+                await free_recovery.judged(run.scorer, round_at(close["id"]), driver.stepper.step_timeout_s)
             if close is not None and not free_recovery.verdict_ok(round_at(close["id"])):
                 # fused: the call that failed carried the close of a round counted (and finished) with
                 # this replica's steps and not closed by the hosts yet: that round is the one it loses

@@ -136,8 +136,8 @@ async def fused_step_fed(
     they are out, the inputs of the step most likely next (`guess`: the next of the round, or the next
     round's first when this one ends it) go out while the step runs, so the stage finds them there. A
     guess the round's close proves wrong (another replica ended the round during this step) is fed in
-    vain: a few kB that wait unread in the stage's mailbox until the job ends. Returns (`step`'s
-    result, the guess's feed)."""
+    vain: the stage drops it at its next step (runtime/fused.py, `Mailbox.drop_before`). Returns
+    (`step`'s result, the guess's feed)."""
     call = asyncio.ensure_future(step)
     ahead: asyncio.Future | None = None
     try:

@@ -526,6 +526,7 @@ class Placement:
             await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s)
 
         await asyncio.gather(*(ship(a) for a in stage_args))
+        job.feedback_shipped = bool(feedback)
 
     async def fetch(self, job: Job, stage_args: list[StageAssignment], what: str) -> dict[str, torch.Tensor]:
         """Parameters (or gradients) of replica 0, by name; a name held by several stages is summed for
@@ -555,15 +556,16 @@ class Placement:
         return out
 
     async def fetch_feedback(
-        self, job: Job, stage_args: list[StageAssignment]
+        self, job: Job, stage_args: list[StageAssignment], round_id: int = -1
     ) -> dict[int, dict[str, torch.Tensor]] | None:
         """--sync sparseloco: every replica's error-feedback accumulators, by name (for a checkpoint at
-        a round boundary); None in the other modes."""
+        a round boundary; `round_id`: as they were after that round, `FetchRequest.round`); None in the
+        other modes."""
         if job.sync.mode != "sparseloco":
             return None
 
         async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
-            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what="feedback")
+            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what="feedback", round=round_id)
             res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.step_timeout_s)
             got: dict[str, torch.Tensor] = {}
             for idx in range(res.count):

@@ -110,6 +110,7 @@ class RoundScorer:
         self.failed = 0  # rounds closed on the floor alone because scoring failed
         self.seconds = 0.0  # judging, summed over the rounds
         self.caught: dict[str, str] = {}  # peer -> why: a round-end check failed (train/inner_checks.py)
+        self.complete = -1  # the last round whose contributions the hosts held complete (`score`)
 
     def launch(
         self, job: Any, run: Any, round_id: int, scale: list[float] | None = None
@@ -208,6 +209,7 @@ class RoundScorer:
                 for h in hosts
             )
         )
+        self.complete = max(self.complete, round_id)  # every replica's pseudo-gradient reached the hosts
         if ends is not None:  # the round is complete on the hosts: the workers hold its last step
             ends.start()
         specs = {n: {"shape": list(run.full[n].shape), "dtype": "float32"} for n in run.host_of}

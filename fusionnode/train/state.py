@@ -79,6 +79,7 @@ class Job:
         self.lease_s = 60.0  # seconds a worker keeps a stage without hearing from this driver
         self.secret = ""  # proves to optimizer hosts that we own the job's shards (kept in our checkpoints)
         self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
+        self.feedback_shipped = False  # sparseloco: the stages last shipped were given error feedback
         self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
         self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
