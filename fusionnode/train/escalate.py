@@ -55,11 +55,12 @@ def pinned(strategy: str, params: Mapping[str, Any]) -> str | None:
     """Why the job keeps its shape (None: the planner laid it out and may lay it out anew): the user's
     layout (`--stages`, `--replicas`, `--shares`: the simple planner follows them), another planner
     the user chose (a baseline such as even or grid keeps its rule), or a cluster document the user
-    gave (its devices' figures are the user's, not measured)."""
-    if strategy != "fusion":
-        return f"laid out by the {strategy} planner"
+    gave (its devices' figures are the user's, not measured). `--reshape` (params "reshape"): the
+    user's layout or planner laid out the first plan only, and the planner may re-plan it."""
     if params.get("cluster"):
         return "planned over the cluster document given"
+    if strategy != "fusion" and not params.get("reshape"):
+        return f"laid out by the {strategy} planner"
     return None
 
 
@@ -130,9 +131,11 @@ def as_plan(
     batch_size: int,
     seq_len: int,
     num_nodes: int,
+    offload: bool = True,
 ) -> Any:
     """The job's pipelines (train/state.py `Pipeline`s) as a Plan the cost model scores: dense links,
-    the optimizer state on `hosts` in equal shares."""
+    the optimizer state on `hosts` in equal shares, or with `offload` False on the workers, the
+    replicas of each stage synced by ring all-reduce (priced by plan/dpsync.py)."""
     from fusionnode.plan.plan import OptimizerHost, PipelinePlan, Plan, StagePlan
 
     pipes = []
@@ -148,8 +151,8 @@ def as_plan(
         seq_len=seq_len,
         num_nodes=num_nodes,
         pipelines=tuple(pipes),
-        offload=True,
-        optimizer_hosts=tuple(OptimizerHost(h, 1.0 / len(hosts)) for h in hosts),
+        offload=offload,
+        optimizer_hosts=tuple(OptimizerHost(h, 1.0 / len(hosts)) for h in hosts) if offload else (),
     )
 
 
@@ -163,15 +166,23 @@ def score(
     batch_size: int,
     seq_len: int,
     cheap: Sequence[Any] | None = None,
+    offload: bool = True,
 ) -> tuple[float, float]:
     """(current, candidate) step times under the planner's cost model over the cluster document
     `doc` (measured speeds): the current pipelines scored as the better of themselves and `cheap`
-    (after a share move), both with the optimizer state on `hosts` and dense links."""
+    (after a share move), both with the optimizer state on `hosts` (`offload` False: on the workers,
+    a ring all-reduce among the replicas) and dense links."""
     from fusionnode.plan.cluster import load_cluster_dict
     from fusionnode.plan.evaluate import evaluate_plan
 
     cluster = load_cluster_dict(dict(doc), "swarm")
-    kw = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "num_nodes": graph.num_nodes}
+    kw = {
+        "model": model,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "num_nodes": graph.num_nodes,
+        "offload": offload,
+    }
     cur = evaluate_plan(graph, cluster, as_plan(current, hosts, **kw))
     if cheap:
         cur = min(cur, evaluate_plan(graph, cluster, as_plan(cheap, hosts, **kw)))
@@ -206,6 +217,7 @@ async def _score_off_loop(
         spec.batch_size,
         run.seq_len,
         cheap,
+        bool(job.offload),
     )
 
 
@@ -231,11 +243,17 @@ class Escalator:
         workers: list[str],
         noise: float,
         cheap: Sequence[Any] | None = None,
+        confirmed: Any = None,
     ) -> bool:
         """At a rebalance check: re-plans the job with the planner when the module's rule says so (its
         layout must also beat `cheap`, the pipelines after the share move this check would make).
-        True when it did."""
-        if pinned(run.strategy, run.params) or not job.offload or job.sync.rounds:
+        `confirmed`: the peer the share move's trigger acts on at this check (which took the same
+        bottleneck at 2 checks in a row, a drop to under MIN_DROP of its speed and a gain over the
+        noise): when it is the straggler, a winning layout is adopted at this check, not a streak
+        later (the move would otherwise come first and the planner's a window after it). With the
+        optimizer on the workers (a ring) the layouts are priced with the ring all-reduce and the new
+        stages take their AdamW state along (recovery.adopt). True when it re-planned."""
+        if pinned(run.strategy, run.params) or job.sync.rounds:
             return False
         in_plan = [p for pipe in job.pipelines for p in pipe.peers]
         if any(len(run.recent.samples.get(p, ())) < DEFAULT_WINDOW for p in in_plan):
@@ -261,7 +279,7 @@ class Escalator:
             noise=round(noise, 4),
             culprit=slow[0],
             wants=esc.adopt,
-            acts=esc.adopt and self.streak + 1 >= self.persist,
+            acts=esc.adopt and (self.streak + 1 >= self.persist or confirmed == slow[0]),
             reason=esc.reason,
             planned=[[p[:12] for p in pipe.peers] + [pipe.samples] for pipe in pipelines],
             tflops=self.tflops,
@@ -276,7 +294,7 @@ class Escalator:
             self.streak = 0  # another peer is the straggler now: this check starts a new streak
         self.streak += 1
         self.culprit = slow[0]
-        if self.streak < self.persist:
+        if self.streak < self.persist and confirmed != slow[0]:
             return False
         self.reset()
         await recovery.adopt(
@@ -318,11 +336,10 @@ class Escalator:
         by min(ESCALATE_GAIN, the job's threshold), for a planner's job (others: always). The move's
         own model prices an unmeasured spare by its advertisement, blind to cores it shares with the
         plan's peers (on one machine a spare adds none), and the planner left it idle for a reason.
-        A ring job (--offload off): always, as `check` never escalates it; the planner's model
-        prices optimizer hosts, which such a job has none of."""
+        A ring job (--offload off) is priced with its ring all-reduce and no hosts."""
         import dataclasses
 
-        if pinned(run.strategy, run.params) or not job.offload:
+        if pinned(run.strategy, run.params):
             return True
         doc, _workers, hosts = await self.cluster(recovery, job, run, workers, run.speeds())
         moved = [
@@ -364,7 +381,7 @@ class Escalator:
         graph = run.traced.graph
         spec = job.spec
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(
-            run.strategy, spec, graph, workers, {**run.params, "cluster": doc}, True, run.seq_len
+            "fusion", spec, graph, workers, {**run.params, "cluster": doc}, bool(job.offload), run.seq_len
         )
         cur_s, new_s = await _score_off_loop(job, run, doc, pipelines, hosts, cheap)
         times = [r["step_time_s"] for r in job.history[-STEP_TIME_STEPS:]]
