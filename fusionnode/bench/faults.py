@@ -13,10 +13,16 @@ worker reads a slow-down factor from `<state dir>/debug_slow`):
   With `--pipelines 2`: the job is the planner's layout of the 4 workers (`train`'s default: no
   --stages/--replicas; on 4 local peers it lays gpt2-tiny out as 2 pipelines, which the result's
   `initial_plan_stages_per_pipeline` shows), or with `--pinned` 2 pipelines x 2 stages (the user's
-  shape: rebalancing moves shares and re-splits, never changes it). References on the 3 healthy
-  ones: 2 pipelines of one stage (3 // 2 stages each), one of 3 stages, and the planner's layout;
-  the fastest is the reference, and the recovered fraction of each is reported too (over the steps
-  after the last re-plan, when a share move was followed by a re-plan by the planner).
+  shape: rebalancing moves shares and re-splits, never changes it), or with `--reshape` 2 x 2 as
+  the first plan, which the planner may re-plan into another shape. References on the 3 healthy
+  ones: the same command (the job's own layout options; issue 18's bar: "the same job run without
+  that peer"), 2 pipelines of one stage (3 // 2 stages each), one of 3 stages, and the planner's
+  layout. `--stages 2 --replicas 2` needs 4 workers: the driver refuses it on 3, and the same
+  command without `--stages` (the driver's default, one stage per worker of each of the 2
+  pipelines: 2 x 1) is the bar. Reported against the bar and each reference: the tokens/s after
+  the last re-plan, and over the steps from `window_steps` (10) after the slow-down on (each plan's
+  first step left out); `met_80_percent_within_window`: at least 0.8 of the bar there, with the last
+  re-plan within the window. (`reference_without_slowed_peer_tokens_per_s`: the fastest reference.)
 - clean: the job of `--pipelines` on 4 healthy workers with rebalancing at its default (on, every
   2 steps: the optimizer state is offloaded); reported: the re-plans it made (there should be none:
   the trigger acts only on a gain that clears the measured noise at consecutive checks).

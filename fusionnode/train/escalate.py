@@ -7,9 +7,10 @@ work. The planner, given the measured speeds, may prefer another shape: the slow
 (plan/prune.py and the search leave slow devices out), one pipeline fewer, a spare taken in. It is
 asked only while a peer of the plan is a clear straggler, and its layout is adopted when
 
-- the job was laid out by the planner (`train`'s default): a job whose shape the user gave
-  (`--stages`, `--replicas`, `--shares`: the simple planner), another planner the user chose, or a
-  cluster document the user gave keeps its shape (share moves and re-splits only, train/rebalance.py);
+- the job was laid out by the planner (`train`'s default), or its first plan only by the user's
+  shape or planner (`--reshape`): a job whose shape the user gave (`--stages`, `--replicas`,
+  `--shares`: the simple planner), another planner the user chose, or a cluster document the user
+  gave keeps its shape (share moves and re-splits only, train/rebalance.py);
 - a peer of the plan runs under OUTLIER (0.35) x the median speed of the plan's other peers (over
   the run's window of measured steps, a median per peer: swarm_cluster.outliers): timing noise on
   shared hardware makes a peer 1.5-2x slower for a while (the driver's own peer is ~2x slower on one
@@ -18,13 +19,19 @@ asked only while a peer of the plan is a clear straggler, and its layout is adop
   the first step is asked about (no slow-down relative to its own past is needed, unlike the share
   move's trigger);
 - the planner's layout beats the current one, both scored by the planner's cost model over the same
-  cluster (measured speeds, the job's optimizer hosts, dense links), by more than the job's
+  cluster (measured speeds, the job's optimizer hosts, or with the optimizer on the workers a ring
+  all-reduce among the replicas of each stage; dense links), by more than the job's
   threshold and NOISE_SIGMAS x the measured noise of the other peers' stage speeds (the straggler's
   window holds its slow-down, no noise), at PERSIST_CHECKS checks in a row
-  with the same straggler (timing noise makes a random peer look slow now and then);
+  with the same straggler (timing noise makes a random peer look slow now and then), or at the check
+  where the share move's trigger acts on that same straggler (its own rule: 2 checks in a row, a
+  drop under MIN_DROP, a gain over the noise);
 - the time it saves over the steps left (that gain x the measured step time) exceeds what moving
   costs: the last re-placement's measured seconds (stages released, new ones placed, parameters
   shipped).
+
+A ring job's (`--offload off`) new stages take the parameters and the AdamW state of the old ones
+along (recovery.adopt: ringrecovery.survivor_state), whatever the new shape.
 """
 
 from __future__ import annotations
