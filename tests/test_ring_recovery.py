@@ -269,7 +269,7 @@ def _force_one_escalation(monkeypatch, shape_of) -> list[list]:
 
     proposed: list[list] = []
 
-    async def predict(self, recovery, job, run, step, workers, speeds, noise, cheap=None):
+    async def predict(self, recovery, job, run, step, workers, speeds, noise, cheap=None, **kw):
         if proposed:
             return escalate.Escalation(False, "the test escalates once", 1.0, 1.0), job.pipelines
         want = shape_of(job)

@@ -327,23 +327,28 @@ def _references(
         shapes = {"same": own, **shapes}
     refs: dict[str, float | None] = {}
     plans: dict[str, list[int]] = {}
-    for key, ref_shape in shapes.items():
+
+    def run(key: str, ref_shape: dict[str, Any]) -> None:
         ref_spec = _spec(args, workdir / f"straggler-reference-{key}.jsonl").replace(
             job_id=f"straggler-reference-{key}"
         )
         params = {"spec": ref_spec.to_dict(), **ref_shape, "peers": healthy, "offload": args.offload}
+        _res, ref_events = asyncio.run(_train(swarm, {**params, "rebalance_every": 0}))
+        refs[key] = _median_tps([e for e in ref_events if e["type"] == "step"][2:])
+        plans[key] = _shape_of(ref_events)
+
+    for key, ref_shape in shapes.items():
         try:
-            _res, ref_events = asyncio.run(_train(swarm, {**params, "rebalance_every": 0}))
+            run(key, ref_shape)
         except DaemonError as exc:
             if key != "same":
                 raise
             same["refused"] = str(exc)
             fewer = {k: v for k, v in plain.items() if k != "stages"}
-            same["name"] = next((k for k, v in shapes.items() if v == fewer), "same")
             same["runs_without_stages"] = fewer
-            continue
-        refs[key] = _median_tps([e for e in ref_events if e["type"] == "step"][2:])
-        plans[key] = _shape_of(ref_events)
+            same["name"] = next((k for k, v in shapes.items() if v == fewer), "same")
+            if same["name"] == "same":
+                run("same", fewer)
     return refs, plans, same
 
 

@@ -276,7 +276,9 @@ class Escalator:
         # counts it half)
         calm = [p for p in in_plan if p not in slow]
         noise = run.recent.noise(calm) if calm else noise
-        esc, pipelines = await self.predict(recovery, job, run, step, workers, speeds, noise, cheap)
+        esc, pipelines = await self.predict(
+            recovery, job, run, step, workers, speeds, noise, cheap, leave_out=slow
+        )
         self.last = esc
         run.metrics.event(  # the metrics file only: what the planner predicted
             "rebalance_check",
@@ -380,15 +382,30 @@ class Escalator:
         speeds: Mapping[str, float],
         noise: float,
         cheap: Sequence[Any] | None = None,
+        leave_out: Sequence[str] = (),
     ) -> tuple[Escalation, list[Any]]:
-        """The planner's layout over the live workers at the measured speeds, and the decision (the
-        current layout scored as the better of itself and `cheap`)."""
+        """The planner's layout over the live workers but `leave_out` (the clear stragglers) at the
+        measured speeds, and the decision (the current layout scored as the better of itself and
+        `cheap`, over every worker). A straggler is planned no work: its speed is what its slow-down
+        made it, and may change again; and on a shared machine the planner's model gave it a sliver
+        of the layers (a 4-stage pipeline, 5 of 103 operators on the straggler) that ran at 0.64x the
+        same job on the other 3 peers (bench faults --reshape --offload off), the overhead of its
+        process and stage unpriced. Where keeping it was worth more, the current layout wins the
+        decision."""
+        from fusionnode.plan.cluster import subset_doc
 
         doc, workers, hosts = await self.cluster(recovery, job, run, workers, speeds)
         graph = run.traced.graph
         spec = job.spec
+        keep = [w for w in workers if w not in set(leave_out)] or workers
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(
-            "fusion", spec, graph, workers, {**run.params, "cluster": doc}, bool(job.offload), run.seq_len
+            "fusion",
+            spec,
+            graph,
+            keep,
+            {**run.params, "cluster": subset_doc(doc, {*keep, *hosts})},
+            bool(job.offload),
+            run.seq_len,
         )
         cur_s, new_s = await _score_off_loop(job, run, doc, pipelines, hosts, cheap)
         times = [r["step_time_s"] for r in job.history[-STEP_TIME_STEPS:]]
