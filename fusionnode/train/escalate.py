@@ -388,7 +388,7 @@ class Escalator:
         measured speeds, and the decision (the current layout scored as the better of itself and
         `cheap`, over every worker). A straggler is planned no work: its speed is what its slow-down
         made it, and may change again; and on a shared machine the planner's model gave it a sliver
-        of the layers (a 4-stage pipeline, 5 of 103 operators on the straggler) that ran at 0.64x the
+        of the layers (a 4-stage pipeline, 5 of 103 operators on the straggler) that ran at 0.64-0.68x the
         same job on the other 3 peers (bench faults --reshape --offload off), the overhead of its
         process and stage unpriced. Where keeping it was worth more, the current layout wins the
         decision."""
