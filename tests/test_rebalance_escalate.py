@@ -97,6 +97,10 @@ def test_a_job_the_user_laid_out_keeps_its_shape():
     assert pinned("grid", {}) is not None  # a baseline the user asked for
     assert pinned("fusion", {"cluster": {"devices": []}}) is not None  # the user's device figures
     assert pinned("fusion", {"replicas": 1, "stages": None}) is None  # train's default job
+    # --reshape: the user's layout (or a baseline) is the first plan only
+    assert pinned("simple", {"stages": 2, "replicas": 2, "reshape": True}) is None
+    assert pinned("grid", {"reshape": True}) is None
+    assert pinned("fusion", {"cluster": {"devices": []}, "reshape": True}) is not None
 
 
 def test_a_straggler_on_a_shared_machine_keeps_its_own_speed():
@@ -156,6 +160,55 @@ def test_a_peer_slow_from_the_first_step_is_planned_away(graph):
     candidate = _plan(graph, doc)
     assert victim not in {p for pipe in candidate for p in pipe.peers}
     assert _decide(graph, current, candidate, doc).adopt
+
+
+def test_a_ring_job_is_priced_with_its_all_reduce_and_replanned_past_its_moves(graph):
+    """--offload off (issue 18): a 2 x 2 ring on 4 peers of one machine, one worker slowed 4x. The
+    planner, asked for a ring layout at the measured speeds (no hosts), leaves the slowed peer out;
+    under its ring-priced model that beats the current layout and the share move by more than the bar.
+    At healthy speeds it keeps the shape it has (a clean ring job is not re-planned)."""
+
+    def ring_doc(measured: dict[str, float]) -> dict:
+        return cluster_from_records([_rec(p) for p in PEERS], PEERS, [], measured)
+
+    def ring_plan(doc: dict) -> list[Pipeline]:
+        p = plan(
+            graph, load_cluster_dict(doc), 16, micro_batches=4, seq_len=128, compress=False, offload=False
+        )
+        assert p.dp_sync == "ring" and not p.optimizer_hosts
+        return [
+            Pipeline(
+                r,
+                [st.devices[0] for st in pp.stages],
+                [pp.stages[0].lo, *(st.hi for st in pp.stages)],
+                pp.batch_share,
+                pp.micro_batches,
+            )
+            for r, pp in enumerate(p.pipelines)
+        ]
+
+    def decide(current, candidate, doc, cheap=None):
+        cur_s, new_s = score(graph, doc, current, candidate, [], "gpt2-tiny", 16, 128, cheap, offload=False)
+        kw = {"step_s": 0.2, "steps_left": 20, "move_cost_s": 0.3, "min_gain": ESCALATE_GAIN}
+        return decide_escalation(cur_s, new_s, same=shape(candidate) == shape(current), **kw)
+
+    calm = ring_doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, "p3": 1.0})
+    current = ring_plan(calm)
+    assert [len(p.peers) for p in current] == [2, 2]  # the 2 x 2 ring
+    assert not decide(current, ring_plan(calm), calm).adopt
+    victim = current[1].peers[-1]
+    doc = ring_doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, victim: 0.25})
+    candidate = ring_plan(doc)
+    assert victim not in {p for pipe in candidate for p in pipe.peers}
+    shares = balance_shares([1.0, 4.0], [4, 4], 16)
+    moved = [Pipeline(p.replica, p.peers, p.bounds, k, 4) for p, k in zip(current, shares, strict=True)]
+    for cheap in (None, moved):
+        esc = decide(current, candidate, doc, cheap=cheap)
+        assert esc.adopt and esc.gain >= ESCALATE_GAIN, esc.reason
+    # the ring's all-reduce is priced: the same 2 pipelines cost more as a ring than their slowest alone
+    one = [Pipeline(0, current[0].peers, current[0].bounds, 8, 4)]
+    ring_s, alone_s = score(graph, calm, current, one, [], "gpt2-tiny", 16, 128, offload=False)
+    assert ring_s > alone_s
 
 
 def test_a_spare_on_the_same_machine_pays_only_for_a_clear_straggler(graph):
@@ -248,10 +301,10 @@ class _Asked(Exception):
     pass
 
 
-def test_a_ring_jobs_spare_is_not_priced_by_the_planners_host_model():
-    """--offload off: `confirms` allows the move without pricing it (the planner's cost model assumes
-    optimizer hosts; the escalator's `check` is off for such jobs too); an offloaded planner's job
-    is priced (it asks the swarm's membership for the cluster document)."""
+def test_a_ring_jobs_spare_is_priced_too_but_not_a_user_laid_out_jobs():
+    """`confirms` prices a move to a spare under the planner's model for a planner's job, a ring job
+    (--offload off, priced with its all-reduce) included: it asks the swarm's membership for the
+    cluster document; a job the user laid out is not asked (its moves are its own)."""
     from fusionnode.train.escalate import Escalator
 
     asked: list[str] = []
@@ -261,13 +314,14 @@ def test_a_ring_jobs_spare_is_not_priced_by_the_planners_host_model():
         raise _Asked
 
     recovery = SimpleNamespace(membership=SimpleNamespace(peers=peers))
-    run = SimpleNamespace(strategy="fusion", params={}, speeds=dict)
 
-    def confirms(offload: bool) -> bool:
+    def confirms(offload: bool, strategy: str = "fusion") -> bool:
+        run = SimpleNamespace(strategy=strategy, params={}, speeds=dict)
         job = SimpleNamespace(offload=offload, hosts=[], pipelines=[], spec=None)
         return asyncio.run(Escalator().confirms(recovery, job, run, 5, PEERS, [], []))
 
-    assert confirms(False) is True and asked == []
-    with pytest.raises(_Asked):
-        confirms(True)
-    assert asked == ["peers"]
+    assert confirms(False, "simple") is True and asked == []
+    for offload in (False, True):
+        with pytest.raises(_Asked):
+            confirms(offload)
+    assert asked == ["peers", "peers"]

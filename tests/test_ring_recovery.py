@@ -259,3 +259,92 @@ def test_a_holder_whose_state_fetch_fails_once_is_asked_again(tmp_path):
     asyncio.run(s.driver.run_job({"spec": spec.to_dict(), **RING}, s.emit))
     assert failed
     _assert_follows_reference(s, spec)
+
+
+def _force_one_escalation(monkeypatch, shape_of) -> list[list]:
+    """The escalation of a rebalance check made to want `shape_of(job)` (Pipelines of a new shape)
+    once, with a peer of the plan taken as the clear straggler; the rest of its path (the streak of 2
+    checks, `recovery.adopt`) is the real one. Returns the layouts it proposed."""
+    from fusionnode.train import escalate
+
+    proposed: list[list] = []
+
+    async def predict(self, recovery, job, run, step, workers, speeds, noise, cheap=None, **kw):
+        if proposed:
+            return escalate.Escalation(False, "the test escalates once", 1.0, 1.0), job.pipelines
+        want = shape_of(job)
+        if self.streak + 1 >= self.persist:
+            proposed.append(want)
+        return escalate.Escalation(True, "forced by the test", 1.0, 0.5, 9.0), want
+
+    monkeypatch.setattr(escalate, "outliers", lambda speeds, in_plan: [in_plan[-1]])
+    monkeypatch.setattr(escalate.Escalator, "predict", predict)
+    return proposed
+
+
+def _two_by_one(job) -> list:
+    """2 x 2 -> 2 pipelines of one stage each, on the first peer of each (the last peer idle)."""
+    import dataclasses
+
+    n = job.pipelines[0].bounds[-1]
+    return [dataclasses.replace(p, peers=[p.peers[0]], bounds=[0, n]) for p in job.pipelines]
+
+
+@pytest.mark.parametrize("reshape", [True, False])
+def test_a_ring_job_escalates_to_a_new_shape_moving_its_optimizer_state(tmp_path, monkeypatch, reshape):
+    """Escalation of a ring job (issue 18): a 2 x 2 ring laid out by --stages/--replicas with
+    --reshape is re-planned into 2 pipelines of one stage each; the new stages start from the old
+    ones' parameters and AdamW state (`survivor_state`), so every loss stays one process's (1e-5).
+    Without --reshape the same job keeps its shape (no escalation is asked)."""
+    proposed = _force_one_escalation(monkeypatch, _two_by_one)
+    spec = small_spec(steps=12, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4)
+    params = {"spec": spec.to_dict(), **RING, "rebalance_every": 2, "reshape": reshape}
+    res = asyncio.run(s.driver.run_job(params, s.emit))
+    escalated = [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
+    assert res["offload"] is False
+    if not reshape:
+        assert escalated == [] and proposed == []
+        return
+    (e,) = escalated
+    assert e["step"] < spec.steps - 2  # steps ran on the new shape
+    assert len(e["peers"]) == 2 and e["bounds"] == [[0, proposed[0][0].bounds[-1]]] * 2, e
+    _assert_follows_reference(s, spec)
+
+
+@pytest.mark.parametrize("slowed", [True, False])
+def test_a_ring_job_is_replanned_without_its_straggler(tmp_path, monkeypatch, slowed):
+    """The whole escalation path of a 2 x 2 ring job (--reshape; the planner lays gpt2-tiny out on one
+    in-memory worker, no ring) on 4 in-memory workers: one
+    worker's measured speeds are scaled 4x down (the only thing faked: timing on the in-memory
+    network is the host's); the clear straggler is found, the planner lays the job out over the
+    others at the measured speeds, priced with the ring all-reduce, it wins at 2 checks in a row, the
+    new stages take the old ones' AdamW state, and every loss stays one process's (1e-5). Without the
+    slow-down nothing is re-planned."""
+    from fusionnode.train.state import Run
+
+    real, victim = Run.speeds, []
+
+    def speeds(self):
+        got = real(self)
+        if slowed and not victim and len(got) > 1:
+            victim.append(sorted(p for p in got if p != s.ids[0])[-1])
+        return {p: v * 0.25 if p in victim else v for p, v in got.items()}
+
+    monkeypatch.setattr(Run, "speeds", speeds)
+    spec = small_spec(steps=14, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4)
+    params = {"spec": spec.to_dict(), **RING, "reshape": True, "rebalance_every": 2}
+    res = asyncio.run(s.driver.run_job(params, s.emit))
+    assert res["offload"] is False
+    replans = [e for e in _events(s, "replan") if e.get("step")]
+    if not slowed:
+        assert replans == []
+        return
+    plan = next(e for e in s.events if e["type"] == "plan")
+    assert victim, plan["stages"]
+    assert victim[0] in {st["peer"] for st in plan["stages"]}
+    escalated = [e for e in replans if "re-planned" in str(e.get("reason", ""))]
+    assert escalated and victim[0] not in escalated[0]["peers"], replans
+    assert escalated[0]["step"] < spec.steps - 2
+    _assert_follows_reference(s, spec)

@@ -142,6 +142,14 @@ def add_train_command(sub: Any) -> None:
         "default: every 2 steps, never under the --sync round modes)",
     )
     p.add_argument(
+        "--reshape",
+        action="store_true",
+        help="with --stages, --replicas, --shares or a baseline --planner: they lay out the first plan "
+        "only; while a peer is a clear straggler, rebalancing may re-plan the job with the planner at "
+        "the measured speeds, which may change the number of pipelines and stages (default: the "
+        "shape given is kept; share moves and re-splits only)",
+    )
+    p.add_argument(
         "--rebalance-gain",
         type=float_at_least(0),
         default=0.25,
@@ -402,6 +410,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "planner": args.planner,
         "rebalance_every": args.rebalance_every,
         "rebalance_gain": args.rebalance_gain,
+        "reshape": args.reshape,
         "lease_s": args.lease,
         "shares": _parse_shares(args.shares, parser),
         "sync": sync.to_dict(),

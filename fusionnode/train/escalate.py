@@ -7,9 +7,10 @@ work. The planner, given the measured speeds, may prefer another shape: the slow
 (plan/prune.py and the search leave slow devices out), one pipeline fewer, a spare taken in. It is
 asked only while a peer of the plan is a clear straggler, and its layout is adopted when
 
-- the job was laid out by the planner (`train`'s default): a job whose shape the user gave
-  (`--stages`, `--replicas`, `--shares`: the simple planner), another planner the user chose, or a
-  cluster document the user gave keeps its shape (share moves and re-splits only, train/rebalance.py);
+- the job was laid out by the planner (`train`'s default), or its first plan only by the user's
+  shape or planner (`--reshape`): a job whose shape the user gave (`--stages`, `--replicas`,
+  `--shares`: the simple planner), another planner the user chose, or a cluster document the user
+  gave keeps its shape (share moves and re-splits only, train/rebalance.py);
 - a peer of the plan runs under OUTLIER (0.35) x the median speed of the plan's other peers (over
   the run's window of measured steps, a median per peer: swarm_cluster.outliers): timing noise on
   shared hardware makes a peer 1.5-2x slower for a while (the driver's own peer is ~2x slower on one
@@ -18,13 +19,19 @@ asked only while a peer of the plan is a clear straggler, and its layout is adop
   the first step is asked about (no slow-down relative to its own past is needed, unlike the share
   move's trigger);
 - the planner's layout beats the current one, both scored by the planner's cost model over the same
-  cluster (measured speeds, the job's optimizer hosts, dense links), by more than the job's
+  cluster (measured speeds, the job's optimizer hosts, or with the optimizer on the workers a ring
+  all-reduce among the replicas of each stage; dense links), by more than the job's
   threshold and NOISE_SIGMAS x the measured noise of the other peers' stage speeds (the straggler's
   window holds its slow-down, no noise), at PERSIST_CHECKS checks in a row
-  with the same straggler (timing noise makes a random peer look slow now and then);
+  with the same straggler (timing noise makes a random peer look slow now and then), or at the check
+  where the share move's trigger acts on that same straggler (its own rule: 2 checks in a row, a
+  drop under MIN_DROP, a gain over the noise);
 - the time it saves over the steps left (that gain x the measured step time) exceeds what moving
   costs: the last re-placement's measured seconds (stages released, new ones placed, parameters
   shipped).
+
+A ring job's (`--offload off`) new stages take the parameters and the AdamW state of the old ones
+along (recovery.adopt: ringrecovery.survivor_state), whatever the new shape.
 """
 
 from __future__ import annotations
@@ -55,11 +62,12 @@ def pinned(strategy: str, params: Mapping[str, Any]) -> str | None:
     """Why the job keeps its shape (None: the planner laid it out and may lay it out anew): the user's
     layout (`--stages`, `--replicas`, `--shares`: the simple planner follows them), another planner
     the user chose (a baseline such as even or grid keeps its rule), or a cluster document the user
-    gave (its devices' figures are the user's, not measured)."""
-    if strategy != "fusion":
-        return f"laid out by the {strategy} planner"
+    gave (its devices' figures are the user's, not measured). `--reshape` (params "reshape"): the
+    user's layout or planner laid out the first plan only, and the planner may re-plan it."""
     if params.get("cluster"):
         return "planned over the cluster document given"
+    if strategy != "fusion" and not params.get("reshape"):
+        return f"laid out by the {strategy} planner"
     return None
 
 
@@ -130,9 +138,11 @@ def as_plan(
     batch_size: int,
     seq_len: int,
     num_nodes: int,
+    offload: bool = True,
 ) -> Any:
     """The job's pipelines (train/state.py `Pipeline`s) as a Plan the cost model scores: dense links,
-    the optimizer state on `hosts` in equal shares."""
+    the optimizer state on `hosts` in equal shares, or with `offload` False on the workers, the
+    replicas of each stage synced by ring all-reduce (priced by plan/dpsync.py)."""
     from fusionnode.plan.plan import OptimizerHost, PipelinePlan, Plan, StagePlan
 
     pipes = []
@@ -148,8 +158,8 @@ def as_plan(
         seq_len=seq_len,
         num_nodes=num_nodes,
         pipelines=tuple(pipes),
-        offload=True,
-        optimizer_hosts=tuple(OptimizerHost(h, 1.0 / len(hosts)) for h in hosts),
+        offload=offload,
+        optimizer_hosts=tuple(OptimizerHost(h, 1.0 / len(hosts)) for h in hosts) if offload else (),
     )
 
 
@@ -163,15 +173,23 @@ def score(
     batch_size: int,
     seq_len: int,
     cheap: Sequence[Any] | None = None,
+    offload: bool = True,
 ) -> tuple[float, float]:
     """(current, candidate) step times under the planner's cost model over the cluster document
     `doc` (measured speeds): the current pipelines scored as the better of themselves and `cheap`
-    (after a share move), both with the optimizer state on `hosts` and dense links."""
+    (after a share move), both with the optimizer state on `hosts` (`offload` False: on the workers,
+    a ring all-reduce among the replicas) and dense links."""
     from fusionnode.plan.cluster import load_cluster_dict
     from fusionnode.plan.evaluate import evaluate_plan
 
     cluster = load_cluster_dict(dict(doc), "swarm")
-    kw = {"model": model, "batch_size": batch_size, "seq_len": seq_len, "num_nodes": graph.num_nodes}
+    kw = {
+        "model": model,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "num_nodes": graph.num_nodes,
+        "offload": offload,
+    }
     cur = evaluate_plan(graph, cluster, as_plan(current, hosts, **kw))
     if cheap:
         cur = min(cur, evaluate_plan(graph, cluster, as_plan(cheap, hosts, **kw)))
@@ -206,6 +224,7 @@ async def _score_off_loop(
         spec.batch_size,
         run.seq_len,
         cheap,
+        bool(job.offload),
     )
 
 
@@ -231,11 +250,17 @@ class Escalator:
         workers: list[str],
         noise: float,
         cheap: Sequence[Any] | None = None,
+        confirmed: Any = None,
     ) -> bool:
         """At a rebalance check: re-plans the job with the planner when the module's rule says so (its
         layout must also beat `cheap`, the pipelines after the share move this check would make).
-        True when it did."""
-        if pinned(run.strategy, run.params) or not job.offload or job.sync.rounds:
+        `confirmed`: the peer the share move's trigger acts on at this check (which took the same
+        bottleneck at 2 checks in a row, a drop to under MIN_DROP of its speed and a gain over the
+        noise): when it is the straggler, a winning layout is adopted at this check, not a streak
+        later (the move would otherwise come first and the planner's a window after it). With the
+        optimizer on the workers (a ring) the layouts are priced with the ring all-reduce and the new
+        stages take their AdamW state along (recovery.adopt). True when it re-planned."""
+        if pinned(run.strategy, run.params) or job.sync.rounds:
             return False
         in_plan = [p for pipe in job.pipelines for p in pipe.peers]
         if any(len(run.recent.samples.get(p, ())) < DEFAULT_WINDOW for p in in_plan):
@@ -251,7 +276,9 @@ class Escalator:
         # counts it half)
         calm = [p for p in in_plan if p not in slow]
         noise = run.recent.noise(calm) if calm else noise
-        esc, pipelines = await self.predict(recovery, job, run, step, workers, speeds, noise, cheap)
+        esc, pipelines = await self.predict(
+            recovery, job, run, step, workers, speeds, noise, cheap, leave_out=slow
+        )
         self.last = esc
         run.metrics.event(  # the metrics file only: what the planner predicted
             "rebalance_check",
@@ -261,7 +288,7 @@ class Escalator:
             noise=round(noise, 4),
             culprit=slow[0],
             wants=esc.adopt,
-            acts=esc.adopt and self.streak + 1 >= self.persist,
+            acts=esc.adopt and (self.streak + 1 >= self.persist or confirmed == slow[0]),
             reason=esc.reason,
             planned=[[p[:12] for p in pipe.peers] + [pipe.samples] for pipe in pipelines],
             tflops=self.tflops,
@@ -276,7 +303,7 @@ class Escalator:
             self.streak = 0  # another peer is the straggler now: this check starts a new streak
         self.streak += 1
         self.culprit = slow[0]
-        if self.streak < self.persist:
+        if self.streak < self.persist and confirmed != slow[0]:
             return False
         self.reset()
         await recovery.adopt(
@@ -318,11 +345,10 @@ class Escalator:
         by min(ESCALATE_GAIN, the job's threshold), for a planner's job (others: always). The move's
         own model prices an unmeasured spare by its advertisement, blind to cores it shares with the
         plan's peers (on one machine a spare adds none), and the planner left it idle for a reason.
-        A ring job (--offload off): always, as `check` never escalates it; the planner's model
-        prices optimizer hosts, which such a job has none of."""
+        A ring job (--offload off) is priced with its ring all-reduce and no hosts."""
         import dataclasses
 
-        if pinned(run.strategy, run.params) or not job.offload:
+        if pinned(run.strategy, run.params):
             return True
         doc, _workers, hosts = await self.cluster(recovery, job, run, workers, run.speeds())
         moved = [
@@ -356,15 +382,30 @@ class Escalator:
         speeds: Mapping[str, float],
         noise: float,
         cheap: Sequence[Any] | None = None,
+        leave_out: Sequence[str] = (),
     ) -> tuple[Escalation, list[Any]]:
-        """The planner's layout over the live workers at the measured speeds, and the decision (the
-        current layout scored as the better of itself and `cheap`)."""
+        """The planner's layout over the live workers but `leave_out` (the clear stragglers) at the
+        measured speeds, and the decision (the current layout scored as the better of itself and
+        `cheap`, over every worker). A straggler is planned no work: its speed is what its slow-down
+        made it, and may change again; and on a shared machine the planner's model gave it a sliver
+        of the layers (a 4-stage pipeline, 5 of 103 operators on the straggler) that ran at 0.64-0.68x the
+        same job on the other 3 peers (bench faults --reshape --offload off), the overhead of its
+        process and stage unpriced. Where keeping it was worth more, the current layout wins the
+        decision."""
+        from fusionnode.plan.cluster import subset_doc
 
         doc, workers, hosts = await self.cluster(recovery, job, run, workers, speeds)
         graph = run.traced.graph
         spec = job.spec
+        keep = [w for w in workers if w not in set(leave_out)] or workers
         pipelines, _hosts, _pred = await recovery.placement.planned_layout(
-            run.strategy, spec, graph, workers, {**run.params, "cluster": doc}, True, run.seq_len
+            "fusion",
+            spec,
+            graph,
+            keep,
+            {**run.params, "cluster": subset_doc(doc, {*keep, *hosts})},
+            bool(job.offload),
+            run.seq_len,
         )
         cur_s, new_s = await _score_off_loop(job, run, doc, pipelines, hosts, cheap)
         times = [r["step_time_s"] for r in job.history[-STEP_TIME_STEPS:]]

@@ -551,7 +551,7 @@ class Recovery:
             moved = [
                 dataclasses.replace(p, samples=int(n)) for p, n in zip(job.pipelines, d.shares, strict=True)
             ]
-        if await run.escalator.check(self, job, run, step, workers, c.noise, moved):
+        if await run.escalator.check(self, job, run, step, workers, c.noise, moved, c.act and d.culprit):
             return
         if not (c.act and d.layouts):
             return
