@@ -32,7 +32,13 @@ from fusionnode.verify.score import (
     trimmed_mean,
     weights_from_scores,
 )
-from fusionnode.verify.selector import CheckSelector, catch_probability, check_reveal, steps_to_catch
+from fusionnode.verify.selector import (
+    CheckSelector,
+    catch_probability,
+    check_reveal,
+    miss_probability,
+    steps_to_catch,
+)
 from fusionnode.verify.verifier import chain_disputes, check_micro_batch
 from fusionnode.wire.messages import TensorMessage
 from fusionnode.wire.tensors import encode_tensor, pack_encoded, unpack_encoded
@@ -132,10 +138,10 @@ def test_without_the_secret_the_choices_are_unpredictable():
 def test_catch_statistics_follow_from_the_rate():
     assert catch_probability(0.25, 0) == 0.0
     assert catch_probability(0.25, 17) > 0.99 > catch_probability(0.25, 16)
-    # a stage lying on every one of its 4 micro-batches at the default rate: caught within 5 steps
-    assert steps_to_catch(DEFAULT_PUBLIC_RATE, 4, 1.0) == 6
-    # a quarter of them, spot-checks and the gradient check (all 4 micro-batches) together: within
-    # 20 steps with probability > 0.999; a liar in its pushed gradients only: > 0.999 too
+    # the default rates, from the target (verify/policy.py): a quarter of 4 micro-batches lied on,
+    # gradient checks (all 4 micro-batches) and spot-checks together: within 20 steps with
+    # probability > 0.999 (the closed form against the sum over the lied micro-batches); a liar in
+    # its pushed gradients only, or on every micro-batch: > 0.99999
     miss_step = sum(
         math.comb(4, k)
         * 0.25**k
@@ -143,7 +149,13 @@ def test_catch_statistics_follow_from_the_rate():
         * (1 if k == 0 else (1 - DEFAULT_PUBLIC_GRAD_RATE) * (1 - DEFAULT_PUBLIC_RATE) ** k)
         for k in range(5)
     )
-    assert 1 - miss_step**20 > 0.999 and catch_probability(DEFAULT_PUBLIC_GRAD_RATE, 20) > 0.999
+    fraction = miss_probability(DEFAULT_PUBLIC_RATE, DEFAULT_PUBLIC_GRAD_RATE, 4, 0.25, 20)
+    assert abs(fraction - miss_step**20) < 1e-12 and fraction < 1e-3
+    assert catch_probability(DEFAULT_PUBLIC_GRAD_RATE, 20) > 0.99999
+    assert miss_probability(DEFAULT_PUBLIC_RATE, DEFAULT_PUBLIC_GRAD_RATE, 4, 1.0, 20) < 1e-5
+    # the rates before were no better at the binding cases (the gradient liar 8e-4)
+    assert fraction < (1 - 0.3) ** 20
+    assert steps_to_catch(0.25, 4, 1.0) == 5
     assert steps_to_catch(0.0, 4, 1.0) == math.inf
     n = steps_to_catch(0.25, 2, 0.5)
     assert 1 - (1 - 0.125) ** (2 * n) >= 0.99 > 1 - (1 - 0.125) ** (2 * (n - 1))
@@ -152,9 +164,10 @@ def test_catch_statistics_follow_from_the_rate():
 def test_policy_defaults_public_on_private_off_and_refuses_nonsense():
     assert resolve_policy(None, None, private=False).to_dict() == {
         "policy": "sample",
-        "rate": 0.2,
-        "grad_rate": 0.3,
+        "rate": 0.0,
+        "grad_rate": 0.45,
     }
+    assert resolve_policy(None, None, private=False).on  # gradient checks alone: on
     assert resolve_policy("sample", 0.25, private=False).grad_rate == 0.25  # an explicit rate: both
     assert resolve_policy("sample", 0.2, private=True, grad_rate=0.3).grad_rate == 0.3
     with pytest.raises(ValueError):
