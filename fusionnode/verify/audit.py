@@ -29,23 +29,23 @@ PackedTensors = tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...]
 ALIGN = 16  # bytes: each tensor's offset in a packed buffer (a view as any dtype needs its alignment)
 
 
-def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> PackedTensors:
+def pack_tensors(
+    tensors: Mapping[str, torch.Tensor], alloc: Callable[[int], torch.Tensor] | None = None
+) -> PackedTensors:
     """The tensors as one flat byte buffer and an index (name, dtype, shape, offset, bytes): one
-    storage to share with another process (torch shares each storage as its own segment)."""
+    storage to share with another process (torch shares each storage as its own segment).
+    `alloc(n)`: a uint8 buffer of at least n bytes to pack into (say one kept in shared memory, so
+    handing it over does not make a new segment each time); default a new one."""
     index = []
-    parts = []
     offset = 0
     for name, t in tensors.items():
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-        size = 0 if flat is None else flat.numel()
+        size = t.numel() * t.element_size()
         index.append((name, t.dtype, tuple(t.shape), offset, size))
-        if flat is not None:
-            parts.append(flat)
-        pad = -size % ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += size + pad
-    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        offset += size + (-size % ALIGN)
+    buf = torch.empty(offset, dtype=torch.uint8) if alloc is None else alloc(offset)[:offset]
+    for (_name, _dtype, _shape, start, size), t in zip(index, tensors.values(), strict=True):
+        if size:
+            buf[start : start + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return buf, index
 
 

@@ -569,7 +569,8 @@ class Verifier:
         try:
             if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
                 try:
-                    return await self.run_elsewhere(audit, pack_tensors(mine))
+                    pack = getattr(self.run_elsewhere, "pack", pack_tensors)
+                    return await self.run_elsewhere(audit, pack(mine))
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
                     self.run_elsewhere = None
