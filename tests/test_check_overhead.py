@@ -67,9 +67,11 @@ def test_shared_buffers_are_lent_once_at_a_time_and_reused_after():
     b = pool.take(50)  # `a` is lent: another buffer
     assert a.is_shared() and b.is_shared() and a.numel() >= 100 and b.numel() >= 50
     assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    pool.give(b)
     pool.give(a[:80])  # a view of it gives it back
-    again = pool.take(90)
+    again = pool.take(90)  # the one that fits of the two free (of other sizes: found by position)
     assert again.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert pool.take(40).untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     bigger = pool.take(1000)  # none free that fits: a new one
     assert bigger.numel() >= 1000 and bigger.untyped_storage().data_ptr() not in {
         a.untyped_storage().data_ptr(),

@@ -200,12 +200,11 @@ class SharedBuffers:
 
     def take(self, n: int) -> torch.Tensor:
         """A buffer of at least `n` bytes, not lent to a call still running."""
-        fits = [b for b in self.free if b.numel() >= n]
-        buf = min(fits, key=lambda b: b.numel()) if fits else None
-        if buf is None:
-            buf = torch.empty(max(n, 1), dtype=torch.uint8).share_memory_()
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= n]
+        if fits:  # the smallest that fits (by position: `==` on tensors compares their values)
+            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
         else:
-            self.free.remove(buf)
+            buf = torch.empty(max(n, 1), dtype=torch.uint8).share_memory_()
         self.lent[buf.untyped_storage().data_ptr()] = buf
         return buf
 
