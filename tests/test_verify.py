@@ -18,7 +18,15 @@ from fusionnode.graph.trace import trace_model
 from fusionnode.models import build_model
 from fusionnode.runtime.stage import StageModule, StageRunner
 from fusionnode.train.checks import CHECK_NICE, CheckProcess, can_lift, idle_priority
-from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, unpack_tensors
+from fusionnode.verify.audit import (
+    AuditJob,
+    join_payloads,
+    judge_audit,
+    pack_tensors,
+    portable,
+    split_payloads,
+    unpack_tensors,
+)
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, compare_loss, compare_tensor, relative_error
 from fusionnode.verify.ledger import Ledger
@@ -529,6 +537,43 @@ def test_an_audit_is_judged_against_its_commitments_then_recomputed(stages):
     lied[2]["out"] = {n: t * 1.01 for n, t in lied[2]["out"].items()}
     why = judge_audit(_audit(a, lied, mbs, losses, m), params, module_for)
     assert "failed a spot-check at step 3, micro-batch 2" in why
+
+
+def test_an_audit_whose_payloads_cross_in_the_parameters_buffer_is_judged_the_same(stages):
+    """The verifier hands the check process the audit's payloads inside the shared buffer that carries
+    the parameters (audit.split_payloads / join_payloads): honest passes, a swapped shown tensor and
+    a lie are refused as when the payloads travel as bytes."""
+    import asyncio
+
+    m = 4
+    parts, losses = honest_run(stages, batches(7, m))
+    a, params = stages[1]
+    lied = {1: {**parts[1][1], "out": {n: t * 1.01 for n, t in parts[1][1]["out"].items()}}}
+    swapped = _audit(a, {mb: parts[1][mb] for mb in (1, 2)}, [1, 2], losses, m)
+    key = next(k for k in swapped.chunks[0] if k.startswith("2/out/"))
+    swapped.chunks[0][key] = swapped.chunks[0][key.replace("2/", "1/", 1)]
+    proc = CheckProcess("job-payloads-test")
+
+    async def judged(audit):
+        light, payloads = split_payloads([{k: e for k, e in c.items()} for c in audit.chunks])
+        assert all(e.data == b"" for c in light for e in c.values())
+        audit.chunks = light
+        return await proc(audit, proc.pack({**params, **payloads}))
+
+    async def go():
+        return [
+            await judged(x)
+            for x in (_audit(a, {1: parts[1][1]}, [1], losses, m), _audit(a, lied, [1], losses, m), swapped)
+        ]
+
+    honest, caught, refused = asyncio.run(go())
+    assert honest == "" and "micro-batch 1" in caught and "other than it committed to" in refused
+    # in this process: the joined payloads are views of the unpacked buffer, the parameters apart
+    audit = _audit(a, {1: parts[1][1]}, [1], losses, m)
+    light, payloads = split_payloads(audit.chunks)
+    chunks, mine = join_payloads(light, unpack_tensors(pack_tensors({**params, **payloads})))
+    assert set(mine) == set(params) and chunks[0].keys() == audit.chunks[0].keys()
+    assert all(bytes(chunks[0][k].data) == bytes(e.data) for k, e in audit.chunks[0].items())
 
 
 def test_the_check_process_judges_at_idle_priority_and_is_lifted_while_waited_for(stages):

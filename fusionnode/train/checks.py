@@ -181,13 +181,14 @@ def _child_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor])
 
 def _child_check(job_id: str, audit: Any, packed: Any) -> str:
     """In the check process: verify.audit.judge_audit of one stage's audit."""
-    from fusionnode.verify.audit import judge_audit, unpack_tensors
+    from fusionnode.verify.audit import join_payloads, judge_audit, unpack_tensors
 
     storage = packed[0].untyped_storage()  # a lent buffer comes back (the same segment): kept mapped
     _kept.setdefault(storage.data_ptr(), storage)
     while len(_kept) > 4 * MAX_LAG:
         del _kept[next(iter(_kept))]
-    return judge_audit(audit, unpack_tensors(packed), lambda a, mine: _child_module(job_id, a, mine))
+    audit.chunks, mine = join_payloads(audit.chunks, unpack_tensors(packed))
+    return judge_audit(audit, mine, lambda a, mine: _child_module(job_id, a, mine))
 
 
 class SharedBuffers:
