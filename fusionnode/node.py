@@ -186,6 +186,7 @@ class Node:
                 self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
             )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
+        self.driver.hosts.local = self.host  # its own host's parameters read in place (None: no host)
         from fusionnode.availability.activity import ActivityThresholds, build_monitor
         from fusionnode.availability.caps import apply_memory_cap, apply_util_cap
         from fusionnode.availability.controller import AvailabilityController

@@ -119,13 +119,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rate",
         type=float,
         default=DEFAULT_PUBLIC_RATE,
-        help="spot-check rate per micro-batch (default: a public swarm's, %(default)s)",
+        help="spot-check rate per micro-batch, besides the gradient checks (default: a public swarm's, "
+        "%(default)s)",
     )
     p.add_argument(
         "--grad-rate",
         type=float,
         default=DEFAULT_PUBLIC_GRAD_RATE,
-        help="gradient check rate per stage and step (default: a public swarm's, %(default)s)",
+        help="gradient check rate per stage and step: all its micro-batches and its parameter gradients "
+        "(default: a public swarm's, %(default)s)",
     )
     p.add_argument(
         "--fraction",
@@ -212,8 +214,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.sections = sections
     if any(m not in ("diloco", "sparseloco") for m in args.contrib_sync.split(",") if m):
         p.error("--contrib-sync: choose among diloco, sparseloco")
-    if not 0 < args.rate <= 1 or not 0 < args.fraction <= 1 or not 0 <= args.grad_rate <= 1:
-        p.error("--rate and --fraction must be in (0, 1], --grad-rate in [0, 1]")
+    if not 0 <= args.rate <= 1 or not 0 < args.fraction <= 1 or not 0 <= args.grad_rate <= 1:
+        p.error("--fraction must be in (0, 1], --rate and --grad-rate in [0, 1]")
+    if args.rate == 0 == args.grad_rate:
+        p.error("--rate and --grad-rate cannot both be 0 (no checks)")
     for name in (
         "runs",
         "sim_runs",
@@ -414,7 +418,7 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     from fusionnode.train.inner_checks import transition_rate
     from fusionnode.verify.liar import Liar
-    from fusionnode.verify.selector import CheckSelector, catch_probability
+    from fusionnode.verify.selector import CheckSelector, catch_probability, miss_probability
 
     m, stage = args.micro_batches, 1000
     out = []
@@ -470,13 +474,20 @@ def simulate(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"caught_within_{CATCH_WITHIN}_steps": caught_within,
                 "median_steps_until_caught": statistics.median(done) if done else None,
                 "max_steps_until_caught": max(done) if done else None,
-                # spot-checks alone (a lower bound), gradient checks alone for the gradient liar
+                # the closed form: gradient checks alone for the gradient liar and the transition rate
+                # for an update liar; else spot-checks and gradient checks together, the liar's
+                # micro-batches drawn independently, at the share of them it lies on (an
+                # approximation for stale and other, which lie on all but the first step's or
+                # micro-batch's)
                 "closed_form_p_within_20": round(
                     catch_probability(
-                        {"update": transition_rate(args.grad_rate), "gradient": args.grad_rate}.get(
-                            kind, args.rate
-                        ),
+                        {"update": transition_rate(args.grad_rate), "gradient": args.grad_rate}[kind],
                         lied_total,
+                    )
+                    if kind in ("update", "gradient")
+                    else 1
+                    - miss_probability(
+                        args.rate, args.grad_rate, m, lied_total / (m * CATCH_WITHIN), CATCH_WITHIN
                     ),
                     5,
                 ),

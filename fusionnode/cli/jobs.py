@@ -110,8 +110,8 @@ def add_train_command(sub: Any) -> None:
         default=None,
         metavar="P",
         help="with --verify-policy sample: probability that a micro-batch of a stage is checked, and "
-        "that a stage's parameter gradients are in a step (default 0.2 and 0.3 in a public swarm, "
-        "0.05 in a private or local one)",
+        "that a stage's step is checked whole, all its micro-batches and parameter gradients (default "
+        "0 and 0.45 in a public swarm: verify/policy.py; 0.05 in a private or local one)",
     )
     p.add_argument(
         "--contrib-policy",

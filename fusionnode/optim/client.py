@@ -64,6 +64,9 @@ class OptimizerClient:
         self.t = transport
         self.step_timeout_s = step_timeout_s
         self._tags = itertools.count(1)  # pull tags of the driver's own parameter fetches
+        # this peer's own optimizer host service (node.py), when it has one: a pull from it reads
+        # its store directly instead of sending each tensor to itself as a message
+        self.local: Any = None
 
     async def holders(self, candidates: list[str], job_id: str, secret: str, n: int) -> list[str] | None:
         """On resume: the candidates that hold the job's shards (host index i at position i), when they
@@ -260,6 +263,9 @@ class OptimizerClient:
         for host in hosts:
             names = sorted(n for n in specs if (host_of or {}).get(n, host) == host)
             if not names:
+                continue
+            if host == self.t.peer_id and self.local is not None:
+                out.update(await self.local.local_params(job_id, names, specs))
                 continue
             tag = -next(self._tags)  # distinct from any pull a worker makes (those are step numbers)
             req = jp.OptPull(job=job_id, names=names, tag=tag, stage=-1)

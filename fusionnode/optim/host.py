@@ -522,6 +522,21 @@ class OptimizerHostService(HostRounds):
             )
         return jp.OptPullReply(count=len(names), step=step)
 
+    async def local_params(
+        self, job: str, names: list[str], specs: dict[str, dict[str, Any]]
+    ) -> dict[str, torch.Tensor]:
+        """What `rpc_pull` sends, for the driver in this same process (optim/client.py `pull`):
+        copies of the current values, each in the shape `specs` gives."""
+        shard = self._shard(job, self.t.peer_id)
+        unknown = [n for n in names if n not in shard.specs]
+        if unknown:
+            raise JobError(ErrorCode.NOT_HELD, f"this host does not hold {unknown[:3]}")
+        _step, values = await asyncio.to_thread(shard.store.get_params, names)
+        for name in names:
+            if list(values[name].shape) != list(specs[name]["shape"]):
+                raise JobError(ErrorCode.BAD_TENSOR, f"{name!r} is held as {list(values[name].shape)}")
+        return values
+
     def _bytes(self, shard: HostedShard) -> dict[str, int]:
         """Cumulative bytes of the job this host received (its data messages) and sent."""
         return {"received_bytes": shard.received_bytes, "sent_bytes": shard.sent_bytes}

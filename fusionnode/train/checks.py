@@ -181,9 +181,43 @@ def _child_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor])
 
 def _child_check(job_id: str, audit: Any, packed: Any) -> str:
     """In the check process: verify.audit.judge_audit of one stage's audit."""
-    from fusionnode.verify.audit import judge_audit, unpack_tensors
+    from fusionnode.verify.audit import join_payloads, judge_audit, unpack_tensors
 
-    return judge_audit(audit, unpack_tensors(packed), lambda a, mine: _child_module(job_id, a, mine))
+    storage = packed[0].untyped_storage()  # a lent buffer comes back (the same segment): kept mapped
+    _kept.setdefault(storage.data_ptr(), storage)
+    while len(_kept) > 4 * MAX_LAG:
+        del _kept[next(iter(_kept))]
+    audit.chunks, mine = join_payloads(audit.chunks, unpack_tensors(packed))
+    return judge_audit(audit, mine, lambda a, mine: _child_module(job_id, a, mine))
+
+
+class SharedBuffers:
+    """uint8 buffers in shared memory lent to the check process's calls and taken back when each
+    call ended (`CheckProcess.pack`); at most as many as checks run at once (MAX_LAG steps' worth)."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.lent: dict[int, torch.Tensor] = {}  # storage address -> its whole buffer
+
+    def take(self, n: int) -> torch.Tensor:
+        """A buffer of at least `n` bytes, not lent to a call still running."""
+        fits = [i for i, b in enumerate(self.free) if b.numel() >= n]
+        if fits:  # the smallest that fits (by position: `==` on tensors compares their values)
+            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
+        else:
+            buf = torch.empty(max(n, 1), dtype=torch.uint8).share_memory_()
+        self.lent[buf.untyped_storage().data_ptr()] = buf
+        return buf
+
+    def give(self, view: torch.Tensor) -> None:
+        """Takes back the buffer `view` is part of (a buffer it did not lend is ignored)."""
+        buf = self.lent.pop(view.untyped_storage().data_ptr(), None)
+        if buf is not None:
+            self.free.append(buf)
+
+
+_BUFFERS = SharedBuffers()  # this daemon's (one check process per daemon)
+_kept: dict[int, Any] = {}  # in the check process: the buffers' storages, kept mapped across checks
 
 
 class CheckProcess:
@@ -209,9 +243,20 @@ class CheckProcess:
                 lambda f: setattr(CheckProcess, "_pid", f.result() if not f.exception() else None)
             )
 
+    def pack(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """`tensors` packed (verify.audit.pack_tensors) into a buffer of shared memory kept for
+        the next checks once this one ended: handing a new buffer over costs a new shared-memory
+        segment (created, filled, mapped by the check process) on every check."""
+        from fusionnode.verify.audit import pack_tensors
+
+        return pack_tensors(tensors, _BUFFERS.take)
+
     async def __call__(self, audit: Any, packed: Any) -> str:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, audit, packed)
+        try:
+            return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, audit, packed)
+        finally:  # the check process is done with it (or never got it)
+            _BUFFERS.give(packed[0])
 
     @contextlib.contextmanager
     def urgent(self) -> Any:

@@ -234,8 +234,8 @@ def transition_rate(grad_rate: float) -> float:
     """The transition checks' rate: twice the gradient checks' (a transition check recomputes no
     micro-batch: the stage's kept state crosses once and the driver runs one optimizer step), so
     a worker lying in every inner step escapes 20 steps (16 checkable at H = 5) with probability
-    0.4^16 = 4e-7 at the public default (gradient checks 0.3), 0.9^16 = 19% in a private swarm
-    asked for `sample` (0.05)."""
+    0.1^16 at the public default (gradient checks 0.45: transitions 0.9; 0.4^16 = 4e-7 at the 0.3
+    before), 0.9^16 = 19% in a private swarm asked for `sample` (0.05)."""
     return min(1.0, 2.0 * grad_rate)
 
 

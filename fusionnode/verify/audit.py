@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
@@ -29,23 +30,33 @@ PackedTensors = tuple[torch.Tensor, list[tuple[str, torch.dtype, tuple[int, ...]
 ALIGN = 16  # bytes: each tensor's offset in a packed buffer (a view as any dtype needs its alignment)
 
 
-def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> PackedTensors:
+def pack_tensors(
+    tensors: Mapping[str, torch.Tensor | bytes | memoryview],
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> PackedTensors:
     """The tensors as one flat byte buffer and an index (name, dtype, shape, offset, bytes): one
-    storage to share with another process (torch shares each storage as its own segment)."""
+    storage to share with another process (torch shares each storage as its own segment). A value
+    that is bytes (or a contiguous memoryview) is packed as a uint8 tensor of its bytes.
+    `alloc(n)`: a uint8 buffer of at least n bytes to pack into (say one kept in shared memory, so
+    handing it over does not make a new segment each time); default a new one."""
     index = []
-    parts = []
     offset = 0
     for name, t in tensors.items():
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8) if t.numel() else None
-        size = 0 if flat is None else flat.numel()
-        index.append((name, t.dtype, tuple(t.shape), offset, size))
-        if flat is not None:
-            parts.append(flat)
-        pad = -size % ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8))
-        offset += size + pad
-    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        if isinstance(t, torch.Tensor):
+            size, dtype, shape = t.numel() * t.element_size(), t.dtype, tuple(t.shape)
+        else:
+            size = memoryview(t).nbytes
+            dtype, shape = torch.uint8, (size,)
+        index.append((name, dtype, shape, offset, size))
+        offset += size + (-size % ALIGN)
+    buf = torch.empty(offset, dtype=torch.uint8) if alloc is None else alloc(offset)[:offset]
+    for (_name, _dtype, _shape, start, size), t in zip(index, tensors.values(), strict=True):
+        if not size:
+            continue
+        if isinstance(t, torch.Tensor):
+            buf[start : start + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        else:  # numpy reads a read-only buffer without a copy (torch.frombuffer would warn)
+            buf[start : start + size].numpy()[:] = np.frombuffer(memoryview(t).cast("B"), dtype=np.uint8)
     return buf, index
 
 
@@ -68,6 +79,44 @@ def portable(chunks: list[dict[str, EncodedTensor]]) -> list[dict[str, EncodedTe
          for k, e in chunk.items()}
         for chunk in chunks
     ]  # fmt: skip
+
+
+PAYLOAD = (
+    "\x00payload:"  # the name prefix of an audit payload packed with the parameters (no state-dict name)
+)
+
+
+def split_payloads(
+    chunks: list[dict[str, EncodedTensor]],
+) -> tuple[list[dict[str, EncodedTensor]], dict[str, bytes | memoryview]]:
+    """The audit's chunks without their payloads, and the payloads by name, to pack into the buffer
+    that carries the parameters to the check process (`pack_tensors`: one copy into shared memory
+    instead of a copy to bytes and another through the pipe); `join_payloads` undoes it."""
+    light: list[dict[str, EncodedTensor]] = []
+    payloads: dict[str, bytes | memoryview] = {}
+    for i, chunk in enumerate(chunks):
+        light.append({})
+        for key, e in chunk.items():
+            payloads[f"{PAYLOAD}{i}:{key}"] = e.data
+            light[-1][key] = EncodedTensor(e.dtype, e.shape, e.codec, e.params, b"")
+    return light, payloads
+
+
+def join_payloads(
+    chunks: list[dict[str, EncodedTensor]], tensors: Mapping[str, torch.Tensor]
+) -> tuple[list[dict[str, EncodedTensor]], dict[str, torch.Tensor]]:
+    """(the chunks with their payloads back, as views of the unpacked buffer; the other tensors:
+    the parameters). Chunks whose payloads were not split off are returned as they are."""
+    rest = {n: t for n, t in tensors.items() if not n.startswith(PAYLOAD)}
+    if len(rest) == len(tensors):
+        return chunks, rest
+    joined = []
+    for i, chunk in enumerate(chunks):
+        joined.append({})
+        for key, e in chunk.items():
+            data = memoryview(tensors[f"{PAYLOAD}{i}:{key}"].numpy())
+            joined[-1][key] = EncodedTensor(e.dtype, e.shape, e.codec, e.params, data)
+    return joined, rest
 
 
 @dataclass
@@ -160,8 +209,10 @@ __all__ = [
     "SENT",
     "AuditJob",
     "examine_audit",
+    "join_payloads",
     "judge_audit",
     "pack_tensors",
     "portable",
+    "split_payloads",
     "unpack_tensors",
 ]

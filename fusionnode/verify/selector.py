@@ -66,6 +66,16 @@ def catch_probability(rate: float, lied_micro_batches: float) -> float:
     return 1.0 - (1.0 - rate) ** lied_micro_batches
 
 
+def miss_probability(rate: float, grad_rate: float, micro_batches: int, fraction: float, steps: int) -> float:
+    """Probability that a stage lying on each of its `micro_batches` with probability `fraction`
+    (independently) escapes `steps` steps: per step, a gradient check (probability `grad_rate`)
+    recomputes every micro-batch and so misses only a step without a lie; otherwise each micro-batch
+    is spot-checked with probability `rate`."""
+    m, f = micro_batches, fraction
+    per_step = grad_rate * (1 - f) ** m + (1 - grad_rate) * (1 - rate * f) ** m
+    return per_step**steps
+
+
 def steps_to_catch(rate: float, micro_batches: int, fraction: float, confidence: float = 0.99) -> int:
     """Steps within which a stage that lies on `fraction` of its `micro_batches` per step is caught
     with probability `confidence` (each micro-batch lied on with probability `fraction`, checked
@@ -78,4 +88,11 @@ def steps_to_catch(rate: float, micro_batches: int, fraction: float, confidence:
     return max(1, math.ceil(math.log(1 - confidence) / (micro_batches * math.log(1 - p))))
 
 
-__all__ = ["SECRET_BYTES", "CheckSelector", "catch_probability", "check_reveal", "steps_to_catch"]
+__all__ = [
+    "SECRET_BYTES",
+    "CheckSelector",
+    "catch_probability",
+    "check_reveal",
+    "miss_probability",
+    "steps_to_catch",
+]

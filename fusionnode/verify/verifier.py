@@ -23,6 +23,7 @@ running for `conclude`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from fusionnode.errors import FusionNodeError
-from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable
+from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, split_payloads
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
 from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
 from fusionnode.verify.inner import stage_params
@@ -553,7 +554,7 @@ class Verifier:
             chunks.append(msg.tensors)
 
         audit = AuditJob(
-            dict(a), dict(commit), listed, portable(chunks), src, mbs, grads, pushed,
+            dict(a), dict(commit), listed, chunks, src, mbs, grads, pushed,
             list(report.get("losses") or []), m, rel_tol, step,
             {"compress": a.get("compress"), "link_options": a.get("link_options"), "job": self.job_id},
         )  # fmt: skip
@@ -569,7 +570,14 @@ class Verifier:
         try:
             if self.run_elsewhere is not None:  # another process (train/checks.py): off this one's GIL
                 try:
-                    return await self.run_elsewhere(audit, pack_tensors(mine))
+                    pack = getattr(self.run_elsewhere, "pack", None)
+                    if pack is None:  # the audit's payloads pickled, the parameters in one buffer
+                        sent = dataclasses.replace(audit, chunks=portable(audit.chunks))
+                        return await self.run_elsewhere(sent, pack_tensors(mine))
+                    # the payloads cross with the parameters, in the buffer `pack` lends
+                    light, payloads = split_payloads(audit.chunks)
+                    packed = pack({**mine, **payloads})
+                    return await self.run_elsewhere(dataclasses.replace(audit, chunks=light), packed)
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
                     self.run_elsewhere = None
