@@ -65,7 +65,7 @@ def test_a_bare_blake2b_digest_is_a_version_skew_that_bans_nobody_and_a_b3_misma
     with pytest.raises(JobError, match="version skew") as e:
         WorkerService._record_received(Ledger(0, [0], "b3:"), TensorKind.ACT, 0, old, OLD)
     assert (e.value.code, e.value.blame) == (ErrorCode.VERSION_SKEW, OLD)
-    assert "BLAKE2b" in str(e.value)
+    assert "bare (unprefixed) digest" in str(e.value)
     # the driver's recovery: the peer it names leaves the plan, unbanned; the receiver is not failed
     receiver = "QmReceiverxxxxxxxxxxxxxxxxxxxxxx"
     assert blame({receiver: [Failure.of(e.value)]}, [receiver, OLD]) == {OLD: "leave"}
@@ -193,3 +193,17 @@ def test_a_peer_sending_bare_blake2b_digests_mid_job_leaves_the_plan_unbanned(tm
     assert [e["peer"] for e in leaves] == [old] and "version skew" in leaves[0]["reason"], leaves
     assert not events_of(s, "failure") and not events_of(s, "caught")
     assert not s.driver.book.bans.banned(old, time.monotonic())
+
+
+def test_job_fetch_sends_only_the_fields_an_older_worker_knows_unless_it_asks_for_a_round():
+    """An 8b5373f worker refuses a `job.fetch` field it does not know: the new `round` (a time-closed
+    checkpoint's error feedback) must be left out of every other fetch, or a new driver's final
+    parameter fetch, its checkpoints and its ring moves fail on older workers."""
+    from fusionnode.wire.job import FetchRequest
+
+    older = {"job", "stage", "what", "tag"}
+    for what in ("params", "grads", "optim", "inner", "feedback"):
+        assert set(FetchRequest(job="j", stage=0, what=what).to_wire()) <= older, what
+    asked = FetchRequest(job="j", stage=0, what="feedback", round=3).to_wire()
+    assert asked["round"] == 3
+    assert FetchRequest.from_wire(FetchRequest(job="j", stage=1).to_wire()).round is None

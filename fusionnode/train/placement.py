@@ -565,7 +565,9 @@ class Placement:
             return None
 
         async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
-            req = jp.FetchRequest(job=job.spec.job_id, stage=a.stage, what="feedback", round=round_id)
+            req = jp.FetchRequest(
+                job=job.spec.job_id, stage=a.stage, what="feedback", round=None if round_id < 0 else round_id
+            )
             res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.step_timeout_s)
             got: dict[str, torch.Tensor] = {}
             for idx in range(res.count):

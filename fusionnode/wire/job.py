@@ -246,15 +246,16 @@ class FetchRequest(JobMessage):
     # re-sent for a retried call can never be read as a later fetch's answer (the checks' fetches)
     tag: int = -1
     # what="feedback": the accumulators as they were once the stage had closed round `round` (-1: as
-    # they are; a checkpoint of rounds closed by time, taken while the stage may close the next one)
-    round: int = -1
+    # they are, and so omitted: an older worker refuses a field it does not know; a checkpoint of rounds
+    # closed by time, taken while the stage may close the next one)
+    round: int | None = None
 
     def __post_init__(self) -> None:
         if self.what not in FETCH_KIND:
             raise _bad(f"what must be one of {sorted(FETCH_KIND)}, got {self.what!r:.40}")
         if not -1 <= self.tag < 1 << 62:
             raise _bad(f"tag must be -1 or a non-negative integer below 2^62, got {self.tag!r:.40}")
-        if not -1 <= self.round < 1 << 62:
+        if self.round is not None and not -1 <= self.round < 1 << 62:
             raise _bad(f"round must be -1 or a non-negative integer below 2^62, got {self.round!r:.40}")
 
 
