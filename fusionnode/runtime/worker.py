@@ -334,11 +334,9 @@ class WorkerService(StageAudit, HostLink):
         if what == "optim":  # offload off: the local optimizer's state, for a move of the stage
             return jp.CountReply(count=await optstate.send(self, sj))
         if what == "feedback":  # --sync sparseloco: the accumulators, for the job's checkpoint
-            tensors = (
-                sj.rounds.feedback_state(-1 if req.round is None else req.round)
-                if sj.rounds is not None
-                else {}
-            )
+            # in a thread: a round's encode may hold the feedback's lock (runtime/rounds.py)
+            rid = -1 if req.round is None else req.round
+            tensors = await asyncio.to_thread(sj.rounds.feedback_state, rid) if sj.rounds is not None else {}
         elif what == "inner":  # a transition check of its last inner step (verify/inner.py)
             from fusionnode.verify.feedback import feedback_fetch
 
