@@ -207,3 +207,19 @@ def test_job_fetch_sends_only_the_fields_an_older_worker_knows_unless_it_asks_fo
     asked = FetchRequest(job="j", stage=0, what="feedback", round=3).to_wire()
     assert asked["round"] == 3
     assert FetchRequest.from_wire(FetchRequest(job="j", stage=1).to_wire()).round is None
+
+
+def test_every_worker_older_says_why_and_the_next_job_does_not_inherit_the_notices(tmp_path):
+    spec = small_spec(steps=1, grad_clip=1.0, compress="none")
+    s = Swarm(tmp_path, workers=2)
+    for pid in s.ids:
+        older(s, pid)
+    base = {"spec": spec.to_dict(), "offload": "off", "rebalance_every": 0, "stages": 2}
+    from fusionnode.errors import PlanError
+
+    with pytest.raises(PlanError, match="older check versions"):
+        asyncio.run(s.driver.run_job({**base, "verify_policy": "all"}, s.emit))
+    s.events.clear()
+    result = asyncio.run(s.driver.run_job({**base, "verify_policy": "off"}, s.emit))
+    assert result["steps"] == spec.steps
+    assert not [e for e in events_of(s, "notice") if e.get("what") == "version_skew"]

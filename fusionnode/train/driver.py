@@ -176,6 +176,7 @@ class Driver:
                 metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
             # auto: offload whenever an optimizer host is available, which also lets the job survive a
             # failed worker (its step is replayed on a new plan); a local optimizer cannot
+            self.placement.left_out.clear()  # what an earlier plan left out is not this job's
             hosts_available = bool(
                 await self.placement.candidates(
                     params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
@@ -193,7 +194,11 @@ class Driver:
                 )
             workers = await self.placement.candidates(params.get("peers"), "worker", needs)
             if not workers:
-                raise PlanError("no worker peers are available in the swarm")
+                skew = "; ".join(f"{p[:12]}: {why}" for p, why in sorted(self.placement.left_out.items()))
+                raise PlanError(
+                    "no worker peers are available in the swarm"
+                    + (f" (left out, older check versions: {skew})" if skew else "")
+                )
             strategy = params.get("planner") or "simple"
             if strategy not in PLANNERS:
                 raise ConfigError(f"planner must be one of {', '.join(PLANNERS)}, got {strategy!r}")
@@ -240,7 +245,7 @@ class Driver:
                     if job.offload:
                         job.hosts = await self.placement.pick_hosts(params, workers, needs)
                         if params.get("resume"):
-                            job.hosts = await self._holders(job, job.hosts, params)
+                            job.hosts = await self._holders(job, job.hosts, params, needs)
                 else:
                     # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
                     # among the replicas and the job follows its choice (no hosts where they do not pay);
@@ -431,10 +436,15 @@ class Driver:
             metrics.close()
             await self._release(job)
 
-    async def _holders(self, job: Job, hosts: list[str], params: dict[str, Any]) -> list[str]:
+    async def _holders(
+        self, job: Job, hosts: list[str], params: dict[str, Any], needs: dict[str, str]
+    ) -> list[str]:
         """On resume: the optimizer peers that hold the job's shards (host index i at position i), when
-        they hold a shard for each of the len(hosts) indices; else `hosts`."""
-        candidates = await self.placement.candidates(params.get("optimizer_peers"), "optimizer")
+        they hold a shard for each of the len(hosts) indices; else `hosts`. With checks on, only
+        peers that can check (`needs`, as `pick_hosts` screens them)."""
+        candidates = await self.placement.candidates(
+            params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
+        )
         held = await self.hosts.holders(candidates, job.spec.job_id, job.secret, len(hosts))
         return held or hosts
 
