@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from fusionnode.errors import ConfigError
+from fusionnode.optim.optimizers import FlatOptimizer, clip_coefficient
 from fusionnode.optim.outer import make_outer
 from fusionnode.optim.rounds import ReplicaSync, RoundCombiner, pseudo_gradient
 from fusionnode.sync import SyncConfig
@@ -119,9 +120,12 @@ def _replica_step(
         loss = lm_loss(model(x), y)
         (loss * loss_scale(x.size(0), share)).backward()
         losses.append(loss.item())
-    params = [p for p in model.parameters() if p.grad is not None]
-    if spec.grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=False)
+    if spec.grad_clip is not None:  # the workers' clip (train/free_rounds.py `_compute`, runtime/fused.py)
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        coef = clip_coefficient(FlatOptimizer.grad_sq_norm(grads), spec.grad_clip)
+        if coef != 1.0:
+            for g in grads.values():
+                g.mul_(coef)
     opt.step()
     return sum(losses) / len(losses)
 
