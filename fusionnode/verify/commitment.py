@@ -16,9 +16,10 @@ speed is paid on every micro-batch. On this machine BLAKE3 hashes 3.2 MB (gpt2-t
 (a cryptographic hash: neither collisions nor second preimages are within reach at 128 bits).
 
 A digest names its hash: ``b3:`` and 32 hex digits (`DIGEST_PREFIX`). Versions before the prefix
-sent bare hex (BLAKE2b-128 or, from 4d56cd8 to 8b5373f, BLAKE3-128, or BLAKE3-128 from 4d56cd8 to 8b5373f), which a receiver cannot match whatever the tensors are; `check_claim` tells
-such a digest (any digest without this version's prefix) from a lie and raises a `version_skew`
-error that blames nobody for lying (verify/compat.py; protocol/SPEC.md, section 5.4).
+sent bare hex (BLAKE2b-128, or BLAKE3-128 from 4d56cd8 to 8b5373f), which a receiver cannot match
+whatever the tensors are; `check_claim` tells such a digest (any digest without this version's
+prefix) from a lie and raises a `version_skew` error that blames nobody for lying
+(verify/compat.py; protocol/SPEC.md, section 5.4).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ def digest_value(value: float) -> str:
 
 
 def digest_alg(digest: Any) -> str:
-    """The algorithm a digest names ("b3" for this version's); "" for a bare hex digest (BLAKE2b-128 or, from 4d56cd8 to 8b5373f, BLAKE3-128,
-    the versions before the prefix), "?" for anything that is no digest at all."""
+    """The algorithm a digest names ("b3" for this version's); "" for a bare hex digest (BLAKE2b-128,
+    or BLAKE3-128 from 4d56cd8 to 8b5373f: the versions before the prefix), "?" for anything that is
+    no digest at all."""
     if not isinstance(digest, str):
         return "?"
     alg, sep, rest = digest.partition(":")

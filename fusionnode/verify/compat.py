@@ -4,7 +4,8 @@ Two changes to the checks do not show in the wire's version, so a newer checker 
 honest peer's work as a lie and ban it:
 
 - ``commit``: the commitment's hash. This version sends ``b3:`` + BLAKE3-128 hex
-  (verify/commitment.py); older ones sent bare hex, BLAKE2b-128 and later BLAKE3-128 (both called ``b2`` here: either way unprefixed).
+  (verify/commitment.py); older ones sent bare hex, BLAKE2b-128 and later BLAKE3-128 (both called
+  ``b2`` here: either way unprefixed).
 - ``dither``: the seeds of q8/q4 stochastic rounding on a compressing link. ``keyed``
   (compress/dither.py) lets the checker recompute them; ``counter`` (a per-link counter) is all an
   older peer knows. An older worker drops the ``dither`` link option it does not know and counts.
