@@ -137,9 +137,7 @@ async def screen(
     if not wanted or not peers:
         return list(peers), {}
     caps = await peer_caps(t, peers)
-    out = {
-        p: refusal(p, role, lacks(c, wanted)) for p, c in caps.items() if c is not None and lacks(c, wanted)
-    }
+    out = {p: refusal(p, role, miss) for p, c in caps.items() if c is not None and (miss := lacks(c, wanted))}
     if named and out:
         raise ConfigError(" | ".join(out.values()))
     for why in out.values():
