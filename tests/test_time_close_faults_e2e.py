@@ -127,6 +127,17 @@ def _replay(sp: JobSpec, schedule: list, restarts: dict) -> list[float]:
     ).losses
 
 
+def _kill_a_worker(swarm: LocalSwarm, params: dict, sp: JobSpec, victim: str):
+    """Runs `params` with the worker `victim` killed in round 1 or 2: the rounds (each applied once,
+    none redone), the events, the killed peers and the (round, replica) pairs lost."""
+    result, events, killed = train(swarm, params, 1, a_worker(victim))
+    assert killed and result["steps"] == STEPS
+    rounds = check_rounds_once(events, sp)
+    assert len([e for e in events if e["type"] == "step"]) == len(rounds)  # nothing redone
+    lost = [(r["round_closed"], rep["replica"]) for r in rounds for rep in r["replicas"] if rep.get("lost")]
+    return rounds, events, killed, lost
+
+
 def test_a_worker_and_an_optimizer_host_killed_mid_round_leave_every_round_applied_once(tmp_path):
     swarm = LocalSwarm(tmp_path, 6, log=sys.stderr)
     try:
@@ -137,13 +148,7 @@ def test_a_worker_and_an_optimizer_host_killed_mid_round_leave_every_round_appli
         # 1. a worker dies in round 2: 5 workers (4 in the plan, a spare), one optimizer host apart
         sp = spec(tmp_path, "worker")
         params = job_params(sp, 2, ids[:5], [ids[5]])
-        result, events, killed = train(swarm, params, 1, a_worker(ids[0]))
-        assert killed and result["steps"] == STEPS
-        rounds = check_rounds_once(events, sp)
-        assert len([e for e in events if e["type"] == "step"]) == len(rounds)  # nothing redone
-        lost = [
-            (r["round_closed"], rep["replica"]) for r in rounds for rep in r["replicas"] if rep.get("lost")
-        ]
+        rounds, events, killed, lost = _kill_a_worker(swarm, params, sp, ids[0])
         assert len(lost) == 1, lost  # the victim's replica lost the round it died in, only that one
         # a real test: with one step of the lost replica's partial round counted, the round after
         # the lost one (the first its outer step moves) leaves TOL
@@ -187,14 +192,8 @@ def test_a_fused_worker_killed_mid_round_leaves_every_round_applied_once(tmp_pat
         ids = [r["peer_id"] for r in swarm.ready]
         sp = spec(tmp_path, "fused")
         params = job_params(sp, 1, ids[:3], [ids[3]])
-        result, events, killed = train(swarm, params, 1, a_worker(ids[0]))
-        assert killed and result["steps"] == STEPS
-        rounds = check_rounds_once(events, sp)
+        rounds, _, _, lost = _kill_a_worker(swarm, params, sp, ids[0])
         assert all(rep["fused"] for r in rounds for rep in r["replicas"])
-        assert len([e for e in events if e["type"] == "step"]) == len(rounds)  # nothing redone
-        lost = [
-            (r["round_closed"], rep["replica"]) for r in rounds for rep in r["replicas"] if rep.get("lost")
-        ]
         assert len(lost) == 1 and lost[0][0] in (1, 2), lost
         assert rounds[lost[0][0] + 1].get("restart")
     finally:
