@@ -411,7 +411,9 @@ class Driver:
             run.scorer = scoring.scorer(self.t, self.hosts, job, model, source, self.stepper.step_timeout_s)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
+            feedback = (
+                await feedback_ckpt.saved(self.placement, job, run, spec.steps) if spec.save_dir else None
+            )
             optim = (
                 await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args)
                 if spec.save_dir
@@ -597,7 +599,7 @@ class Driver:
                         step,
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
-                        await self.placement.fetch_feedback(job, run.stage_args),
+                        await feedback_ckpt.saved(self.placement, job, run, step),
                         await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on

@@ -8,6 +8,8 @@ replica, by name (train/checkpoint.py `save_job`).
   it did not fold the round asked, a replica that lost that round; a dead peer; a timeout) is left
   out and listed there, and what the other stages answered is kept: one stage no longer drops every
   replica's feedback from the checkpoint.
+- `saved`: `fetch` for a checkpoint (the periodic ones, the time-closed rounds' and the job's
+  last), naming the stages left out in a `checkpoint_feedback` notice.
 - `fresh_names`: what a resumed (or re-planned) job's stages get no feedback for, per replica: the
   names each stage sends (`contributing_names`) that the checkpoint does not hold. Only those start
   new accumulators (`Placement.ship` sends each stage the names it has); the driver names them in a
@@ -77,6 +79,17 @@ async def fetch(
     return out
 
 
+async def saved(placement: Any, job: Any, run: Any, step: int, round_id: int = -1) -> Feedback | None:
+    """The feedback a checkpoint of `step` saves: `fetch` with every stage that answers; the stages
+    that cannot are named in a `checkpoint_feedback` notice (their names start new on resume)."""
+    missing: list[tuple[StageAssignment, Exception]] = []
+    feedback = await fetch(placement, job, run.stage_args, round_id, missing)
+    if missing:
+        why = f"not saved for {describe(missing)}; saved for the other stages"
+        await run.event(job, "notice", what="checkpoint_feedback", step=step, reason=why)
+    return feedback or None
+
+
 def describe(missing: list[tuple[StageAssignment, Exception]]) -> str:
     """The stages a feedback fetch left out, for a notice: replica, stage and peer, and why."""
     return "; ".join(
@@ -125,4 +138,4 @@ def fresh_flag(job: Any) -> bool | dict[str, list[str]]:
     return {str(r): names for r, names in job.feedback_fresh.items()} or False
 
 
-__all__ = ["describe", "fetch", "fresh_flag", "fresh_names", "fresh_stages"]
+__all__ = ["describe", "fetch", "fresh_flag", "fresh_names", "fresh_stages", "saved"]

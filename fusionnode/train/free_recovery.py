@@ -226,12 +226,8 @@ async def checkpoint(driver: Any, job: Any, run: Any, q: int) -> None:
         params = await driver.placement.current_params(job, run.stage_args, run.host_of)
         # sparseloco: the feedback after round q, of every stage that has it (a stage of a replica
         # that lost round q, or a dead one, does not: only its names start new ones on resume)
-        missing: list = []
-        feedback = await driver.placement.fetch_feedback(job, run.stage_args, q, missing)
-        if missing:
-            reason = f"not saved for {feedback_ckpt.describe(missing)}; saved for the other stages"
-            await run.event(job, "notice", what="checkpoint_feedback", step=at, reason=reason)
-        await asyncio.to_thread(save_job, job, at, run.source, params, feedback or None)
+        feedback = await feedback_ckpt.saved(driver.placement, job, run, at, q)
+        await asyncio.to_thread(save_job, job, at, run.source, params, feedback)
     except (OSError, FusionNodeError) as exc:
         await run.event(job, "failure", peer=None, step=at, reason=f"checkpoint: {exc}")
 

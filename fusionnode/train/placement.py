@@ -557,13 +557,6 @@ class Placement:
                     out.setdefault(name, t)
         return out
 
-    async def fetch_feedback(
-        self, job: Job, stage_args: list[StageAssignment], round_id: int = -1, missing: list | None = None
-    ) -> dict[int, dict[str, torch.Tensor]] | None:
-        """--sync sparseloco: every replica's error-feedback accumulators, by name (train/feedback_ckpt.py
-        `fetch`: `missing` keeps the stages that answered when one cannot); None in the other modes."""
-        return await feedback_ckpt.fetch(self, job, stage_args, round_id, missing)
-
     def release_calls(self, job: Job, abort: bool, timeout: float = 5.0) -> list[Any]:
         """The calls that drop the job's stages (`abort`: cancel a step in progress first)."""
         return [
