@@ -282,7 +282,9 @@ class RoundCombiner:
         """(each replica's weight in the outer step's mean, the floor's scale of it): the plan's
         tokens x the floor's norm scale (`clip`) x the driver's verdict (1 kept, 0 dropped). With a
         verdict the floor's reference is the kept replicas' norms only (a dropped one, a liar sending
-        a tiny contribution, must not scale the kept ones down), and a dropped replica never gets a
+        a tiny contribution, must not scale the kept ones down), each norm over its verdict (under
+        --round-close time a replica's steps over the round's most: norms compared per step, so one
+        that did 3 steps is not scaled down beside one that did 1), and a dropped replica never gets a
         weight: a round whose kept replicas weigh nothing is a RoundError, not the floor's. A
         verdict that drops every replica weighs nothing: `close` applies nothing then."""
         tokens = [self.pending[r][0] if r in self.pending else 0.0 for r in range(self.replicas)]
@@ -293,8 +295,9 @@ class RoundCombiner:
             kept = [r for r, v in enumerate(verdict) if v > 0]
             if kept:
                 scales = [0.0] * self.replicas
-                if norms is not None:
-                    for r, sc in zip(kept, clip_scales([norms[r] for r in kept], self.clip), strict=True):
+                if norms is not None:  # per unit of the verdict: per inner step under --round-close time
+                    got = clip_scales([norms[r] for r in kept], self.clip, [verdict[r] for r in kept])
+                    for r, sc in zip(kept, got, strict=True):
                         scales[r] = sc
                 else:
                     for r in kept:

@@ -40,7 +40,7 @@ from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
 from fusionnode.optim.client import OptimizerClient, shard
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig, job_refusals
-from fusionnode.train import checks, free_rounds, ringrecovery, scoring
+from fusionnode.train import checks, feedback_ckpt, free_rounds, ringrecovery, scoring
 from fusionnode.train.checkpoint import (
     checkpoint_feedback,
     checkpoint_worker_optim,
@@ -361,6 +361,10 @@ class Driver:
                         reason="no error feedback for this step: the replicas start new ones",
                         step=start_step,
                     )
+                elif fresh := feedback_ckpt.fresh_stages(stage_args, feedback):  # a stage left out
+                    why = f"no error feedback of {'; '.join(fresh)} in the checkpoint: new ones there only"
+                    metrics.event("notice", what="resume_feedback", step=start_step, reason=why)
+                    await emit({"type": "event", "kind": "notice", "what": "resume_feedback", "reason": why})
             optim = None
             if not job.offload and ckpt is not None:  # the workers' optimizer state of that step
                 optim = checkpoint_worker_optim(ckpt, ringrecovery.trainable_names(job, stage_args))
@@ -407,7 +411,9 @@ class Driver:
             run.scorer = scoring.scorer(self.t, self.hosts, job, model, source, self.stepper.step_timeout_s)
             await self._train(job, run, source, start_step)
             final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            feedback = await self.placement.fetch_feedback(job, run.stage_args) if spec.save_dir else None
+            feedback = (
+                await feedback_ckpt.saved(self.placement, job, run, spec.steps) if spec.save_dir else None
+            )
             optim = (
                 await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args)
                 if spec.save_dir
@@ -593,7 +599,7 @@ class Driver:
                         step,
                         source,
                         await self.placement.current_params(job, run.stage_args, run.host_of),
-                        await self.placement.fetch_feedback(job, run.stage_args),
+                        await feedback_ckpt.saved(self.placement, job, run, step),
                         await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args),
                     )
                 except (OSError, FusionNodeError) as exc:  # the earlier checkpoints stay; the job goes on

@@ -36,14 +36,16 @@ step, (rounds applied) x H).
 
 Every round of a segment that follows a recovery (or a resume) runs on new stages: new inner
 optimizers, every replica from the hosts' θ, and under sparseloco the error feedback of the driver's
-checkpoint of that round boundary when there is one, else new accumulators. Its record says so
-(`restart`, `fresh_outer`, `fresh_feedback`), which `--local --round-steps FILE` replays
-(train/free_rounds_local.py `load_restarts`).
+checkpoint of that round boundary when there is one, else new accumulators (per stage: a stage
+the checkpoint holds no feedback of starts new ones, the others keep theirs: train/feedback_ckpt.py).
+Its record says so (`restart`, `fresh_outer`, `fresh_feedback`: true, or per replica the names that
+started new), which `--local --round-steps FILE` replays (train/free_rounds_local.py `load_restarts`).
 
 Checkpoints: after round q's record, when (q+1)·H is due (`SyncConfig.checkpoint_due`), the
 driver saves the hosts' parameters (the hosts save their shards as they close the round) and, under
 sparseloco, each replica's error feedback as it was after round q (a stage may have folded round
-q + 1 in by then: it keeps the accumulators of the round before, `FetchRequest.round`); the next
+q + 1 in by then: it keeps the accumulators of the round before, `FetchRequest.round`; a stage that
+cannot answer is left out with a notice, the others' saved); the next
 round's verdict waits for it, so no later round can change the parameters being saved, and a
 checkpoint never holds a round without its record.
 """
@@ -55,6 +57,7 @@ import contextlib
 from typing import Any
 
 from fusionnode.errors import FusionNodeError, PeerError, PlanError
+from fusionnode.train import feedback_ckpt
 from fusionnode.train.checkpoint import save_job
 from fusionnode.train.step import HostFailed, StepFailed
 
@@ -72,7 +75,12 @@ class Segment:
     stopped it (`stop`)."""
 
     def __init__(
-        self, first: int, *, restart: bool = False, fresh_outer: bool = False, fresh_feedback: bool = False
+        self,
+        first: int,
+        *,
+        restart: bool = False,
+        fresh_outer: bool = False,
+        fresh_feedback: bool | dict[str, list[str]] = False,
     ):
         self.first = first
         self.stop: int | None = None  # the last round the replicas run (a replica lost its round in it)
@@ -90,12 +98,13 @@ class Segment:
         """Whether round `q` is run (the replicas stop after the round a failure hit)."""
         return self.stop is None or q <= self.stop
 
-    def record_flags(self, q: int) -> dict[str, bool]:
+    def record_flags(self, q: int) -> dict[str, Any]:
         """What the record of round `q` says of its start: on new stages (the segment's first round
-        after a recovery or a resume)."""
+        after a recovery or a resume); `fresh_feedback` true, or per replica the names whose error
+        feedback started new (train/feedback_ckpt.py `fresh_flag`)."""
         if q != self.first or not self.flags["restart"]:
             return {}
-        return {k: True for k, v in self.flags.items() if v}
+        return {k: v for k, v in self.flags.items() if v}
 
     def lose(self, rd: Any, idx: int, fail: StepFailed, scored: bool) -> None:
         """Replica `idx` failed in round `rd`: it loses the round (0 steps, weight 0), and the segment
@@ -215,11 +224,9 @@ async def checkpoint(driver: Any, job: Any, run: Any, q: int) -> None:
         return
     try:
         params = await driver.placement.current_params(job, run.stage_args, run.host_of)
-        try:  # sparseloco: the feedback after round q (a replica that lost it: none, new ones on resume)
-            feedback = await driver.placement.fetch_feedback(job, run.stage_args, q)
-        except (FusionNodeError, TimeoutError) as exc:
-            feedback = None
-            await run.event(job, "notice", what="checkpoint_feedback", step=at, reason=f"not saved: {exc}")
+        # sparseloco: the feedback after round q, of every stage that has it (a stage of a replica
+        # that lost round q, or a dead one, does not: only its names start new ones on resume)
+        feedback = await feedback_ckpt.saved(driver.placement, job, run, at, q)
         await asyncio.to_thread(save_job, job, at, run.source, params, feedback)
     except (OSError, FusionNodeError) as exc:
         await run.event(job, "failure", peer=None, step=at, reason=f"checkpoint: {exc}")
@@ -235,7 +242,7 @@ async def run(driver: Any, job: Any, run_: Any, source: Any, start_step: int, se
         start_step // h,
         restart=start_step > 0,
         fresh_outer=start_step > 0 and job.fresh_optimizer,
-        fresh_feedback=start_step > 0 and job.sync.mode == "sparseloco" and not job.feedback_shipped,
+        fresh_feedback=start_step > 0 and feedback_ckpt.fresh_flag(job),
     )
     recoveries = 0
     while True:
@@ -293,7 +300,7 @@ async def recover(driver: Any, job: Any, run: Any, source: Any, seg: Segment) ->
             + f"the job goes on at round {first} on the new plan"
         ),
     )
-    fresh_feedback = job.sync.mode == "sparseloco" and not job.feedback_shipped  # Recovery.round_feedback
+    fresh_feedback = feedback_ckpt.fresh_flag(job)  # Recovery.round_feedback shipped all, part or none
     return Segment(first, restart=True, fresh_outer=fresh_outer, fresh_feedback=fresh_feedback)
 
 

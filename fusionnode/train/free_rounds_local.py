@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +112,12 @@ def _round_records(path: str, text: str) -> list[dict[str, Any]]:
     return [by_round[q] for q in sorted(by_round, key=lambda q: (q < 0, q if q >= 0 else -q))]
 
 
-def load_restarts(path: str) -> dict[str, list[int]]:
+def load_restarts(path: str) -> dict[str, Any]:
     """The rounds of a swarm run's metrics file that ran on a new plan, as `train_local_replicas`
     takes them: `restart_rounds` (new inner optimizers, every replica from θ), `fresh_outer_rounds`
     (the hosts restored with new outer state), `fresh_feedback_rounds` (sparseloco: new error
-    feedback). None for a JSON list of counts."""
+    feedback), `fresh_feedback_names` (round -> replica -> the names whose error feedback started
+    new, the others' kept: a checkpoint that held part of it). None for a JSON list of counts."""
     text = Path(path).read_text()
     try:
         if isinstance(json.loads(text), list):
@@ -124,7 +125,7 @@ def load_restarts(path: str) -> dict[str, list[int]]:
     except json.JSONDecodeError:
         pass
     recs = _round_records(path, text)
-    out: dict[str, list[int]] = {"restart_rounds": [], "fresh_outer_rounds": [], "fresh_feedback_rounds": []}
+    out: dict[str, Any] = {"restart_rounds": [], "fresh_outer_rounds": [], "fresh_feedback_rounds": []}
     for rec in recs:
         q = rec.get("round_closed")
         if not isinstance(q, int) or not rec.get("restart"):
@@ -132,7 +133,11 @@ def load_restarts(path: str) -> dict[str, list[int]]:
         out["restart_rounds"].append(q)
         if rec.get("fresh_outer"):
             out["fresh_outer_rounds"].append(q)
-        if rec.get("fresh_feedback"):
+        fresh = rec.get("fresh_feedback")
+        if isinstance(fresh, dict) and fresh:
+            names = {int(r): [str(n) for n in ns] for r, ns in fresh.items()}
+            out.setdefault("fresh_feedback_names", {})[q] = names
+        elif fresh:
             out["fresh_feedback_rounds"].append(q)
     return out
 
@@ -147,12 +152,14 @@ def replay_rounds(
     eval_batches: int,
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     restarts: tuple[frozenset[int], ...] = (frozenset(), frozenset(), frozenset()),
+    fresh_names: Mapping[int, Mapping[int, Collection[str]]] | None = None,
 ) -> tuple[list[float], float, dict[str, torch.Tensor], RoundCombiner]:
     """Rounds closed by time, replaying `schedule`; emits one record per round (its last step of the
     fastest replica, the token-weighted loss, each replica's steps, tokens and loss). `restarts`:
     the rounds that start with new inner optimizers (every replica from θ), new outer state, new
-    error feedback (`train_local_replicas`). Returns (the rounds' losses, the validation loss, θ,
-    the combiner)."""
+    error feedback (`train_local_replicas`); `fresh_names`: round -> replica -> the names whose error
+    feedback starts new at that round (the others' kept). Returns (the rounds' losses, the
+    validation loss, θ, the combiner)."""
     from fusionnode.optim.outer import make_outer
     from fusionnode.optim.rounds import ReplicaSync
     from fusionnode.train.local import make_optimizer
@@ -183,6 +190,10 @@ def replay_rounds(
             host.outer = make_outer(sync)
         if q in restarts[2]:
             senders = [ReplicaSync(sync) for _ in range(replicas)]
+        for r, names in (fresh_names or {}).get(q, {}).items():
+            fb = senders[r].feedback if 0 <= r < replicas else None
+            for name in names if fb is not None else ():
+                fb.acc.pop(name, None)  # a new accumulator, as a stage given none of this name
         reps = []
         for r in range(replicas):
             if not counts[r]:  # it lost its round: no part in the outer step (a new plan follows)

@@ -26,6 +26,7 @@ from fusionnode.runtime.allreduce import allreduce_rings
 from fusionnode.runtime.schedule import DEFAULT_SCHEDULE, peak_in_flight
 from fusionnode.security.limits import MAILBOX_SLACK_BYTES
 from fusionnode.sync import SyncConfig, state_copies
+from fusionnode.train import feedback_ckpt
 from fusionnode.train.rebalance import PeerBook
 from fusionnode.train.state import Job, Pipeline
 from fusionnode.train.swarm_cluster import cluster_from_records, symmetric_links
@@ -527,6 +528,7 @@ class Placement:
 
         await asyncio.gather(*(ship(a) for a in stage_args))
         job.feedback_shipped = bool(feedback)
+        job.feedback_fresh = feedback_ckpt.fresh_names(stage_args, feedback) if feedback else {}
 
     async def fetch(self, job: Job, stage_args: list[StageAssignment], what: str) -> dict[str, torch.Tensor]:
         """Parameters (or gradients) of replica 0, by name; a name held by several stages is summed for
@@ -553,36 +555,6 @@ class Placement:
                     out[name] = out[name] + t
                 else:
                     out.setdefault(name, t)
-        return out
-
-    async def fetch_feedback(
-        self, job: Job, stage_args: list[StageAssignment], round_id: int = -1
-    ) -> dict[int, dict[str, torch.Tensor]] | None:
-        """--sync sparseloco: every replica's error-feedback accumulators, by name (for a checkpoint at
-        a round boundary; `round_id`: as they were after that round, `FetchRequest.round`); None in the
-        other modes."""
-        if job.sync.mode != "sparseloco":
-            return None
-
-        async def one(a: StageAssignment) -> dict[str, torch.Tensor]:
-            req = jp.FetchRequest(
-                job=job.spec.job_id, stage=a.stage, what="feedback", round=None if round_id < 0 else round_id
-            )
-            res = await jp.call(self.t, a.peer, Rpc.JOB_FETCH, req, timeout=self.step_timeout_s)
-            got: dict[str, torch.Tensor] = {}
-            for idx in range(res.count):
-                msg, src = await self.t.mailbox.get(
-                    (TensorKind.FEEDBACK, job.spec.job_id, -1, idx, a.stage),
-                    self.step_timeout_s,
-                    sender=a.peer,
-                )
-                got.update(decode_checked(msg, a.param_specs, None, src))
-            return got
-
-        parts = await asyncio.gather(*(one(a) for a in stage_args))
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for a, part in zip(stage_args, parts, strict=True):
-            out.setdefault(a.replica, {}).update(part)
         return out
 
     def release_calls(self, job: Job, abort: bool, timeout: float = 5.0) -> list[Any]:

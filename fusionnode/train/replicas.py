@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,7 @@ def train_local_replicas(
     restart_rounds: Collection[int] = (),
     fresh_outer_rounds: Collection[int] = (),
     fresh_feedback_rounds: Collection[int] = (),
+    fresh_feedback_names: Mapping[int, Mapping[int, Collection[str]]] | None = None,
     on_round: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     round_steps: list[list[int]] | None = None,
 ) -> ReplicasResult:
@@ -150,7 +151,9 @@ def train_local_replicas(
     `restart_rounds` (diloco/sparseloco): rounds that start with new inner optimizers on every
     replica, as after the swarm redid a round on a new plan (a worker died, a host was replaced, the
     job resumed); `fresh_feedback_rounds`: rounds that start with new SparseLoCo error feedback (a
-    redone round: the dead stage's accumulators are gone); `fresh_outer_rounds`: rounds that start
+    redone round: the dead stage's accumulators are gone); `fresh_feedback_names` (rounds closed by
+    time): round -> replica -> the names whose feedback starts new there, the others kept (a
+    checkpoint that held part of it); `fresh_outer_rounds`: rounds that start
     with a new outer optimizer state, as after the optimizer hosts restarted from the driver's
     checkpoint. The reference those runs follow.
     `on_round(round, θ)` sees the shared parameters after each round (a copy).
@@ -182,11 +185,16 @@ def train_local_replicas(
             losses, val, theta, host = replay_rounds(
                 spec, sync, shares, seq_len, round_steps, emit, eval_batches, on_round,
                 (frozenset(restart_rounds), frozenset(fresh_outer_rounds), frozenset(fresh_feedback_rounds)),
+                fresh_feedback_names,
             )  # fmt: skip
             res = ReplicasResult(
                 spec, sync, replicas, tuple(losses), val, theta, tuple(records),
                 host.received_bytes, host.sent_bytes, host.round,
             )  # fmt: skip
+        elif fresh_feedback_names:
+            raise ConfigError(
+                "error feedback kept for part of a replica is replayed under --round-close time only"
+            )
         elif sync.rounds:
             res = _round_modes(
                 spec,

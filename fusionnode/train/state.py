@@ -80,6 +80,7 @@ class Job:
         self.secret = ""  # proves to optimizer hosts that we own the job's shards (kept in our checkpoints)
         self.fresh_optimizer = False  # the hosts' last restore had no common shard checkpoint
         self.feedback_shipped = False  # sparseloco: the stages last shipped were given error feedback
+        self.feedback_fresh: dict[int, list[str]] = {}  # ... except these names, per replica (part)
         self.model_bytes = 0  # bytes of the model's parameters (fp32): what a peer may send us at once
         self.events: list[dict[str, Any]] = []  # replan / join / leave / failure / recovered, in order
         self.validation: list[dict[str, Any]] = []  # {"step", "loss"}: held-out loss where it was measured
