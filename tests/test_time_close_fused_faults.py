@@ -225,20 +225,80 @@ class LateDeath(CloseKiller):
         return step
 
 
+class SlowVerdict(CloseKiller):
+    """A CloseKiller (its close ran) whose failed step is seen only once round `close`'s verdict
+    reached the first host, while the second answers it only after the driver gave up waiting for
+    it (`judged` with JUDGED_S here, `short_judged`). Cancelling it there left the round closed on
+    one host and redone by the driver (review6, finding 6)."""
+
+    JUDGED_S = 0.3
+
+    def __init__(self, tmp_path, workers: int, hosts: int, close: int, after: bool):
+        super().__init__(tmp_path, workers=workers, hosts=hosts, close=close, after=after)
+        self.sent = asyncio.Event()  # round `close`'s verdict is going out
+        self.judging = asyncio.Event()  # the driver waits for it (`judged`)
+        first, second = sorted(self.hosts)
+        for pid in (first, second):
+            t = self.net.peers[pid]
+
+            async def verdict(args: dict, sender: str, pid=pid, handler=t._rpc[Rpc.OPT_ROUND_VERDICT]):
+                if args.get("round") == self.close:
+                    if pid == first:
+                        self.sent.set()
+                    else:  # past the time `judged` gives it
+                        await self.judging.wait()
+                        await asyncio.sleep(self.JUDGED_S + 0.2)
+                return await handler(args, sender)
+
+            t._rpc[Rpc.OPT_ROUND_VERDICT] = verdict
+
+    def short_judged(self, monkeypatch) -> None:
+        from fusionnode.train import free_recovery
+
+        judged = free_recovery.judged
+
+        async def short(scorer, rd, _timeout):
+            self.judging.set()
+            await judged(scorer, rd, self.JUDGED_S)
+
+        monkeypatch.setattr(free_recovery, "judged", short)
+
+    def _wrap(self, pid: str, handler):
+        async def step(args: dict, sender: str):
+            rnd = args.get("close_round")
+            if rnd is not None and rnd.get("id") == self.close and not self.downed:
+                self.downed.append(pid)
+                result = await handler(args, sender)
+                await self.sent.wait()
+                self.net.down.add(pid)  # the call's reply is dropped (MemTransport.call)
+                return result
+            return await handler(args, sender)
+
+        return step
+
+
 @pytest.mark.parametrize(
     ("after", "kind"),
-    [(False, CloseKiller), (False, LateDeath), (True, CloseKiller), (True, SlowJudge)],
-    ids=["before-close", "before-close-late", "after-close", "after-close-slow-judge"],
+    [(False, CloseKiller), (False, LateDeath), (True, CloseKiller), (True, SlowJudge), (True, SlowVerdict)],
+    ids=[
+        "before-close",
+        "before-close-late",
+        "after-close",
+        "after-close-slow-judge",
+        "after-close-slow-verdict",
+    ],
 )
-def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, after, kind):
+def test_a_fused_worker_dying_in_a_scored_round_has_the_round_redone(tmp_path, monkeypatch, after, kind):
     """--contrib-policy score (auto here): the round the replica lost is redone on the new plan
     when the worker dies on the step carrying round 1's close (before the close ran: round 1; after
-    it: round 2, the hosts closed round 1 with it, its verdict awaited when still under way); each
-    host closes each round once, each round has one record and one judgement, and the records are
-    the replay's."""
+    it: round 2, the hosts closed round 1 with it, its verdict awaited when still under way, to its
+    end once it is being sent); each host closes each round once, each round has one record and one
+    judgement, and the records are the replay's."""
     sync = _timed(DILOCO)
     spec = small_spec(steps=9, micro_batches=2)
     s = kind(tmp_path, workers=4, hosts=2, close=1, after=after)
+    if kind is SlowVerdict:
+        s.short_judged(monkeypatch)
     closes = _ledger(s)
     # the hosts' norm floor at its default (2 x the lower median per inner step): a redone round's
     # replica of 3 steps beside one of 1 keeps its weight, as the replay (no floor) has it

@@ -25,7 +25,7 @@ from fusionnode.verify.commitment import DIGEST_KEY, check_claim, digest_alg, di
 from fusionnode.verify.ledger import Ledger
 from fusionnode.verify.lossy import LinkRules
 from fusionnode.wire.checked import tensor_message
-from fusionnode.wire.job import ErrorCode, Failure, JobError, TensorKind
+from fusionnode.wire.job import ErrorCode, Failure, JobError, Rpc, TensorKind
 
 OLD = "QmOldPeerxxxxxxxxxxxxxxxxxxxxxxx"
 
@@ -223,3 +223,69 @@ def test_every_worker_older_says_why_and_the_next_job_does_not_inherit_the_notic
     result = asyncio.run(s.driver.run_job({**base, "verify_policy": "off"}, s.emit))
     assert result["steps"] == spec.steps
     assert not [e for e in events_of(s, "notice") if e.get("what") == "version_skew"]
+
+
+def count_pings(s: Swarm) -> dict[str, list[bool]]:
+    """peer -> for each `job.ping` it answered without a job (liveness and capabilities, not the
+    keep-alive), whether it asked the capabilities; counted at the receiving end of the memnet."""
+    seen: dict[str, list[bool]] = {pid: [] for pid in s.ids}
+    for pid in s.ids:
+        t = s.net.peers[pid]
+        served = t._rpc[Rpc.JOB_PING]
+
+        async def counted(args, sender, pid=pid, served=served):
+            if "job" not in args:
+                seen[pid].append(bool(args.get("caps")))
+            return await served(args, sender)
+
+        t._rpc[Rpc.JOB_PING] = counted
+    return seen
+
+
+def test_a_plan_asks_each_peer_its_capabilities_once_in_its_liveness_ping(tmp_path):
+    """With checks on a plan looks for optimizer hosts twice (are there any, then which) and for
+    workers once, each after a liveness ping: every peer is asked its capabilities once, in that
+    ping, so a checked job pings no more than one with checks off. An older peer's refusal of the
+    field reads as alive and older: left out with its notice."""
+    spec = small_spec(steps=1, grad_clip=1.0, compress="none")
+    base = {"spec": spec.to_dict(), "offload": "on", "rebalance_every": 0, "stages": 2}
+    pings = {}
+    for policy in ("off", "all"):
+        s = Swarm(tmp_path / policy, workers=3, hosts=1)
+        older(s, s.ids[2])
+        seen = count_pings(s)
+        result = asyncio.run(s.driver.run_job({**base, "verify_policy": policy}, s.emit))
+        assert result["steps"] == spec.steps
+        pings[policy] = seen
+        skew = [e for e in events_of(s, "notice") if e.get("what") == "version_skew"]
+        assert [s.ids[2] in e["reason"] for e in skew] == ([True] if policy == "all" else []), skew
+    on, off = pings["all"], pings["off"]
+    assert all(v.count(True) == 1 for v in on.values()), on  # asked once each, hosts included
+    assert {p: len(v) for p, v in on.items()} == {p: len(v) for p, v in off.items()}, (on, off)
+    assert not any(True in v for v in off.values()), off  # checks off: nothing asked
+
+
+def test_the_capabilities_are_kept_for_one_plan_only(tmp_path):
+    """Outside a plan every screen asks; inside one each peer once; a new plan asks afresh (a peer
+    may have been upgraded in between)."""
+    s = Swarm(tmp_path, workers=2)
+    seen = count_pings(s)
+    t = s.net.peers[s.ids[0]]
+
+    async def go():
+        await compat.peer_caps(t, s.ids)
+        await compat.peer_caps(t, s.ids)
+        with compat.one_ask_per_plan():
+            await compat.peer_caps(t, s.ids)
+            with compat.one_ask_per_plan():  # an inner scope is the plan's own
+                await compat.ping(t, s.ids[0], ask=True)
+            assert await compat.peer_caps(t, s.ids) == dict.fromkeys(s.ids, compat.CAPS)
+        with compat.one_ask_per_plan():
+            older(s, s.ids[1])
+            reply = await compat.ping(t, s.ids[1], ask=True)  # refused: alive, older
+            assert reply.alive and reply.caps == compat.LEGACY
+            assert (await compat.peer_caps(t, s.ids))[s.ids[1]] == compat.LEGACY
+
+    asyncio.run(go())
+    # 2 screens outside a plan, 1 in the first (the inner ping only checks liveness), 1 in the second
+    assert seen == {s.ids[0]: [True, True, True, False, True], s.ids[1]: [True] * 4}, seen

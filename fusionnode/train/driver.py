@@ -27,6 +27,7 @@ and `optim/client.py` (the optimizer hosts). The messages between them and the p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -158,6 +159,7 @@ class Driver:
         job.secret = job_secret(self.state_dir, spec.job_id)
         self.jobs[spec.job_id] = job
         metrics = MetricsWriter(spec.metrics_out)
+        plan_asks = contextlib.ExitStack()  # each peer's check capabilities asked once for the plan
         try:
             model = await asyncio.to_thread(build_job_model, spec)
             seq_len = resolve_seq_len(spec)
@@ -177,6 +179,7 @@ class Driver:
             # auto: offload whenever an optimizer host is available, which also lets the job survive a
             # failed worker (its step is replayed on a new plan); a local optimizer cannot
             self.placement.left_out.clear()  # what an earlier plan left out is not this job's
+            plan_asks.enter_context(compat.one_ask_per_plan())
             hosts_available = bool(
                 await self.placement.candidates(
                     params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
@@ -292,6 +295,7 @@ class Driver:
                 )
 
             stage_args, workers = await self.placement.place(workers, lay, assign, metrics, emit)
+            plan_asks.close()  # a later screen (joins, new hosts) asks afresh
             for peer, why in sorted(self.placement.left_out.items()):  # checks on: older check versions
                 metrics.event("notice", what="version_skew", peer=peer, reason=why)
                 await emit({"type": "event", "kind": "notice", "what": "version_skew", "reason": why})
@@ -439,6 +443,7 @@ class Driver:
                 metrics.event("failure", reason=str(exc), step=job.step)
             raise
         finally:
+            plan_asks.close()
             metrics.close()
             await self._release(job)
 

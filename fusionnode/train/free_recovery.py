@@ -106,9 +106,10 @@ class Segment:
             return {}
         return {k: v for k, v in self.flags.items() if v}
 
-    def lose(self, rd: Any, idx: int, fail: StepFailed, scored: bool) -> None:
+    def lose(self, rd: Any, idx: int, fail: StepFailed, scorer: Any) -> None:
         """Replica `idx` failed in round `rd`: it loses the round (0 steps, weight 0), and the segment
-        stops after it. A dead host is raised (the whole segment recovers)."""
+        stops after it. A dead host is raised (the whole segment recovers). `scorer`: the job's
+        RoundScorer under --contrib-policy score, else None."""
         if isinstance(fail, HostFailed):
             raise fail
         self.lost[idx] = fail
@@ -116,11 +117,13 @@ class Segment:
             self.stop, self.stopped = rd.q, rd
         if rd.verdict is not None and rd.verdict.done() and not rd.verdict.cancelled():
             return  # the hosts closed the round with it already: its steps were applied
+        if sending(rd, scorer):
+            return  # the hosts are closing the round with it: as above (the records await it)
         rd.lost[idx] = int(rd.counts[idx] or 0)
         rd.counts[idx] = 0
-        if scored or not any(c is None or c for c in rd.counts):
+        if scorer is not None or not any(c is None or c for c in rd.counts):
             self.redo = True
-            if rd.verdict is not None:  # being judged (scored): none for a round redone, no record
+            if rd.verdict is not None:  # being judged (scored, nothing sent): none, no record
                 rd.verdict.cancel()
             raise Redo
         if rd.verdict is not None:  # sent with its steps: again, without (see the module's docstring)
@@ -140,17 +143,30 @@ def verdict_ok(rd: Any) -> bool:
     return v is not None and v.done() and not v.cancelled() and v.exception() is None
 
 
+def sending(rd: Any, scorer: Any) -> bool:
+    """Whether round `rd`'s scored verdict is past its judgement and going out to the hosts: a host
+    may have closed the round with it already, so it is awaited, never cancelled (a cancel there
+    left the round closed on some hosts and redone by the driver)."""
+    v = rd.verdict
+    return scorer is not None and v is not None and not v.done() and rd.q in scorer.sending
+
+
 async def judged(scorer: Any, rd: Any, timeout: float) -> None:
     """--contrib-policy score, a fused replica's step carrying round `rd`'s close failed: when the
     scorer already holds that round complete (the close reached every host before the worker died),
     its verdict is on its way and is awaited (within the scorer's budget, bounded by `timeout`), so
     the replica loses the round its step was in, not one the hosts close with it; a round not
-    complete on the hosts is the one it loses (its verdict is dropped with it)."""
+    complete on the hosts is the one it loses (its verdict is dropped with it). A verdict that is
+    being sent when `timeout` runs out is awaited to its end (each host's call has its own
+    deadline): counted once, or, judging still, dropped before any host saw it."""
     v = rd.verdict
     if v is None or v.done() or scorer.complete < rd.q:
         return
     with contextlib.suppress(Exception):  # its error is the records' and the segment's to raise
         await asyncio.wait_for(asyncio.shield(v), timeout)
+    if sending(rd, scorer):
+        with contextlib.suppress(Exception):
+            await asyncio.shield(v)
 
 
 async def flush(seg: Segment, replicas: list[asyncio.Future], records: asyncio.Future, rounds: dict) -> None:

@@ -253,9 +253,9 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                 # fused: the call that failed carried the close of a round counted (and finished) with
                 # this replica's steps and not closed by the hosts yet: that round is the one it loses
                 rd = round_at(close["id"])
-                seg.lose(rd, idx, fail, run.scorer is not None)
+                seg.lose(rd, idx, fail, run.scorer)
             else:
-                seg.lose(rd, idx, fail, run.scorer is not None)
+                seg.lose(rd, idx, fail, run.scorer)
                 finish(rd)
             if seg.may_close(rd) and rd.verdict is None:
                 rd.verdict = asyncio.ensure_future(verdict(rd))

@@ -212,13 +212,14 @@ class Placement:
     ) -> list[str]:
         """The `role`'s peers for a job: `wanted` (checked to be in the swarm), else the live ones
         this driver has not banned; with `needs` (a job with checks on: verify/compat.py) only those
-        that advertise them (a named peer that lacks them refuses the job)."""
-        ids = await self._candidates(wanted, role)
-        ids, left_out = await compat.screen(self.t, ids, needs or {}, role, named=bool(wanted))
+        that advertise them (a named peer that lacks them refuses the job), asked once per plan."""
+        with compat.one_ask_per_plan():  # the liveness ping asks them; the screen then asks nobody
+            ids = await self._candidates(wanted, role, ask=bool(needs))
+            ids, left_out = await compat.screen(self.t, ids, needs or {}, role, named=bool(wanted))
         self.left_out.update(left_out)
         return ids
 
-    async def _candidates(self, wanted: list[str] | None, role: str) -> list[str]:
+    async def _candidates(self, wanted: list[str] | None, role: str, ask: bool = False) -> list[str]:
         peers = await self.membership.peers()
         ids = [
             p.peer_id
@@ -233,16 +234,16 @@ class Placement:
         # a peer this driver banned (it failed a step of any of its jobs) gets no new work until the
         # ban ends; a record outlives its peer by up to its TTL: keep those that answer a ping
         ids = self.book.bans.allowed(ids, time.monotonic())
-        dead, _leaving = await self.probe(ids)
+        dead, _leaving = await self.probe(ids, ask)
         ids = [p for p in ids if p not in dead]
         # the driver's own peer first (it feeds the first stage without a hop), then by id
         return sorted(ids, key=lambda pid: (pid != self.t.peer_id, pid))
 
-    async def probe(self, peers: list[str]) -> tuple[list[str], list[str]]:
-        """(peers that did not answer a ping in PING_TIMEOUT_S, peers that answered they are leaving)."""
+    async def probe(self, peers: list[str], ask: bool = False) -> tuple[list[str], list[str]]:
+        """(peers that did not answer a ping in PING_TIMEOUT_S, peers that answered they are leaving).
+        `ask`: the pings also ask the plan's check capabilities (verify/compat.py `ping`)."""
         res = await asyncio.gather(
-            *(jp.call(self.t, p, Rpc.JOB_PING, jp.PingRequest(), timeout=PING_TIMEOUT_S) for p in peers),
-            return_exceptions=True,
+            *(compat.ping(self.t, p, ask, PING_TIMEOUT_S) for p in peers), return_exceptions=True
         )
         dead = [p for p, r in zip(peers, res, strict=True) if isinstance(r, BaseException)]
         leaving = [p for p, r in zip(peers, res, strict=True) if isinstance(r, jp.PingReply) and r.draining]

@@ -111,6 +111,7 @@ class RoundScorer:
         self.seconds = 0.0  # judging, summed over the rounds
         self.caught: dict[str, str] = {}  # peer -> why: a round-end check failed (train/inner_checks.py)
         self.complete = -1  # the last round whose contributions the hosts held complete (`score`)
+        self.sending: set[int] = set()  # rounds whose verdict is going out: awaited, never cancelled
 
     def launch(
         self, job: Any, run: Any, round_id: int, scale: list[float] | None = None
@@ -123,6 +124,7 @@ class RoundScorer:
         times `scale` (--round-close time: each replica's steps over the round's most)."""
         replicas = len(job.pipelines)
         record: dict[str, Any] = {"round": round_id}
+        self.sending.discard(round_id)  # (a round redone is judged again)
         t0 = time.perf_counter()
         budget = SCORE_BUDGET * self.timeout_s
         # the round-end checks, drawn before any fetch; their fetches must end within a third of the
@@ -163,6 +165,9 @@ class RoundScorer:
         if scale is not None:
             weights = [w * x for w, x in zip(weights, scale, strict=True)]
         req = jp.OptRoundVerdict(job=job.spec.job_id, round=round_id, weights=weights)
+        # from here a host may close the round with it: the driver awaits it, never cancels it
+        # (train/free_recovery.py `sending`), so a round is closed by all its hosts or by none
+        self.sending.add(round_id)
         replies = await asyncio.gather(
             *(jp.call(self.t, h, Rpc.OPT_ROUND_VERDICT, req, timeout=self.timeout_s + 5) for h in job.hosts),
             return_exceptions=True,

@@ -18,6 +18,11 @@ reads as `LEGACY`, the old capabilities. The driver asks before it plans a job w
 refuses a job whose explicitly named peers lack it, naming the peer and what it lacks. With checks
 off nothing is asked and mixed versions work as before.
 
+Each peer is asked once per plan (`one_ask_per_plan`): a plan looks for optimizer hosts up to three
+times (are there any, which, and on resume which hold the shards) and for workers once; the answers
+are kept for the plan, and the liveness ping that comes before each screen asks for them too
+(`ping`), so the screen asks nobody again.
+
 Why not the DHT peer record: protocol/RECORDS.md's schema refuses unknown fields at every level, so
 a record with a new field would be refused by every older peer's validators and readers, and mixed
 swarms would lose sight of each other even with checks off.
@@ -30,10 +35,12 @@ refused), or a JSON object is advertised as given.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from fusionnode.verify.commitment import COMMIT_ALG
@@ -98,24 +105,75 @@ def lacks(caps: Mapping[str, Sequence[str]], wanted: Mapping[str, str]) -> list[
     ]
 
 
+# the plan's answers, peer -> caps (None: no answer); None outside a plan. A context variable, so two
+# jobs planning at once on one driver (each its own task) keep their own
+_ASKED: ContextVar[dict[str, Any] | None] = ContextVar("fusionnode_caps_asked", default=None)
+
+
+@contextlib.contextmanager
+def one_ask_per_plan() -> Iterator[dict[str, Any]]:
+    """Within it each peer's capabilities are asked at most once (inside an outer one: that one's)."""
+    asked = _ASKED.get()
+    if asked is not None:
+        yield asked
+        return
+    token = _ASKED.set({})
+    try:
+        yield _ASKED.get()
+    finally:
+        _ASKED.reset(token)
+
+
+def _answer(r: Any) -> Any:
+    """A peer's capabilities from its answer to `job.ping` with `caps` (a reply or the exception)."""
+    from fusionnode.wire import job as jp
+
+    if isinstance(r, jp.PingReply):
+        return r.caps if _valid(r.caps) else dict(LEGACY)
+    if isinstance(r, jp.JobError) and r.code == jp.ErrorCode.BAD_REQUEST and "caps" in str(r):
+        return dict(LEGACY)  # "PingRequest: unknown field(s) ['caps']": an older version
+    return None  # unreachable or timed out: its liveness is the caller's business
+
+
+async def ping(t: Any, peer: str, ask: bool, timeout_s: float = PING_TIMEOUT_S) -> Any:
+    """`job.ping` for liveness (the PingReply; raises as `jp.call` does). `ask` (a job with checks
+    on, inside `one_ask_per_plan`): the same ping asks the capabilities the plan does not have yet
+    and keeps them; an older peer's refusal of the field answers as a live peer that is not draining."""
+    from fusionnode.wire import job as jp
+
+    asked = _ASKED.get() if ask else None
+    if asked is None or peer in asked:
+        return await jp.call(t, peer, jp.Rpc.JOB_PING, jp.PingRequest(), timeout=timeout_s)
+    try:
+        r = await jp.call(t, peer, jp.Rpc.JOB_PING, jp.PingRequest(caps=True), timeout=timeout_s)
+    except Exception as exc:
+        if (caps := _answer(exc)) is None:
+            raise
+        asked[peer] = caps
+        return jp.PingReply(alive=True, draining=False, jobs=0, stages=0, caps=caps)
+    asked[peer] = _answer(r)
+    return r
+
+
 async def peer_caps(t: Any, peers: Sequence[str], timeout_s: float = PING_TIMEOUT_S) -> dict[str, Any]:
     """peer -> its advertised capabilities (`LEGACY` for a peer from before them); None for a peer
-    that did not answer (its liveness is the caller's business)."""
+    that did not answer (its liveness is the caller's business). Inside `one_ask_per_plan` a peer
+    already asked is not asked again."""
     from fusionnode.wire import job as jp
 
     async def one(p: str) -> Any:
         try:
             r = await jp.call(t, p, jp.Rpc.JOB_PING, jp.PingRequest(caps=True), timeout=timeout_s)
-        except jp.JobError as exc:
-            if exc.code == jp.ErrorCode.BAD_REQUEST and "caps" in str(exc):
-                return dict(LEGACY)  # "PingRequest: unknown field(s) ['caps']": an older version
-            return None
-        except Exception:  # unreachable or timed out: its liveness is the caller's business
-            return None
-        return r.caps if _valid(r.caps) else dict(LEGACY)
+        except Exception as exc:
+            return _answer(exc)
+        return _answer(r)
 
-    got = await asyncio.gather(*(one(p) for p in peers))
-    return dict(zip(peers, got, strict=True))
+    asked = _ASKED.get()
+    if asked is None:
+        asked = {}
+    todo = [p for p in dict.fromkeys(peers) if p not in asked]
+    asked.update(zip(todo, await asyncio.gather(*(one(p) for p in todo)), strict=True))
+    return {p: asked[p] for p in peers}
 
 
 def refusal(peer: str, role: str, what: Sequence[str]) -> str:
@@ -165,7 +223,9 @@ __all__ = [
     "host_needs",
     "lacks",
     "needs",
+    "one_ask_per_plan",
     "peer_caps",
+    "ping",
     "refusal",
     "screen",
     "screen_joins",
