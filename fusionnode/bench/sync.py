@@ -18,7 +18,8 @@ Method.
   cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
   step mode's validation loss at half and at three quarters of the run.
 - Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
-  0.9, raw codec); diloco-avg (momentum 0, outer lr `--outer-lr`, 1 = plain parameter averaging);
+  0.9, raw codec); diloco-avg (outer lr `--outer-lr`, 1 = plain parameter averaging; Nesterov momentum
+  `--outer-momentum`, default 0);
   sparseloco (density 1/16 in chunks of 256, EF decay 0.95, outer lr `--outer-lr`, default 1). The
   H and SparseLoCo defaults were picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas);
   nothing is tuned per run. `--testbed-config fusionnode-dp` takes its outer lr (2) too.
@@ -65,7 +66,11 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
         "diloco-avg": SyncConfig(
-            "diloco", inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=0.0, **lap
+            "diloco",
+            inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            **lap,
         ),
         "sparseloco": SyncConfig(
             "sparseloco",
@@ -300,6 +305,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="outer learning rate of the averaged outer steps, sparseloco and diloco-avg (default "
         "%(default)s: the plain average)",
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="diloco-avg: Nesterov momentum of its outer step (default %(default)s: the averaged step)",
     )
     p.add_argument(
         "--shares",
