@@ -115,6 +115,21 @@ OPTIONAL_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 # bound of replicas stepping together (issue 19's utilisation criterion)
 DP_TIMED = SyncConfig(**{**DP_SYNC.to_dict(), "round_close": "time"})
 OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_dict()}, "none", {}))
+# DiLoCo in fusionnode-dp's layout (issue 19's quality criterion names both round modes): the same H
+# and overlap, the raw codec, and DiLoCo's own outer step, that of fusionnode-diloco (SYNC_SETTINGS):
+# the averaged step at lr 1. `fusionnode bench sync --testbed-config fusionnode-dp --modes diloco-dp`
+# runs it (before, `--modes diloco-avg` there took SparseLoCo's outer lr 2). Dev seed 4 (notes of
+# s7t2, 300 steps, final validation loss vs `--sync step`): lr 1 +5.30%, lr 1.25 +6.92%, Nesterov lr 1
+# momentum 0.3 +16.37%; held-out seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2
+# +19.9% / +26.9% / +15.0%. Not within 3%.
+DP_DILOCO = SyncConfig(
+    mode="diloco",
+    inner_steps=DP_SYNC.inner_steps,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    overlap=DP_SYNC.overlap,
+    overlap_steps=DP_SYNC.overlap_steps,
+)
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 
