@@ -118,10 +118,12 @@ OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_
 # DiLoCo in fusionnode-dp's layout (issue 19's quality criterion names both round modes): the same H
 # and overlap, the raw codec, and DiLoCo's own outer step, that of fusionnode-diloco (SYNC_SETTINGS):
 # the averaged step at lr 1. `fusionnode bench sync --testbed-config fusionnode-dp --modes diloco-dp`
-# runs it (before, `--modes diloco-avg` there took SparseLoCo's outer lr 2). Dev seed 4 (notes of
-# s7t2, 300 steps, final validation loss vs `--sync step`): lr 1 +5.30%, lr 1.25 +6.92%, Nesterov lr 1
-# momentum 0.3 +16.37%; held-out seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2
-# +19.9% / +26.9% / +15.0%. Not within 3%.
+# runs it (`--modes diloco-avg` there takes SparseLoCo's outer lr 2 unless --outer-lr is given).
+# Final validation loss vs `--sync step` at 300 steps, dev seed 4 (notes of s7t2): lr 1 +5.30%, lr
+# 1.25 +6.92%, lr 0.8 +5.73%, Nesterov lr 1 momentum 0.3 +16.37%, Nesterov 0.7/0.3 +5.44%, H = 2 at
+# lr 1 +3.84% (+3.72% at held-out seed 9, where lr 1 at H = 4 gave +3.61%: not adopted); held-out
+# seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2 +19.9% / +26.9% / +15.0%. Not
+# within 3%.
 DP_DILOCO = SyncConfig(
     mode="diloco",
     inner_steps=DP_SYNC.inner_steps,
