@@ -66,3 +66,21 @@ def test_the_testbed_configuration_in_runs_of_one_mode_each_combined(tmp_path, c
     # a round closes every H steps and at the last step: 5 steps of H = 4 are 2 rounds
     rounds = -(-5 // DP_SYNC.inner_steps)
     assert out["modes"]["step"]["rounds"] == 5 and out["modes"]["sparseloco"]["rounds"] == rounds
+
+
+def test_the_testbed_configuration_adds_its_diloco(tmp_path, capsys) -> None:
+    """`--testbed-config fusionnode-dp` adds diloco-dp: DiLoCo with the testbed's outer step
+    (bench/systems.py DP_DILOCO) at the testbed's H and overlap; without it the mode is unknown."""
+    import pytest
+
+    from fusionnode.bench.systems import DP_DILOCO, DP_SYNC
+
+    rows = tmp_path / "diloco.json"
+    common = ["--testbed-config", "fusionnode-dp", "--steps", "5", "--seq-len", "16", "--modes", "diloco-dp"]
+    assert bench.main([*common, "--rows-out", str(rows)]) == 0
+    c = json.loads(rows.read_text())["modes"]["diloco-dp"]["sync"]
+    got = (c["mode"], c["inner_steps"], c["outer_lr"], c["outer_momentum"], c["codec"], c["overlap_steps"])
+    assert got == ("diloco", DP_SYNC.inner_steps, DP_DILOCO.outer_lr, DP_DILOCO.outer_momentum, "raw", 1)
+    assert (DP_DILOCO.inner_steps, DP_DILOCO.overlap_steps) == (DP_SYNC.inner_steps, DP_SYNC.overlap_steps)
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.main(["--steps", "4", "--modes", "diloco-dp"])

@@ -18,10 +18,12 @@ Method.
   cumulative bytes at its first evaluation at or below it. Two more targets are reported: the
   step mode's validation loss at half and at three quarters of the run.
 - Contenders, fixed before the run: step; diloco (the paper's Nesterov outer step, lr 0.7, momentum
-  0.9, raw codec); diloco-avg (momentum 0, outer lr `--outer-lr`, 1 = plain parameter averaging);
+  0.9, raw codec); diloco-avg (outer lr `--outer-lr`, 1 = plain parameter averaging; Nesterov momentum
+  `--outer-momentum`, default 0);
   sparseloco (density 1/16 in chunks of 256, EF decay 0.95, outer lr `--outer-lr`, default 1). The
   H and SparseLoCo defaults were picked from one 200-step pilot (batch 16 x 64 tokens, 2 replicas);
-  nothing is tuned per run. `--testbed-config fusionnode-dp` takes its outer lr (2) too.
+  nothing is tuned per run. `--testbed-config fusionnode-dp` takes its outer lr (2) too, and adds
+  diloco-dp: the testbed's DiLoCo outer step (bench/systems.py `DP_DILOCO`) at the run's H.
 
 Run: fusionnode bench sync [--steps 300] [--replicas 2] [--inner-steps 10] [--shares 6,5,3,2] [--json]
 `--testbed-config fusionnode-dp` takes the testbed's configuration for slow links (bench/systems.py `DP_SYNC`,
@@ -65,7 +67,11 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
         "diloco-avg": SyncConfig(
-            "diloco", inner_steps=args.inner_steps, outer_lr=args.outer_lr, outer_momentum=0.0, **lap
+            "diloco",
+            inner_steps=args.inner_steps,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            **lap,
         ),
         "sparseloco": SyncConfig(
             "sparseloco",
@@ -77,6 +83,17 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
             **lap,
         ),
     }
+    if getattr(args, "testbed_config", None):
+        from fusionnode.bench.systems import DP_DILOCO
+
+        # the testbed's DiLoCo (fusionnode-dp-diloco): its outer step at this run's H and overlap
+        every["diloco-dp"] = SyncConfig(
+            "diloco",
+            inner_steps=args.inner_steps,
+            outer_lr=DP_DILOCO.outer_lr,
+            outer_momentum=DP_DILOCO.outer_momentum,
+            **lap,
+        )
     modes = args.modes.split(",") if args.modes else list(every)
     unknown = [m for m in modes if m not in every]
     if unknown:
@@ -302,6 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         "%(default)s: the plain average)",
     )
     p.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=0.0,
+        help="diloco-avg: Nesterov momentum of its outer step (default %(default)s: the averaged step)",
+    )
+    p.add_argument(
         "--shares",
         default=None,
         help="samples per step of each replica, comma-separated (default: the batch split evenly)",
@@ -320,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--modes",
         default=None,
-        help="comma-separated subset of step,diloco,diloco-avg,sparseloco (default: all)",
+        help="comma-separated subset of step,diloco,diloco-avg,sparseloco, and diloco-dp with "
+        "--testbed-config (default: all)",
     )
     p.add_argument(
         "--sync-overlap",

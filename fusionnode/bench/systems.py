@@ -115,6 +115,23 @@ OPTIONAL_CONFIGS: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 # bound of replicas stepping together (issue 19's utilisation criterion)
 DP_TIMED = SyncConfig(**{**DP_SYNC.to_dict(), "round_close": "time"})
 OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_dict()}, "none", {}))
+# DiLoCo in fusionnode-dp's layout (issue 19's quality criterion names both round modes): the same H
+# and overlap, the raw codec, and DiLoCo's own outer step, that of fusionnode-diloco (SYNC_SETTINGS):
+# the averaged step at lr 1. `fusionnode bench sync --testbed-config fusionnode-dp --modes diloco-dp`
+# runs it (`--modes diloco-avg` there takes SparseLoCo's outer lr 2 unless --outer-lr is given).
+# Final validation loss vs `--sync step` at 300 steps, dev seed 4 (notes of s7t2): lr 1 +5.30%, lr
+# 1.25 +6.92%, lr 0.8 +5.73%, Nesterov lr 1 momentum 0.3 +16.37%, Nesterov 0.7/0.3 +5.44%, H = 2 at
+# lr 1 +3.84% (+3.72% at held-out seed 9, where lr 1 at H = 4 gave +3.61%: not adopted); held-out
+# seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2 +19.9% / +26.9% / +15.0%. Not
+# within 3%.
+DP_DILOCO = SyncConfig(
+    mode="diloco",
+    inner_steps=DP_SYNC.inner_steps,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    overlap=DP_SYNC.overlap,
+    overlap_steps=DP_SYNC.overlap_steps,
+)
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 
