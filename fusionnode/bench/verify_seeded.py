@@ -16,6 +16,7 @@ from typing import Any
 
 from fusionnode.bench.verify import CATCH_WITHIN, FRESH, _params, _spec, _train, lie_config
 from fusionnode.bench.verify_links import link_params, reason_kind
+from fusionnode.bench.verify_peer import verifier_params, workers
 
 
 def _seeded_run(
@@ -56,6 +57,7 @@ def _seeded_run(
         **_params(spec, "sample", args.rate, args.grad_rate, args.sync_cfg),
         **FRESH,
         **link_params(args, swarm),
+        **verifier_params(swarm),
     }
     if args.liar_stage == "first":  # a liar's peer holds stage 0: it lies on the activations it sends
         ids = [swarm.ready[i]["peer_id"] for i in others]
@@ -90,7 +92,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
     twice, then counted as failed. Yields one row per kind."""
 
     driver = swarm.ready[0]["peer_id"]
-    others = [i for i, rec in enumerate(swarm.ready) if rec["peer_id"] != driver]
+    others = [i for i in workers(swarm) if swarm.ready[i]["peer_id"] != driver]  # not the verifier
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 4, "seq_len": 32})
     for kind in args.kinds:
         steps_needed: list[int | None] = []
