@@ -99,6 +99,30 @@ def test_a_verifier_that_is_down_or_refuses_falls_back_to_the_check_process(tmp_
     assert result["steps"] == 4
 
 
+def test_a_hung_verifier_does_not_hold_the_job(tmp_path, monkeypatch):
+    """A verifier that takes every check and never answers: once a step waits for its checks (past
+    MAX_LAG steps, or at the job's end) each call in flight gets HURRY_S more, then the driver's check
+    process judges it; the verifier's own deadline (600 s here) never comes into it."""
+    from fusionnode.train import verifier_peer
+
+    monkeypatch.setattr(verifier_peer, "REMOTE_DEADLINE_S", 600.0)
+    s, _service = _swarm(tmp_path)
+    hung: list[int] = []
+
+    async def never(args, sender):
+        hung.append(args["ticket"])
+        await asyncio.sleep(3600)
+
+    s.net.peers[VERIFIER]._rpc[jp.Rpc.VERIFY_CHECK] = never
+    liar = s.ids[1]
+    _lie(s, tmp_path, liar)
+    result = asyncio.run(s.driver.run_job(_params(s, VERIFIER, steps=3), s.emit))
+    assert _caught(s) == [liar] and hung  # the fallback caught it
+    totals = result["verify"]["verifier"]
+    assert totals["remote"] == 0 and totals["fallback"] > 0 and totals["failures"] >= 1
+    assert "once a step waited" in _notices(s)[0]["reason"]
+
+
 def test_verify_check_refuses_bad_requests_and_missing_messages(tmp_path):
     s, service = _swarm(tmp_path)
     driver = s.net.peers[s.ids[0]]

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 VERIFIERS = ("process", "local")  # --verifier's words; anything else names a peer
 RETRY_S = 60.0  # seconds a verifier that failed is not asked again (its checks run locally meanwhile)
 REMOTE_DEADLINE_S = 30.0  # seconds one remote check may take, messages included, before the fallback
+HURRY_S = 5.0  # seconds a remote check in flight still gets once a step waits for it (then the fallback)
 HELD_BYTES = 1 << 30  # bytes of unjudged checks' messages a verifier holds, all callers together
 HELD_S = 120.0  # seconds a check's messages are kept waiting for their call
 MAX_RUNNING = 64  # checks a verifier judges or queues at once, all callers together
@@ -97,13 +98,15 @@ class RemoteVerifier:
         peer: str,
         job_id: str,
         fallback: Callable[[], Any],
-        timeout_s: float = REMOTE_DEADLINE_S,
+        timeout_s: float | None = None,
         warn: Callable[[str], None] | None = None,
     ) -> None:
         self.t = transport
         self.peer = peer
         self.job_id = job_id
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or REMOTE_DEADLINE_S
+        self.hurried_at: float | None = None  # since when a step waits for the checks (`urgent`)
+        self._hurry: asyncio.Event | None = None  # set while it does: calls in flight shorten their wait
         self._make_fallback = fallback
         self._fallback: Any = None  # made at its first use (a process: not spawned while not needed)
         self.warn = warn
@@ -123,10 +126,45 @@ class RemoteVerifier:
 
     @contextlib.contextmanager
     def urgent(self) -> Any:
-        """While the step waits: the fallback check process (if any) at normal priority."""
+        """While the step waits for the checks: a verifier call in flight gets HURRY_S more to answer,
+        then its check runs in the fallback check process (at normal priority meanwhile, if any)."""
         urgent = getattr(self._fallback, "urgent", None)
-        with urgent() if urgent is not None else contextlib.nullcontext():
-            yield
+        self.hurried_at = time.monotonic()
+        if self._hurry is not None:
+            self._hurry.set()
+        try:
+            with urgent() if urgent is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.hurried_at = None
+            if self._hurry is not None:
+                self._hurry.clear()
+
+    async def _ask(self, audit: Any, packed: Any) -> str:
+        """The verifier's verdict, within `timeout_s`, or HURRY_S after a step started waiting for it
+        (TimeoutError past either)."""
+        if self._hurry is None:
+            self._hurry = asyncio.Event()
+        task = asyncio.ensure_future(self._remote(audit, packed))
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if self.hurried_at is not None:
+                    left = min(left, self.hurried_at + HURRY_S - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no verdict within {self.timeout_s:.0f} s, or {HURRY_S:.0f} s once a step waited for it"
+                    )
+                # not hurried yet: woken when a step starts waiting (`urgent`); else just the deadline
+                wake = asyncio.ensure_future(self._hurry.wait()) if self.hurried_at is None else None
+                await asyncio.wait({task, wake} - {None}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if wake is not None:
+                    wake.cancel()
+                if task.done():
+                    return task.result()
+        finally:
+            task.cancel()
 
     async def __call__(self, audit: Any, packed: Any) -> str:
         from fusionnode.train.checks import _BUFFERS
@@ -134,7 +172,7 @@ class RemoteVerifier:
         if time.monotonic() >= self.down_until:
             t0 = time.perf_counter()
             try:
-                verdict = await asyncio.wait_for(self._remote(audit, packed), self.timeout_s)
+                verdict = await self._ask(audit, packed)
             except (TimeoutError, FusionNodeError, OSError) as exc:
                 self._failed(exc)
             except BaseException:
@@ -223,6 +261,10 @@ class VerifierService:
         self.running = 0  # checks judging or queued for the check process
         self.refused: dict[tuple[str, str, int, int], float] = {}  # checks whose messages were dropped
         self._arrived: dict[tuple[str, str, int, int], asyncio.Event] = {}
+        if serve:  # its check process started now: the first check does not wait for it (torch's import)
+            from fusionnode.train.checks import CheckProcess
+
+            CheckProcess("")
         transport.on_data(TensorKind.VERIFY_AUDIT, self._on_data)
         transport.on_data(TensorKind.VERIFY_PARAMS, self._on_data)
         jp.serve(transport, Rpc.VERIFY_CHECK, self.rpc_check)
