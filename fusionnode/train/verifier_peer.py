@@ -111,7 +111,9 @@ class RemoteVerifier:
         self._fallback: Any = None  # made at its first use (a process: not spawned while not needed)
         self.warn = warn
         self.down_until = 0.0  # monotonic time before which the verifier is not asked
-        self.totals = {"remote": 0, "fallback": 0, "failures": 0, "remote_s": 0.0}
+        # checks the verifier judged, checks the fallback judged, the verifier's failures, the time its
+        # checks took (messages included), and the payload bytes sent to it
+        self.totals = {"remote": 0, "fallback": 0, "failures": 0, "remote_s": 0.0, "bytes": 0}
 
     def fallback(self) -> Any:
         if self._fallback is None:
@@ -213,6 +215,7 @@ class RemoteVerifier:
         msgs += param_messages(self.job_id, ticket, a["stage"], len(chunks), mine)
         for msg in msgs:
             await self.t.send(self.peer, msg)
+            self.totals["bytes"] += sum(len(e.data) for e in msg.tensors.values())
         req = jp.VerifyCheck(
             job=self.job_id,
             stage=a["stage"],
