@@ -44,11 +44,14 @@ def _seeded_run(
     caught: list[dict] = []
     liars: list[str] = []
     liar_stages: list[int] = []
+    fell_back: list[dict] = []
 
     async def on_event(ev: dict) -> None:
         if ev["type"] == "plan" and not liars:
             liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
             liar_stages.extend(s["stage"] for s in ev["stages"] if s["peer"] != driver)
+        if ev["type"] == "event" and ev.get("what") == "verifier_down":
+            fell_back.append(ev)  # --verifier-peer: its checks ran in the driver's check process for a while
         if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
@@ -79,6 +82,7 @@ def _seeded_run(
         drawn = [
             st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.grad_rate for g in liar_stages)
         ]
+    args.verifier_down = getattr(args, "verifier_down", 0) + len(fell_back)
     return caught, liars, drawn
 
 
@@ -99,6 +103,7 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
         wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
         uncaught_draws: list[list[int]] = []
         reasons: dict[str, int] = {}
+        args.verifier_down = 0
         for r in range(args.seeded_runs):
             for attempt in range(3):
                 got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
@@ -133,6 +138,9 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                 # stage ([]: bad luck, (1 - rate)^20 per run; a step listed: a lie that got through)
                 "uncaught_runs_gradient_checks_drawn": uncaught_draws,
                 "caught_by": reasons,  # what the first check that caught each run found (numbers as #)
+                # --verifier-peer: notices that its checks fell back to the driver's check process (0:
+                # every check of every run was judged by the verifier peer)
+                "verifier_down_notices": args.verifier_down if verifier_params(swarm) else None,
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )
