@@ -18,7 +18,7 @@ from test_verify_e2e import assert_matches_reference, spec_for, train
 
 from fusionnode.localswarm import LocalSwarm
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 70-150 s here (4 daemons, 2 jobs)
 
 
 def test_a_liar_is_caught_through_a_verifier_peer_and_a_killed_verifier_falls_back(tmp_path):
