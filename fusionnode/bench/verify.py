@@ -42,8 +42,12 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
 so AdaTopK compresses on loopback too (bench/verify_links.py); the checks judge it within the codec's
 bounds (verify/lossy.py).
 
+`--verifier-peer`: every checked job names one more daemon, started with `--serve-checks`, as its
+verifier (`train --verifier`), which judges the audits instead of the driver's check process;
+`--verifier-core` (overhead) also pins the swarm to CPU 0 and the verifier to CPU 1 (bench/verify_peer.py).
+
 With offload the driver checks a step while the next one runs, its recomputes in a low-priority
-process of its daemon; a lie found that way rolls the lied step back on the optimizer hosts (the
+process of its daemon (or on the verifier peer); a lie found that way rolls the lied step back on the optimizer hosts (the
 `rollback` event) and the job replays from it (train/checks.py).
 """
 
