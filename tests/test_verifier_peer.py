@@ -156,6 +156,28 @@ def test_verify_check_refuses_bad_requests_and_missing_messages(tmp_path):
     asyncio.run(main())
 
 
+def test_a_verifier_over_its_byte_budget_answers_no_room_at_once(tmp_path, monkeypatch):
+    from fusionnode.train import verifier_peer
+
+    monkeypatch.setattr(verifier_peer, "HELD_BYTES", 100)  # bytes of unjudged checks' messages
+    s, service = _swarm(tmp_path)
+    driver = s.net.peers[s.ids[0]]
+    base = dict(
+        job="j", stage=0, step=0, ticket=9, chunks=1, params=1, assignment={}, commit={}, listed={},
+        src="x", mbs=[0], grads=False, losses=[], micro_batches=2, rel_tol=1e-3, wait_s=600.0,
+    )  # fmt: skip
+
+    async def main():
+        (msg,) = param_messages("j", 9, 0, 1, {"w": torch.ones(64)})  # 256 bytes
+        await driver.send(VERIFIER, msg)
+        assert service.dropped == 1 and service.held_bytes == 0
+        with pytest.raises(JobError) as e:  # not after wait_s (600 s): the test would time out
+            await jp.call(driver, VERIFIER, jp.Rpc.VERIFY_CHECK, jp.VerifyCheck(**base))
+        assert e.value.code == ErrorCode.NO_ROOM
+
+    asyncio.run(main())
+
+
 def test_verifier_option_words():
     assert check_verifier(None) is None and check_verifier("local") == "local"
     assert check_verifier(VERIFIER) == VERIFIER
