@@ -262,6 +262,7 @@ class VerifierService:
         self.dropped = 0
         self.checked = 0
         self.running = 0  # checks judging or queued for the check process
+        self.lifted = False  # the check process at the normal policy (while checks run)
         self.refused: dict[tuple[str, str, int, int], float] = {}  # checks whose messages were dropped
         self._arrived: dict[tuple[str, str, int, int], asyncio.Event] = {}
         if serve:  # its check process started now: the first check does not wait for it (torch's import)
@@ -373,10 +374,26 @@ class VerifierService:
             req.link,
         )  # fmt: skip
         self.running += 1
+        self._priority()
         try:
             return await self._judge(sender, req, audit, mine)
         finally:
             self.running -= 1
+            self._priority()
+
+    def _priority(self) -> None:
+        """The check process at the normal policy while checks are asked of it (a driver waits on each,
+        and at idle priority a loaded machine would starve them), back at idle priority after."""
+        from fusionnode.train.checks import CheckProcess, idle_priority, normal_priority
+
+        pid = CheckProcess._pid
+        if pid is None or (self.running > 0) == self.lifted:
+            return
+        if self.running > 0:
+            self.lifted = normal_priority(pid)  # False where the OS does not allow it: asked again next time
+        else:
+            idle_priority(pid)
+            self.lifted = False
 
     async def _judge(
         self, sender: str, req: jp.VerifyCheck, audit: Any, mine: dict[str, torch.Tensor]
