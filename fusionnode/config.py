@@ -310,6 +310,7 @@ class NodeConfig:
     dashboard_actions: bool = False  # the dashboard may pause/resume this node and cancel its jobs (token)
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists
+    serve_checks: bool = False  # answer `verify.check`: judge checks for drivers that name this peer
     network: NetworkOptions = NetworkOptions()  # libp2p beyond the listen addresses
 
     def __post_init__(self) -> None:

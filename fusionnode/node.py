@@ -78,6 +78,7 @@ class Node:
         self.worker: Any = None
         self.driver: Any = None
         self.host: Any = None
+        self.verifier: Any = None  # train/verifier_peer.py VerifierService (`join --serve-checks`)
         self.control: ControlServer | None = None
         self.maddrs: list[str] = []
         self.swarm_fingerprint: str | None = None
@@ -186,6 +187,9 @@ class Node:
                 self.transport, state_dir=cfg.state_dir, step_deadline_s=cfg.step_timeout_s
             )
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
+        from fusionnode.train.verifier_peer import VerifierService
+
+        self.verifier = VerifierService(self.transport, serve=cfg.serve_checks)  # verify.check
         self.driver.hosts.local = self.host  # its own host's parameters read in place (None: no host)
         from fusionnode.availability.activity import ActivityThresholds, build_monitor
         from fusionnode.availability.caps import apply_memory_cap, apply_util_cap

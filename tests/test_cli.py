@@ -108,6 +108,7 @@ def test_bad_options_are_refused_before_anything_starts_with_the_subcommands_usa
         ("train", ["--compress", "gzip"], "unknown compression 'gzip'"),
         ("train", ["--config", str(tmp_path / "c.toml")], "unknown compression 'gzip'"),
         ("train", ["--steps", "0"], "--steps: expected an integer >= 1"),
+        ("train", ["--verifier", "my laptop"], "--verifier must be process, local or a peer id"),
         (
             "train",
             ["--offload", "off", "--replicas", "2", "--sync", "diloco"],

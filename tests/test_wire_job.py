@@ -48,6 +48,7 @@ OVERRIDES: dict[str, Any] = {
     "bw_next": 1e9,
     "bw_prev": 2e9,
     "micro_batches": 4,
+    "mbs": [1],  # below micro_batches (verify.check checks it)
     "mb_size": 2,
     "first": 3,
     "contrib": {"clip": 2.0, "score": True},

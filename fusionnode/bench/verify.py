@@ -42,8 +42,12 @@ on; the liar reads its lie from `<state dir>/debug_lie`, see fusionnode/verify/l
 so AdaTopK compresses on loopback too (bench/verify_links.py); the checks judge it within the codec's
 bounds (verify/lossy.py).
 
+`--verifier-peer`: every checked job names one more daemon, started with `--serve-checks`, as its
+verifier (`train --verifier`), which judges the audits instead of the driver's check process;
+`--verifier-core` (overhead) also pins the swarm to CPU 0 and the verifier to CPU 1 (bench/verify_peer.py).
+
 With offload the driver checks a step while the next one runs, its recomputes in a low-priority
-process of its daemon; a lie found that way rolls the lied step back on the optimizer hosts (the
+process of its daemon (or on the verifier peer); a lie found that way rolls the lied step back on the optimizer hosts (the
 `rollback` event) and the job replays from it (train/checks.py).
 """
 
@@ -69,6 +73,7 @@ from fusionnode.bench.verify_links import (
     link_params,
     link_summary,
 )
+from fusionnode.bench.verify_peer import add_verifier_args, start_verifier, verifier_params
 
 DEBUG_ENV = "FUSIONNODE_DEBUG"
 KIND_CONFIGS: dict[str, dict[str, Any]] = {
@@ -191,6 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="real seeded runs per kind of lie in the 'seeded' section (default %(default)s)",
     )
     add_link_args(p)
+    add_verifier_args(p)
     p.add_argument("--json", action="store_true", help="print the figures as JSON (default: text)")
     args = p.parse_args(argv)
     check_link_args(p, args)
@@ -233,8 +239,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.clean_steps < 0:
         p.error("--clean-steps must be >= 0")
-    if args.pin_checks and not {0, 1} <= os.sched_getaffinity(0):
-        p.error("--pin-checks needs CPUs 0 and 1")
+    if (args.pin_checks or args.verifier_core) and not {0, 1} <= os.sched_getaffinity(0):
+        p.error("--pin-checks and --verifier-core need CPUs 0 and 1")
+    if args.pin_checks and (args.verifier_core or args.verifier_peer):
+        p.error(
+            "--pin-checks pins the driver's check process: not with a verifier peer (--verifier-core pins it)"
+        )
     return args
 
 
@@ -352,6 +362,7 @@ def run_lies(args: argparse.Namespace, swarm: Any, workdir: Path) -> Any:
                             ),
                             **FRESH,
                             **link_params(args, swarm),
+                            **verifier_params(swarm),
                         },
                         on_event,
                     )
@@ -502,6 +513,7 @@ def run_clean(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     params = {
         **_params(spec, args.clean_policy, args.rate, args.grad_rate, args.sync_cfg),
         **link_params(args, swarm),
+        **verifier_params(swarm),
     }
     result, events = asyncio.run(_train(swarm, params))
     v = result.get("verify", {})
@@ -548,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         swarm.start()
         asyncio.run(swarm.wait_connected())
+        start_verifier(args, swarm)
         if "overhead" in args.sections:
             from fusionnode.bench.verify_overhead import run_overhead
 

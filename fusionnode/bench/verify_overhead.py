@@ -16,6 +16,7 @@ import statistics
 from typing import Any
 
 from fusionnode.bench.verify import _params, _spec, _steps, _train
+from fusionnode.bench.verify_peer import pin_apart, verifier_params
 
 
 def _members(swarm: Any) -> list[tuple[int, Any]]:
@@ -57,11 +58,17 @@ def _cpu_by_role(swarm: Any) -> dict[str, float]:
     import psutil
 
     out = {"driver_daemon": 0.0, "check_process": 0.0, "other_daemons": 0.0, "p2pd": 0.0}
+    verifier = getattr(swarm, "verifier", None)
+    if verifier is not None:
+        out["verifier_peer"] = 0.0  # its daemon, p2pd and check process (--verifier-peer)
     for i, q in _members(swarm):
         try:
             cmd = " ".join(q.cmdline())
             t = q.cpu_times()
         except psutil.NoSuchProcess:
+            continue
+        if i == verifier:
+            out["verifier_peer"] += t.user + t.system
             continue
         role = "p2pd" if "p2pd" in cmd else "check_process" if "spawn_main" in cmd else None
         role = role or ("driver_daemon" if i == 0 else "other_daemons")
@@ -120,23 +127,27 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
     losses: dict[str, float] = {}
     parts: dict[str, float] = {}
     deferred = None
+    judged: dict[str, float] = {}  # with a verifier peer: checks it judged, checks that fell back
     import psutil
 
     load = [round(os.getloadavg()[0], 2)]
     pin = getattr(args, "pin_checks", False)
+    vcore = getattr(args, "verifier_core", False)  # the verifier peer on CPU 1, the rest on CPU 0
+    named = verifier_params(swarm)  # with a verifier peer: it, and the workers named
     before = {q.pid for q in _family(swarm)}
     if pin:
         pin_swarm(swarm, before)  # the check process, spawned below, inherits CPU 0: moved after
-    # a short checked job first: the driver's daemon spawns its check process at its first checked job
-    asyncio.run(
-        _train(
-            swarm,
-            _params(
-                _spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate, args.sync_cfg
-            ),
-        )
+    if vcore:
+        pin_apart(swarm)
+    # a short checked job first: the driver's daemon (or the verifier's) spawns its check process at
+    # its first checked job
+    warm = _params(
+        _spec(args, "verify-overhead-warmup", 4), "sample", args.rate, args.grad_rate, args.sync_cfg
     )
+    asyncio.run(_train(swarm, {**warm, **named}))
     check_pid = pin_swarm(swarm, before) if pin else None
+    if vcore:
+        pin_apart(swarm)  # its check process inherited CPU 1; the swarm's new threads CPU 0
     if pin and check_pid is None:
         raise RuntimeError("--pin-checks: the driver's check process was not found")
     psutil.cpu_percent(percpu=True)  # starts the per-core busy count
@@ -144,14 +155,10 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):  # interleaved: the load drifts
             spec = _spec(args, f"verify-overhead-{mode}-{r}", args.overhead_steps)
             c0, r0 = _swarm_cpu_s(swarm), _cpu_by_role(swarm)
-            result, events = asyncio.run(
-                _train(
-                    swarm,
-                    _params(
-                        spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate, args.sync_cfg
-                    ),
-                )
+            params = _params(
+                spec, "sample" if mode == "on" else "off", args.rate, args.grad_rate, args.sync_cfg
             )
+            result, events = asyncio.run(_train(swarm, {**params, **named}))
             steps = _steps(events)
             cpu[mode].append((_swarm_cpu_s(swarm) - c0) / len(steps))
             roles[mode].append({k: (v - r0[k]) / len(steps) for k, v in _cpu_by_role(swarm).items()})
@@ -161,6 +168,9 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
                 for k in ("params_s", "pushed_s", "audit_s", "recompute_s", "seconds", "steps", "wait_s"):
                     parts[k] = parts.get(k, 0.0) + result["verify"][k]
                 deferred = result["verify"].get("deferred")
+                for k, v in (result["verify"].get("verifier") or {}).items():
+                    if k != "peer":
+                        judged[k] = judged.get(k, 0) + v
             losses[mode] = steps[-1]["loss"]
             load.append(round(os.getloadavg()[0], 2))
     busy = psutil.cpu_percent(percpu=True)
@@ -186,6 +196,9 @@ def run_overhead(args: argparse.Namespace, swarm: Any) -> dict[str, Any]:
         },
         "load_avg_1min": load,
         "pinned": {"swarm_cpus": [0], "check_cpus": [1], "check_pid": check_pid} if pin else None,
+        "verifier_core": {"swarm_cpus": [0], "verifier_cpus": [1]} if vcore else None,
+        "verifier_peer": named.get("verifier"),
+        "verifier_checks": {k: round(v, 3) for k, v in judged.items()} or None,
         "busy_percent_per_core": busy,  # over the timed runs, whatever ran on each core (others' too)
         "checks_off_critical_path": deferred,
         "median_verify_phase_s": round(statistics.median(verify_s), 4),

@@ -16,6 +16,7 @@ from typing import Any
 
 from fusionnode.bench.verify import CATCH_WITHIN, FRESH, _params, _spec, _train, lie_config
 from fusionnode.bench.verify_links import link_params, reason_kind
+from fusionnode.bench.verify_peer import verifier_params, workers
 
 
 def _seeded_run(
@@ -43,11 +44,14 @@ def _seeded_run(
     caught: list[dict] = []
     liars: list[str] = []
     liar_stages: list[int] = []
+    fell_back: list[dict] = []
 
     async def on_event(ev: dict) -> None:
         if ev["type"] == "plan" and not liars:
             liars.extend(s["peer"] for s in ev["stages"] if s["peer"] != driver)
             liar_stages.extend(s["stage"] for s in ev["stages"] if s["peer"] != driver)
+        if ev["type"] == "event" and ev.get("what") == "verifier_down":
+            fell_back.append(ev)  # --verifier-peer: its checks ran in the driver's check process for a while
         if ev["type"] == "event" and ev.get("kind") == "caught" and not caught:
             caught.append(ev)
             await control.call(swarm.control(0), "cancel", {"job": job_id}, timeout=120)
@@ -56,6 +60,7 @@ def _seeded_run(
         **_params(spec, "sample", args.rate, args.grad_rate, args.sync_cfg),
         **FRESH,
         **link_params(args, swarm),
+        **verifier_params(swarm),
     }
     if args.liar_stage == "first":  # a liar's peer holds stage 0: it lies on the activations it sends
         ids = [swarm.ready[i]["peer_id"] for i in others]
@@ -77,6 +82,7 @@ def _seeded_run(
         drawn = [
             st for st in range(CATCH_WITHIN) if any(sel.draw(st, g, -1) < args.grad_rate for g in liar_stages)
         ]
+    args.verifier_down = getattr(args, "verifier_down", 0) + len(fell_back)
     return caught, liars, drawn
 
 
@@ -90,13 +96,14 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
     twice, then counted as failed. Yields one row per kind."""
 
     driver = swarm.ready[0]["peer_id"]
-    others = [i for i, rec in enumerate(swarm.ready) if rec["peer_id"] != driver]
+    others = [i for i in workers(swarm) if swarm.ready[i]["peer_id"] != driver]  # not the verifier
     tiny = argparse.Namespace(**{**vars(args), "batch_size": 4, "seq_len": 32})
     for kind in args.kinds:
         steps_needed: list[int | None] = []
         wrong_peer, failed, retried, t0 = 0, 0, 0, time.monotonic()
         uncaught_draws: list[list[int]] = []
         reasons: dict[str, int] = {}
+        args.verifier_down = 0
         for r in range(args.seeded_runs):
             for attempt in range(3):
                 got = _seeded_run(args, swarm, tiny, kind, r, attempt, driver, others)
@@ -131,6 +138,9 @@ def run_seeded(args: argparse.Namespace, swarm: Any) -> Any:
                 # stage ([]: bad luck, (1 - rate)^20 per run; a step listed: a lie that got through)
                 "uncaught_runs_gradient_checks_drawn": uncaught_draws,
                 "caught_by": reasons,  # what the first check that caught each run found (numbers as #)
+                # --verifier-peer: notices that its checks fell back to the driver's check process (0:
+                # every check of every run was judged by the verifier peer)
+                "verifier_down_notices": args.verifier_down if verifier_params(swarm) else None,
                 "wall_s": round(time.monotonic() - t0, 1),
             }
         )

@@ -114,6 +114,15 @@ def add_train_command(sub: Any) -> None:
         "0 and 0.45 in a public swarm: verify/policy.py; 0.05 in a private or local one)",
     )
     p.add_argument(
+        "--verifier",
+        default=None,
+        metavar="PEER_ID|local|process",
+        help="where the checks' recomputes run: process = this daemon's idle-priority check process "
+        "(the default), local = a thread of the daemon, or the id of a peer you run that serves checks "
+        "(`join --serve-checks`, say on a core or machine the swarm does not use): its verdicts are "
+        "trusted as your own (SECURITY.md); while it cannot be reached they run in the check process",
+    )
+    p.add_argument(
         "--contrib-policy",
         choices=("auto", "off", "clip", "score"),
         default="auto",
@@ -374,6 +383,9 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.resume and not spec.save_dir:
         parser.error("--resume needs --save DIR (where the checkpoints are)")
     try:
+        from fusionnode.train.verifier_peer import check_verifier
+
+        check_verifier(args.verifier)
         sync = sync_from_args(args)
     except FusionNodeError as exc:
         parser.error(str(exc))
@@ -417,6 +429,7 @@ def cmd_train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "dump_grads": os.path.abspath(args.dump_grads) if args.dump_grads else None,
         "verify_policy": args.verify_policy,
         "verify_rate": args.verify_rate,
+        "verifier": args.verifier,
         "contrib_policy": args.contrib_policy,
         "contrib_clip": args.contrib_clip,
     }

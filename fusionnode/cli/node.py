@@ -69,6 +69,12 @@ def add_daemon_commands(sub: Any) -> None:
         "--role", default="worker,optimizer", help="roles offered: worker, optimizer (default: both)"
     )
     p.add_argument(
+        "--serve-checks",
+        action="store_true",
+        help="judge spot-checks for drivers that name this peer (`train --verifier PEER_ID`): their "
+        "recomputes run in this daemon's check process (default: refuse them)",
+    )
+    p.add_argument(
         "--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)"
     )
     p.add_argument(
@@ -253,6 +259,7 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             idle_grace_s=args.idle_grace,
             egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
+            serve_checks=getattr(args, "serve_checks", False),
             network=network_options(args),
         )
     except FusionNodeError as exc:

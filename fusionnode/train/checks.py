@@ -270,11 +270,22 @@ class CheckProcess:
                 idle_priority(pid)
 
 
-def start(transport: Any, job_id: str, policy: Any, timeout_s: float, elsewhere: bool = True) -> Any:
-    """The job's Verifier; `elsewhere`: its recomputes in the daemon's check process."""
+def start(
+    transport: Any,
+    job_id: str,
+    policy: Any,
+    timeout_s: float,
+    elsewhere: bool = True,
+    verifier: str | None = None,
+    warn: Any = None,
+) -> Any:
+    """The job's Verifier; `elsewhere`: its recomputes in the daemon's check process, or where
+    `verifier` (`--verifier`: process, local or a verifier peer's id) says (train/verifier_peer.py;
+    `warn(text)` when a verifier peer fails and its checks fall back to the check process)."""
+    from fusionnode.train.verifier_peer import run_elsewhere as where
     from fusionnode.verify.verifier import Verifier
 
-    run_elsewhere = CheckProcess(job_id) if elsewhere and policy.on else None
+    run_elsewhere = where(transport, job_id, verifier, warn) if elsewhere and policy.on else None
     return Verifier(
         transport, job_id, policy, timeout_s=timeout_s, build_stage=_cpu_stage, run_elsewhere=run_elsewhere
     )

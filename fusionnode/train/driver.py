@@ -66,6 +66,7 @@ from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
 from fusionnode.train.swarm_cluster import cluster_from_records, cluster_links
+from fusionnode.train.verifier_peer import verifier_totals, verifier_warning
 from fusionnode.verify import compat
 from fusionnode.wire.job import StageAssignment
 
@@ -409,7 +410,14 @@ class Driver:
             if verify_off is not None:
                 await run.event(job, "notice", what="verify_off", reason=verify_off)
             if verify_policy.on:
-                verifier = checks.start(self.t, spec.job_id, verify_policy, self.stepper.step_timeout_s)
+                verifier = checks.start(
+                    self.t,
+                    spec.job_id,
+                    verify_policy,
+                    self.stepper.step_timeout_s,
+                    verifier=params.get("verifier"),
+                    warn=verifier_warning(run, job),
+                )
                 run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
                 metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
             run.scorer = scoring.scorer(self.t, self.hosts, job, model, source, self.stepper.step_timeout_s)
@@ -433,6 +441,7 @@ class Driver:
                     "wait_s": run.checks.wait_s,
                     "commitment": v.selector.commitment,
                     "secret": v.selector.reveal(),
+                    **verifier_totals(v.run_elsewhere),
                 }
             result["contrib"] = run.scorer.totals() if run.scorer else job.contrib and job.contrib.to_dict()
             job.state = "done"

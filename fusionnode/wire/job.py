@@ -41,6 +41,8 @@ from fusionnode.wire.job_stage import AllReduceRing as AllReduceRing
 from fusionnode.wire.job_stage import Offload as Offload
 from fusionnode.wire.job_stage import StageAssignment as StageAssignment
 from fusionnode.wire.job_stage import ring_mb as ring_mb
+from fusionnode.wire.job_verify import VerifyCheck as VerifyCheck
+from fusionnode.wire.job_verify import VerifyCheckReply as VerifyCheckReply
 from fusionnode.wire.typed import message
 
 # ---------------------------------------------------------------- names
@@ -72,6 +74,7 @@ class Rpc:
     OPT_ROUND_HELD: Final = "opt.round_held"  # --contrib-policy score: a held round's contributions
     OPT_ROUND_VERDICT: Final = "opt.round_verdict"  # ... and the driver's weights, which close it
     OPT_ROLLBACK: Final = "opt.rollback"  # undo the last applied step (a spot-check caught a lie in it)
+    VERIFY_CHECK: Final = "verify.check"  # judge a stage's audit for its driver (a verifier peer)
     DATA_OPEN: Final = "data.open"  # opens a data stream (transport level: SPEC section 8)
     ALL: ClassVar[frozenset[str]]
 
@@ -105,6 +108,8 @@ class TensorKind:
     OPT_STATE: Final = (
         "opt_state"  # a local optimizer's state, one parameter's: `job.fetch`, or before `job.start`
     )
+    VERIFY_AUDIT: Final = "verify_audit"  # driver -> verifier peer: an audit's chunk (`verify.check`)
+    VERIFY_PARAMS: Final = "verify_params"  # driver -> verifier peer: the checked stage's parameters
     ALL: ClassVar[frozenset[str]]
 
 
@@ -569,6 +574,8 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.OPT_ROUND_VERDICT, OptRoundVerdict, OptRoundVerdictReply, "the shard's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.DEADLINE)),
         RpcSpec(Rpc.OPT_ROLLBACK, OptRollback, OptRollbackReply, "the shard's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
+        RpcSpec(Rpc.VERIFY_CHECK, VerifyCheck, VerifyCheckReply, "any peer, where the verifier serves checks",
+                (_E.FORBIDDEN, _E.NO_ROOM, _E.DEADLINE)),
     )
 }  # fmt: skip
 MESSAGE_TYPES: tuple[type, ...] = tuple(
