@@ -5,6 +5,7 @@ straggler and a healthy peer idle), which is what ran fastest there (2 x 1 18.7k
 
 from __future__ import annotations
 
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -94,3 +95,37 @@ def test_shared_hosts_come_from_the_records():
     assert hosts.factors([Layout(("a", "b"), (0, 2, 4))]) == {"a": 1.0, "b": 1.0}
     two = SharedHosts(hosts.of, {"10.0.0.1": 1})
     assert two.factors([Layout(("a", "b"), (0, 2, 4))]) == pytest.approx({"a": 0.5, "b": 0.5})
+
+
+def test_the_recorded_check_of_a_pinned_ring_straggler_run_consolidates():
+    """The check 5 steps after the slow-down of a recorded run (`bench faults --scenario straggler
+    --pipelines 2 --pinned --offload off`, 2026-11-24, load ~1-2; stage compute seconds of the 4 steps
+    before it, gpt2-tiny, 2 x 2 cut at operator 56 of 103, 8 sequences per pipeline). The per-peer
+    model re-split the straggler's pipeline only (2 + 1 stages, 3 busy peers: 14.1k tokens/s, 0.75x
+    2 x 1); with the machine's 2 cores priced it takes 2 x 1."""
+    from fusionnode.graph.trace import graph_for
+    from fusionnode.train.rebalance import stage_flops
+
+    fl = [n.flops for n in graph_for("gpt2-tiny", 128).nodes]
+    compute_s = {  # steps 9-12; "s" slowed 4x after step 7, "d" is the driver's peer
+        "d": [0.0963, 0.0669, 0.0753, 0.0668],
+        "b": [0.0731, 0.0549, 0.0443, 0.063],
+        "s": [0.3637, 0.2094, 0.2621, 0.2434],
+        "c": [0.0676, 0.0507, 0.0431, 0.0412],
+    }
+    cut = (0, 56, 103)
+    pipes = [Layout(("d", "b"), cut), Layout(("s", "c"), cut)]
+    first = {"d": True, "b": False, "s": True, "c": False}
+    cuts = {p: (0, 56) if first[p] else (56, 103) for p in compute_s}  # a window's median, as SpeedBook
+    speeds = {p: stage_flops(fl, *cuts[p]) * 8 / statistics.median(v) for p, v in compute_s.items()}
+    work = [[f * 8 for f in fl]] * 2
+    box = SharedHosts({p: "127.0.0.1" for p in compute_s}, {"127.0.0.1": 2})
+
+    def decide(hosts):
+        return decide_job(
+            pipes, work, speeds, [4, 4], steps_left=17, move_cost_s=0.26, shares=[8, 8], hosts=hosts
+        )
+
+    before, now = decide(None), decide(box)
+    assert before.adopt and _busy(before.layouts) == {"d", "b", "c"}  # what the run did: 0.75x 2 x 1
+    assert now.adopt and [len(lay.peers) for lay in now.layouts] == [1, 1] and "s" not in _busy(now.layouts)
