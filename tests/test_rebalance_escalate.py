@@ -128,10 +128,11 @@ def test_the_planner_fed_measured_speeds_replans_past_the_share_move(graph):
     move (which leaves the slowed peer a micro-batch of work per step) by more than the bar."""
     current = [Pipeline(0, ["p0"], [0, graph.num_nodes], 8, 4)]
     healthy = _plan(graph, _doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, "p3": 1.0}))
-    # the job as the planner lays it out on the healthy machine: 2 pipelines, one of 2 stages
-    assert len(healthy) == 2 and sorted(len(p.peers) for p in healthy) == [1, 2]
+    # the job as the planner lays it out on the healthy machine of 2 cores: 2 pipelines of one stage,
+    # 2 peers idle (plan/shared.py: 3 or 4 busy peers on 2 cores measured 0.57-0.75x of that)
+    assert len(healthy) == 2 and sorted(len(p.peers) for p in healthy) == [1, 1]
     current = healthy
-    victim = next(p for pipe in current for p in pipe.peers if len(pipe.peers) == 2 and p != "p0")
+    victim = next(p for pipe in current for p in pipe.peers if p != "p0")
     measured = {p: (0.25 if p == victim else 0.5 if p == "p0" else 1.0) for p in PEERS}
     doc = _doc(measured)
     candidate = _plan(graph, doc)
@@ -192,10 +193,15 @@ def test_a_ring_job_is_priced_with_its_all_reduce_and_replanned_past_its_moves(g
         kw = {"step_s": 0.2, "steps_left": 20, "move_cost_s": 0.3, "min_gain": ESCALATE_GAIN}
         return decide_escalation(cur_s, new_s, same=shape(candidate) == shape(current), **kw)
 
-    calm = ring_doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, "p3": 1.0})
-    current = ring_plan(calm)
-    assert [len(p.peers) for p in current] == [2, 2]  # the 2 x 2 ring
-    assert not decide(current, ring_plan(calm), calm).adopt
+    calm_speeds = {"p0": 0.5, "p1": 1.0, "p2": 1.0, "p3": 1.0}
+    calm = ring_doc(calm_speeds)
+    # the planner's own ring layout of a healthy 2-core machine is 2 x 1 (plan/shared.py: more busy
+    # peers than cores measured 0.57-0.75x of it); the user's 2 x 2 (`--stages 2 --replicas 2
+    # --reshape`) is the job here
+    assert [len(p.peers) for p in ring_plan(calm)] == [1, 1]
+    half = [0, 52, graph.num_nodes]
+    current = [Pipeline(0, ["p0", "p1"], half, 8, 4), Pipeline(1, ["p2", "p3"], half, 8, 4)]
+    assert outliers(calm_speeds, PEERS) == []  # healthy: the escalation is not asked (Escalator.check)
     victim = current[1].peers[-1]
     doc = ring_doc({"p0": 0.5, "p1": 1.0, "p2": 1.0, victim: 0.25})
     candidate = ring_plan(doc)

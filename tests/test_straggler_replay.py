@@ -31,7 +31,8 @@ def replay(run: dict, measure: str = "shift") -> list[tuple[int, int, float]]:
     """(step, culprit, slowed) of every check the trigger acts on; the plan is as recorded (a
     recorded re-plan starts a new book, as the driver's does)."""
     book = SpeedBook(RUN_HISTORY, quantile=0.5, recent=DEFAULT_WINDOW)
-    trigger = Trigger() if measure == "shift" else Trigger(min_drop=0.5)  # the rule before: halved
+    # the rule before: the drop bar halved, no soft tier
+    trigger = Trigger() if measure == "shift" else Trigger(min_drop=0.5, soft_drop=0.0)
     acts = []
     first = True
     for ev in run["events"]:

@@ -22,7 +22,7 @@ from fusionnode.plan import fence
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.evaluate import Context, Evaluated, Option, build_plan, make_context, pipe_time
 from fusionnode.plan.plan import Plan
-from fusionnode.plan.shared import shared_host_bound
+from fusionnode.plan.shared import host_groups, shared_host_bound
 
 log = logging.getLogger(__name__)
 
@@ -86,17 +86,30 @@ def price_grid(
 
 
 def even_grids(ctx: Context) -> list[Evaluated]:
-    """Every even grid that fits, fastest first."""
+    """Every even grid that fits, fastest first; where devices share a machine of fewer cores
+    (plan/shared.py), also the grids over the workers with each such machine's fastest `cores`
+    devices only (the others idle: N busy peers on C < N cores each get C/N of one)."""
     out = []
     blocks = ctx.chain.blocks
-    for k in grid_counts(len(ctx.workers), blocks, ctx.batch):
-        pipes = grid_pipelines(ctx.workers, k)
-        s = len(pipes[0])
-        ev = price_grid(ctx, pipes, [even_split(blocks, s)] * k)
-        if ev is not None:
-            out.append(ev)
+    for workers in dict.fromkeys([tuple(ctx.workers), within_cores(ctx.est.cluster, ctx.workers)]):
+        for k in grid_counts(len(workers), blocks, ctx.batch):
+            pipes = grid_pipelines(list(workers), k)
+            s = len(pipes[0])
+            ev = price_grid(ctx, pipes, [even_split(blocks, s)] * k)
+            if ev is not None:
+                out.append(ev)
     out.sort(key=lambda e: e.step_s)
     return out
+
+
+def within_cores(cluster: Cluster, workers: Sequence[int]) -> tuple[int, ...]:
+    """`workers` (in order) with each shared machine's devices cut to its fastest `cores`."""
+    of, cores = host_groups(cluster)
+    keep = set(workers)
+    for h, c in enumerate(cores):
+        mine = sorted((d for d in workers if of[d] == h), key=lambda d: -cluster.devices[d].tflops)
+        keep -= set(mine[c:])
+    return tuple(d for d in workers if d in keep)
 
 
 def best_even_grid(ctx: Context) -> Evaluated | None:

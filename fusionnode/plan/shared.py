@@ -87,7 +87,30 @@ def shared_host_bound(
                 if same:
                     slowest = min(float(bw[d, x]) for x in same)
                     busy[h] += 2.0 * (k_ring - 1) / k_ring * p * 8.0 / slowest
-    return max(
+    bound = max(
         (b / min(c, len(a)) for b, c, a in zip(busy, cores, active, strict=True) if a),
         default=0.0,
     )
+    return max(
+        bound,
+        contended_path(pipelines, of, [max(1.0, len(a) / c) for c, a in zip(cores, active, strict=True)]),
+    )
+
+
+def contended_path(
+    pipelines: Sequence[tuple[PipelineCost, int]], of: Sequence[int], slow: Sequence[float]
+) -> float:
+    """The longest 1F1B path, (m + stages - 1) x its slowest stage's compute per micro-batch, of the
+    pipelines with a device on an over-subscribed machine (`slow[h]` = its devices in the plan / its
+    cores > 1), each such device computing at 1 / slow[h] of its speed (N busy peers on C < N cores
+    each get about C/N of one). The machine's total over its cores (above) assumes a pipeline's fill
+    and drain cost nothing, an idle stage leaving its core to a busy one; measured on a 2-core host
+    (bench faults, gpt2-tiny, tokens/s against 2 pipelines of one stage): 3 busy peers as 1 x 3 or
+    2 + 1 stages 0.75x, 2 x 2 0.57x, where the total alone priced them within 5-14% of it."""
+    path = 0.0
+    for cost, m in pipelines:
+        over = [slow[of[d]] if of[d] >= 0 else 1.0 for d in cost.devices]
+        if max(over) > 1.0:
+            worst = max(c * f for c, f in zip(cost.compute_s, over, strict=True))
+            path = max(path, (m + len(cost.devices) - 1) * worst)
+    return path

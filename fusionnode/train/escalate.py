@@ -55,7 +55,18 @@ logger = logging.getLogger(__name__)
 # under-states what dropping a straggler gains on shared cores (14% predicted, 38% measured, bench
 # faults --pipelines 2)
 ESCALATE_GAIN = 0.10
+# a straggler whose own speed fell under this fraction of its earlier speed on the plan (SpeedBook.shift)
+# dropped on it: its re-plan waits for the share move's trigger to act on it (a drop to under MIN_DROP,
+# a gain over the noise, at consecutive checks), which a load spell of a clean run rarely passes; the
+# escalation's own streak is for a peer slow since the plan began (no drop for the trigger to see)
+DROPPED = 0.75
 STEP_TIME_STEPS = 4  # the measured step time a gain is priced at: the median of the last this many
+
+
+def has_dropped(run: Any, peer: str) -> bool:
+    """Whether `peer`'s speed fell on the plan under DROPPED x its earlier speed (SpeedBook.shift)."""
+    shift = run.recent.shift(peer)
+    return shift is not None and shift[0] < DROPPED
 
 
 def pinned(strategy: str, params: Mapping[str, Any]) -> str | None:
@@ -280,6 +291,8 @@ class Escalator:
             recovery, job, run, step, workers, speeds, noise, cheap, leave_out=slow
         )
         self.last = esc
+        dropped = has_dropped(run, slow[0])  # then only the share move's trigger confirms it
+        ready = confirmed == slow[0] or (not dropped and self.streak + 1 >= self.persist)
         run.metrics.event(  # the metrics file only: what the planner predicted
             "rebalance_check",
             step=step,
@@ -288,7 +301,7 @@ class Escalator:
             noise=round(noise, 4),
             culprit=slow[0],
             wants=esc.adopt,
-            acts=esc.adopt and (self.streak + 1 >= self.persist or confirmed == slow[0]),
+            acts=esc.adopt and ready,
             reason=esc.reason,
             planned=[[p[:12] for p in pipe.peers] + [pipe.samples] for pipe in pipelines],
             tflops=self.tflops,
@@ -303,7 +316,7 @@ class Escalator:
             self.streak = 0  # another peer is the straggler now: this check starts a new streak
         self.streak += 1
         self.culprit = slow[0]
-        if self.streak < self.persist and confirmed != slow[0]:
+        if confirmed != slow[0] and (dropped or self.streak < self.persist):
             return False
         self.reset()
         await recovery.adopt(

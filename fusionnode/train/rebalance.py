@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fusionnode.train.contention import SharedHosts, best_on_shared_hosts
 from fusionnode.train.speeds import (  # noqa: F401  (re-exported: the run's table and trigger)
     DEFAULT_WINDOW,
     DROP_SIGMAS,
@@ -318,6 +319,7 @@ def decide_job(
     move_cost_s: float,
     min_gain: float = DEFAULT_MIN_GAIN,
     shares: Sequence[int] = (),
+    hosts: SharedHosts | None = None,
 ) -> JobDecision:
     """`decide` for a job of several pipelines (data-parallel replicas): a step takes as long as its
     slowest pipeline. Pipelines are taken slowest first; each gets the best of its `candidates`
@@ -328,7 +330,11 @@ def decide_job(
     With `shares` (samples per pipeline) and several pipelines, the batch shares are tried first
     (`balance_shares`: pipeline times scale with their samples); a share change that clears the
     threshold and the move cost is returned as is (layouts unchanged, new `shares`); else the
-    pipelines are re-split or swapped as above."""
+    pipelines are re-split or swapped as above.
+
+    With `hosts` (peers that share a machine's cores), the re-split, the current layout and, when
+    the plan holds a clear straggler, the pipelines consolidated onto fewer of their peers are
+    priced with the shared cores (train/contention.py)."""
     if not current:
         raise ValueError("no pipeline")
     times = [
@@ -363,6 +369,10 @@ def decide_job(
                     culprit_peer,
                 )
     split = _resplit(current, flops, speeds, micro_batches, spares, steps_left, move_cost_s, min_gain, times)
+    if hosts is not None and hosts.any_shared(p for lay in current for p in lay.peers):
+        # peers of one machine share its cores: the candidates priced so, consolidations included
+        lays, new_s = best_on_shared_hosts(current, split.layouts, flops, speeds, micro_batches, hosts)
+        split = _verdict(current, flops, speeds, cur, new_s, lays, steps_left, move_cost_s, min_gain)
     split = dataclasses.replace(split, culprit=culprit_peer)
     # the shares move unless re-placing stages is clearly better (by the threshold again): a share
     # move cannot take all the work off a slow peer (each pipeline keeps a micro-batch per step)
@@ -408,8 +418,24 @@ def _resplit(
         others = {p for j, o in enumerate(layouts) if j != i for p in o.peers}
         if layouts[i] != lay and cur_times[i] <= new and not others & set(lay.peers):
             layouts[i], times[i] = lay, cur_times[i]
-    new = max(times)
-    out = tuple(layouts)
+    return _verdict(
+        current, flops, speeds, cur, max(times), tuple(layouts), steps_left, move_cost_s, min_gain
+    )
+
+
+def _verdict(
+    current: Sequence[Layout],
+    flops: Sequence[Sequence[float]],
+    speeds: Mapping[str, float],
+    cur: float,
+    new: float,
+    out: tuple[Layout, ...],
+    steps_left: int,
+    move_cost_s: float,
+    min_gain: float,
+) -> JobDecision:
+    """Whether the job moves from `current` (predicted step `cur`) to `out` (`new`): the threshold
+    and move-cost rule of `decide`."""
     if out == tuple(current):
         return JobDecision(False, "the current layout is the best candidate", cur, cur, out)
     gain = 1.0 - new / cur

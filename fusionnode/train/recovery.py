@@ -497,6 +497,7 @@ class Recovery:
         above the threshold and outweighs the cost of moving, and the run's `Trigger` agrees (the
         gain clears the measured noise, from the same bottleneck peer at consecutive checks, which
         slowed down: train/speeds.py). A share move is cheap (`move_shares`)."""
+        from fusionnode.train.contention import shared_hosts_of
         from fusionnode.train.escalate import Escalator
         from fusionnode.train.rebalance import Layout, check_job, fill_speeds
 
@@ -504,9 +505,10 @@ class Recovery:
         workers = await self.live_workers(job, run)
         in_plan = [p for pipe in job.pipelines for p in pipe.peers]
         spares = [w for w in workers if w not in in_plan]
+        records = await self.membership.peers()
         advertised = {
             r.peer_id: float(r.device.tflops_fp32)
-            for r in await self.membership.peers()
+            for r in records
             if r.peer_id in set(workers) | set(in_plan)
         }
         # this run's recent measurements first; peers it has not measured (spares) from the driver's
@@ -525,6 +527,7 @@ class Recovery:
             move_cost_s=run.move_s,
             min_gain=run.min_gain,
             shares=[p.samples for p in job.pipelines],
+            hosts=shared_hosts_of(records, [*in_plan, *spares]),  # peers sharing a machine's cores
         )
         d = c.decision
         logger.info("rebalance check at step %d: %s; %s", step, d.reason, c.why)
