@@ -291,6 +291,22 @@ def start(
     )
 
 
+def summary(step_checks: Any, job: Any) -> dict[str, Any]:
+    """The checks' totals for the job's result, and the secret their choices came from."""
+    from fusionnode.train.verifier_peer import verifier_totals
+
+    v = step_checks.v
+    return {
+        **v.policy.to_dict(),
+        **v.totals,
+        "deferred": step_checks.deferred(job),
+        "wait_s": step_checks.wait_s,
+        "commitment": v.selector.commitment,
+        "secret": v.selector.reveal(),
+        **verifier_totals(v.run_elsewhere),
+    }
+
+
 def _as_map(a: StageAssignment) -> dict[str, Any]:
     """What the verifier reads of a stage (it takes plain maps)."""
     return {

@@ -66,7 +66,7 @@ from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
 from fusionnode.train.swarm_cluster import cluster_from_records, cluster_links
-from fusionnode.train.verifier_peer import verifier_totals, verifier_warning
+from fusionnode.train.verifier_peer import verifier_warning
 from fusionnode.verify import compat
 from fusionnode.wire.job import StageAssignment
 
@@ -432,17 +432,8 @@ class Driver:
                 else None
             )
             result = await finish_job(job, model, final, source, metrics, feedback, optim)
-            if run.checks is not None:  # the checks' totals, and the secret their choices came from
-                v = run.checks.v
-                result["verify"] = {
-                    **v.policy.to_dict(),
-                    **v.totals,
-                    "deferred": run.checks.deferred(job),
-                    "wait_s": run.checks.wait_s,
-                    "commitment": v.selector.commitment,
-                    "secret": v.selector.reveal(),
-                    **verifier_totals(v.run_elsewhere),
-                }
+            if run.checks is not None:
+                result["verify"] = checks.summary(run.checks, job)
             result["contrib"] = run.scorer.totals() if run.scorer else job.contrib and job.contrib.to_dict()
             job.state = "done"
             return result
