@@ -331,3 +331,39 @@ def test_a_ring_jobs_spare_is_priced_too_but_not_a_user_laid_out_jobs():
         with pytest.raises(_Asked):
             confirms(offload)
     assert asked == ["peers", "peers"]
+
+
+def _speed_book_slowed(factor: float, before: int = 12, after: int = 22):
+    """A run's SpeedBook (as the driver keeps it: RUN_HISTORY samples, median speeds, a window of
+    DEFAULT_WINDOW) fed one peer's steps at speed 1 with a few percent of deterministic timing
+    jitter, then `factor` x slower; yields it after each slowed step."""
+    from fusionnode.train.speeds import DEFAULT_WINDOW, RUN_HISTORY, SpeedBook
+
+    book = SpeedBook(RUN_HISTORY, quantile=0.5, recent=DEFAULT_WINDOW)
+    jitter = [1.0, 1.04, 0.97, 1.02, 0.95, 1.03, 0.99, 1.05]
+    for i in range(before):
+        book.record("p3", 1.0, jitter[i % len(jitter)])
+    for i in range(after):
+        book.record("p3", 1.0, factor * jitter[(i + 3) % len(jitter)])
+        yield i + 1, book
+
+
+def test_a_2x_straggler_is_not_held_for_a_trigger_that_cannot_act_on_it():
+    """Review 7, M2: a peer slowed 2x mid-run measures ~0.5 of its earlier speed, out of the share
+    move's trigger's reach (under MIN_DROP's 0.35 at 2 checks, or SOFT_DROP's 0.42 at 3), so the
+    escalation must not wait for that trigger (6cbec42 held it at every step from the 2nd to the
+    22nd after the slow-down, ~20 steps, instead of re-planning at its own streak of 2 checks). A 4x
+    slow-down, which the trigger does act on, is held for it once measured."""
+    from fusionnode.train.escalate import has_dropped
+    from fusionnode.train.speeds import Trigger
+
+    trigger, shifts = Trigger(), []
+    for i, book in _speed_book_slowed(2.0):
+        slowed, spread = book.shift("p3") or (None, 0.0)
+        shifts.append(slowed)
+        assert not has_dropped(SimpleNamespace(recent=book), "p3"), (i, slowed)
+        # the trigger, fed this drop with a large gain, never acts on it: nothing to wait for
+        assert not trigger.check(True, 0.6, 0.25, 0.01, "p3", slowed, spread)[0], (i, slowed)
+    assert sum(0.4 < s < 0.6 for s in shifts) >= 15, shifts  # measured at ~0.5 (the old hold: < 0.75)
+    held = [i for i, book in _speed_book_slowed(4.0) if has_dropped(SimpleNamespace(recent=book), "p3")]
+    assert held and held[0] <= 4 and held == list(range(held[0], held[-1] + 1)), held

@@ -352,12 +352,12 @@ def test_a_ring_job_is_replanned_without_its_straggler(tmp_path, monkeypatch, sl
 
 @pytest.mark.parametrize("dropped", [True, False])
 def test_a_straggler_that_dropped_is_replanned_only_when_the_trigger_acts(tmp_path, monkeypatch, dropped):
-    """Issue 18's clean-run margin: the escalation wants a re-plan at every check (forced), with a
-    peer of the plan a clear straggler. When that peer's own speed dropped on the plan (a load spell
-    of a clean run looks so), its re-plan waits for the share move's trigger, which does not act here
-    (no slow-down on the in-memory network): no re-plan, though the escalation's own streak of 2
-    checks would have made one before. A peer slow since the plan began (no drop) is re-planned at
-    the streak, as before."""
+    """Issue 18's clean-run margin: the escalation wants a re-plan at 2 checks in a row (forced), with
+    a peer of the plan a clear straggler. When that peer's own speed dropped on the plan within the
+    share move's trigger's reach (a deep load spell of a clean run looks so), its re-plan waits for
+    that trigger, which does not act here (no slow-down on the in-memory network): no re-plan at the
+    escalation's own streak of 2 checks, and the spell ends before the hold's bound. A peer slow
+    since the plan began (or one whose drop the trigger cannot act on) is re-planned at the streak."""
     from fusionnode.train import escalate
 
     _force_one_escalation(monkeypatch, _two_by_one)
@@ -368,4 +368,35 @@ def test_a_straggler_that_dropped_is_replanned_only_when_the_trigger_acts(tmp_pa
     asyncio.run(s.driver.run_job(params, s.emit))
     escalated = [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
     assert len(escalated) == (0 if dropped else 1), escalated
+    _assert_follows_reference(s, spec)
+
+
+def test_a_dropped_straggler_the_trigger_misses_is_replanned_at_the_holds_bound(tmp_path, monkeypatch):
+    """Review 7, M2: the hold of a straggler whose drop is within the trigger's reach is bounded. The
+    escalation wants the same re-plan at every check, the peer's drop is forced, and the share
+    move's trigger never acts (no real slow-down): the re-plan comes at the check that ends
+    PERSIST_CHECKS + HOLD_CHECKS checks in a row (not at 2, nor never), once, and the losses follow
+    `train_local`."""
+    from fusionnode.train import escalate
+
+    streaks: list[int] = []
+
+    async def predict(self, recovery, job, run, step, workers, speeds, noise, cheap=None, **kw):
+        if all(len(p.peers) == 1 for p in job.pipelines):  # re-planned: nothing more to want
+            return escalate.Escalation(False, "re-planned already", 1.0, 1.0), job.pipelines
+        streaks.append(self.streak + 1)
+        return escalate.Escalation(True, "forced by the test", 1.0, 0.5, 9.0), _two_by_one(job)
+
+    monkeypatch.setattr(escalate, "outliers", lambda speeds, in_plan: [in_plan[-1]])
+    monkeypatch.setattr(escalate.Escalator, "predict", predict)
+    monkeypatch.setattr(escalate, "has_dropped", lambda run, peer: True)
+    spec = small_spec(steps=18, batch_size=16, micro_batches=2)
+    s = Swarm(tmp_path, workers=4)
+    params = {"spec": spec.to_dict(), **RING, "rebalance_every": 2, "reshape": True}
+    asyncio.run(s.driver.run_job(params, s.emit))
+    escalated = [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
+    bound = escalate.PERSIST_CHECKS + escalate.HOLD_CHECKS
+    assert streaks == list(range(1, bound + 1)), streaks
+    (e,) = escalated
+    assert e["step"] < spec.steps - 2 and len(e["peers"]) == 2, e  # steps ran on 2 x 1
     _assert_follows_reference(s, spec)

@@ -25,7 +25,9 @@ asked only while a peer of the plan is a clear straggler, and its layout is adop
   window holds its slow-down, no noise), at PERSIST_CHECKS checks in a row
   with the same straggler (timing noise makes a random peer look slow now and then), or at the check
   where the share move's trigger acts on that same straggler (its own rule: 2 checks in a row, a
-  drop under MIN_DROP, a gain over the noise);
+  drop under MIN_DROP, a gain over the noise); a straggler whose own speed dropped on the plan
+  under the trigger's SOFT_DROP (has_dropped: in the trigger's reach) waits for the trigger, for
+  PERSIST_CHECKS + HOLD_CHECKS checks in a row at most;
 - the time it saves over the steps left (that gain x the measured step time) exceeds what moving
   costs: the last re-placement's measured seconds (stages released, new ones placed, parameters
   shipped).
@@ -43,7 +45,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusionnode.train.speeds import DEFAULT_WINDOW, NOISE_SIGMAS, PERSIST_CHECKS
+from fusionnode.train.speeds import (
+    DEFAULT_WINDOW,
+    NOISE_SIGMAS,
+    PERSIST_CHECKS,
+    SOFT_CHECKS,
+    SOFT_DROP,
+)
 from fusionnode.train.swarm_cluster import OUTLIER, outliers  # noqa: F401  (OUTLIER: re-exported)
 
 logger = logging.getLogger(__name__)
@@ -56,15 +64,21 @@ logger = logging.getLogger(__name__)
 # faults --pipelines 2)
 ESCALATE_GAIN = 0.10
 # a straggler whose own speed fell under this fraction of its earlier speed on the plan (SpeedBook.shift)
-# dropped on it: its re-plan waits for the share move's trigger to act on it (a drop to under MIN_DROP,
-# a gain over the noise, at consecutive checks), which a load spell of a clean run rarely passes; the
-# escalation's own streak is for a peer slow since the plan began (no drop for the trigger to see)
-DROPPED = 0.75
+# dropped on it within the reach of the share move's trigger (its soft tier): its re-plan waits for
+# that trigger to act on it (a drop under MIN_DROP at 2 checks in a row or under SOFT_DROP at
+# SOFT_CHECKS, a gain over the noise), which a load spell of a clean run rarely passes, for at most
+# HOLD_CHECKS checks past the escalation's own streak (in recorded clean runs no spell stayed under
+# SOFT_DROP past 2 checks; a straggler the trigger misses is re-planned then). A drop the trigger
+# cannot act on (a 2x straggler measures ~0.5) and a peer slow since the plan began (no drop) are
+# re-planned at the escalation's own streak of PERSIST_CHECKS checks
+DROPPED = SOFT_DROP
+HOLD_CHECKS = SOFT_CHECKS
 STEP_TIME_STEPS = 4  # the measured step time a gain is priced at: the median of the last this many
 
 
 def has_dropped(run: Any, peer: str) -> bool:
-    """Whether `peer`'s speed fell on the plan under DROPPED x its earlier speed (SpeedBook.shift)."""
+    """Whether `peer`'s speed fell on the plan under DROPPED x its earlier speed (SpeedBook.shift): a
+    drop the share move's trigger can act on."""
     shift = run.recent.shift(peer)
     return shift is not None and shift[0] < DROPPED
 
@@ -291,8 +305,10 @@ class Escalator:
             recovery, job, run, step, workers, speeds, noise, cheap, leave_out=slow
         )
         self.last = esc
-        dropped = has_dropped(run, slow[0])  # then only the share move's trigger confirms it
-        ready = confirmed == slow[0] or (not dropped and self.streak + 1 >= self.persist)
+        streak = (self.streak if slow[0] == self.culprit else 0) + 1  # this check's, if it wants
+        # a drop within the trigger's reach: only the trigger confirms it, for HOLD_CHECKS more checks
+        held = has_dropped(run, slow[0]) and streak < self.persist + HOLD_CHECKS
+        ready = confirmed == slow[0] or (not held and streak >= self.persist)
         run.metrics.event(  # the metrics file only: what the planner predicted
             "rebalance_check",
             step=step,
@@ -312,11 +328,8 @@ class Escalator:
         if not esc.adopt:
             self.reset()
             return False
-        if self.streak and slow[0] != self.culprit:
-            self.streak = 0  # another peer is the straggler now: this check starts a new streak
-        self.streak += 1
-        self.culprit = slow[0]
-        if confirmed != slow[0] and (dropped or self.streak < self.persist):
+        self.streak, self.culprit = streak, slow[0]  # another straggler than before: a new streak
+        if not ready:
             return False
         self.reset()
         await recovery.adopt(
