@@ -187,4 +187,35 @@ def test_serve_checks_needs_its_allow_list(tmp_path):
         NodeConfig(tmp_path, serve_checks_for=(VERIFIER,))
     with pytest.raises(ConfigError, match="peer ids"):
         NodeConfig(tmp_path, serve_checks=True, serve_checks_for=("not a peer",))
-    assert NodeConfig(tmp_path, serve_checks=True, serve_checks_for=(VERIFIER,)).serve_checks_for == (VERIFIER,)
+    assert NodeConfig(tmp_path, serve_checks=True, serve_checks_for=(VERIFIER,)).serve_checks_for == (
+        VERIFIER,
+    )
+
+
+def test_a_broken_check_process_is_replaced_at_the_next_check():
+    """Review 7 L4: the check process killed, the check it was asked fails (BrokenExecutor) and the
+    next one gets a new process; the shared buffers kept for reuse stay bounded."""
+    import concurrent.futures
+    import os
+    import signal
+
+    from fusionnode.train.checks import _BUFFERS, MAX_LAG, CheckProcess, _child_ready
+
+    async def main():
+        checker = CheckProcess("j")
+        loop = asyncio.get_running_loop()
+        pid = await loop.run_in_executor(CheckProcess._pool, _child_ready)
+        os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        with pytest.raises(concurrent.futures.BrokenExecutor):
+            await checker(None, (torch.zeros(1, dtype=torch.uint8),))
+        assert CheckProcess._pool is None  # forgotten: the next check starts a new one
+        CheckProcess._start()
+        new = await loop.run_in_executor(CheckProcess._pool, _child_ready)
+        assert new != pid
+
+    asyncio.run(main())
+    lent = [_BUFFERS.take(1 << 10) for _ in range(MAX_LAG + 6)]
+    for buf in lent:
+        _BUFFERS.give(buf)
+    assert len(_BUFFERS.free) <= MAX_LAG + 2
