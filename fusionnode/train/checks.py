@@ -214,8 +214,8 @@ class SharedBuffers:
         buf = self.lent.pop(view.untyped_storage().data_ptr(), None)
         if buf is not None:
             self.free.append(buf)
-            if len(self.free) > MAX_LAG + 2:  # past a lag's worth: the smallest freed (shared memory back)
-                self.free.remove(min(self.free, key=lambda b: b.numel()))
+            if len(self.free) > MAX_LAG + 2:  # past a lag's worth: the smallest freed (by position: not `==`)
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
 
 _BUFFERS = SharedBuffers()  # this daemon's (one check process per daemon)
