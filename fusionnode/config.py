@@ -310,7 +310,10 @@ class NodeConfig:
     dashboard_actions: bool = False  # the dashboard may pause/resume this node and cancel its jobs (token)
     egress_limit_bps: float | None = None  # user-space cap on this peer's outgoing tensor streams, bits/s
     reprofile: bool = False  # re-measure the device even if a cached profile exists
-    serve_checks: bool = False  # answer `verify.check`: judge checks for drivers that name this peer
+    serve_checks: bool = False  # answer `verify.check`: judge checks for the drivers of serve_checks_for
+    serve_checks_for: tuple[
+        str, ...
+    ] = ()  # the peer ids whose checks are judged (required with serve_checks)
     network: NetworkOptions = NetworkOptions()  # libp2p beyond the listen addresses
 
     def __post_init__(self) -> None:
@@ -324,6 +327,16 @@ class NodeConfig:
         AvailabilityPolicy(when=self.when, grace_s=self.idle_grace_s)  # raises ConfigError on bad values
         if self.schedule:
             Schedule.parse(self.schedule)
+        if self.serve_checks and not self.serve_checks_for:
+            raise ConfigError(
+                "--serve-checks needs --serve-checks-for PEER[,PEER]: the drivers whose checks it judges "
+                "(any other peer of the swarm could hold its memory and queue)"
+            )
+        if self.serve_checks_for and not self.serve_checks:
+            raise ConfigError("--serve-checks-for is given without --serve-checks")
+        for peer in self.serve_checks_for:
+            if not (peer.isalnum() and 16 <= len(peer) <= 128):
+                raise ConfigError(f"--serve-checks-for takes peer ids, got {peer!r}")
         for name in ("startup_timeout_s", "heartbeat_s", "rpc_timeout_s", "step_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")

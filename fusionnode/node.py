@@ -189,7 +189,9 @@ class Node:
         self.driver = Driver(self.transport, self.membership, config=cfg, state_dir=cfg.state_dir)
         from fusionnode.train.verifier_peer import VerifierService
 
-        self.verifier = VerifierService(self.transport, serve=cfg.serve_checks)  # verify.check
+        self.verifier = VerifierService(
+            self.transport, serve=cfg.serve_checks, allow=cfg.serve_checks_for
+        )  # verify.check
         self.driver.hosts.local = self.host  # its own host's parameters read in place (None: no host)
         from fusionnode.availability.activity import ActivityThresholds, build_monitor
         from fusionnode.availability.caps import apply_memory_cap, apply_util_cap

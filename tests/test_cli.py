@@ -114,6 +114,8 @@ def test_bad_options_are_refused_before_anything_starts_with_the_subcommands_usa
             ["--offload", "off", "--replicas", "2", "--sync", "diloco"],
             "closes rounds on the optimizer",
         ),
+        ("join", ["--serve-checks"], "--serve-checks needs --serve-checks-for"),
+        ("join", ["--serve-checks", "--serve-checks-for", "me"], "--serve-checks-for takes peer ids"),
         ("demo", ["--peers", "0"], "--peers: expected an integer >= 1"),
         ("generate", ["--checkpoint", "x", "--temperature", "-1"], "expected a number >= 0"),
     ):

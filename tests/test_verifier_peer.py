@@ -24,7 +24,7 @@ VERIFIER = "QmVerifier0xxxxxxxxxxxxxxxx"
 
 def _swarm(tmp_path, serve: bool = True) -> tuple[Swarm, VerifierService]:
     s = Swarm(tmp_path, workers=3, hosts=1)
-    service = VerifierService(s.net.join(VERIFIER), serve=serve)
+    service = VerifierService(s.net.join(VERIFIER), serve=serve, allow=s.ids[:1])  # the driver only
     return s, service
 
 

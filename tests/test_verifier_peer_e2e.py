@@ -26,7 +26,8 @@ def test_a_liar_is_caught_through_a_verifier_peer_and_a_killed_verifier_falls_ba
     swarm.extra_args = ["--debug"]
     try:
         swarm.start()
-        swarm.extra_args = ["--debug", "--serve-checks", "--role", "worker"]
+        drivers = ",".join(r["peer_id"] for r in swarm.ready)  # the verifier serves the swarm's daemons
+        swarm.extra_args = ["--debug", "--serve-checks", "--serve-checks-for", drivers, "--role", "worker"]
         v = swarm.add_peer()
         asyncio.run(swarm.wait_connected())
         ids = [r["peer_id"] for r in swarm.ready]

@@ -217,5 +217,14 @@ def test_spec_lists_every_rpc_with_its_message_types_and_every_kind_and_code():
             assert f"`{f.name}`" in row, (name, f.name)
     for kind in TensorKind.ALL:
         assert f"`{kind}`" in job
+    table = spec[spec.index("### 13.2 Data messages") :]
+    rows = {
+        cell.strip("` ")
+        for line in table.splitlines()
+        if line.startswith("| `")
+        for cell in line.split("|")[1].split(",")
+    }
+    for kind in TensorKind.ALL:  # a row of the data-kind table each
+        assert kind in rows, kind
     for code in ErrorCode.ALL:
         assert f"| `{code}` |" in job

@@ -39,7 +39,8 @@ def start_verifier(args: argparse.Namespace, swarm: Any) -> None:
     if not (args.verifier_peer or args.verifier_core):
         return
     before = list(swarm.extra_args)
-    swarm.extra_args = [*before, "--serve-checks", "--role", "worker"]
+    drivers = ",".join(r["peer_id"] for r in swarm.ready)  # the daemons started so far: the drivers
+    swarm.extra_args = [*before, "--serve-checks", "--serve-checks-for", drivers, "--role", "worker"]
     try:
         swarm.verifier = swarm.add_peer()
     finally:

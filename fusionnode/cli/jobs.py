@@ -119,7 +119,7 @@ def add_train_command(sub: Any) -> None:
         metavar="PEER_ID|local|process",
         help="where the checks' recomputes run: process = this daemon's idle-priority check process "
         "(the default), local = a thread of the daemon, or the id of a peer you run that serves checks "
-        "(`join --serve-checks`, say on a core or machine the swarm does not use): its verdicts are "
+        "(`join --serve-checks --serve-checks-for <this daemon's peer id>`, say on a core or machine the swarm does not use): its verdicts are "
         "trusted as your own (SECURITY.md); while it cannot be reached they run in the check process",
     )
     p.add_argument(

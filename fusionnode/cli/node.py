@@ -71,8 +71,16 @@ def add_daemon_commands(sub: Any) -> None:
     p.add_argument(
         "--serve-checks",
         action="store_true",
-        help="judge spot-checks for drivers that name this peer (`train --verifier PEER_ID`): their "
-        "recomputes run in this daemon's check process (default: refuse them)",
+        help="judge spot-checks for the drivers named by --serve-checks-for, which name this peer "
+        "(`train --verifier PEER_ID`): their recomputes run in this daemon's check process (default: "
+        "refuse them). Requires --serve-checks-for (exit 2 without): other peers are refused",
+    )
+    p.add_argument(
+        "--serve-checks-for",
+        default=None,
+        metavar="PEER[,PEER]",
+        help="with --serve-checks: the peer ids of the drivers whose checks are judged; any other "
+        "caller is answered forbidden and its messages dropped",
     )
     p.add_argument(
         "--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)"
@@ -260,6 +268,9 @@ def _node_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             egress_limit_bps=parse_rate(args.egress_limit) if args.egress_limit else None,
             reprofile=args.reprofile,
             serve_checks=getattr(args, "serve_checks", False),
+            serve_checks_for=tuple(
+                p.strip() for p in (getattr(args, "serve_checks_for", None) or "").split(",") if p.strip()
+            ),
             network=network_options(args),
         )
     except FusionNodeError as exc:

@@ -214,6 +214,8 @@ class SharedBuffers:
         buf = self.lent.pop(view.untyped_storage().data_ptr(), None)
         if buf is not None:
             self.free.append(buf)
+            if len(self.free) > MAX_LAG + 2:  # past a lag's worth: the smallest freed (by position: not `==`)
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
 
 _BUFFERS = SharedBuffers()  # this daemon's (one check process per daemon)
@@ -230,10 +232,15 @@ class CheckProcess:
     _pid: int | None = None
 
     def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        CheckProcess._start()
+
+    @staticmethod
+    def _start() -> None:
+        """The pool's process spawned, if none runs (at the first check, or after it broke)."""
         import concurrent.futures
         import multiprocessing
 
-        self.job_id = job_id
         if CheckProcess._pool is None:
             CheckProcess._pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init
@@ -252,9 +259,18 @@ class CheckProcess:
         return pack_tensors(tensors, _BUFFERS.take)
 
     async def __call__(self, audit: Any, packed: Any) -> str:
+        import concurrent.futures
+
         loop = asyncio.get_running_loop()
+        CheckProcess._start()
+        pool = CheckProcess._pool
         try:
-            return await loop.run_in_executor(CheckProcess._pool, _child_check, self.job_id, audit, packed)
+            return await loop.run_in_executor(pool, _child_check, self.job_id, audit, packed)
+        except concurrent.futures.BrokenExecutor:
+            if CheckProcess._pool is pool:  # the next check starts a new process (this one fails)
+                CheckProcess._pool, CheckProcess._pid = None, None
+                pool.shutdown(wait=False)
+            raise
         finally:  # the check process is done with it (or never got it)
             _BUFFERS.give(packed[0])
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -41,9 +42,12 @@ VERIFIERS = ("process", "local")  # --verifier's words; anything else names a pe
 RETRY_S = 60.0  # seconds a verifier that failed is not asked again (its checks run locally meanwhile)
 REMOTE_DEADLINE_S = 30.0  # seconds one remote check may take, messages included, before the fallback
 HURRY_S = 5.0  # seconds a remote check in flight still gets once a step waits for it (then the fallback)
-HELD_BYTES = 1 << 30  # bytes of unjudged checks' messages a verifier holds, all callers together
+HELD_BYTES = 1 << 30  # bytes of checks' messages a verifier holds until judged, all callers together
+CHECK_BYTES = 512 << 20  # bytes of one check's messages at most (each message charged MSG_CHARGE more)
+MSG_CHARGE = 4096  # bytes each held message counts on top of its payload (empty ones are bounded too)
 HELD_S = 120.0  # seconds a check's messages are kept waiting for their call
-MAX_RUNNING = 64  # checks a verifier judges or queues at once, all callers together
+WAIT_CAP_S = 60.0  # seconds a call waits for its messages at most, whatever its `wait_s`
+MAX_RUNNING = 64  # checks a verifier judges, queues or waits for at once, all callers together
 MSG_TENSORS = 200  # tensors per parameter message (the wire allows 256)
 MSG_BYTES = 64 << 20  # payload bytes per parameter message (frames allow 256 MiB)
 
@@ -90,7 +94,12 @@ class RemoteVerifier:
     check process as its fallback. `pack` lends a shared buffer as the check process's does, so a
     check that falls back costs no second copy."""
 
-    _tickets = iter(range(1 << 62))  # one per check of this daemon: the data messages' key
+    # one per check of this daemon: the data messages' key (from a random start: a restarted driver's
+    # checks never meet its previous process's messages still held by the verifier)
+    _tickets = iter(range(secrets.randbits(61), 1 << 62))
+    # a broken fallback (its pool) fails that check only (verify/verifier.py recomputes it on a thread):
+    # the verifier peer stays, and the next fallback runs in a new check process (train/checks.py)
+    survives_broken_fallback = True
 
     def __init__(
         self,
@@ -234,7 +243,7 @@ class RemoteVerifier:
             rel_tol=float(audit.rel_tol),
             pushed=audit.pushed,
             link=_wire_map(audit.link) if audit.link is not None else None,
-            wait_s=max(1.0, self.timeout_s),
+            wait_s=min(max(1.0, self.timeout_s), WAIT_CAP_S),
         )
         reply = await jp.call(self.t, self.peer, Rpc.VERIFY_CHECK, req, timeout=self.timeout_s)
         return reply.verdict
@@ -250,18 +259,27 @@ def _wire_map(value: Any) -> Any:
 
 
 class VerifierService:
-    """A daemon's `verify.check` (`join --serve-checks`): holds the checks' data messages per caller
-    until their call, then judges the audit in the daemon's check process (train/checks.py). Without
-    `serve` it refuses the call (`forbidden`) and drops the messages."""
+    """A daemon's `verify.check` (`join --serve-checks --serve-checks-for PEER[,PEER]`): holds the
+    checks' data messages of the drivers in `allow` until their call, then judges the audit in the
+    daemon's check process (train/checks.py). Other callers, and every caller without `serve`, are
+    refused (`forbidden`) and their messages dropped, never held.
 
-    def __init__(self, transport: Any, serve: bool) -> None:
+    Bounds (SECURITY.md): a check's messages count in `held_bytes` (payload plus MSG_CHARGE each)
+    from their arrival until their check is judged, at most CHECK_BYTES a check and HELD_BYTES in
+    all; at most MAX_RUNNING calls wait, queue or run at once; a call waits WAIT_CAP_S at most; and
+    messages no call waits for are dropped HELD_S after they came (looked at on each message and
+    each call)."""
+
+    def __init__(self, transport: Any, serve: bool, allow: Collection[str] = ()) -> None:
         self.t = transport
         self.serve = serve
-        self.held: dict[tuple[str, str, int, int], tuple[float, dict[int, TensorMessage]]] = {}
-        self.held_bytes = 0
+        self.allow = frozenset(allow)
+        # per check: (arrival, its messages by index, the bytes they count)
+        self.held: dict[tuple[str, str, int, int], tuple[float, dict[int, TensorMessage], int]] = {}
+        self.held_bytes = 0  # held messages', and judging checks', bytes (MSG_CHARGE each included)
         self.dropped = 0
         self.checked = 0
-        self.running = 0  # checks judging or queued for the check process
+        self.running = 0  # calls waiting for their messages, judging or queued for the check process
         self.lifted = False  # the check process at the normal policy (while checks run)
         self.refused: dict[tuple[str, str, int, int], float] = {}  # checks whose messages were dropped
         self._arrived: dict[tuple[str, str, int, int], asyncio.Event] = {}
@@ -274,57 +292,61 @@ class VerifierService:
         jp.serve(transport, Rpc.VERIFY_CHECK, self.rpc_check)
 
     def _on_data(self, msg: TensorMessage, sender: str) -> None:
-        if not self.serve:
+        if not self.serve or sender not in self.allow:
             self.dropped += 1
             return
         self._expire()
         m = msg.meta
         key = (sender, str(m["job"]), int(m["step"]), int(m["stage"]))
-        nbytes = sum(len(e.data) for e in msg.tensors.values())
-        if key in self.refused or self.held_bytes + nbytes > HELD_BYTES:
+        mb = int(m["mb"])
+        cost = sum(len(e.data) for e in msg.tensors.values()) + MSG_CHARGE
+        at, msgs, kbytes = self.held.get(key, (time.monotonic(), {}, 0))
+        old = msgs.get(mb)
+        freed = sum(len(e.data) for e in old.tensors.values()) + MSG_CHARGE if old is not None else 0
+        if (
+            key in self.refused
+            or not 0 <= mb < CHECK_BYTES // MSG_CHARGE
+            or kbytes - freed + cost > CHECK_BYTES
+            or self.held_bytes - freed + cost > HELD_BYTES
+        ):
             self.dropped += 1  # its call is answered no_room at once
             self.refused[key] = time.monotonic()
             self._forget(key)
-            event = self._arrived.get(key)
-            if event is not None:
-                event.set()
-            return
-        _at, msgs = self.held.setdefault(key, (time.monotonic(), {}))
-        old = msgs.get(int(m["mb"]))
-        if old is not None:
-            self.held_bytes -= sum(len(e.data) for e in old.tensors.values())
-        msgs[int(m["mb"])] = msg
-        self.held_bytes += nbytes
+        else:
+            msgs[mb] = msg
+            self.held[key] = (at, msgs, kbytes - freed + cost)
+            self.held_bytes += cost - freed
         event = self._arrived.get(key)
         if event is not None:
             event.set()
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for key in [k for k, (at, _) in self.held.items() if now - at > HELD_S and k not in self._arrived]:
+        for key in [k for k, (at, _, _) in self.held.items() if now - at > HELD_S and k not in self._arrived]:
             self._forget(key)
         for key in [k for k, at in self.refused.items() if now - at > HELD_S]:
             del self.refused[key]
 
-    def _forget(self, key: tuple[str, str, int, int]) -> dict[int, TensorMessage]:
-        _at, msgs = self.held.pop(key, (0.0, {}))
-        self.held_bytes -= sum(len(e.data) for msg in msgs.values() for e in msg.tensors.values())
-        return msgs
+    def _forget(self, key: tuple[str, str, int, int]) -> None:
+        _at, _msgs, nbytes = self.held.pop(key, (0.0, {}, 0))
+        self.held_bytes -= nbytes
 
     async def _messages(
         self, key: tuple[str, str, int, int], n: int, wait_s: float
-    ) -> dict[int, TensorMessage]:
+    ) -> tuple[dict[int, TensorMessage], int]:
+        """The check's `n` messages and the bytes they count, still in `held_bytes` (the caller gives
+        them back once the check is judged)."""
         deadline = time.monotonic() + wait_s
         event = self._arrived[key] = asyncio.Event()
         try:
-            while len(self.held.get(key, (0.0, {}))[1]) < n:
+            while len(self.held.get(key, (0.0, {}, 0))[1]) < n:
                 if key in self.refused:
                     raise JobError(
                         ErrorCode.NO_ROOM, "this verifier holds too many unjudged checks' messages"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    got = len(self.held.get(key, (0.0, {}))[1])
+                    got = len(self.held.get(key, (0.0, {}, 0))[1])
                     raise JobError(
                         ErrorCode.DEADLINE,
                         f"verify.check: {got} of its {n} messages arrived within {wait_s:.0f} s",
@@ -332,26 +354,49 @@ class VerifierService:
                 event.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), left)
-            return self._forget(key)
+            _at, msgs, nbytes = self.held.pop(key)
+            return msgs, nbytes
         finally:
-            del self._arrived[key]
+            self._arrived.pop(key, None)
             if key in self.held and len(self.held[key][1]) < n:
                 self._forget(key)
 
     async def rpc_check(self, req: jp.VerifyCheck, sender: str) -> jp.VerifyCheckReply:
-        from fusionnode.verify.audit import AuditJob
-        from fusionnode.verify.verifier import decode_shown
-
         if not self.serve:
             raise JobError(
                 ErrorCode.FORBIDDEN, "this peer does not serve checks (fusionnode join --serve-checks)"
             )
+        if sender not in self.allow:
+            raise JobError(
+                ErrorCode.FORBIDDEN, "this peer serves checks only for the drivers of its --serve-checks-for"
+            )
+        self._expire()
         key = (sender, req.job, req.ticket, req.stage)
-        n = req.chunks + req.params
+        if key in self._arrived:
+            raise JobError(ErrorCode.BAD_REQUEST, "verify.check: a call for this check waits already")
         if self.running >= MAX_RUNNING:
             self._forget(key)
+            self.refused[key] = time.monotonic()  # its messages still to come are dropped
             raise JobError(ErrorCode.NO_ROOM, f"this verifier has {self.running} checks queued already")
-        msgs = await self._messages(key, n, req.wait_s)
+        self.running += 1  # taken before the messages are awaited: waiting calls count
+        nbytes = 0
+        try:
+            msgs, nbytes = await self._messages(key, req.chunks + req.params, min(req.wait_s, WAIT_CAP_S))
+            audit, mine = self._audit(req, msgs, sender)
+            self._priority()
+            return await self._judge(sender, req, audit, mine)
+        finally:
+            self.held_bytes -= nbytes  # judged (or refused): its bytes given back only now
+            self.running -= 1
+            self._priority()
+
+    def _audit(self, req: jp.VerifyCheck, msgs: dict[int, TensorMessage], sender: str) -> tuple[Any, Any]:
+        """The call's AuditJob and the stage's parameters from its messages (bad_request if they do
+        not fit the call)."""
+        from fusionnode.verify.audit import AuditJob
+        from fusionnode.verify.verifier import decode_shown
+
+        n = req.chunks + req.params
         if sorted(msgs) != list(range(n)):
             raise JobError(
                 ErrorCode.BAD_REQUEST, f"verify.check: messages {sorted(msgs)[:8]}… are not 0..{n - 1}"
@@ -373,13 +418,7 @@ class VerifierService:
             req.src, req.mbs, req.grads, req.pushed, req.losses, req.micro_batches, req.rel_tol, req.step,
             req.link,
         )  # fmt: skip
-        self.running += 1
-        self._priority()
-        try:
-            return await self._judge(sender, req, audit, mine)
-        finally:
-            self.running -= 1
-            self._priority()
+        return audit, mine
 
     def _priority(self) -> None:
         """The check process at the normal policy while checks are asked of it (a driver waits on each,

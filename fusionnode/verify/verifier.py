@@ -580,7 +580,10 @@ class Verifier:
                     return await self.run_elsewhere(dataclasses.replace(audit, chunks=light), packed)
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
-                    self.run_elsewhere = None
+                    if not getattr(self.run_elsewhere, "survives_broken_fallback", False):
+                        self.run_elsewhere = (
+                            None  # (a verifier peer is kept: its next fallback is a new process)
+                        )
 
             def run() -> str:
                 with self._thread_lock:  # one module per stage: recomputes of two steps take turns
