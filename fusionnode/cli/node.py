@@ -80,7 +80,7 @@ def add_daemon_commands(sub: Any) -> None:
         default=None,
         metavar="PEER[,PEER]",
         help="with --serve-checks: the peer ids of the drivers whose checks are judged; any other "
-        "caller is answered forbidden and its messages dropped",
+        "caller is answered forbidden and its messages dropped (default: nobody)",
     )
     p.add_argument(
         "--max-memory", default=None, help="memory offered to the swarm, e.g. 12GB (default: what is free)"
