@@ -90,6 +90,13 @@ for line in "${LINES[@]:1}"; do [[ $line == dev\ * ]] && IDS+=("${line#dev }"); 
 
 for ((i = 0; i < N; i++)); do
   ns="$PREFIX-$i"
+  # a namespace of this name is a dead run's (the name holds this process's pid; a run killed by
+  # SIGKILL cannot tear down, and its pid is reused): its leftovers are removed, not failed on
+  if ip netns list | grep -qx "$ns\( .*\)\?"; then
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    ip netns del "$ns"
+    echo "testbed.sh: removed namespace $ns, left by a dead run of the same pid" >&2
+  fi
   ip netns add "$ns"
   NAMESPACES+=("$ns")
   ip -n "$ns" link set lo up
