@@ -41,7 +41,7 @@ from fusionnode.sync import SyncConfig, job_refusals
 from fusionnode.train import checks, feedback_ckpt, free_rounds, launch, ringrecovery, scoring
 from fusionnode.train.checkpoint import job_secret, save_at, save_job
 from fusionnode.train.finish import finish_job
-from fusionnode.train.placement import STAGE_ID_STRIDE, Placement, balanced_bounds, crossing_names
+from fusionnode.train.placement import Placement
 from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
 from fusionnode.train.recovery import Recovery
 from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run
@@ -400,12 +400,9 @@ __all__ = [  # with the names other modules and tests know the driver by
     "FINISHED_HISTORY_POINTS",
     "HISTORY_KEPT",
     "JOBS_KEPT",
-    "STAGE_ID_STRIDE",
     "Driver",
     "Job",
     "PeerError",
     "Pipeline",
-    "balanced_bounds",
     "cluster_from_records",
-    "crossing_names",
 ]

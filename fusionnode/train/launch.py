@@ -32,7 +32,8 @@ from fusionnode.train import checks, feedback_ckpt, ringrecovery
 from fusionnode.train.checkpoint import checkpoint_feedback, checkpoint_worker_optim, load_resume, read_resume
 from fusionnode.train.finish import canonical_names
 from fusionnode.train.jobdefaults import job_defaults
-from fusionnode.train.placement import PLANNERS, Placement, layout
+from fusionnode.train.layout import layout
+from fusionnode.train.placement import PLANNERS, Placement
 from fusionnode.train.rebalance import Bans, PeerBook
 from fusionnode.train.state import Job, stage_rows
 from fusionnode.train.swarm_cluster import cluster_links

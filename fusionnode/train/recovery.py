@@ -20,13 +20,8 @@ from typing import Any
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.train.checkpoint import checkpoint_feedback, load_resume, read_resume, save_job
-from fusionnode.train.placement import (
-    PING_TIMEOUT_S,
-    STAGE_ID_STRIDE,
-    Placement,
-    expected,
-    layout,
-)
+from fusionnode.train.layout import layout
+from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected
 from fusionnode.train.sharemove import move_shares
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import Rollback, StepFailed

@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from fusionnode.optim.client import OptimizerClient
-from fusionnode.train.placement import PING_TIMEOUT_S, activation_bytes, expected
+from fusionnode.train.layout import activation_bytes
+from fusionnode.train.placement import PING_TIMEOUT_S, expected
 from fusionnode.train.state import Job, Pipeline, Run
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
