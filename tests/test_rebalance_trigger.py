@@ -293,7 +293,7 @@ def test_a_refused_share_move_whose_revert_one_stage_misses_re_places_the_job(tm
     s.net.peers[refuser]._rpc[Rpc.JOB_RESIZE] = refuse
     s.net.peers[misser]._rpc[Rpc.JOB_RESIZE] = miss_the_revert
     params = {"spec": spec.to_dict(), "stages": 2, "replicas": 2, "offload": "on", "rebalance_every": 2}
-    with caplog.at_level("WARNING", logger="fusionnode.train.recovery"):
+    with caplog.at_level("WARNING", logger="fusionnode.train.sharemove"):
         asyncio.run(s.driver.run_job(params, s.emit))
     assert seen == {refuser: 2, misser: 2}  # the move, then the revert
     missed = [r.getMessage() for r in caplog.records if "share move revert missed by" in r.getMessage()]

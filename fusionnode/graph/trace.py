@@ -1,7 +1,7 @@
 """Trace a torch module into an annotated OP-DAG (`OpGraph`).
 
 Tracing: torch.fx symbolic tracing with a small set of standard layers kept as
-`call_module` leaves (`portable.LEAF_MODULE_TYPES`: Linear, LayerNorm, Embedding,
+`call_module` leaves (`allowlist.LEAF_MODULE_TYPES`: Linear, LayerNorm, Embedding,
 Conv2d, BatchNorm2d, Dropout, exact types only); every other module, including
 other torch.nn modules (ReLU, MaxPool2d, Sequential, ...) and subclasses of the
 leaf types, is traced through into functions and methods.
@@ -44,8 +44,8 @@ from torch import nn
 
 from fusionnode.errors import ConfigError, GraphError
 from fusionnode.graph import flops as flops_mod
+from fusionnode.graph.allowlist import LEAF_MODULE_TYPES, TENSOR_DTYPES, module_type_name, op_name
 from fusionnode.graph.dag import OpEdge, OpGraph, OpNode
-from fusionnode.graph.portable import LEAF_MODULE_TYPES, TENSOR_DTYPES, module_type_name, op_name
 
 log = logging.getLogger(__name__)
 

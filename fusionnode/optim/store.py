@@ -23,7 +23,7 @@ replica is not updated that step, and its optimizer step count does not advance.
 
 Memory: a replica with one contributor for a name is folded at once into one fp32 running
 weighted mean per (step, name); a replica with several keeps one extra partial sum until it
-completes.
+completes (a step's contributions so far: optim/pending.py).
 
 Idempotency. A push is keyed by (step, contributor, name): a retry of an accepted push is
 answered `duplicate=True` and not counted again (the first accepted payload wins). Rejected
@@ -59,6 +59,7 @@ from torch import Tensor
 from fusionnode.errors import ConfigError, FusionNodeError
 from fusionnode.optim.contributions import Contributor, ExpectedContributions
 from fusionnode.optim.optimizers import FlatOptimizer, OptimizerConfig
+from fusionnode.optim.pending import PendingStep
 from fusionnode.optim.snapshot import keep_state, restore_state
 
 logger = logging.getLogger(__name__)
@@ -122,53 +123,6 @@ class ApplyResult:
     detail: str = ""
 
 
-class _Pending:
-    """Contributions received for one step."""
-
-    def __init__(self, first_push: float, expected: ExpectedContributions, clip: float | None = None) -> None:
-        self.first_push = first_push
-        self.clip = clip  # the norm floor (optim/robust.py): replicas held apart until the step applies
-        self.apart: dict[str, dict[str, tuple[Tensor, int]]] = {}
-        self.floored = True  # `mean` is up to date with `apart`
-        self.seen: set[tuple[str, str]] = set()  # (contributor, name)
-        self.remaining = {n: len(c) for n, c in expected.by_name.items()}
-        self.names_left = len(self.remaining)
-        self.mean: dict[str, Tensor] = {}  # sum_r n_r g_r / sum_r n_r over complete replicas
-        self.weight: dict[str, int] = {}  # sum of n_r over complete replicas
-        self.replicas: dict[str, dict[str, int]] = {}  # name -> {replica: n_r} folded
-        self.partial: dict[tuple[str, str], list[Any]] = {}  # (name, replica) -> [sum g, n, count]
-        self.samples: dict[tuple[str, str], int] = {}  # (name, replica) -> n reported
-
-    def complete(self) -> bool:
-        return self.names_left == 0
-
-    def fold(self, name: str, replica: str, grad_sum: Tensor, n: int, *, owned: bool) -> None:
-        """Fold replica gradient `grad_sum` with weight n into the running weighted mean of `name`
-        (with the floor: keep it apart, `grads` combines)."""
-        if self.clip is not None:
-            self.apart.setdefault(name, {})[replica] = (grad_sum if owned else grad_sum.clone(), n)
-            self.replicas.setdefault(name, {})[replica] = n
-            self.floored = False
-            return
-        if name in self.mean:
-            weight = self.weight[name] + n
-            self.mean[name].lerp_(grad_sum, n / weight)  # mean += (g - mean) * n / (W + n)
-        else:
-            weight = n
-            self.mean[name] = grad_sum if owned else grad_sum.clone()
-        self.weight[name] = weight
-        self.replicas.setdefault(name, {})[replica] = n
-
-    def grads(self) -> dict[str, Tensor]:
-        """The step's gradient per name so far (complete replicas only)."""
-        if not self.floored:
-            from fusionnode.optim.robust import floor_mean
-
-            self.mean, self.weight, _scales = floor_mean(self.apart, float(self.clip or 0))
-            self.floored = True
-        return self.mean
-
-
 class ParameterStore:
     """fp32 masters and optimizer state of one shard; see the module docstring for the semantics."""
 
@@ -213,7 +167,7 @@ class ParameterStore:
         self._apply_lock = threading.Lock()  # optimizer math, params reads
         self._applied_step = 0
         self._applying: int | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingStep] = {}
         self._results: OrderedDict[int, ApplyResult] = OrderedDict()
         self._counters = dict.fromkeys(COUNTER_NAMES, 0)
         self._previous: dict[str, Any] | None = None  # kept states (snapshot.py): `keep` and
@@ -289,7 +243,7 @@ class ParameterStore:
             if g.numel() and not _all_finite(g):
                 return self._reject("rejected_nonfinite")
             if pend is None:
-                pend = self._pending[step] = _Pending(self._clock(), self.expected, self.clip)
+                pend = self._pending[step] = PendingStep(self._clock(), self.expected, self.clip)
             owned = owned or g.data_ptr() != grad.data_ptr()  # .to() above made a private copy
             self._accumulate(pend, name, contributor, planned, g, samples, owned=owned)
             self._counters["pushes"] += 1
@@ -299,7 +253,7 @@ class ParameterStore:
 
     def _accumulate(
         self,
-        pend: _Pending,
+        pend: PendingStep,
         name: str,
         contributor: str,
         planned: Contributor,
@@ -425,7 +379,7 @@ class ParameterStore:
                 self._counters["dropped_partial"] += len(pend.partial) if pend is not None else 0
             return result
 
-    def _missing_keys(self, pend: _Pending | None) -> tuple[str, ...]:
+    def _missing_keys(self, pend: PendingStep | None) -> tuple[str, ...]:
         seen = pend.seen if pend is not None else set()
         keys = {
             c for name, contribs in self.expected.by_name.items() for c in contribs if (c, name) not in seen
@@ -433,7 +387,7 @@ class ParameterStore:
         return tuple(sorted(keys))
 
     def _apply_pending(
-        self, step: int, pend: _Pending | None, lr: float | None, *, force: bool, clip_coef: float | None
+        self, step: int, pend: PendingStep | None, lr: float | None, *, force: bool, clip_coef: float | None
     ) -> ApplyResult:
         lr = self._lr_for_step(step) if lr is None else float(lr)
         if pend is None:

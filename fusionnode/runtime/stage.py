@@ -1,7 +1,7 @@
 """Stage executor for remote autodiff: a portable sub-DAG rebuilt and run with local autograd.
 
 `StageModule` rebuilds a stage from its portable description (protocol/SUBDAG.md)
-through the allowlist in `fusionnode.graph.portable` (no eval, no pickle) and runs
+through the allowlist in `fusionnode.graph.allowlist` (no eval, no pickle) and runs
 it on a dict of named tensors. Parameters are keyed by their state-dict name in
 the ORIGINAL model, so a tied weight used by two stages is two copies with the same
 name whose gradients the optimizer host sums.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusionnode.errors import GraphError, ProtocolError
-from fusionnode.graph import portable
+from fusionnode.graph import allowlist, portable
 from fusionnode.wire.codec_api import DTYPE_NAMES, DTYPES
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _validate(desc: dict) -> None:
     _require(
         total <= MAX_STAGE_STATE_BYTES, f"declares {total} bytes of state, limit {MAX_STAGE_STATE_BYTES}"
     )
-    functions = portable.allowed_functions()
+    functions = allowlist.allowed_functions()
     defined = set(inputs)
     for node in nodes:
         _require(isinstance(node, dict) and isinstance(node.get("name"), str), f"malformed node {node!r}")
@@ -105,23 +105,23 @@ def _validate(desc: dict) -> None:
                 if target not in functions:
                     raise GraphError(f"node {name!r}: function {target!r} is not in this worker's allowlist")
                 if target == "builtins.getattr":
-                    _require(len(args) == 2 and args[1] in portable.GETATTR_NAMES, f"node {name!r}: getattr")
+                    _require(len(args) == 2 and args[1] in allowlist.GETATTR_NAMES, f"node {name!r}: getattr")
             elif op == "call_method":
-                if target not in portable.METHOD_NAMES:
+                if target not in allowlist.METHOD_NAMES:
                     raise GraphError(f"node {name!r}: tensor method {target!r} is not in the allowlist")
                 _require(len(args) >= 1, f"node {name!r}: method call without a receiver")
             elif op == "call_module":
-                if target not in portable.MODULE_NAMES:
+                if target not in allowlist.MODULE_NAMES:
                     raise GraphError(f"node {name!r}: module type {target!r} is not in the allowlist")
                 _require(len(args) == 1 and not kwargs, f"node {name!r}: leaf module takes one tensor")
                 _require(isinstance(node.get("config"), dict), f"node {name!r}: missing config")
                 mp, mb = node.get("params", {}), node.get("buffers", {})
                 _require(isinstance(mp, dict) and isinstance(mb, dict), f"node {name!r}: params/buffers maps")
                 _require(
-                    set(mp) <= set(portable.MODULE_PARAMS[target]), f"node {name!r}: unexpected params {mp}"
+                    set(mp) <= set(allowlist.MODULE_PARAMS[target]), f"node {name!r}: unexpected params {mp}"
                 )
                 _require(
-                    set(mb) <= set(portable.MODULE_BUFFERS.get(target, ())), f"node {name!r}: buffers {mb}"
+                    set(mb) <= set(allowlist.MODULE_BUFFERS.get(target, ())), f"node {name!r}: buffers {mb}"
                 )
                 _require(
                     all(v in params for v in mp.values()), f"node {name!r}: undeclared parameter in {mp}"
@@ -239,8 +239,8 @@ class StageModule(nn.Module):
             args = portable.decode_arg(node["args"], env, dev)
             kwargs = {k: portable.decode_arg(v, env, dev) for k, v in node["kwargs"].items()}
             if op == "call_function":
-                portable.check_scalar_arith(target, args, kwargs)
-                env[name] = portable.allowed_functions()[target](*args, **kwargs)
+                allowlist.check_scalar_arith(target, args, kwargs)
+                env[name] = allowlist.allowed_functions()[target](*args, **kwargs)
             elif op == "call_method":
                 env[name] = getattr(args[0], target)(*args[1:], **kwargs)
             else:  # call_module, validated

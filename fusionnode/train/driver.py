@@ -17,7 +17,8 @@ Optimizer, two ways (the same math):
   gradients to optimizer hosts during backward, the hosts aggregate the replicas
   and apply the step, workers pull the new parameters (prefetched).
 
-The life cycle reads top to bottom in `Driver.run_job`; the parts live apart: `train/state.py`
+The life cycle reads top to bottom in `Driver.run_job`; the parts live apart: `train/launch.py`
+(the phases before the first step: request, model, plan, start), `train/state.py`
 (the job's books), `train/placement.py` (layout -> stage assignments, propose, ship, release),
 `train/step.py` (one step: the stages' reports or a typed failure), `train/recovery.py` (blame,
 bans, re-plans), `train/checkpoint.py` (what a checkpoint holds), `train/finish.py` (the result)
@@ -28,52 +29,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fusionnode.errors import ConfigError, FusionNodeError, PeerError, PlanError
-from fusionnode.optim.client import OptimizerClient, shard
+from fusionnode.optim.client import OptimizerClient
 from fusionnode.runtime.transport import Transport
 from fusionnode.sync import SyncConfig, job_refusals
-from fusionnode.train import checks, feedback_ckpt, free_rounds, ringrecovery, scoring
-from fusionnode.train.checkpoint import (
-    checkpoint_feedback,
-    checkpoint_worker_optim,
-    job_secret,
-    load_resume,
-    read_resume,
-    save_at,
-    save_job,
-)
-from fusionnode.train.finish import canonical_names, finish_job
-from fusionnode.train.jobdefaults import job_defaults
-from fusionnode.train.placement import (
-    PLANNERS,
-    STAGE_ID_STRIDE,
-    Placement,
-    balanced_bounds,
-    crossing_names,
-    layout,
-)
-from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, Bans, PeerBook
+from fusionnode.train import checks, feedback_ckpt, free_rounds, launch, ringrecovery, scoring
+from fusionnode.train.checkpoint import job_secret, save_at, save_job
+from fusionnode.train.finish import finish_job
+from fusionnode.train.placement import Placement
+from fusionnode.train.rebalance import DEFAULT_MIN_GAIN, PeerBook
 from fusionnode.train.recovery import Recovery
-from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run, stage_rows
+from fusionnode.train.state import FINISHED_HISTORY_POINTS, HISTORY_KEPT, Job, Pipeline, Run
 from fusionnode.train.step import HostFailed, Rollback, StepFailed, Stepper, step_loss
-from fusionnode.train.swarm_cluster import cluster_from_records, cluster_links
+from fusionnode.train.swarm_cluster import cluster_from_records
 from fusionnode.train.verifier_peer import verifier_warning
-from fusionnode.verify import compat
 from fusionnode.wire.job import StageAssignment
 
 logger = logging.getLogger(__name__)
 
 JOBS_KEPT = 5  # finished jobs the driver's status still lists
-OFFLOAD_CHOICES = ("auto", "on", "off")
 MAX_REPLAYS = 6  # failed attempts of one step before the job gives up
 # steps between straggler checks when the job can survive a move (offloaded optimizer state, no
 # --sync rounds; offload off when asked) and does not say otherwise; a check acts only on
@@ -122,319 +101,26 @@ class Driver:
             del self.jobs[jid]
 
     async def run_job(self, params: dict[str, Any], emit: Any) -> dict[str, Any]:
-        from fusionnode.graph.trace import trace_model
-        from fusionnode.train.data import BatchSource
-        from fusionnode.train.local import build_job_model
+        """Runs one `train` request to its end, phase by phase (train/launch.py holds the phases
+        before the first step): check the request, list the job, build its model, choose and place
+        its plan, start its peers, run its steps, finish. Whatever happens, the job's stages and
+        hosts are released at the end. Returns the job's result (train/finish.py)."""
         from fusionnode.train.metrics import MetricsWriter
-        from fusionnode.train.spec import JobSpec, resolve_seq_len, trajectory_mismatch
 
-        spec = JobSpec.from_dict(params.get("spec") or {})
-        ckpt = await asyncio.to_thread(read_resume, spec) if params.get("resume") else None
-        if ckpt is not None and spec.job_id != ckpt.spec.job_id and not trajectory_mismatch(spec, ckpt.spec):
-            # more steps, a longer schedule, another metrics file: the same job, whose optimizer shards
-            # the hosts keep under the checkpoint's job id
-            spec = dataclasses.replace(spec, job_id=ckpt.spec.job_id)
-        spec, params = job_defaults(spec, params, ckpt, self.config)  # --compress auto, a resume's H
-        offload_choice = params.get("offload") or "auto"
-        if offload_choice not in OFFLOAD_CHOICES:
-            raise ConfigError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload_choice!r}")
-        shares = [int(n) for n in params["shares"]] if params.get("shares") else None
-        verify_policy, verify_off = checks.job_policy(params, self.config, spec)
-        needs = compat.needs(verify_policy.on, spec.compress, params.get("link_options"))  # mixed versions
-        if params.get("debug_forget_bans"):  # `bench verify`'s seeded runs: each starts with no bans
-            from fusionnode.runtime.hooks import DEBUG_ENV
-
-            if os.environ.get(DEBUG_ENV) != "1":
-                raise ConfigError("debug_forget_bans needs a daemon started with --debug")
-            self.book.bans = Bans()
-        replicas = len(shares) if shares else int(params.get("replicas") or 1)
-        if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
-            raise ConfigError(f"job {spec.job_id} is already running on this driver")
-        self._forget_old_jobs()
-        self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
-        job = Job(spec, self.t.peer_id)
-        job.sync = SyncConfig.from_dict(params.get("sync"))
-        job_refusals(job.sync, params)
-        job.contrib = scoring.job_contrib(params, self.config, job.sync)  # the rounds' weighing (issue 20)
-        job.lease_s = float(params.get("lease_s") or self.config.lease_s)
-        job.secret = job_secret(self.state_dir, spec.job_id)
-        self.jobs[spec.job_id] = job
-        metrics = MetricsWriter(spec.metrics_out)
+        req = await launch.parse(params, self.config, self.book)
+        job = self._new_job(req)
+        metrics = MetricsWriter(req.spec.metrics_out)
         plan_asks = contextlib.ExitStack()  # each peer's check capabilities asked once for the plan
         try:
-            model = await asyncio.to_thread(build_job_model, spec)
-            seq_len = resolve_seq_len(spec)
-            source = await asyncio.to_thread(BatchSource.from_spec, spec, seq_len)
-            sample = torch.zeros(1, seq_len, dtype=torch.long)
-            traced = await asyncio.to_thread(trace_model, model, sample, spec.model)
-            canonical = canonical_names(model)
-            job.aliases = {name: canon for name, canon in canonical.items() if name != canon}
-            full = {name: p.detach() for name, p in model.named_parameters()}
-            job.model_bytes = sum(t.numel() * 4 for t in full.values())
-            job.frozen = {name: p.detach() for name, p in model.named_parameters() if not p.requires_grad}
-            start_step = 0
-            if params.get("resume"):
-                start_step, full, secret = load_resume(ckpt, source, full)
-                job.secret = secret or job.secret
-                metrics.event("recovered", reason="resumed from checkpoint", step=start_step)
-            # auto: offload whenever an optimizer host is available, which also lets the job survive a
-            # failed worker (its step is replayed on a new plan); a local optimizer cannot
-            self.placement.left_out.clear()  # what an earlier plan left out is not this job's
-            plan_asks.enter_context(compat.one_ask_per_plan())
-            hosts_available = bool(
-                await self.placement.candidates(
-                    params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
-                )
+            built = await launch.build(req, job, metrics)
+            planning = await launch.choose(
+                self.placement, self.hosts, req, job, built, metrics, emit, plan_asks
             )
-            # several pipelines without hosts average their gradients by ring all-reduce among the
-            # replicas of each stage (runtime/allreduce.py); the --sync round modes need hosts
-            job.offload = offload_choice == "on" or (
-                offload_choice == "auto" and (hosts_available or (replicas > 1 and job.sync.rounds))
-            )
-            if replicas > 1 and not job.offload and job.sync.rounds:
-                raise ConfigError(
-                    f"several pipelines under --sync {job.sync.mode} synchronise through optimizer hosts: "
-                    "use --offload on|auto"
-                )
-            workers = await self.placement.candidates(params.get("peers"), "worker", needs)
-            if not workers:
-                skew = "; ".join(f"{p[:12]}: {why}" for p, why in sorted(self.placement.left_out.items()))
-                raise PlanError(
-                    "no worker peers are available in the swarm"
-                    + (f" (left out, older check versions: {skew})" if skew else "")
-                )
-            strategy = params.get("planner") or "simple"
-            if strategy not in PLANNERS:
-                raise ConfigError(f"planner must be one of {', '.join(PLANNERS)}, got {strategy!r}")
-            if strategy != "simple" and offload_choice != "off":
-                job.offload = True
-            n_stages = int(params.get("stages") or max(1, len(workers) // replicas))
-            if params.get("stages") and n_stages * replicas > len(workers):
-                raise PlanError(
-                    f"--stages {n_stages} x {replicas} pipeline(s) need {n_stages * replicas} workers; the "
-                    f"swarm has {len(workers)} available: start more peers, or ask for fewer stages"
-                )
-            if int(params.get("rebalance_every") or 0) > 0 and not job.offload and job.sync.rounds:
-                # a round job without hosts: its round state does not move; say so, not in silence
-                reason = (
-                    "--rebalance-every is off for this job: its --sync rounds run without optimizer hosts"
-                )
-                metrics.event("notice", what="rebalance_off", reason=reason)
-                await emit({"type": "event", "kind": "notice", "what": "rebalance_off", "reason": reason})
-            flops = [node.flops for node in traced.graph.nodes]
-            prediction: dict[str, Any] = {}
-            host_of: dict[str, str] | None = None
-            host_index: dict[str, int] = {}
-
-            async def lay(workers: list[str]) -> None:
-                """The first plan over `workers` (fewer stages when some refused), and the hosts."""
-                nonlocal n_stages, prediction, host_of, host_index
-                if len(workers) < replicas:
-                    raise PlanError("every worker refused the job's stages (see the events for the reasons)")
-                host_of, host_index = None, {}
-                if strategy == "simple":
-                    fewer = max(1, min(n_stages, len(workers) // replicas))
-                    if fewer != n_stages:
-                        reason = (
-                            f"{n_stages} stages planned, {fewer} placed: some workers refused (see above)"
-                        )
-                        metrics.event("notice", what="fewer_stages", reason=reason)
-                        await emit(
-                            {"type": "event", "kind": "notice", "what": "fewer_stages", "reason": reason}
-                        )
-                    n_stages = fewer
-                    job.pipelines = layout(
-                        spec, flops, workers, n_stages, replicas, shares, params.get("bounds")
-                    )
-                    if job.offload:
-                        job.hosts = await self.placement.pick_hosts(params, workers, needs)
-                        if params.get("resume"):
-                            job.hosts = await self._holders(job, job.hosts, params, needs)
-                else:
-                    # --offload auto with hosts at hand: the plan prices them against a ring all-reduce
-                    # among the replicas and the job follows its choice (no hosts where they do not pay);
-                    # the round modes need the hosts
-                    auto = offload_choice == "auto" and job.offload and not job.sync.rounds
-                    job.pipelines, job.hosts, prediction = await self.placement.planned_layout(
-                        strategy,
-                        spec,
-                        traced.graph,
-                        workers,
-                        params,
-                        job.offload,
-                        seq_len,
-                        dp_sync="auto" if auto else None,
-                        needs=needs,
-                    )
-                    job.offload = prediction.get("dp_sync", "hosts" if job.offload else "ring") == "hosts"
-                    job.sync = SyncConfig.from_dict(params.get("sync"))  # H chosen for a --sync-budget
-                    if len(job.pipelines) > 1 and not job.offload and job.sync.rounds:
-                        raise ConfigError(
-                            f"the plan has several pipelines: under --sync {job.sync.mode} they need "
-                            "optimizer hosts (--offload)"
-                        )
-                if job.offload:
-                    shards = shard({n: t for n, t in full.items() if n not in job.frozen}, job.hosts)
-                    host_of, host_index = shards.host_of, shards.host_index
-
-            async def assign() -> list[StageAssignment]:
-                links = (
-                    cluster_links(params["cluster"])
-                    if params.get("cluster")
-                    else await self.placement.measured_links()
-                )
-                return self.placement.assignments(
-                    job,
-                    traced,
-                    canonical,
-                    full,
-                    sample,
-                    host_of,
-                    host_index,
-                    links,
-                    params.get("link_options"),
-                )
-
-            stage_args, workers = await self.placement.place(workers, lay, assign, metrics, emit)
-            plan_asks.close()  # a later screen (joins, new hosts) asks afresh
-            for peer, why in sorted(self.placement.left_out.items()):  # checks on: older check versions
-                metrics.event("notice", what="version_skew", peer=peer, reason=why)
-                await emit({"type": "event", "kind": "notice", "what": "version_skew", "reason": why})
-            self.placement.left_out.clear()
-            self.placement.accept(job, stage_args)
-            job.stages = stage_rows(stage_args)
-            job.plan_version = 1
-            await emit(
-                {
-                    "type": "plan",
-                    "planner": strategy,
-                    "prediction": prediction,
-                    "plan_version": 1,
-                    "stages": job.stages,
-                    "num_nodes": traced.graph.num_nodes,
-                    "offload": job.offload,
-                    "optimizer_hosts": job.hosts,
-                }
-            )
-            job.events.append(
-                metrics.event(
-                    "replan",
-                    reason="initial plan",
-                    plan_version=1,
-                    stages=len(job.stages),
-                    pipelines=len(job.pipelines),
-                    offload=job.offload,
-                )
-            )
-            t_move = time.perf_counter()
-            if job.offload:
-                resume = bool(params.get("resume"))
-                applied = await self.placement.start_hosts(
-                    job, stage_args, full, host_of, resume=resume, start_step=start_step
-                )
-                if resume:
-                    # the hosts hold the masters and optimizer state: continue from the newest step they
-                    # all checkpointed (data depend only on the step); with none in common (other hosts,
-                    # or none kept) they started from the driver's checkpoint with new optimizer state
-                    if len(set(applied)) != 1:
-                        raise PlanError(f"the optimizer hosts resumed at different steps {applied}")
-                    if job.fresh_optimizer:
-                        metrics.event(
-                            "resume",
-                            reason="no optimizer checkpoint common to the hosts: new optimizer state",
-                            step=start_step,
-                            fresh_optimizer=True,
-                        )
-                    if applied[0] != start_step:
-                        metrics.event(
-                            "resume",
-                            reason="optimizer hosts' newest common checkpoint differs from the driver's",
-                            step=applied[0],
-                            driver_checkpoint_step=start_step,
-                        )
-                        start_step = applied[0]
-                    full = await self.placement.current_params(job, stage_args, host_of, all_names=full)
-                    if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
-                        job.rounds_closed = -(-start_step // job.sync.inner_steps)
-            feedback = None
-            if job.sync.mode == "sparseloco" and ckpt is not None:
-                # the replicas' error feedback, when the checkpoint it came with is the step resumed
-                feedback = checkpoint_feedback(ckpt) if start_step == ckpt.step else None
-                if not feedback:
-                    metrics.event(
-                        "resume",
-                        reason="no error feedback for this step: the replicas start new ones",
-                        step=start_step,
-                    )
-                elif fresh := feedback_ckpt.fresh_stages(stage_args, feedback):  # a stage left out
-                    why = f"no error feedback of {'; '.join(fresh)} in the checkpoint: new ones there only"
-                    metrics.event("notice", what="resume_feedback", step=start_step, reason=why)
-                    await emit({"type": "event", "kind": "notice", "what": "resume_feedback", "reason": why})
-            optim = None
-            if not job.offload and ckpt is not None:  # the workers' optimizer state of that step
-                optim = checkpoint_worker_optim(ckpt, ringrecovery.trainable_names(job, stage_args))
-                if optim is None or start_step != ckpt.step:
-                    optim = None
-                    metrics.event(
-                        "resume",
-                        reason="the checkpoint holds no workers' optimizer state: new optimizer state",
-                        step=start_step,
-                        fresh_optimizer=True,
-                    )
-            await self.placement.ship(job, stage_args, full, feedback, optim)
-            job.state = "running"
-            run = Run(
-                traced=traced,
-                canonical=canonical,
-                full=full,
-                sample=sample,
-                host_of=host_of,
-                host_index=host_index,
-                params=params,
-                metrics=metrics,
-                emit=emit,
-                flops=flops,
-                strategy=strategy,
-                n_stages=max(len(p.peers) for p in job.pipelines),
-                shares=[p.samples for p in job.pipelines],
-                stage_args=stage_args,
-                seq_len=seq_len,
-                known=set(workers),
-                move_s=time.perf_counter() - t_move,
-                rebalance_every=rebalance_every(params, job),
-                min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
-                source=source,
-                first_step=start_step,
-                book=self.book,
-            )
-            if verify_off is not None:
-                await run.event(job, "notice", what="verify_off", reason=verify_off)
-            if verify_policy.on:
-                verifier = checks.start(
-                    self.t,
-                    spec.job_id,
-                    verify_policy,
-                    self.stepper.step_timeout_s,
-                    verifier=params.get("verifier"),
-                    warn=verifier_warning(run, job),
-                )
-                run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
-                metrics.event("verify", **verify_policy.to_dict(), commitment=verifier.selector.commitment)
-            run.scorer = scoring.scorer(self.t, self.hosts, job, model, source, self.stepper.step_timeout_s)
-            await self._train(job, run, source, start_step)
-            final = await self.placement.current_params(job, run.stage_args, run.host_of)
-            feedback = (
-                await feedback_ckpt.saved(self.placement, job, run, spec.steps) if spec.save_dir else None
-            )
-            optim = (
-                await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args)
-                if spec.save_dir
-                else None
-            )
-            result = await finish_job(job, model, final, source, metrics, feedback, optim)
-            if run.checks is not None:
-                result["verify"] = checks.summary(run.checks, job)
-            result["contrib"] = run.scorer.totals() if run.scorer else job.contrib and job.contrib.to_dict()
+            stage_args = await planning.place(plan_asks)
+            t_move = await launch.start(self.placement, req, job, built, planning, stage_args, metrics, emit)
+            run = await self._new_run(req, job, built, planning, stage_args, t_move, metrics, emit)
+            await self._train(job, run, built.source, built.start_step)
+            result = await self._finish(job, run, built, metrics)
             job.state = "done"
             return result
         except (asyncio.CancelledError, Exception) as exc:
@@ -447,17 +133,95 @@ class Driver:
             metrics.close()
             await self._release(job)
 
-    async def _holders(
-        self, job: Job, hosts: list[str], params: dict[str, Any], needs: dict[str, str]
-    ) -> list[str]:
-        """On resume: the optimizer peers that hold the job's shards (host index i at position i), when
-        they hold a shard for each of the len(hosts) indices; else `hosts`. With checks on, only
-        peers that can check (`needs`, as `pick_hosts` screens them)."""
-        candidates = await self.placement.candidates(
-            params.get("optimizer_peers"), "optimizer", compat.host_needs(needs)
+    def _new_job(self, req: launch.Request) -> Job:
+        """Lists the request's job on this driver (refused when the same job is running here),
+        with its sync rounds, contribution policy, lease and secret. Hands the `Job` (state "planning")."""
+        spec, params = req.spec, req.params
+        if spec.job_id in self.jobs and self.jobs[spec.job_id].state == "running":
+            raise ConfigError(f"job {spec.job_id} is already running on this driver")
+        self._forget_old_jobs()
+        self.jobs.pop(spec.job_id, None)  # a rerun of the same job is listed last
+        job = Job(spec, self.t.peer_id)
+        job.sync = SyncConfig.from_dict(params.get("sync"))
+        job_refusals(job.sync, params)
+        job.contrib = scoring.job_contrib(params, self.config, job.sync)  # the rounds' weighing (issue 20)
+        job.lease_s = float(params.get("lease_s") or self.config.lease_s)
+        job.secret = job_secret(self.state_dir, spec.job_id)
+        self.jobs[spec.job_id] = job
+        return job
+
+    async def _new_run(
+        self,
+        req: launch.Request,
+        job: Job,
+        built: launch.Built,
+        planning: launch.Planning,
+        stage_args: list[StageAssignment],
+        t_move: float,
+        metrics: Any,
+        emit: Any,
+    ) -> Run:
+        """The running job's `Run` (what re-plans change), with its step checks started when the
+        job's work is spot-checked and its rounds' scorer. Hands the Run to the steps."""
+        spec, params = req.spec, req.params
+        run = Run(
+            traced=built.traced,
+            canonical=built.canonical,
+            full=built.full,
+            sample=built.sample,
+            host_of=planning.host_of,
+            host_index=planning.host_index,
+            params=params,
+            metrics=metrics,
+            emit=emit,
+            flops=planning.flops,
+            strategy=planning.strategy,
+            n_stages=max(len(p.peers) for p in job.pipelines),
+            shares=[p.samples for p in job.pipelines],
+            stage_args=stage_args,
+            seq_len=built.seq_len,
+            known=set(planning.workers),
+            move_s=time.perf_counter() - t_move,
+            rebalance_every=rebalance_every(params, job),
+            min_gain=float(params.get("rebalance_gain", DEFAULT_MIN_GAIN)),
+            source=built.source,
+            first_step=built.start_step,
+            book=self.book,
         )
-        held = await self.hosts.holders(candidates, job.spec.job_id, job.secret, len(hosts))
-        return held or hosts
+        if req.verify_off is not None:
+            await run.event(job, "notice", what="verify_off", reason=req.verify_off)
+        if req.verify_policy.on:
+            verifier = checks.start(
+                self.t,
+                spec.job_id,
+                req.verify_policy,
+                self.stepper.step_timeout_s,
+                verifier=params.get("verifier"),
+                warn=verifier_warning(run, job),
+            )
+            run.checks = checks.StepChecks(verifier, self.placement, self.membership, verifier.timeout_s)
+            metrics.event("verify", **req.verify_policy.to_dict(), commitment=verifier.selector.commitment)
+        run.scorer = scoring.scorer(
+            self.t, self.hosts, job, built.model, built.source, self.stepper.step_timeout_s
+        )
+        return run
+
+    async def _finish(self, job: Job, run: Run, built: launch.Built, metrics: Any) -> dict[str, Any]:
+        """After the last step: the final parameters (and, with a save dir, the error feedback and
+        workers' optimizer state) into the job's result, with its checks' and contributions' summary."""
+        spec = job.spec
+        final = await self.placement.current_params(job, run.stage_args, run.host_of)
+        feedback = await feedback_ckpt.saved(self.placement, job, run, spec.steps) if spec.save_dir else None
+        optim = (
+            await ringrecovery.checkpoint_optim(self.placement, job, run.stage_args)
+            if spec.save_dir
+            else None
+        )
+        result = await finish_job(job, built.model, final, built.source, metrics, feedback, optim)
+        if run.checks is not None:
+            result["verify"] = checks.summary(run.checks, job)
+        result["contrib"] = run.scorer.totals() if run.scorer else job.contrib and job.contrib.to_dict()
+        return result
 
     async def _train(self, job: Job, run: Run, source: Any, start_step: int) -> None:
         """Runs the steps. With offload a step that fails (a peer died, left, or sent bad tensors)
@@ -636,12 +400,9 @@ __all__ = [  # with the names other modules and tests know the driver by
     "FINISHED_HISTORY_POINTS",
     "HISTORY_KEPT",
     "JOBS_KEPT",
-    "STAGE_ID_STRIDE",
     "Driver",
     "Job",
     "PeerError",
     "Pipeline",
-    "balanced_bounds",
     "cluster_from_records",
-    "crossing_names",
 ]

@@ -20,14 +20,9 @@ from typing import Any
 from fusionnode.errors import ConfigError, FusionNodeError, PlanError
 from fusionnode.optim.client import OptimizerClient
 from fusionnode.train.checkpoint import checkpoint_feedback, load_resume, read_resume, save_job
-from fusionnode.train.placement import (
-    PING_TIMEOUT_S,
-    STAGE_ID_STRIDE,
-    Placement,
-    activation_bytes,
-    expected,
-    layout,
-)
+from fusionnode.train.layout import layout
+from fusionnode.train.placement import PING_TIMEOUT_S, STAGE_ID_STRIDE, Placement, expected
+from fusionnode.train.sharemove import move_shares
 from fusionnode.train.state import Job, Pipeline, Run, stage_rows
 from fusionnode.train.step import Rollback, StepFailed
 from fusionnode.verify import compat
@@ -385,99 +380,6 @@ class Recovery:
             move_s=round(run.move_s, 3),
         )
 
-    async def move_shares(self, job: Job, run: Run, shares: list[int], *, reason: str) -> bool:
-        """Moves the batch shares between pipelines at a step boundary, the cheap move: no stage is
-        released and no parameter moves; each stage is told its pipeline's new samples per step and
-        memory need (`job.resize`: the activations scale with the micro-batch size), the optimizer
-        hosts the contributors' new sample counts (`opt.replan`: nothing is pending between steps).
-        False when a stage refuses (no room for the larger micro-batches, or gone): the stages are told
-        the old shares back, and the caller must re-place the job (`adopt`), which also clears a stage
-        that missed that revert."""
-        t0 = time.perf_counter()
-        graph = run.traced.graph
-        old = [dataclasses.replace(p) for p in job.pipelines]
-        new = [dataclasses.replace(p, samples=int(n)) for p, n in zip(job.pipelines, shares, strict=True)]
-        if any(p.samples < p.micro_batches or p.samples % p.micro_batches for p in new):
-            raise ValueError(f"batch shares {shares} do not split into the pipelines' micro-batches")
-
-        def weights(pipes: list[Pipeline]) -> list[float]:  # offload off: the rings' (pipeline order)
-            return [p.samples / sum(q.samples for q in pipes) for p in pipes]
-
-        def resized(pipes: list[Pipeline]) -> list[Any]:
-            out = []
-            for a in run.stage_args:
-                delta = activation_bytes(graph, pipes[a.replica], a.pos) - activation_bytes(
-                    graph, old[a.replica], a.pos
-                )
-                offload = {**a.offload, "samples": pipes[a.replica].samples} if a.offload else None
-                rings = [{**r, "weights": weights(pipes)} for r in a.allreduce] if a.allreduce else None
-                out.append(
-                    dataclasses.replace(
-                        a, need_bytes=max(0, a.need_bytes + delta), offload=offload, allreduce=rings
-                    )
-                )
-            return out
-
-        async def tell(args: list[Any], pipes: list[Pipeline]) -> list[Any]:
-            return await asyncio.gather(
-                *(
-                    jp.call(
-                        self.t,
-                        a.peer,
-                        Rpc.JOB_RESIZE,
-                        jp.ResizeRequest(
-                            job=job.spec.job_id,
-                            stage=a.stage,
-                            samples=pipes[a.replica].samples,
-                            need_bytes=a.need_bytes,
-                            weights=None if job.offload else weights(pipes),
-                        ),
-                        timeout=PING_TIMEOUT_S,
-                    )
-                    for a in args
-                ),
-                return_exceptions=True,
-            )
-
-        args = resized(new)
-        replies = await tell(args, new)
-        refused = [a.peer for a, r in zip(args, replies, strict=True) if isinstance(r, BaseException)]
-        if refused:
-            logger.info("share move refused by %s: %s", [p[:12] for p in refused], replies)
-            # the stages that took the new share go back to the old; one that misses the revert would
-            # keep the new samples, which the caller's re-place (`adopt`: every stage released, new
-            # ones laid out) clears: so False whatever the revert's replies, and a miss is said
-            back = await tell(run.stage_args, old)
-            missed = [
-                a.peer for a, r in zip(run.stage_args, back, strict=True) if isinstance(r, BaseException)
-            ]
-            if missed:
-                logger.warning("share move revert missed by %s: re-placing the job", [p[:12] for p in missed])
-            return False
-        job.pipelines, run.stage_args, run.shares = new, args, [p.samples for p in new]
-        if job.offload:
-            job.hosts_applied = await self.hosts.replan(
-                job.spec.job_id, job.hosts, run.host_of, expected(job, run.stage_args)
-            )
-        run.steps_on_plan = run.since_check = 0
-        run.target_time_s = None
-        # the speeds measured so far stay: a stage's work counts its samples, and the slow-down that
-        # moved the shares is still what a re-split (if the shares were not enough) is measured by
-        job.plan_version += 1
-        await run.event(
-            job,
-            "replan",
-            reason=reason,
-            plan_version=job.plan_version,
-            step=job.step,
-            peers=[a.peer for a in run.stage_args],
-            bounds=[[a.lo, a.hi] for a in run.stage_args],
-            shares=run.shares,
-            moved="shares",
-            move_s=round(time.perf_counter() - t0, 3),
-        )
-        return True
-
     async def round_feedback(self, job: Job) -> dict[int, dict[str, Any]] | None:
         """--sync sparseloco, a round redone on a new plan: the replicas' error feedback at the round's
         start, from the driver's checkpoint of that step when there is one (else the new stages start
@@ -496,7 +398,7 @@ class Recovery:
         (`rebalance.decide_job`, batch shares first), adopted when the job's predicted step gain is
         above the threshold and outweighs the cost of moving, and the run's `Trigger` agrees (the
         gain clears the measured noise, from the same bottleneck peer at consecutive checks, which
-        slowed down: train/speeds.py). A share move is cheap (`move_shares`)."""
+        slowed down: train/speeds.py). A share move is cheap (train/sharemove.py)."""
         from fusionnode.train.contention import shared_hosts_of
         from fusionnode.train.escalate import Escalator
         from fusionnode.train.rebalance import Layout, check_job, fill_speeds
@@ -562,7 +464,9 @@ class Recovery:
         if spare and not await run.escalator.confirms(self, job, run, step, workers, d.layouts, d.shares):
             return  # a planner's job: the planner's model does not see that spare paying
         # the cheap move first: shares only, no stage re-placed (else, or if a stage refuses: re-placed)
-        if cheap and await self.move_shares(job, run, list(d.shares), reason=f"rebalance: {d.reason}"):
+        if cheap and await move_shares(
+            self.t, self.hosts, job, run, list(d.shares), reason=f"rebalance: {d.reason}"
+        ):
             return
         await self.adopt(
             job, run, workers, reason=f"rebalance: {d.reason}", layout_=d.layouts, shares_=d.shares
