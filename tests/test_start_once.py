@@ -69,16 +69,8 @@ def test_a_repeated_start_answers_ready_and_a_conflicting_one_is_refused(tmp_pat
     worker = WorkerService(net.join(W), capacity_bytes=1 << 30, config=CONFIG, state_dir=tmp_path)
     t = net.join(D)
     specs = {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in params.items()}
-    a = jp.StageAssignment(
-        job="j",
-        stage=0,
-        num_stages=2,
-        driver=D,
-        description=desc,
-        param_specs=specs,
-        spec=small_spec().to_dict(),
-        peer=W,
-    )
+    held = dict(job="j", stage=0, num_stages=2, driver=D, description=desc, param_specs=specs, peer=W)
+    a = jp.StageAssignment(**held, spec=small_spec().to_dict())
 
     async def assign_and_send() -> None:
         await jp.call(t, W, Rpc.JOB_ASSIGN, a)
