@@ -107,3 +107,44 @@ def test_a_repeated_start_answers_ready_and_a_conflicting_one_is_refused(tmp_pat
         assert e.value.code == ErrorCode.NOT_HELD and len(builds) == 2
 
     asyncio.run(main())
+
+
+def test_a_start_whose_stream_resets_after_the_build_is_asked_again_over_p2pd(tmp_path):
+    """The same over the real transport (two p2pd daemons on loopback): the worker builds the stage,
+    then the call's stream closes unanswered; `Transport.call` asks again (idempotent, as
+    placement.ship calls it) and the worker answers ready from the first build."""
+    from test_transport_recall import _close, _pair
+
+    desc, params = _stage()
+    specs = {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in params.items()}
+
+    async def main() -> None:
+        p2ps, (drv, w) = await _pair()
+        try:
+            worker = WorkerService(w, capacity_bytes=1 << 30, config=CONFIG, state_dir=tmp_path)
+            built = w._rpc[Rpc.JOB_START]
+            replies: list[dict] = []
+
+            async def reset_the_first(args, sender):
+                replies.append(await built(args, sender))
+                if len(replies) == 1:
+                    raise asyncio.CancelledError  # built; the stream closes before the reply
+                return replies[-1]
+
+            w.add_rpc(Rpc.JOB_START, reset_the_first)
+            held = dict(
+                job="j", stage=0, num_stages=2, driver=drv.peer_id, description=desc, param_specs=specs
+            )
+            a = jp.StageAssignment(**held, spec=small_spec().to_dict(), peer=w.peer_id)
+            await jp.call(drv, w.peer_id, Rpc.JOB_ASSIGN, a)
+            for idx, name in enumerate(sorted(specs)):
+                meta = {"job": "j", "stage": 0, "step": -1, "mb": idx}
+                await drv.send(w.peer_id, tensor_message(TensorKind.PARAMS, meta, {name: params[name]}))
+            ref = jp.StageRef(job="j", stage=0)
+            got = await jp.call(drv, w.peer_id, Rpc.JOB_START, ref, timeout=20, idempotent=True)
+            assert got.ready and got.params == len(params) and len(replies) == 2
+            assert replies[0] == replies[1] and worker.jobs[("j", 0)].module is not None
+        finally:
+            await _close(p2ps, (drv, w))
+
+    asyncio.run(main())
