@@ -120,8 +120,10 @@ def live_dashboard_and_actions(swarm: LocalSwarm, tmp_path: Path) -> None:
 
 
 async def _train(swarm: LocalSwarm, spec: JobSpec) -> dict:
-    # offload off: fewer calls per step, so the curve grows steadily on a loaded machine
-    params = {"spec": spec.to_dict(), "stages": N_PEERS, "offload": "off"}
+    # offload off: fewer calls per step, so the curve grows steadily on a loaded machine. Rebalancing
+    # off: the page is checked against the 3-stage plan, and a load spike on the shared cores made the
+    # rebalancer move it to 2 stages once ("rebalance: ... slowest peer ...", 1 pipe drawn, not 2)
+    params = {"spec": spec.to_dict(), "stages": N_PEERS, "offload": "off", "rebalance_every": 0}
     async for obj in control.call_stream(swarm.control(0), "train", params, timeout=300):
         if "result" in obj:
             return obj["result"]
