@@ -144,8 +144,9 @@ class Browser:
                 )
             await asyncio.sleep(interval)
 
-    async def click(self, selector: str) -> None:
-        """A real mouse click (pressed and released) at the centre of the element `selector` names."""
+    async def click(self, selector: str, hold_s: float = 0.0) -> None:
+        """A real mouse click (pressed, held `hold_s`, released) at the centre of the element `selector`
+        names."""
         box = await self.evaluate(
             f"(() => {{ const e = document.querySelector({json.dumps(selector)}); if (!e) return null;"
             " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
@@ -154,6 +155,8 @@ class Browser:
         if not box or not box[2]:
             raise CDPError(f"no visible element {selector!r}")
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            if kind == "mouseReleased" and hold_s:
+                await asyncio.sleep(hold_s)
             await self.send(
                 "Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1
             )

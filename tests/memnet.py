@@ -15,8 +15,9 @@ from typing import Any
 
 from fusionnode.errors import DeadlineError, PeerError
 from fusionnode.runtime.mailbox import Mailbox, message_key
+from fusionnode.runtime.transport import UNANSWERED, unanswered
 from fusionnode.wire import Call, Reply, TensorMessage, decode_message, encode_message
-from fusionnode.wire.job import error_result, remote_error
+from fusionnode.wire.job import ErrorCode, JobError, error_result, remote_error
 
 
 class MemNet:
@@ -25,6 +26,9 @@ class MemNet:
     def __init__(self) -> None:
         self.peers: dict[str, MemTransport] = {}
         self.down: set[str] = set()
+        # (peer, method) -> how many of its next calls lose their reply after the handler ran (a
+        # stream reset): the caller then asks again as the real Transport.call does
+        self.lose_replies: dict[tuple[str, str], int] = {}
 
     def join(self, peer_id: str, rpc_timeout: float = 30.0) -> MemTransport:
         t = MemTransport(self, peer_id, rpc_timeout)
@@ -65,6 +69,17 @@ class MemTransport:
         idempotent: bool = False,
         recall: str | None = None,
     ) -> dict[str, Any]:
+        again = method if idempotent else recall
+        try:
+            return await self._call(peer_id, method, args, timeout)
+        except JobError as exc:
+            if not (again and unanswered(exc, method)):
+                raise
+        return await self._call(peer_id, again, args, timeout)
+
+    async def _call(
+        self, peer_id: str, method: str, args: dict[str, Any] | None, timeout: float | None
+    ) -> Any:
         timeout = timeout or self.rpc_timeout
         target = self.net.reach(peer_id, method)
         call = decode_message(encode_message(Call(method, args or {})))
@@ -84,6 +99,13 @@ class MemTransport:
                 reply = Reply(False, error_result(exc), f"{type(exc).__name__}: {exc}")
         if peer_id in self.net.down:
             raise PeerError(f"peer {peer_id[:12]}… dropped the {method!r} call: gone")
+        lost = self.net.lose_replies.get((peer_id, method), 0)
+        if lost > 0:
+            self.net.lose_replies[(peer_id, method)] = lost - 1
+            raise JobError(
+                ErrorCode.UNANSWERED,
+                f"peer {peer_id[:12]}… closed the {method!r} {UNANSWERED} (a stream reset)",
+            )
         reply = decode_message(encode_message(reply))
         if not reply.ok:
             raise remote_error(f"peer {peer_id[:12]}… refused {method!r}: {reply.error}", reply.result)

@@ -350,6 +350,15 @@ def test_a_ring_job_is_replanned_without_its_straggler(tmp_path, monkeypatch, sl
     _assert_follows_reference(s, spec)
 
 
+def _run_ring(tmp_path, spec) -> tuple[Swarm, list[dict]]:
+    """Runs `spec` as the 2-pipeline ring on 4 in-memory workers, re-shaping looked at every 2 steps;
+    returns the swarm and its escalation's re-plans."""
+    s = Swarm(tmp_path, workers=4)
+    params = {"spec": spec.to_dict(), **RING, "rebalance_every": 2, "reshape": True}
+    asyncio.run(s.driver.run_job(params, s.emit))
+    return s, [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
+
+
 @pytest.mark.parametrize("dropped", [True, False])
 def test_a_straggler_that_dropped_is_replanned_only_when_the_trigger_acts(tmp_path, monkeypatch, dropped):
     """Issue 18's clean-run margin: the escalation wants a re-plan at 2 checks in a row (forced), with
@@ -363,10 +372,7 @@ def test_a_straggler_that_dropped_is_replanned_only_when_the_trigger_acts(tmp_pa
     _force_one_escalation(monkeypatch, _two_by_one)
     monkeypatch.setattr(escalate, "has_dropped", lambda run, peer: dropped)
     spec = small_spec(steps=12, batch_size=16, micro_batches=2)
-    s = Swarm(tmp_path, workers=4)
-    params = {"spec": spec.to_dict(), **RING, "rebalance_every": 2, "reshape": True}
-    asyncio.run(s.driver.run_job(params, s.emit))
-    escalated = [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
+    s, escalated = _run_ring(tmp_path, spec)
     assert len(escalated) == (0 if dropped else 1), escalated
     _assert_follows_reference(s, spec)
 
@@ -391,10 +397,7 @@ def test_a_dropped_straggler_the_trigger_misses_is_replanned_at_the_holds_bound(
     monkeypatch.setattr(escalate.Escalator, "predict", predict)
     monkeypatch.setattr(escalate, "has_dropped", lambda run, peer: True)
     spec = small_spec(steps=18, batch_size=16, micro_batches=2)
-    s = Swarm(tmp_path, workers=4)
-    params = {"spec": spec.to_dict(), **RING, "rebalance_every": 2, "reshape": True}
-    asyncio.run(s.driver.run_job(params, s.emit))
-    escalated = [e for e in _events(s, "replan") if "re-planned" in str(e.get("reason", ""))]
+    s, escalated = _run_ring(tmp_path, spec)
     bound = escalate.PERSIST_CHECKS + escalate.HOLD_CHECKS
     assert streaks == list(range(1, bound + 1)), streaks
     (e,) = escalated

@@ -49,6 +49,15 @@ def _params(s: Swarm, verifier: str | None, steps: int = 4) -> dict:
     }
 
 
+def _check_fields(**over) -> dict:
+    """The fields of a `verify.check` for one chunk and one parameter message (`over` replaces some)."""
+    base = dict(
+        job="j", stage=0, step=0, ticket=0, chunks=1, params=1, assignment={}, commit={}, listed={},
+        src="x", mbs=[0], grads=False, losses=[], micro_batches=2, rel_tol=1e-3, wait_s=0.2,
+    )  # fmt: skip
+    return {**base, **over}
+
+
 def _caught(s: Swarm) -> list[str]:
     return [e["peer"] for e in s.events if e["type"] == "event" and e["kind"] == "caught"]
 
@@ -126,10 +135,7 @@ def test_a_hung_verifier_does_not_hold_the_job(tmp_path, monkeypatch):
 def test_verify_check_refuses_bad_requests_and_missing_messages(tmp_path):
     s, service = _swarm(tmp_path)
     driver = s.net.peers[s.ids[0]]
-    base = dict(
-        job="j", stage=0, step=0, ticket=7, chunks=1, params=1, assignment={}, commit={}, listed={},
-        src="x", mbs=[0], grads=False, losses=[], micro_batches=2, rel_tol=1e-3, wait_s=0.2,
-    )  # fmt: skip
+    base = _check_fields(ticket=7, wait_s=0.2)
     for bad in ({"chunks": 0}, {"params": -1}, {"mbs": [2]}, {"rel_tol": 0.0}, {"wait_s": 601.0}):
         with pytest.raises(JobError) as e:
             jp.VerifyCheck(**{**base, **bad})
@@ -162,10 +168,7 @@ def test_a_verifier_over_its_byte_budget_answers_no_room_at_once(tmp_path, monke
     monkeypatch.setattr(verifier_peer, "HELD_BYTES", 100)  # bytes of unjudged checks' messages
     s, service = _swarm(tmp_path)
     driver = s.net.peers[s.ids[0]]
-    base = dict(
-        job="j", stage=0, step=0, ticket=9, chunks=1, params=1, assignment={}, commit={}, listed={},
-        src="x", mbs=[0], grads=False, losses=[], micro_batches=2, rel_tol=1e-3, wait_s=600.0,
-    )  # fmt: skip
+    base = _check_fields(ticket=9, wait_s=600.0)
 
     async def main():
         (msg,) = param_messages("j", 9, 0, 1, {"w": torch.ones(64)})  # 256 bytes

@@ -58,6 +58,8 @@ class StageJob:
         self.rounds: StageRounds | None = None
         self.pull_task: asyncio.Future | None = None
         self.step_task: asyncio.Future | None = None
+        self.starting: asyncio.Future | None = None  # job.start's build, once (a re-asked start awaits it)
+        self.start_ref: tuple[int, int] = (0, 0)  # (feedback, optim) of that job.start
         self.step_task_step = -1  # the step step_task runs (or ran last)
         self.last_report: tuple[int, dict[str, Any]] | None = None  # (step, report) of the last finished step
         self.push_tasks: list[asyncio.Future] = []

@@ -177,6 +177,8 @@ class WorkerService(StageAudit, HostLink):
             self.t.mailbox.release(sj.job, ("stage", sj.stage))
             if sj.rounds is not None:
                 sj.rounds.cancel()  # --sync-overlap: an exchange still under way
+            if sj.starting is not None and not sj.starting.done():
+                sj.starting.cancel()  # a start still waiting for its parameters
             sj.module = sj.opt = None
             sj.params = {}
             if self.on_jobs_changed:
@@ -255,7 +257,25 @@ class WorkerService(StageAudit, HostLink):
         return max(a.need_bytes, state * state_copies(a.sync, a.offload is not None))
 
     async def rpc_start(self, req: jp.StageRef, sender: str) -> jp.StartReply:
+        """Builds the stage once per assignment: a second `job.start` for it (the driver asks again when
+        the first call's stream closed unanswered) answers what the first answers, awaiting it if it
+        still runs, instead of waiting for parameters the first took; one that names other `feedback`
+        or `optim` counts is refused (a new plan comes with a new `job.assign`, which starts afresh)."""
         sj = self._get(req, sender)
+        ref = (req.feedback, req.optim)
+        if sj.starting is None:
+            sj.start_ref = ref
+            sj.starting = asyncio.ensure_future(self._start(sj, req))
+        elif ref != sj.start_ref:
+            raise JobError(
+                ErrorCode.BAD_REQUEST,
+                f"job.start of stage {sj.stage} of job {sj.job} with feedback={ref[0]} optim={ref[1]} conflicts "
+                f"with the start already made for this assignment (feedback={sj.start_ref[0]} "
+                f"optim={sj.start_ref[1]}); a new plan is sent with job.assign first",
+            )
+        return await asyncio.shield(sj.starting)
+
+    async def _start(self, sj: StageJob, req: jp.StageRef) -> jp.StartReply:
         timeout = self.config.step_timeout_s
         params: dict[str, torch.Tensor] = {}
         for idx in range(len(sj.param_specs)):

@@ -415,7 +415,9 @@ class Placement:
                 meta = {"job": job.spec.job_id, "stage": a.stage, "step": -1, "mb": idx}
                 await self.t.send(a.peer, tensor_message(TensorKind.OPT_STATE, meta, state))
             req = jp.StageRef(job=job.spec.job_id, stage=a.stage, feedback=len(names), optim=len(states))
-            await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s)
+            # a worker builds a stage once per assignment and answers a second start as the first:
+            # a stream reset asks once more (an older worker waits for the parameters again: deadline)
+            await jp.call(self.t, a.peer, Rpc.JOB_START, req, timeout=self.step_timeout_s, idempotent=True)
 
         await asyncio.gather(*(ship(a) for a in stage_args))
         job.feedback_shipped = bool(feedback)

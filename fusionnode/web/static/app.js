@@ -333,24 +333,40 @@
 
   function drawTables(status, jobs) {
     const tb = $("jobs").tBodies[0];
-    tb.replaceChildren();
-    for (const j of jobs) {
-      const tr = el("tr", { "data-job": j.job, "data-state": j.state });
+    // rows are updated in place, by job (the page redraws once a second while a job runs): a click on
+    // a Cancel button whose press and release straddle a redraw never fires if its row was replaced
+    const rows = new Map([...tb.rows].map((tr) => [tr.dataset.job, tr]));
+    jobs.forEach((j, k) => {
+      const tr = rows.get(j.job) || el("tr", { "data-job": j.job });
+      rows.delete(j.job);
+      tr.dataset.state = j.state;
       const lastRec = (j.history || []).slice(-1)[0];
       const val = (j.validation || []).slice(-1)[0];
-      [j.job, j.model, j.state, j.step + " / " + j.steps, fmt(j.loss, 4), val ? fmt(val.loss, 4) + " @" + val.step : "–", fmt(j.tokens_per_s, 0),
+      const cells = [j.job, j.model, j.state, j.step + " / " + j.steps, fmt(j.loss, 4), val ? fmt(val.loss, 4) + " @" + val.step : "–", fmt(j.tokens_per_s, 0),
        lastRec ? fmt(lastRec.step_time_s, 3) + " s" : "–",
-       "v" + j.plan_version + " · " + (j.stages || []).length + " stages" + (lastRec && lastRec.wire_bytes ? " · " + fmtBytes(lastRec.wire_bytes) + "/step" : "")]
-        .forEach((v, i) => tr.appendChild(el("td", { class: i === 0 ? "mono" : "" }, String(v))));
-      const td = el("td", { class: "act" });
+       "v" + j.plan_version + " · " + (j.stages || []).length + " stages" + (lastRec && lastRec.wire_bytes ? " · " + fmtBytes(lastRec.wire_bytes) + "/step" : "")];
+      while (tr.cells.length < cells.length + 1) tr.appendChild(el("td", {}));
+      cells.forEach((v, i) => {
+        const td = tr.cells[i];
+        td.className = i === 0 ? "mono" : "";
+        if (td.textContent !== String(v)) td.textContent = String(v);
+      });
+      const td = tr.cells[cells.length];
+      td.className = "act";
+      let b = td.querySelector("button.cancel");
       if (allowed.includes("cancel") && (j.state === "running" || j.state === "planning")) {
-        const b = el("button", { type: "button", class: "danger cancel", "data-job": j.job }, "Cancel");
-        b.addEventListener("click", () => act("cancel", { job: j.job }, b));
-        td.appendChild(b);
+        if (!b) {
+          b = el("button", { type: "button", class: "danger cancel", "data-job": j.job }, "Cancel");
+          const mine = b;
+          b.addEventListener("click", () => act("cancel", { job: j.job }, mine));
+          td.appendChild(b);
+        }
+      } else if (b) {
+        b.remove();
       }
-      tr.appendChild(td);
-      tb.appendChild(tr);
-    }
+      if (tb.rows[k] !== tr) tb.insertBefore(tr, tb.rows[k] || null);
+    });
+    for (const tr of rows.values()) tr.remove();
     $("jobs-empty").classList.toggle("hidden", jobs.length > 0);
     const pb = $("peers").tBodies[0];
     pb.replaceChildren();
