@@ -24,7 +24,8 @@ losses, `tokens` every token fed in the round, `step_time_s` the time since the 
 record, each stage's compute, wait and link seconds summed over its steps in the round, and
 `replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
 replays: train/free_rounds_local.py) and whether its inner steps were fused (one `job.step` each,
-the optimizer step on the stage: train/fused_rounds.py).
+the optimizer step on the stage: train/fused_rounds.py; a one-stage fused replica's next step is
+queued ahead of its report and withdrawn if another replica closes the round: train/queued_rounds.py).
 
 Faults, checkpoints and `--resume`: train/free_recovery.py (a replica that loses a worker loses
 only its round; a dead host restores the hosts from their checkpoints; no round applied twice).
