@@ -20,6 +20,7 @@ from fusionnode.wire import job as jp
 from fusionnode.wire.job import ErrorCode, JobError
 
 KEPT = 16  # steps remembered below the stage's last fused step (withdrawn, started, failed)
+WAIT_LIMIT_S = 900.0  # a queued step whose turn never comes (its driver gone) stops waiting then
 
 
 class StepQueue:
@@ -65,7 +66,12 @@ async def wait_turn(sj: Any, req: jp.StepRequest) -> None:
                 f"step {req.step} of stage {sj.stage} was queued after step {after}, which did not complete "
                 f"(last step {sj.last_step})",
             )
-        await q.wake.wait()
+        try:
+            await asyncio.wait_for(q.wake.wait(), WAIT_LIMIT_S)
+        except TimeoutError:
+            raise JobError(
+                ErrorCode.DEADLINE, f"step {req.step} of stage {sj.stage}: step {after} never ended"
+            ) from None
     q.started.add(req.step)
 
 
