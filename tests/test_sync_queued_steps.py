@@ -27,6 +27,7 @@ torch.set_num_threads(1)
 
 H = 3
 DILOCO = _timed(SyncConfig("diloco", inner_steps=H, outer_lr=0.7, outer_momentum=0.9))
+OVERLAP_D2 = _timed(SyncConfig("diloco", inner_steps=H, outer_lr=0.7, overlap=True, overlap_steps=2))
 OVERLAP = _timed(
     SyncConfig("sparseloco", inner_steps=H, topk_density=1 / 16, chunk=256, overlap=True, overlap_steps=1)
 )
@@ -130,7 +131,9 @@ def _queued_swarm(tmp_path, slow_s: float, late_withdraw_s: float = 0.0):
 
 @pytest.mark.parametrize("late", [False, True], ids=["withdrawn", "started-first"])
 @pytest.mark.parametrize(
-    ("sync", "tol"), [(DILOCO, TOL), (OVERLAP, SPARSE_TOL)], ids=["diloco", "sparseloco-overlap"]
+    ("sync", "tol"),
+    [(DILOCO, TOL), (OVERLAP, SPARSE_TOL), (OVERLAP_D2, TOL)],
+    ids=["diloco", "sparseloco-overlap", "diloco-overlap-d2"],
 )
 def test_queued_steps_are_counted_in_the_round_they_ran_and_withdrawn_ones_never(
     tmp_path, monkeypatch, sync, tol, late
