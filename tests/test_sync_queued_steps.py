@@ -20,6 +20,7 @@ from test_time_close_faults import SPARSE_TOL, TOL, _follows, _replay, _timed
 
 from fusionnode.runtime import fused, queued
 from fusionnode.sync import SyncConfig
+from fusionnode.verify import compat
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import JobError, Rpc
 
@@ -191,3 +192,69 @@ def test_the_withdrawal_is_asked_of_the_replica_whose_step_is_queued(tmp_path) -
     fast, slow = sorted(s.workers)
     assert Rpc.JOB_WITHDRAW in s.net.peers[slow].calls
     assert Rpc.JOB_WITHDRAW not in s.net.peers[fast].calls
+
+
+@pytest.mark.parametrize(
+    "old_caps",
+    [None, {"commit": ["b3"], "dither": ["keyed", "counter"]}],
+    ids=["before-caps", "caps-without-steps"],
+)
+def test_a_worker_that_does_not_advertise_queued_steps_gets_none_and_the_job_works(
+    tmp_path, monkeypatch, old_caps
+):
+    """Mixed versions: the slowed worker poses as an older version (it refuses `after_step` as an
+    unknown field, as one does). Its replica keeps one call per step; the other replica is still
+    queued; the capabilities come with the plan's liveness pings, none asked after it."""
+    s, applied, withdrawals, _ = _queued_swarm(tmp_path, 0.25)
+    fast, slow = sorted(s.workers)
+    s.workers[slow].caps = old_caps
+    rpc_step = s.net.peers[slow]._rpc[Rpc.JOB_STEP]
+    sent_after: list[int] = []  # the `after_step` fields the older worker was sent
+
+    async def seen(args: dict, sender: str):
+        if args.get("after_step") is not None:
+            sent_after.append(args["after_step"])
+        return await rpc_step(args, sender)
+
+    s.net.peers[slow]._rpc[Rpc.JOB_STEP] = seen
+    step_of, withdraw, peer_caps = fused.fused_step, queued.withdraw, compat.peer_caps
+    queued_of: dict[str, list[int]] = {fast: [], slow: []}
+    asked_after: list[list[str]] = []
+
+    async def counted_step(worker, sj, req):
+        report = await step_of(worker, sj, req)
+        applied[worker.t.peer_id].append(req.step)
+        if req.after_step is not None:
+            queued_of[worker.t.peer_id].append(req.step)
+        return report
+
+    def counted_withdraw(sj, req):
+        reply = withdraw(sj, req)
+        withdrawals.append((sj.stage, req.step, reply.withdrawn))
+        return reply
+
+    async def counted_caps(t, peers, *a, **kw):
+        asked_after.append(list(peers))
+        return await peer_caps(t, peers, *a, **kw)
+
+    monkeypatch.setattr(fused, "fused_step", counted_step)
+    monkeypatch.setattr(queued, "withdraw", counted_withdraw)
+    monkeypatch.setattr(compat, "peer_caps", counted_caps)
+    spec = small_spec(steps=12, micro_batches=2)
+    params = round_job(spec, DILOCO, stages=1, rebalance_every=0, contrib_policy="off")
+    asyncio.run(asyncio.wait_for(s.driver.run_job(params, s.emit), 180))
+    rounds = s.steps()
+    assert len(rounds) == spec.steps // H
+    assert not any(e.get("kind") in ("failure", "recovered") for e in s.events), s.events
+    assert sent_after == [] and queued_of[slow] == [], sent_after  # the older worker: no after_step
+    assert queued_of[fast], queued_of  # the new worker's replica still queues
+    assert asked_after == []  # the plan's pings asked every worker's capabilities
+    assert Rpc.JOB_WITHDRAW not in s.net.peers[slow].calls
+    (plan,) = [e for e in s.events if e["type"] == "plan"]
+    peer_of = {st["replica"]: st["peer"] for st in plan["stages"]}
+    counted: dict[int, list[int]] = {rep: [] for rep in peer_of}
+    for q, r in enumerate(rounds):
+        for rep in r["replicas"]:
+            counted[rep["replica"]] += [q * H + k for k in range(rep["steps"])]
+    assert {peer_of[rep]: steps for rep, steps in counted.items()} == applied, (withdrawals, rounds)
+    _follows(rounds, _replay(spec, DILOCO, rounds), TOL)

@@ -41,6 +41,13 @@ class StepQueue:
             s.difference_update([x for x in s if x < last - KEPT])
 
 
+def check_cap(caps: dict[str, list[str]] | None) -> None:
+    """A worker that does not advertise ``steps: queued`` (a test's daemon posing as older,
+    verify/compat.py) refuses `after_step` as a version from before it does: an unknown field."""
+    if "queued" not in ((caps or {}).get("steps") or []):
+        raise JobError(ErrorCode.BAD_REQUEST, "StepRequest: unknown field(s) ['after_step']")
+
+
 def of(sj: Any) -> StepQueue:
     q = getattr(sj, "step_queue", None)
     if q is None:

@@ -368,6 +368,7 @@ class WorkerService(StageAudit, HostLink):
         if req.commit_lr is not None and (why := fused.refusal(sj, req)) is not None:
             raise JobError(ErrorCode.BAD_REQUEST, why)
         if req.after_step is not None:  # queued ahead: starts once the step it follows ends (queued.py)
+            queued.check_cap(self.caps)
             await queued.wait_turn(sj, req)
         async with sj.busy:
             if req.commit_lr is not None and sj.last_step >= req.step:  # a fused step sent again

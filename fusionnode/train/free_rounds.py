@@ -130,6 +130,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         for p in job.pipelines
     }
     ahead_of: dict[int, queued_rounds.Ahead] = {}  # replica -> its step of the round queued ahead
+    if any(fused_of.values()):  # which workers take steps queued ahead (their capabilities)
+        await queued_rounds.ask(driver, job, [a.peer for a in run.stage_args])
     stage_of = {
         i: next(a for a in run.stage_args if a.replica == p.replica) for i, p in enumerate(job.pipelines)
     }
@@ -171,7 +173,7 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
         close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         close_step = -1  # fused: the step whose round `close` is (its last inner step)
-        queue = queued_rounds.queues(fused, mine)  # its next step sent before this one reports
+        queue = queued_rounds.queues(fused, mine, job.caps)  # its next step sent before this one reports
         pend: queued_rounds.Ahead | None = None  # that step (train/queued_rounds.py)
 
         def info_of(q: int, k: int) -> dict[str, Any]:  # the close of round q after the replica's k steps

@@ -17,6 +17,10 @@ the driver counts exactly the steps that ran (`Ahead.withdrawn`). The step after
 (the next round's first, carrying the close) is queued as well; a queued step is never withdrawn
 because of its own round's close, only because of another replica's.
 
+Only a replica whose workers advertise it (``steps: queued`` in `job.ping`'s capabilities,
+verify/compat.py) is queued: an older worker refuses `after_step`, so its replica keeps one call per
+step. The plan's liveness pings ask them (`Job.caps`); a peer placed later is asked once (`ask`).
+
 Several fused stages per replica are not queued: their stages would decide apart (one starting the
 step, the next one withdrawn), so they keep one call per step (with the inputs fed ahead).
 """
@@ -26,13 +30,24 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from fusionnode.verify import compat
 from fusionnode.wire import job as jp
 from fusionnode.wire.job import Rpc
 
+CAP = ("steps", "queued")  # the capability a worker advertises (verify/compat.py CAPS)
 
-def queues(fused: bool, mine: list[Any]) -> bool:
-    """Whether a replica of stages `mine` gets its steps queued ahead: fused, one stage."""
-    return fused and len(mine) == 1
+
+async def ask(driver: Any, job: Any, peers: list[str]) -> None:
+    """The capabilities of `peers` the plan's pings did not ask (placed after it), asked once."""
+    todo = [p for p in dict.fromkeys(peers) if p not in job.caps]
+    if todo:
+        job.caps.update(await compat.peer_caps(driver.t, todo))
+
+
+def queues(fused: bool, mine: list[Any], caps: dict[str, Any]) -> bool:
+    """Whether a replica of stages `mine` gets its steps queued ahead: fused, one stage, on a worker
+    that advertises it (`caps`: peer -> capabilities)."""
+    return fused and len(mine) == 1 and all(compat.has(caps.get(a.peer), *CAP) for a in mine)
 
 
 class Ahead:

@@ -177,9 +177,7 @@ class StepRequest(JobMessage):
     def __post_init__(self) -> None:
         if self.micro_batches < 1 or self.mb_size < 1:
             raise _bad(f"micro_batches and mb_size must be >= 1, got {self.micro_batches}, {self.mb_size}")
-        if self.commit_lr is None and any(
-            v is not None for v in (self.commit_clip, self.close_round, self.after_step)
-        ):
+        if self.commit_lr is None and (self.commit_clip, self.close_round, self.after_step) != (None,) * 3:
             raise _bad("commit_clip, close_round and after_step belong to a fused step: give commit_lr")
         if self.commit_clip is not None and not self.commit_clip > 0:
             raise _bad(f"commit_clip must be > 0, got {self.commit_clip}")
@@ -245,9 +243,7 @@ class CommitReply(JobMessage):
 
 
 @message
-class WithdrawRequest(JobMessage):
-    """`job.withdraw`: the fused step `step` sent queued ahead (`after_step`) is not to run."""
-
+class WithdrawRequest(JobMessage):  # `job.withdraw`: the fused step `step` sent queued ahead is not to run
     job: str
     stage: int
     step: int
