@@ -339,8 +339,8 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                 await asyncio.gather(feeding, return_exceptions=True)
             if pend is not None:  # a failure: the segment ends, and the next one runs on new stages
                 ahead_of.pop(idx, None)
-                pend.cancel()
-                await asyncio.gather(pend.call, pend.feed, return_exceptions=True)
+                pend.cancel()  # not awaited: the Redo (or failure) this replica raises goes first,
+                pend.forget()  # before the records find the round's verdict cancelled by `lose`
 
     def finish(rd: _Round) -> None:
         rd.finished += 1

@@ -84,6 +84,11 @@ class Ahead:
             if f is not None and not f.done():
                 f.cancel()
 
+    def forget(self) -> None:
+        """Its futures' outcomes (cancelled, or an error) are read when they end, not awaited."""
+        for f in (self.call, self.feed):
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+
 
 async def _withdraw(driver: Any, job: Any, run: Any, stage: Any, step: int) -> bool:
     req = jp.WithdrawRequest(job=job.spec.job_id, stage=stage.stage, step=step)
