@@ -132,6 +132,10 @@ DP_DILOCO = SyncConfig(
     overlap=DP_SYNC.overlap,
     overlap_steps=DP_SYNC.overlap_steps,
 )
+# run only when named: -timed with a round's exchange overlapping 2 inner steps (D = 2, not 1), so a
+# replica that closes first waits for the round's update after 2 steps of the next round
+DP_TIMED_D2 = SyncConfig(**{**DP_TIMED.to_dict(), "overlap_steps": 2})
+OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed-d2", {**DP_OPTIONS, "sync": DP_TIMED_D2.to_dict()}, "none", {}))
 HIVEMIND_SYSTEMS = ("hivemind-avg", "hivemind-local")  # bench/hivemind_peer.py, --mode avg / local
 HIVEMIND_PORT = 31400  # hivemind's libp2p port inside each namespace (FusionNode's daemons use 31337)
 

@@ -36,6 +36,8 @@ def refusal(sj: Any, req: jp.StepRequest) -> str | None:
         return "a fused step (commit_lr) is not spot-checked: verify must be false"
     if req.close_round is not None and not req.close_round:
         return "close_round: an empty round"
+    if req.after_step is not None and not req.after_step < req.step:
+        return f"after_step must be below step, got {req.after_step} >= {req.step}"
     return None
 
 

@@ -38,7 +38,7 @@ import torch
 
 from fusionnode.compress.link import LinkOptions
 from fusionnode.errors import ConfigError, GraphError
-from fusionnode.runtime import fused, optstate
+from fusionnode.runtime import fused, optstate, queued
 from fusionnode.runtime.allreduce import reweigh
 from fusionnode.runtime.audit import StageAudit
 from fusionnode.runtime.hooks import DEBUG_ENV, ComputeHook
@@ -102,6 +102,7 @@ class WorkerService(StageAudit, HostLink):
             Rpc.JOB_PING: self.rpc_ping,
             Rpc.JOB_AUDIT: self.rpc_audit,
             Rpc.JOB_RESIZE: self.rpc_resize,
+            Rpc.JOB_WITHDRAW: self.rpc_withdraw,
             Rpc.DEBUG_SLOW: self.rpc_debug_slow,
         }.items():
             jp.serve(transport, name, fn)
@@ -386,6 +387,9 @@ class WorkerService(StageAudit, HostLink):
             self.hook.before_step()
         if req.commit_lr is not None and (why := fused.refusal(sj, req)) is not None:
             raise JobError(ErrorCode.BAD_REQUEST, why)
+        if req.after_step is not None:  # queued ahead: starts once the step it follows ends (queued.py)
+            queued.check_cap(self.caps)
+            await queued.wait_turn(sj, req)
         async with sj.busy:
             if req.commit_lr is not None and sj.last_step >= req.step:  # a fused step sent again
                 if sj.last_report is not None and sj.last_report[0] == req.step:
@@ -416,6 +420,10 @@ class WorkerService(StageAudit, HostLink):
                 raise
             finally:
                 sj.step_task = None
+                if req.commit_lr is not None:  # a step queued after this one may start (or fail)
+                    queued.ended(
+                        sj, req.step, task.done() and not task.cancelled() and task.exception() is None
+                    )
             if task.cancelled():
                 raise JobError(
                     ErrorCode.ABORTED, f"step {req.step} of stage {sj.stage} aborted by the driver"
@@ -438,6 +446,9 @@ class WorkerService(StageAudit, HostLink):
         if sj.last_report is not None and sj.last_report[0] == step:
             return sj.last_report[1]
         raise JobError(ErrorCode.NO_REPORT, f"stage {sj.stage} has no report of step {step}")
+
+    async def rpc_withdraw(self, req: jp.WithdrawRequest, sender: str) -> jp.WithdrawReply:
+        return queued.withdraw(self._get(req, sender), req)
 
     async def rpc_commit(self, req: jp.CommitRequest, sender: str) -> jp.CommitReply:
         sj = self._get(req, sender)

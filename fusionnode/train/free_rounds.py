@@ -24,7 +24,8 @@ losses, `tokens` every token fed in the round, `step_time_s` the time since the 
 record, each stage's compute, wait and link seconds summed over its steps in the round, and
 `replicas`: each replica's steps, tokens and mean loss (the schedule `train --local --round-steps`
 replays: train/free_rounds_local.py) and whether its inner steps were fused (one `job.step` each,
-the optimizer step on the stage: train/fused_rounds.py).
+the optimizer step on the stage: train/fused_rounds.py; a one-stage fused replica's next step is
+queued ahead of its report and withdrawn if another replica closes the round: train/queued_rounds.py).
 
 Faults, checkpoints and `--resume`: train/free_recovery.py (a replica that loses a worker loses
 only its round; a dead host restores the hosts from their checkpoints; no round applied twice).
@@ -42,7 +43,7 @@ from typing import Any
 from fusionnode.errors import ConfigError
 from fusionnode.optim.optimizers import FlatOptimizer
 from fusionnode.optim.rounds import contributing_names
-from fusionnode.train import free_recovery, fused_rounds
+from fusionnode.train import free_recovery, fused_rounds, queued_rounds
 from fusionnode.train.free_rounds_local import round_count, round_limit, token_verdict
 from fusionnode.train.spec import lr_at
 from fusionnode.train.state import HISTORY_KEPT, Job, Run
@@ -128,6 +129,12 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         p.replica: fused_rounds.fuses(job, [a for a in run.stage_args if a.replica == p.replica])
         for p in job.pipelines
     }
+    ahead_of: dict[int, queued_rounds.Ahead] = {}  # replica -> its step of the round queued ahead
+    if any(fused_of.values()):  # which workers take steps queued ahead (their capabilities)
+        await queued_rounds.ask(driver, job, [a.peer for a in run.stage_args])
+    stage_of = {
+        i: next(a for a in run.stage_args if a.replica == p.replica) for i, p in enumerate(job.pipelines)
+    }
 
     def round_at(q: int) -> _Round:
         if q not in rounds:
@@ -166,6 +173,46 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
         feed_args, ahead, guess = (driver, job, run, pipe, idx, mine), None, -1
         close: dict[str, Any] | None = None  # fused: the round this replica's next step closes first
         close_step = -1  # fused: the step whose round `close` is (its last inner step)
+        queue = queued_rounds.queues(fused, mine, job.caps)  # its next step sent before this one reports
+        pend: queued_rounds.Ahead | None = None  # that step (train/queued_rounds.py)
+
+        def info_of(q: int, k: int) -> dict[str, Any]:  # the close of round q after the replica's k steps
+            tokens = pipe.samples * run.seq_len * k  # informational: the hosts take the verdict
+            return {"id": q, "tokens": tokens, "final": sync.overlap and q == n_rounds - 1}
+
+        def queue_next(q: int, k: int, step: int) -> queued_rounds.Ahead | None:
+            """The step after `step` (the replica's k-th of round q, running), sent queued ahead."""
+            if not (k + 1 >= rd.limit or rd.closing):
+                nxt, nq, nclose = step + 1, q, None
+            elif q + 1 < n_rounds and seg.runs(q + 1):  # the next round's first carries this one's close
+                nxt, nq, nclose = (q + 1) * sync.inner_steps, q + 1, info_of(q, k + 1)
+            else:
+                return None
+            feed = asyncio.ensure_future(_feed(*feed_args, nxt))
+            call = asyncio.ensure_future(
+                fused_rounds.fused_step(driver, job, run, pipe, mine, nxt, lr_at(nxt, spec), nclose, step)
+            )
+            a = queued_rounds.Ahead(nxt, nq, nclose, call, feed)
+            if a.same_round:  # another replica closing round q withdraws it
+                ahead_of[idx] = a
+            return a
+
+        async def settle() -> None:
+            """The segment stops: the step queued ahead is withdrawn, or (it started) its report
+            awaited (a close it carried reached the stage)."""
+            nonlocal pend, close
+            if pend is None:
+                return
+            a, pend = pend, None
+            ahead_of.pop(idx, None)
+            if await a.withdrawn(driver, job, run, mine[0]):
+                await a.drop()
+                return
+            *_, round_bytes = await a.call
+            if a.close is not None and close is not None:
+                job.count_round(a.step, round_bytes, closed[0])
+                round_at(close["id"]).wire += job.round_bytes
+                close = None
 
         async def send_close() -> None:
             """The segment stops: a pending close of a round it runs is sent by itself (close_only);
@@ -183,12 +230,31 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                 k = 0
                 while True:
                     if not seg.runs(q):  # a replica lost round q - 1 (--sync-overlap ran ahead)
+                        await settle()
                         await send_close()
                         return
                     step = q * sync.inner_steps + k
                     lr = lr_at(step, spec)
                     assert feeding is not None
-                    if fused:  # the step's call goes out with its inputs, the likely next's after them
+                    if queue:  # the step's call went out queued ahead (or goes now), the next one's after it
+                        if pend is not None and pend.step == step:
+                            call, pend = pend.call, None
+                            ahead_of.pop(idx, None)
+                        else:
+                            call = asyncio.ensure_future(
+                                fused_rounds.fused_step(driver, job, run, pipe, mine, step, lr, close)
+                            )
+                        try:
+                            await feeding
+                            pend = queue_next(q, k, step)
+                            reports, loss, norm, round_bytes = await call
+                        except BaseException:
+                            call.cancel()
+                            raise
+                        job.count_round(step, round_bytes, closed[0])
+                        rd.wire += job.round_bytes
+                        close = None
+                    elif fused:  # the step's call goes out with its inputs, the likely next's after them
                         ends = k + 1 >= rd.limit
                         guess = (q + 1) * sync.inner_steps if ends else step + 1
                         feed_next = None if ends and q == n_rounds - 1 else partial(_feed, *feed_args, guess)
@@ -208,23 +274,30 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                     rd.losses[idx].append(loss)
                     rd.norms.append(norm)
                     k += 1
-                    last = k >= rd.limit or rd.closing
-                    rd.closing = rd.closing or k >= rd.limit
+                    if pend is not None and pend.same_round:  # withdrawn if another replica closed
+                        last = rd.closing and await pend.withdrawn(driver, job, run, mine[0])
+                        if last:  # it never runs: this step was the replica's last of the round
+                            withdrawn, pend = pend, None
+                            ahead_of.pop(idx, None)
+                            await withdrawn.drop()
+                    else:  # a step queued ahead is the next round's first: this one ends the round
+                        last = pend is not None or k >= rd.limit or rd.closing
+                    if not rd.closing and k >= rd.limit:  # this replica closes the round
+                        rd.closing = True
+                        queued_rounds.withdraw_others(ahead_of, idx, q, driver, job, run, stage_of)
                     info = None
                     if last:
                         rd.counts[idx] = k
                         if seg.may_close(rd):
                             rd.verdict = asyncio.ensure_future(verdict(rd))
-                        info = {
-                            "id": q,
-                            "tokens": pipe.samples
-                            * run.seq_len
-                            * k,  # informational: the hosts take the verdict
-                            "final": sync.overlap and q == n_rounds - 1,
-                        }
+                        info = info_of(q, k)
+                        assert pend is None or pend.close == info, (pend.close, info)
                     following = (q + 1) * sync.inner_steps if last else step + 1
                     feeding = None
-                    if fused and ahead is not None and guess == following:
+                    if pend is not None:
+                        assert pend.step == following, (pend.step, following)
+                        feeding = pend.feed
+                    elif fused and ahead is not None and guess == following:
                         feeding, ahead = ahead, None
                     fused_rounds.drop(ahead if fused else None)
                     if feeding is None and not (last and q == n_rounds - 1):
@@ -243,6 +316,7 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
                         break
                 finish(rd)
                 if not seg.runs(q + 1):
+                    await settle()
                     await send_close()
                     return
         except StepFailed as fail:  # this replica loses its round (a dead host: the segment's)
@@ -263,6 +337,10 @@ async def _segment(driver: Any, job: Job, run: Run, seg: free_recovery.Segment) 
             if feeding is not None and not feeding.done():
                 feeding.cancel()
                 await asyncio.gather(feeding, return_exceptions=True)
+            if pend is not None:  # a failure: the segment ends, and the next one runs on new stages
+                ahead_of.pop(idx, None)
+                pend.cancel()  # not awaited: the Redo (or failure) this replica raises goes first,
+                pend.forget()  # before the records find the round's verdict cancelled by `lose`
 
     def finish(rd: _Round) -> None:
         rd.finished += 1

@@ -49,9 +49,11 @@ async def step_reports(
     lr: float | None = None,
     clip: float | None = None,
     close: dict[str, Any] | None = None,
+    after: int | None = None,
 ) -> list[Any]:
     """`job.step` `step` on a replica's stages `mine` (its inputs fed), fused when `lr` is given
-    (`commit_lr`, `commit_clip`, `close_round`); their reports in `mine` order."""
+    (`commit_lr`, `commit_clip`, `close_round`; `after_step`: queued ahead, train/queued_rounds.py);
+    their reports in `mine` order."""
     calls = {
         ("step", a.stage): jp.call(
             driver.t,
@@ -66,6 +68,7 @@ async def step_reports(
                 commit_lr=lr,
                 commit_clip=clip,
                 close_round=_round(run, a.stage, close),
+                after_step=after,
             ),
             timeout=driver.stepper.step_timeout_s * 2,
             recall=Rpc.JOB_STEP_RESULT,  # a reply lost to a stream reset: fetch it, the step ran
@@ -87,13 +90,14 @@ async def fused_step(
     step: int,
     lr: float,
     close: dict[str, Any] | None,
+    after: int | None = None,
 ) -> tuple[list[Any], float, float, list[dict[str, list[int]]]]:
-    """A replica's fused inner step `step` (its inputs fed), closing round `close` first if given.
-    Returns (reports in `mine` order, its mean micro-batch loss, its gradient norm, each stage's
-    round bytes per host)."""
+    """A replica's fused inner step `step` (its inputs fed), closing round `close` first if given
+    (queued after the replica's step `after` if given). Returns (reports in `mine` order, its mean
+    micro-batch loss, its gradient norm, each stage's round bytes per host)."""
     clip = job.spec.grad_clip
     reports = await step_reports(
-        driver, job, run, pipe, mine, step, lr, None if clip is None else float(clip), close
+        driver, job, run, pipe, mine, step, lr, None if clip is None else float(clip), close, after
     )
     norm = math.sqrt(sum(r.grad_sq for r in reports))
     losses = reports[-1].losses

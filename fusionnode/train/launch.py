@@ -148,7 +148,7 @@ async def choose(
     # auto: offload whenever an optimizer host is available, which also lets the job survive a
     # failed worker (its step is replayed on a new plan); a local optimizer cannot
     placement.left_out.clear()  # what an earlier plan left out is not this job's
-    plan_asks.enter_context(compat.one_ask_per_plan())
+    job.caps = plan_asks.enter_context(compat.one_ask_per_plan(job.sync.round_close == "time"))
     hosts_available = bool(
         await placement.candidates(params.get("optimizer_peers"), "optimizer", compat.host_needs(req.needs))
     )

@@ -59,6 +59,7 @@ class Job:
         self.round_bytes = 0  # bytes the stages sent at the last step's round end (issue 19)
         self.rounds_closed = 0
         self.contrib: Any = None  # verify.contrib.ContribPolicy of the rounds (None: off)
+        self.caps: dict[str, Any] = {}  # peer -> the capabilities its plan's ping answered (verify/compat.py)
         self.hosts_applied: list[int] = []  # the hosts' applied steps at the last re-plan (round ledger)
         self.round_host_bytes: dict[str, list[int]] = {}  # host -> cumulative [received, sent], rounds
         self.step = 0

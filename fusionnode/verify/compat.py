@@ -27,6 +27,12 @@ Why not the DHT peer record: protocol/RECORDS.md's schema refuses unknown fields
 a record with a new field would be refused by every older peer's validators and readers, and mixed
 swarms would lose sight of each other even with checks off.
 
+One capability is not the checks': ``steps``. ``queued`` (runtime/queued.py) means the worker takes a
+fused ``job.step`` queued ahead (``after_step``) and ``job.withdraw``; an older worker refuses the
+field, so the driver queues a replica's steps only when its workers advertise it (train/queued_rounds.py).
+A job whose rounds close by time asks every liveness ping of its plan for the capabilities
+(`one_ask_per_plan` with ``every_ping``), checks on or off: no ping more.
+
 A test (and only a test) can make a daemon advertise another set: with ``FUSIONNODE_DEBUG=1``,
 ``FUSIONNODE_DEBUG_CAPS`` = ``legacy`` makes it answer like a peer from before (the ``caps`` field
 refused), or a JSON object is advertised as given.
@@ -47,7 +53,8 @@ from fusionnode.verify.commitment import COMMIT_ALG
 
 logger = logging.getLogger(__name__)
 
-CAPS: dict[str, list[str]] = {"commit": [COMMIT_ALG], "dither": ["keyed", "counter"]}  # this version's
+# this version's
+CAPS: dict[str, list[str]] = {"commit": [COMMIT_ALG], "dither": ["keyed", "counter"], "steps": ["queued"]}
 LEGACY: dict[str, list[str]] = {"commit": ["b2"], "dither": ["counter"]}  # a peer that advertises none
 DEBUG_CAPS_ENV = "FUSIONNODE_DEBUG_CAPS"  # tests: "legacy" or a JSON object (needs FUSIONNODE_DEBUG=1)
 PING_TIMEOUT_S = 5.0
@@ -108,20 +115,30 @@ def lacks(caps: Mapping[str, Sequence[str]], wanted: Mapping[str, str]) -> list[
 # the plan's answers, peer -> caps (None: no answer); None outside a plan. A context variable, so two
 # jobs planning at once on one driver (each its own task) keep their own
 _ASKED: ContextVar[dict[str, Any] | None] = ContextVar("fusionnode_caps_asked", default=None)
+_EVERY_PING: ContextVar[bool] = ContextVar("fusionnode_caps_every_ping", default=False)
 
 
 @contextlib.contextmanager
-def one_ask_per_plan() -> Iterator[dict[str, Any]]:
-    """Within it each peer's capabilities are asked at most once (inside an outer one: that one's)."""
+def one_ask_per_plan(every_ping: bool = False) -> Iterator[dict[str, Any]]:
+    """Within it each peer's capabilities are asked at most once (inside an outer one: that one's).
+    It yields the answers, peer -> caps (None: no answer); they stay readable after it ends.
+    `every_ping`: every liveness ping in it asks them, checks on or off (a job whose fused steps may
+    queue ahead: the ``steps`` capability)."""
     asked = _ASKED.get()
     if asked is not None:
         yield asked
         return
-    token = _ASKED.set({})
+    token, every = _ASKED.set({}), _EVERY_PING.set(every_ping)
     try:
         yield _ASKED.get()
     finally:
         _ASKED.reset(token)
+        _EVERY_PING.reset(every)
+
+
+def has(caps: Mapping[str, Sequence[str]] | None, key: str, value: str) -> bool:
+    """Whether a peer's capabilities (None: unknown) advertise `value` under `key`."""
+    return caps is not None and value in (caps.get(key) or [])
 
 
 def _answer(r: Any) -> Any:
@@ -141,7 +158,7 @@ async def ping(t: Any, peer: str, ask: bool, timeout_s: float = PING_TIMEOUT_S) 
     and keeps them; an older peer's refusal of the field answers as a live peer that is not draining."""
     from fusionnode.wire import job as jp
 
-    asked = _ASKED.get() if ask else None
+    asked = _ASKED.get() if ask or _EVERY_PING.get() else None
     if asked is None or peer in asked:
         return await jp.call(t, peer, jp.Rpc.JOB_PING, jp.PingRequest(), timeout=timeout_s)
     try:
@@ -220,6 +237,7 @@ __all__ = [
     "DEBUG_CAPS_ENV",
     "LEGACY",
     "advertised",
+    "has",
     "host_needs",
     "lacks",
     "needs",

@@ -78,6 +78,7 @@ class Rpc:
     JOB_PING: Final = "job.ping"
     JOB_AUDIT: Final = "job.audit"  # show a verified step's kept messages (fusionnode/verify/)
     JOB_RESIZE: Final = "job.resize"  # a held stage's new batch share (rebalancing between pipelines)
+    JOB_WITHDRAW: Final = "job.withdraw"  # a fused step queued ahead, not started: never run (ROUNDS.md)
     DEBUG_SLOW: Final = "debug.slow"
     OPT_INIT: Final = "opt.init"
     OPT_HELD: Final = "opt.held"
@@ -188,12 +189,13 @@ class StepRequest(JobMessage):
     commit_lr: float | None = None
     commit_clip: float | None = None
     close_round: dict[str, Any] | None = None
+    after_step: int | None = None  # fused, queued ahead: starts once the stage's fused step `after_step` ends
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1 or self.mb_size < 1:
             raise _bad(f"micro_batches and mb_size must be >= 1, got {self.micro_batches}, {self.mb_size}")
-        if self.commit_lr is None and (self.commit_clip is not None or self.close_round is not None):
-            raise _bad("commit_clip and close_round belong to a fused step: give commit_lr")
+        if self.commit_lr is None and (self.commit_clip, self.close_round, self.after_step) != (None,) * 3:
+            raise _bad("commit_clip, close_round and after_step belong to a fused step: give commit_lr")
         if self.commit_clip is not None and not self.commit_clip > 0:
             raise _bad(f"commit_clip must be > 0, got {self.commit_clip}")
 
@@ -255,6 +257,18 @@ class CommitReply(JobMessage):
     again: bool = False  # a retried commit already applied
     prefetching: bool = False  # offload: pulling the new parameters from the hosts
     round_bytes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # host -> [sent, received]
+
+
+@message
+class WithdrawRequest(JobMessage):  # `job.withdraw`: the fused step `step` sent queued ahead is not to run
+    job: str
+    stage: int
+    step: int
+
+
+@message
+class WithdrawReply(JobMessage):
+    withdrawn: bool  # true: it never runs (its job.step answers `aborted`); false: it started or ran
 
 
 @message
@@ -385,6 +399,7 @@ RPCS: dict[str, RpcSpec] = {
         RpcSpec(Rpc.JOB_AUDIT, AuditRequest, AuditReply, "the stage's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.JOB_RESIZE, ResizeRequest, AssignReply, "the stage's driver",
                 (_E.NOT_HELD, _E.FORBIDDEN, _E.NO_ROOM)),
+        RpcSpec(Rpc.JOB_WITHDRAW, WithdrawRequest, WithdrawReply, "the stage's driver", (_E.NOT_HELD, _E.FORBIDDEN)),
         RpcSpec(Rpc.DEBUG_SLOW, DebugSlow, DebugSlow, "the peer itself (FUSIONNODE_DEBUG=1)", (_E.FORBIDDEN,)),
         RpcSpec(Rpc.OPT_INIT, OptInit, OptInitReply, "the job's driver (== driver)",
                 (_E.FORBIDDEN, _E.NO_ROOM)),
