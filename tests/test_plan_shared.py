@@ -3,7 +3,6 @@ cluster marks them (train/swarm_cluster.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -220,30 +219,3 @@ def test_clusters_of_separate_machines_have_no_shared_host():
     for c in clusters:
         assert host_groups(c) == ((-1,) * c.size, ()), c.name
         assert shared_host_bound(Estimator(c), []) == 0.0
-
-
-def test_a_shared_machine_left_partly_idle_hosts_its_optimizer_on_its_busy_peers(graph):
-    """Offload on, 4 peers of a 2-core machine: an optimizer host is a busy process on the same
-    cores, so the grid over the machine's 2 fastest peers (plan/grid.py `within_cores`) is also priced
-    with its hosts among those 2 (`_hosts_within`). Before, the hosts chosen for the whole swarm (all
-    4 peers) made every such grid 4 busy processes, and the planner laid the machine out as 4 x 1
-    with 4 hosts, priced 14% over 2 x 1 with hosts on its 2 workers."""
-    doc = _doc(True)
-    doc["devices"].append({**doc["devices"][0], "id": "p3"})
-    doc["links"]["pairs"] += [{"a": p, "b": "p3", "bandwidth_gbps": 1.5, "latency_ms": 0.05} for p in IDS]
-    c = load_cluster_dict(doc)
-    p = plan(graph, c, 16, micro_batches=4, seq_len=128, compress=False, offload=True, dp_sync="hosts")
-    busy = {s.devices[0] for pl in p.pipelines for s in pl.stages}
-    assert len(busy) == 2 and [len(pl.stages) for pl in p.pipelines] == [1, 1]
-    assert p.optimizer_hosts and {h.device for h in p.optimizer_hosts} <= busy
-    n = graph.num_nodes
-    idle_hosts = _ring(graph, [(["p0"], [0, n], 8), (["p1"], [0, n], 8)])
-    from fusionnode.plan.plan import OptimizerHost
-
-    idle_hosts = dataclasses.replace(
-        idle_hosts,
-        offload=True,
-        dp_sync="hosts",
-        optimizer_hosts=(OptimizerHost("p2", 0.5), OptimizerHost("p3", 0.5)),
-    )
-    assert evaluate_plan(graph, c, p) < 0.8 * evaluate_plan(graph, c, idle_hosts)

@@ -92,38 +92,14 @@ def even_grids(ctx: Context) -> list[Evaluated]:
     out = []
     blocks = ctx.chain.blocks
     for workers in dict.fromkeys([tuple(ctx.workers), within_cores(ctx.est.cluster, ctx.workers)]):
-        for c in [ctx, *_hosts_within(ctx, workers)]:
-            for k in grid_counts(len(workers), blocks, ctx.batch):
-                pipes = grid_pipelines(list(workers), k)
-                s = len(pipes[0])
-                ev = price_grid(c, pipes, [even_split(blocks, s)] * k)
-                if ev is not None:
-                    out.append(ev)
+        for k in grid_counts(len(workers), blocks, ctx.batch):
+            pipes = grid_pipelines(list(workers), k)
+            s = len(pipes[0])
+            ev = price_grid(ctx, pipes, [even_split(blocks, s)] * k)
+            if ev is not None:
+                out.append(ev)
     out.sort(key=lambda e: e.step_s)
     return out
-
-
-def _hosts_within(ctx: Context, workers: Sequence[int]) -> list[Context]:
-    """Where `workers` leave peers of a shared machine idle (`within_cores`) and the optimizer hosts
-    include idle peers of that machine, a context whose hosts are chosen among the busy ones only: a
-    host is a busy process on the same cores (a 4-peer 2-core machine as 2 x 1 with its 2 idle peers
-    hosting the optimizer has 4 busy processes). Empty otherwise (every cluster without shared hosts)."""
-    import dataclasses
-
-    from fusionnode.plan.hosts import choose_hosts
-
-    of, cores = host_groups(ctx.est.cluster)
-    keep = set(workers)
-    if not cores or not ctx.hosts or all(of[h] < 0 or h in keep for h, _ in ctx.hosts):
-        return []
-    params = float(ctx.chain.params[-1])
-    try:
-        hosts = choose_hosts(ctx.est.cluster, list(workers), params, spread=True, among=sorted(keep))
-    except PlanError:
-        return []
-    if sorted(hosts) == sorted(ctx.hosts):
-        return []
-    return [dataclasses.replace(ctx, hosts=hosts, _splits={}, _host_terms=None, evaluations=0)]
 
 
 def within_cores(cluster: Cluster, workers: Sequence[int]) -> tuple[int, ...]:

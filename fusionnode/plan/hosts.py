@@ -19,12 +19,10 @@ HOST_COUNT_MULTIPLIERS = (1, 2, 4, 8, 16)  # optimizer host counts tried, x the 
 HOST_SPREAD_MAX = 16  # the search spreads the optimizer over at most this x the minimum host count
 
 
-def host_candidates(
-    cluster: Cluster, workers: Sequence[int], among: Sequence[int] | None = None
-) -> list[tuple[int, float]]:
-    """(device, median bandwidth to the workers) of optimizer-role devices (of `among` when given),
-    best connected first (ties: more RAM)."""
-    cands = [i for i, d in enumerate(cluster.devices) if d.is_optimizer and (among is None or i in among)]
+def host_candidates(cluster: Cluster, workers: Sequence[int]) -> list[tuple[int, float]]:
+    """(device, median bandwidth to the workers) of optimizer-role devices, best connected first
+    (ties: more RAM)."""
+    cands = [i for i, d in enumerate(cluster.devices) if d.is_optimizer]
     w = np.asarray(workers, dtype=int)
     bw = cluster.bandwidth_bps
     out = []
@@ -41,14 +39,12 @@ def choose_hosts(
     total_param_bytes: float,
     multiplier: int = 1,
     spread: bool = False,
-    among: Sequence[int] | None = None,
 ) -> list[tuple[int, float]]:
     """(device index, share) for the optimizer state (OPTIMIZER_BYTES_FACTOR x param bytes), shares
     proportional to RAM: the fewest best-connected hosts that fit, times `multiplier`; with
-    `spread`, every host at least half as well connected as the best (up to HOST_SPREAD_MAX x).
-    `among`: only these devices may host (plan/grid.py: a shared machine's busy peers)."""
+    `spread`, every host at least half as well connected as the best (up to HOST_SPREAD_MAX x)."""
     need = total_param_bytes * OPTIMIZER_BYTES_FACTOR
-    cands = host_candidates(cluster, workers, among)
+    cands = host_candidates(cluster, workers)
     if not cands:
         raise PlanError("offload is on but no device has the 'optimizer' role; add one or use --offload off")
     chosen: list[int] = []
