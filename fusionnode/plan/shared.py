@@ -58,7 +58,7 @@ def shared_host_bound(
         return 0.0
     bw = est.cluster.bandwidth_bps
     busy = [0.0] * len(cores)
-    synced: dict[int, float] = {}  # a device's loopback sync seconds per step (ring or its hosts)
+    synced: dict[int, float] = {}  # a device's loopback ring all-reduce seconds per step
     active: list[set[int]] = [set() for _ in cores]
     multi = len(pipelines) > 1
     for cost, m in pipelines:
@@ -79,9 +79,7 @@ def shared_host_bound(
                     if dev != d and share > 0 and of[dev] == h:
                         active[h].add(dev)  # the host's optimizer runs there too
                         nbytes = est.sync.round_bytes(p * share)
-                        t = est.sync.per_step(2.0 * nbytes * 8.0 / float(bw[d, dev]))
-                        busy[h] += t
-                        synced[d] = synced.get(d, 0.0) + t
+                        busy[h] += est.sync.per_step(2.0 * nbytes * 8.0 / float(bw[d, dev]))
             elif ring and multi:
                 mates = [o for o, _ in pipelines if o is not cost]
                 k_ring = len(pipelines)
@@ -113,8 +111,11 @@ def contended_path(
     """The longest step of the pipelines with a device on an over-subscribed machine (`slow[h]` =
     its devices in the plan / its cores > 1; each such device computes at 1 / slow[h] of its speed:
     N busy peers on C < N cores each get about C/N of one): the 1F1B path, (m + stages - 1) x its
-    slowest stage's compute per micro-batch, then its data-parallel sync (`synced`: a device's
-    loopback ring all-reduce or optimizer-host seconds per step) at the same core share.
+    slowest stage's compute per micro-batch, then its replicas' ring all-reduce (`synced`: a
+    device's loopback ring seconds per step) at the same core share. (Optimizer-host transfers are
+    not added: measured once, 4 peers of a 2-core machine with offload on, the layout this term
+    chose with them, one worker hosting the whole optimizer, ran 0.64x the two-host layout it
+    replaced; the host's share of the cores is not modelled well enough to price them here.)
 
     On such a machine the sync is CPU work (copies, TLS, the sums) on the cores the other peers
     compute on, so it does not hide behind them, and the machine's total over its cores (above)
