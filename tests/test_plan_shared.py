@@ -170,3 +170,52 @@ def test_busy_peers_over_the_cores_are_priced_as_measured(graph):
     # on separate machines nothing is cut: the grids are the workers' own
     free = load_cluster_dict(_doc(False))
     assert within_cores(free, [0, 1, 2]) == (0, 1, 2) and within_cores(c, [0, 1, 2, 3]) == (0, 1)
+
+
+def test_the_sync_after_a_contended_path_is_priced_at_the_core_share(graph):
+    """On an over-subscribed machine the replicas' ring all-reduce is CPU work on the same cores: it
+    adds to the 1F1B path at the core share (plan/shared.py `contended_path`). Measured (bench faults,
+    2-core host): a step's pipeline phase is the contended compute path plus the largest stage's link
+    time, and a 2 x 2's link time is 1.6-2.7x a 2 x 1's. So a slower loopback costs the 2 x 2 (two
+    rings of half the parameters, each at half a core) what it costs the 2 x 1 (one ring of all of
+    them, a core each); before, the 2 x 2's path hid its ring."""
+    from fusionnode.train.rebalance import weighted_bounds
+
+    n = graph.num_nodes
+    two = list(weighted_bounds([nd.flops for nd in graph.nodes], [1, 1]))
+    layouts = {
+        "2x1": [(["p0"], [0, n], 8), (["p1"], [0, n], 8)],
+        "2x2": [(["p0", "p1"], two, 8), (["p2", "p3"], two, 8)],
+    }
+
+    def priced(gbps: float) -> dict:
+        doc = _doc(True)
+        doc["devices"].append({**doc["devices"][0], "id": "p3"})
+        ids = [*IDS, "p3"]
+        doc["links"]["pairs"] = [
+            {"a": a, "b": b, "bandwidth_gbps": gbps, "latency_ms": 0.05} for a in ids for b in ids if a < b
+        ]
+        c = load_cluster_dict(doc)
+        return {k: evaluate_plan(graph, c, _ring(graph, v)) for k, v in layouts.items()}
+
+    fast, slow = priced(1.5), priced(0.375)
+    grew = {k: slow[k] - fast[k] for k in layouts}
+    assert grew["2x1"] > 0.01
+    assert grew["2x2"] == pytest.approx(grew["2x1"], rel=0.02), grew
+    assert fast["2x2"] > 1.25 * fast["2x1"]  # measured 1.40-1.74x in 5 runs; 1.20x before
+
+
+def test_clusters_of_separate_machines_have_no_shared_host():
+    """Every bundled cluster and DT-FM's five settings: no device shares a host, so the shared-host
+    bound is 0 and their plans are what they were before it existed."""
+    from fusionnode.plan.cluster import bundled_clusters, load_cluster
+    from fusionnode.plan.dtfm_scenarios import SCENARIOS, scenario
+    from fusionnode.plan.estimator import Estimator
+    from fusionnode.plan.shared import host_groups, shared_host_bound
+
+    clusters = [load_cluster_dict(scenario(s)) for s in SCENARIOS]
+    clusters += [load_cluster(name) for name in bundled_clusters()]
+    assert len(clusters) >= 13
+    for c in clusters:
+        assert host_groups(c) == ((-1,) * c.size, ()), c.name
+        assert shared_host_bound(Estimator(c), []) == 0.0

@@ -18,7 +18,7 @@ the bound is 0 and nothing changes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from fusionnode.plan.cluster import Cluster
 from fusionnode.plan.estimator import Estimator, PipelineCost
@@ -58,6 +58,7 @@ def shared_host_bound(
         return 0.0
     bw = est.cluster.bandwidth_bps
     busy = [0.0] * len(cores)
+    synced: dict[int, float] = {}  # a device's loopback ring all-reduce seconds per step
     active: list[set[int]] = [set() for _ in cores]
     multi = len(pipelines) > 1
     for cost, m in pipelines:
@@ -86,31 +87,52 @@ def shared_host_bound(
                 same = [x for x in peers if of[x] == h]
                 if same:
                     slowest = min(float(bw[d, x]) for x in same)
-                    busy[h] += 2.0 * (k_ring - 1) / k_ring * p * 8.0 / slowest
+                    t = 2.0 * (k_ring - 1) / k_ring * p * 8.0 / slowest
+                    busy[h] += t
+                    synced[d] = synced.get(d, 0.0) + t
     bound = max(
         (b / min(c, len(a)) for b, c, a in zip(busy, cores, active, strict=True) if a),
         default=0.0,
     )
     return max(
         bound,
-        contended_path(pipelines, of, [max(1.0, len(a) / c) for c, a in zip(cores, active, strict=True)]),
+        contended_path(
+            pipelines, of, [max(1.0, len(a) / c) for c, a in zip(cores, active, strict=True)], synced
+        ),
     )
 
 
 def contended_path(
-    pipelines: Sequence[tuple[PipelineCost, int]], of: Sequence[int], slow: Sequence[float]
+    pipelines: Sequence[tuple[PipelineCost, int]],
+    of: Sequence[int],
+    slow: Sequence[float],
+    synced: Mapping[int, float] | None = None,
 ) -> float:
-    """The longest 1F1B path, (m + stages - 1) x its slowest stage's compute per micro-batch, of the
-    pipelines with a device on an over-subscribed machine (`slow[h]` = its devices in the plan / its
-    cores > 1), each such device computing at 1 / slow[h] of its speed (N busy peers on C < N cores
-    each get about C/N of one). The machine's total over its cores (above) assumes a pipeline's fill
-    and drain cost nothing, an idle stage leaving its core to a busy one; measured on a 2-core host
-    (bench faults, gpt2-tiny, tokens/s against 2 pipelines of one stage): 3 busy peers as 1 x 3 or
-    2 + 1 stages 0.75x, 2 x 2 0.57x, where the total alone priced them within 5-14% of it."""
+    """The longest step of the pipelines with a device on an over-subscribed machine (`slow[h]` =
+    its devices in the plan / its cores > 1; each such device computes at 1 / slow[h] of its speed:
+    N busy peers on C < N cores each get about C/N of one): the 1F1B path, (m + stages - 1) x its
+    slowest stage's compute per micro-batch, then its replicas' ring all-reduce (`synced`: a
+    device's loopback ring seconds per step) at the same core share. (Optimizer-host transfers are
+    not added: measured once, 4 peers of a 2-core machine with offload on, the layout this term
+    chose with them, one worker hosting the whole optimizer, ran 0.64x the two-host layout it
+    replaced; the host's share of the cores is not modelled well enough to price them here.)
+
+    On such a machine the sync is CPU work (copies, TLS, the sums) on the cores the other peers
+    compute on, so it does not hide behind them, and the machine's total over its cores (above)
+    assumes a pipeline's fill and drain cost nothing. Measured on a 2-core host (bench faults,
+    gpt2-tiny 16 x 128, offload off; 2 x 1, 1 x 3 and 2 x 2 in 5 runs each, issue-18-s8t4.md): a
+    step's pipeline phase is the path of the measured stage compute plus the largest stage's link
+    time within 0.016 s in all 15; a 2 x 2's link time (4 busy) is 1.6-2.7x a 2 x 1's (2 busy) for
+    half the bytes per ring, at least the core share of 2 on each ring. The sends between stages
+    are left to the total above: 1 x 3's, the only link time it has, were 3-5% of its step."""
+    synced = synced or {}
     path = 0.0
     for cost, m in pipelines:
-        over = [slow[of[d]] if of[d] >= 0 else 1.0 for d in cost.devices]
-        if max(over) > 1.0:
-            worst = max(c * f for c, f in zip(cost.compute_s, over, strict=True))
-            path = max(path, (m + len(cost.devices) - 1) * worst)
+        devs = cost.devices
+        over = [slow[of[d]] if of[d] >= 0 else 1.0 for d in devs]
+        if max(over) <= 1.0:
+            continue
+        worst = max(c * f for c, f in zip(cost.compute_s, over, strict=True))
+        sync = max(synced.get(d, 0.0) * f for d, f in zip(devs, over, strict=True))
+        path = max(path, (m + len(devs) - 1) * worst + sync)
     return path
