@@ -246,6 +246,19 @@ def check_stage_work(
     return ""
 
 
+async def _off_loop(pack: Callable[[Any], Any], tensors: dict[str, Any], owner: Any) -> Any:
+    """`pack(tensors)` on a thread; if the caller is cancelled meanwhile, the buffer it lends is given
+    back (`owner.give`) once the copy ended, instead of staying lent for good."""
+    fut = asyncio.get_running_loop().run_in_executor(None, pack, tensors)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        give = getattr(owner, "give", None)
+        if give is not None:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or give(f.result()))
+        raise
+
+
 class Verifier:
     """Spot-checks a job's steps (see the module docstring); one per running job."""
 
@@ -575,8 +588,10 @@ class Verifier:
                         sent = dataclasses.replace(audit, chunks=portable(audit.chunks))
                         return await self.run_elsewhere(sent, pack_tensors(mine))
                     # the payloads cross with the parameters, in the buffer `pack` lends
+                    # on a thread: the ~5 MB copy (torch's, without the GIL) leaves this process's
+                    # event loop (the driver's, its optimizer host's and its worker's) free meanwhile
                     light, payloads = split_payloads(audit.chunks)
-                    packed = pack({**mine, **payloads})
+                    packed = await _off_loop(pack, {**mine, **payloads}, self.run_elsewhere)
                     return await self.run_elsewhere(dataclasses.replace(audit, chunks=light), packed)
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
