@@ -37,7 +37,14 @@ import torch
 from fusionnode.errors import FusionNodeError
 from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, split_payloads
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
-from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
+from fusionnode.verify.compare import (
+    CPU_REL_TOL,
+    Mismatch,
+    all_finite,
+    compare_loss,
+    compare_tensors,
+    tolerance_for,
+)
 from fusionnode.verify.inner import stage_params
 from fusionnode.verify.ledger import AUDIT_KIND
 from fusionnode.verify.lossy import compare_sent_all
@@ -146,7 +153,7 @@ def decode_shown(
             t = decode_tensor(enc)
         except FusionNodeError as exc:
             raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} undecodable: {exc}") from None
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise FusionNodeError(f"peer {peer[:12]}… showed non-finite values in {name!r}")
         out[name] = t
     return out
