@@ -175,7 +175,7 @@ def _child_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor])
     if module is None:
         module = _child_modules[key] = _cpu_stage(a["description"], dict(mine))
     else:
-        module.load_state(mine)
+        module.bind_state(mine)  # views of this check's shared buffer: no copy (runtime/stage.py)
     return module
 
 
