@@ -216,6 +216,20 @@ class StageModule(nn.Module):
                     target = getattr(self, self._buffer_keys[name])
                 target.copy_(_check_tensor(name, value, shape, dtype))
 
+    def bind_state(self, values: dict[str, torch.Tensor]) -> None:
+        """`load_state` (every name, exact shapes and dtypes) without the copy: the parameters become
+        `values` themselves (buffers are still copied). For a caller that holds `values` unchanged for
+        as long as it uses the module and binds anew before each use (the check process: each check
+        binds the parameters in its own shared buffer; the recompute only reads them)."""
+        params = {n: v for n, v in values.items() if n in self._param_specs}
+        self.load_state({n: v for n, v in values.items() if n not in params}, partial=True)
+        if set(params) != set(self._param_specs) or len(params) + len(self._buffer_specs) != len(values):
+            self.load_state(values)  # raises, naming what is missing or unexpected
+        with torch.no_grad():
+            for name, value in params.items():
+                shape, dtype = self._param_specs[name]
+                getattr(self, self._param_keys[name]).data = _check_tensor(name, value, shape, dtype)
+
     def named_stage_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters by their state-dict name in the ORIGINAL model."""
         return {name: getattr(self, key) for name, key in self._param_keys.items()}

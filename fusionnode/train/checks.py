@@ -175,7 +175,7 @@ def _child_module(job_id: str, a: dict[str, Any], mine: dict[str, torch.Tensor])
     if module is None:
         module = _child_modules[key] = _cpu_stage(a["description"], dict(mine))
     else:
-        module.load_state(mine)
+        module.bind_state(mine)  # views of this check's shared buffer: no copy (runtime/stage.py)
     return module
 
 
@@ -196,26 +196,32 @@ class SharedBuffers:
     call ended (`CheckProcess.pack`); at most as many as checks run at once (MAX_LAG steps' worth)."""
 
     def __init__(self) -> None:
+        import threading
+
         self.free: list[torch.Tensor] = []
         self.lent: dict[int, torch.Tensor] = {}  # storage address -> its whole buffer
+        self._lock = threading.Lock()  # packing runs on threads (verify/verifier.py `_recompute`)
 
     def take(self, n: int) -> torch.Tensor:
         """A buffer of at least `n` bytes, not lent to a call still running."""
-        fits = [i for i, b in enumerate(self.free) if b.numel() >= n]
-        if fits:  # the smallest that fits (by position: `==` on tensors compares their values)
-            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
-        else:
+        with self._lock:
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= n]
+            # the smallest that fits (by position: `==` on tensors compares their values)
+            buf = self.free.pop(min(fits, key=lambda i: self.free[i].numel())) if fits else None
+        if buf is None:
             buf = torch.empty(max(n, 1), dtype=torch.uint8).share_memory_()
-        self.lent[buf.untyped_storage().data_ptr()] = buf
+        with self._lock:
+            self.lent[buf.untyped_storage().data_ptr()] = buf
         return buf
 
     def give(self, view: torch.Tensor) -> None:
         """Takes back the buffer `view` is part of (a buffer it did not lend is ignored)."""
-        buf = self.lent.pop(view.untyped_storage().data_ptr(), None)
-        if buf is not None:
-            self.free.append(buf)
-            if len(self.free) > MAX_LAG + 2:  # past a lag's worth: the smallest freed (by position: not `==`)
-                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
+        with self._lock:
+            buf = self.lent.pop(view.untyped_storage().data_ptr(), None)
+            if buf is not None:
+                self.free.append(buf)
+                if len(self.free) > MAX_LAG + 2:  # past a lag's worth: the smallest freed (by position)
+                    self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))
 
 
 _BUFFERS = SharedBuffers()  # this daemon's (one check process per daemon)
@@ -257,6 +263,11 @@ class CheckProcess:
         from fusionnode.verify.audit import pack_tensors
 
         return pack_tensors(tensors, _BUFFERS.take)
+
+    @staticmethod
+    def give(packed: Any) -> None:
+        """`pack`'s buffer back, unused (the check was cancelled while it was being packed)."""
+        _BUFFERS.give(packed[0])
 
     async def __call__(self, audit: Any, packed: Any) -> str:
         import concurrent.futures

@@ -135,6 +135,12 @@ class RemoteVerifier:
 
         return pack_tensors(tensors, _BUFFERS.take)
 
+    def give(self, packed: Any) -> None:
+        """`pack`'s buffer back, unused (the check was cancelled while it was being packed)."""
+        from fusionnode.train.checks import _BUFFERS
+
+        _BUFFERS.give(packed[0])
+
     @contextlib.contextmanager
     def urgent(self) -> Any:
         """While the step waits for the checks: a verifier call in flight gets HURRY_S more to answer,

@@ -15,6 +15,7 @@ same kind of device with the same autocast for a tighter bound, ``CUDA_FP32_REL_
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,12 +43,33 @@ class Mismatch:
         return f"{self.name}: {self.detail}"
 
 
+FAST_NORM_FLOOR = 1e-6  # float32 norms below it are taken again in float64 (see `relative_error`)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of `t` is finite. A sum is non-finite whenever one of its terms is (NaN
+    propagates, inf + finite = inf, inf - inf = NaN), so a finite sum proves it in one cheap pass
+    (4x cheaper than `isfinite(t).all()`, which writes a boolean tensor); a sum that overflowed
+    (finite but huge elements) is settled element by element."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """||got - want|| / max(||want||, TINY), the norms summed in float64 (the difference taken in the
-    tensors' own dtype: exact for elements within a factor 2 of each other, Sterbenz's lemma, and
-    off by half an ulp of the difference otherwise: far below any tolerance here)."""
-    diff = torch.linalg.vector_norm(got - want, dtype=torch.float64)
-    return float(diff / max(float(torch.linalg.vector_norm(want, dtype=torch.float64)), TINY))
+    """||got - want|| / max(||want||, TINY), the difference taken in the tensors' own dtype (exact for
+    elements within a factor 2 of each other, Sterbenz's lemma, and off by half an ulp of the
+    difference otherwise: far below any tolerance here). The norms are summed in float32 (5x
+    cheaper; relative error ~1e-6 at a million elements, against tolerances of 1e-4 and up) when
+    that is safe, else in float64: when a norm is not finite (squares overflowed) or the reference's
+    is under FAST_NORM_FLOOR (squares that underflow could then weigh against the tolerance)."""
+    d = got - want
+    if want.dtype == torch.float32:
+        diff, ref = float(torch.linalg.vector_norm(d)), float(torch.linalg.vector_norm(want))
+        if math.isfinite(diff) and math.isfinite(ref) and ref >= FAST_NORM_FLOOR:
+            return diff / ref
+    diff64 = torch.linalg.vector_norm(d, dtype=torch.float64)
+    return float(diff64 / max(float(torch.linalg.vector_norm(want, dtype=torch.float64)), TINY))
 
 
 def compare_tensor(name: str, got: torch.Tensor, want: torch.Tensor, rel_tol: float) -> Mismatch | None:
@@ -57,7 +79,7 @@ def compare_tensor(name: str, got: torch.Tensor, want: torch.Tensor, rel_tol: fl
         if not torch.equal(got, want):
             return Mismatch(name, f"{int((got != want).sum())} integer elements differ")
         return None
-    if not bool(torch.isfinite(got).all()):
+    if not all_finite(got):
         return Mismatch(name, "non-finite values")
     err = relative_error(got, want)
     if not err <= rel_tol:
@@ -95,6 +117,7 @@ __all__ = [
     "CUDA_BF16_REL_TOL",
     "CUDA_FP32_REL_TOL",
     "Mismatch",
+    "all_finite",
     "compare_loss",
     "compare_tensor",
     "compare_tensors",

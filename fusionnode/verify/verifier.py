@@ -37,7 +37,14 @@ import torch
 from fusionnode.errors import FusionNodeError
 from fusionnode.verify.audit import AuditJob, judge_audit, pack_tensors, portable, split_payloads
 from fusionnode.verify.commitment import digest_encoded, digest_tensors
-from fusionnode.verify.compare import CPU_REL_TOL, Mismatch, compare_loss, compare_tensors, tolerance_for
+from fusionnode.verify.compare import (
+    CPU_REL_TOL,
+    Mismatch,
+    all_finite,
+    compare_loss,
+    compare_tensors,
+    tolerance_for,
+)
 from fusionnode.verify.inner import stage_params
 from fusionnode.verify.ledger import AUDIT_KIND
 from fusionnode.verify.lossy import compare_sent_all
@@ -146,7 +153,7 @@ def decode_shown(
             t = decode_tensor(enc)
         except FusionNodeError as exc:
             raise FusionNodeError(f"peer {peer[:12]}… showed {name!r} undecodable: {exc}") from None
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise FusionNodeError(f"peer {peer[:12]}… showed non-finite values in {name!r}")
         out[name] = t
     return out
@@ -244,6 +251,19 @@ def check_stage_work(
                 + "; ".join(str(x) for x in bad[:3])
             )
     return ""
+
+
+async def _off_loop(pack: Callable[[Any], Any], tensors: dict[str, Any], owner: Any) -> Any:
+    """`pack(tensors)` on a thread; if the caller is cancelled meanwhile, the buffer it lends is given
+    back (`owner.give`) once the copy ended, instead of staying lent for good."""
+    fut = asyncio.get_running_loop().run_in_executor(None, pack, tensors)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        give = getattr(owner, "give", None)
+        if give is not None:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or give(f.result()))
+        raise
 
 
 class Verifier:
@@ -575,8 +595,10 @@ class Verifier:
                         sent = dataclasses.replace(audit, chunks=portable(audit.chunks))
                         return await self.run_elsewhere(sent, pack_tensors(mine))
                     # the payloads cross with the parameters, in the buffer `pack` lends
+                    # on a thread: the ~5 MB copy (torch's, without the GIL) leaves this process's
+                    # event loop (the driver's, its optimizer host's and its worker's) free meanwhile
                     light, payloads = split_payloads(audit.chunks)
-                    packed = pack({**mine, **payloads})
+                    packed = await _off_loop(pack, {**mine, **payloads}, self.run_elsewhere)
                     return await self.run_elsewhere(dataclasses.replace(audit, chunks=light), packed)
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
