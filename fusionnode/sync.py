@@ -156,13 +156,6 @@ class SyncConfig:
             raise ConfigError(
                 "--sync-warmup: --sync step synchronises every step already; use diloco or sparseloco"
             )
-        if h > self.inner_steps:
-            raise ConfigError(f"--warmup-inner-steps {h}: must lie in [1, H = {self.inner_steps}]")
-        if w % self.inner_steps or w % h:
-            raise ConfigError(
-                f"--sync-warmup {w}: must be a multiple of H = {self.inner_steps} and of "
-                f"--warmup-inner-steps {h} (the warm-up ends at a round boundary of both)"
-            )
         if self.round_close == "time":
             raise ConfigError(
                 "--sync-warmup with --round-close time: the warm-up's rounds are closed by step count; "
@@ -171,6 +164,13 @@ class SyncConfig:
         if self.budget is not None:
             raise ConfigError(
                 "--sync-warmup with --sync-budget: the warm-up is counted in rounds of H; give --inner-steps"
+            )
+        if h > self.inner_steps:
+            raise ConfigError(f"--warmup-inner-steps {h}: must lie in [1, H = {self.inner_steps}]")
+        if w % self.inner_steps or w % h:
+            raise ConfigError(
+                f"--sync-warmup {w}: must be a multiple of H = {self.inner_steps} and of "
+                f"--warmup-inner-steps {h} (the warm-up ends at a round boundary of both)"
             )
 
     @property
@@ -364,6 +364,22 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         "(default H: the update is applied one round late)",
     )
     g.add_argument(
+        "--sync-warmup",
+        type=int,
+        default=0,
+        metavar="W",
+        help="diloco/sparseloco: a synchronous warm-up: the first W steps (a multiple of H) run as rounds of "
+        "--warmup-inner-steps steps, each installed at its close (no overlap), then rounds of H (default 0: "
+        "none; sparseloco's warm-up rounds are compressed like the others)",
+    )
+    g.add_argument(
+        "--warmup-inner-steps",
+        type=int,
+        default=1,
+        metavar="h",
+        help="with --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
+    )
+    g.add_argument(
         "--round-close",
         choices=ROUND_CLOSES,
         default="steps",
@@ -425,6 +441,8 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
         overlap_steps=getattr(args, "overlap_steps", None),
         budget=budget,
         round_close=getattr(args, "round_close", "steps"),
+        warmup_steps=getattr(args, "sync_warmup", 0),
+        warmup_inner_steps=getattr(args, "warmup_inner_steps", 1),
     )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fusionnode.errors import ConfigError
 from fusionnode.sync import DEFAULT_EF_DECAY, SyncConfig
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
@@ -391,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     given = given_options(p, argv)
     apply_config(args, given)
+    try:  # every contender's sync settings (a bad --sync-warmup, say): a usage error, exit 2
+        configs(argparse.Namespace(**{**vars(args), "modes": None}))
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.combine:
         trained = combine([json.loads(Path(f).read_text()) for f in args.combine])
     else:

@@ -355,7 +355,7 @@ class Driver:
                         start_step = applied[0]
                     full = await self.placement.current_params(job, stage_args, host_of, all_names=full)
                     if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
-                        job.rounds_closed = -(-start_step // job.sync.inner_steps)
+                        job.rounds_closed = job.sync.rounds_before(start_step)
             feedback = None
             if job.sync.mode == "sparseloco" and ckpt is not None:
                 # the replicas' error feedback, when the checkpoint it came with is the step resumed
@@ -570,7 +570,7 @@ class Driver:
             if job.sync.rounds:  # the round ledger: the rounds the hosts have applied, and this step's
                 record["rounds_applied"] = job.rounds_closed
                 if job.sync.round_closes(step, spec.steps):
-                    record["round_closed"] = step // job.sync.inner_steps
+                    record["round_closed"] = job.sync.round_index(step)
             if run.checks is not None and run.checks.last is not None:
                 record["verify"] = run.checks.last
             run.metrics.step(record)
