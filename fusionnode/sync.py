@@ -264,7 +264,12 @@ class SyncConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings as a map; without a warm-up its two keys are left out, so a job without one
+        reads the same to peers that predate `--sync-warmup` (their `from_dict` refuses unknown keys)."""
+        out = asdict(self)
+        if not self.warmup_steps and self.warmup_inner_steps == 1:
+            del out["warmup_steps"], out["warmup_inner_steps"]
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> SyncConfig:

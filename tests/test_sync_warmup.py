@@ -140,3 +140,11 @@ def test_a_resume_keeps_the_checkpoints_warmup() -> None:
     assert resumed_sync(same, saved) == same
     with pytest.raises(ConfigError, match="the checkpoint's job ran --sync-warmup 8"):
         resumed_sync({"sync": SyncConfig("diloco", inner_steps=4).to_dict()}, saved)
+
+
+def test_a_job_without_warmup_reads_as_before_to_older_peers() -> None:
+    plain = SyncConfig("diloco", inner_steps=4).to_dict()
+    assert "warmup_steps" not in plain and "warmup_inner_steps" not in plain
+    warm = SyncConfig("diloco", inner_steps=4, warmup_steps=8, warmup_inner_steps=2)
+    assert SyncConfig.from_dict(warm.to_dict()) == warm
+    assert warm.to_dict()["warmup_steps"] == 8
