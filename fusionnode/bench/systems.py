@@ -123,7 +123,9 @@ OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_
 # 1.25 +6.92%, lr 0.8 +5.73%, Nesterov lr 1 momentum 0.3 +16.37%, Nesterov 0.7/0.3 +5.44%, H = 2 at
 # lr 1 +3.84% (+3.72% at held-out seed 9, where lr 1 at H = 4 gave +3.61%: not adopted); held-out
 # seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2 +19.9% / +26.9% / +15.0%. Not
-# within 3%.
+# within 3%. A synchronous warm-up (`--sync-warmup W`, one-step rounds first; notes of s8t2), dev seed
+# 4: W 20 +4.23%, 60 +3.61%, 120 +2.94% (1.4x fewer bytes), 60 in rounds of 4 without overlap
+# +5.02%; W 120 at held-out seed 10 +3.42%: not adopted (no warm-up here).
 DP_DILOCO = SyncConfig(
     mode="diloco",
     inner_steps=DP_SYNC.inner_steps,
