@@ -73,6 +73,10 @@ class SyncConfig:
     # inner_steps holds DEFAULT_INNER_STEPS. None: H is the user's (or chosen already)
     budget: float | None = None
     round_close: str = "steps"  # ROUND_CLOSES
+    # a synchronous warm-up (`--sync-warmup W`, train/warmup.py): the first W steps run as rounds of
+    # `warmup_inner_steps` (h) steps, each installed at its close (no overlap, D = 0), then rounds of H
+    warmup_steps: int = 0
+    warmup_inner_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -138,6 +142,36 @@ class SyncConfig:
                     "--sync-budget: --sync step synchronises every step; use diloco or sparseloco"
                 )
             object.__setattr__(self, "budget", check_budget(self.budget))
+        self._check_warmup()
+
+    def _check_warmup(self) -> None:
+        """`--sync-warmup W` / `--warmup-inner-steps h`: ConfigError naming the option."""
+        w, h = self.warmup_steps, self.warmup_inner_steps
+        for name, v, low in (("--sync-warmup", w, 0), ("--warmup-inner-steps", h, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"{name} {v!r}: must be an integer >= {low}")
+        if not w:
+            return
+        if not self.rounds:
+            raise ConfigError(
+                "--sync-warmup: --sync step synchronises every step already; use diloco or sparseloco"
+            )
+        if self.round_close == "time":
+            raise ConfigError(
+                "--sync-warmup with --round-close time: the warm-up's rounds are closed by step count; "
+                "use --round-close steps"
+            )
+        if self.budget is not None:
+            raise ConfigError(
+                "--sync-warmup with --sync-budget: the warm-up is counted in rounds of H; give --inner-steps"
+            )
+        if h > self.inner_steps:
+            raise ConfigError(f"--warmup-inner-steps {h}: must lie in [1, H = {self.inner_steps}]")
+        if w % self.inner_steps or w % h:
+            raise ConfigError(
+                f"--sync-warmup {w}: must be a multiple of H = {self.inner_steps} and of "
+                f"--warmup-inner-steps {h} (the warm-up ends at a round boundary of both)"
+            )
 
     @property
     def delay(self) -> int:
@@ -146,8 +180,38 @@ class SyncConfig:
 
     def applies_delayed(self, step: int) -> bool:
         """--sync-overlap: whether the previous round's update is applied after inner step `step`
-        (the D-th step of a round; the D = H-th is its close, which applies it anyway)."""
-        return self.overlap and step % self.inner_steps == self.delay - 1
+        (the D-th step of a round; the D = H-th is its close, which applies it anyway). Not in the
+        warm-up (its rounds are installed at their close)."""
+        return self.overlap and step >= self.warmup_steps and self.offset(step) == self.delay - 1
+
+    def round_index(self, step: int) -> int:
+        """The round containing `step` (rounds closed by step count; the warm-up's rounds first)."""
+        w, h = self.warmup_steps, self.inner_steps
+        if step < w:
+            return step // self.warmup_inner_steps
+        return w // self.warmup_inner_steps + (step - w) // h
+
+    def round_start(self, q: int) -> int:
+        """The first step of round `q` (the step count after rounds 0..q-1)."""
+        n = self.warmup_steps // self.warmup_inner_steps
+        return q * self.warmup_inner_steps if q <= n else self.warmup_steps + (q - n) * self.inner_steps
+
+    def offset(self, step: int) -> int:
+        """Inner steps of its round before `step`."""
+        return step - self.round_start(self.round_index(step))
+
+    def is_boundary(self, steps_done: int) -> bool:
+        """Whether `steps_done` steps end a round (0 included)."""
+        return self.round_start(self.round_index(steps_done)) == steps_done
+
+    def rounds_before(self, steps_done: int) -> int:
+        """Rounds that start before step `steps_done` (those closed at a boundary)."""
+        return 0 if steps_done <= 0 else self.round_index(steps_done - 1) + 1
+
+    def overlapped_before(self, step: int) -> bool:
+        """--sync-overlap: whether the round containing `step` follows an overlapped round (one
+        whose update it re-bases on): every round after the first one past the warm-up."""
+        return self.overlap and step >= self.warmup_steps + self.inner_steps
 
     @property
     def rounds(self) -> bool:
@@ -179,26 +243,33 @@ class SyncConfig:
 
     def round_closes(self, step: int, total_steps: int) -> bool:
         """Whether the round containing `step` ends after it (every H steps, and at the last step)."""
-        return (step + 1) % self.inner_steps == 0 or step + 1 == total_steps
+        return self.is_boundary(step + 1) or step + 1 == total_steps
 
     def checkpoint_due(self, steps_done: int, save_every: int) -> bool:
         """Round modes: whether the job is checkpointed after `steps_done` steps, a round boundary
-        (a multiple of H) at or after a multiple of `save_every` passed since the previous boundary
+        (a multiple of H, or of h in the warm-up) at or after a multiple of `save_every` passed since the previous boundary
         (a checkpoint mid-round would hold parameters the rounds have not caught up with)."""
-        h = self.inner_steps
-        if not save_every or steps_done <= 0 or steps_done % h:
+        if not save_every or steps_done <= 0 or not self.is_boundary(steps_done):
             return False
-        return steps_done // save_every > (steps_done - h) // save_every
+        return steps_done // save_every > self.round_start(self.round_index(steps_done - 1)) // save_every
 
     def settles_at_close(self, step: int, total_steps: int, save_every: int) -> bool:
         """--sync-overlap: whether the commit closing the round at `step` also awaits its exchange and
-        installs θ_global (no exchange left under way): at the job's last step, and at a boundary where
+        installs θ_global (no exchange left under way): at the job's last step, in the warm-up
+        (`--sync-warmup`), and at a boundary where
         the job is checkpointed (a checkpoint, and a resume or a redone round from it, then hold what
         they hold without overlap)."""
-        return self.overlap and (step + 1 == total_steps or self.checkpoint_due(step + 1, save_every))
+        return self.overlap and (
+            step + 1 == total_steps or step < self.warmup_steps or self.checkpoint_due(step + 1, save_every)
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The settings as a map; without a warm-up its two keys are left out, so a job without one
+        reads the same to peers that predate `--sync-warmup` (their `from_dict` refuses unknown keys)."""
+        out = asdict(self)
+        if not self.warmup_steps and self.warmup_inner_steps == 1:
+            del out["warmup_steps"], out["warmup_inner_steps"]
+        return out
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> SyncConfig:
@@ -298,6 +369,22 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         "(default H: the update is applied one round late)",
     )
     g.add_argument(
+        "--sync-warmup",
+        type=int,
+        default=0,
+        metavar="W",
+        help="diloco/sparseloco: a synchronous warm-up: the first W steps (a multiple of H) run as rounds of "
+        "--warmup-inner-steps steps, each installed at its close (no overlap), then rounds of H (default 0: "
+        "none; sparseloco's warm-up rounds are compressed like the others)",
+    )
+    g.add_argument(
+        "--warmup-inner-steps",
+        type=int,
+        default=1,
+        metavar="h",
+        help="with --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
+    )
+    g.add_argument(
         "--round-close",
         choices=ROUND_CLOSES,
         default="steps",
@@ -359,6 +446,8 @@ def sync_from_args(args: argparse.Namespace, plans: bool | None = None) -> SyncC
         overlap_steps=getattr(args, "overlap_steps", None),
         budget=budget,
         round_close=getattr(args, "round_close", "steps"),
+        warmup_steps=getattr(args, "sync_warmup", 0),
+        warmup_inner_steps=getattr(args, "warmup_inner_steps", 1),
     )
     if cfg.rounds:
         planner = getattr(args, "planner", "simple")

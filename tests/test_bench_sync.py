@@ -58,7 +58,7 @@ def test_the_testbed_configuration_in_runs_of_one_mode_each_combined(tmp_path, c
         DP_SYNC.outer_lr,
         DP_SYNC.ef_decay,
     )
-    assert DP_SYNC.outer_lr == 2.0 and DP_SYNC.ef_decay == 0.9
+    assert DP_SYNC.outer_lr == 2.0 and DP_SYNC.ef_decay == 0.8
     assert c["overlap"] and c["overlap_steps"] == 1
     assert bench.main(["--combine", *map(str, files), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

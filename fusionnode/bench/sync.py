@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from fusionnode.errors import ConfigError
 from fusionnode.sync import DEFAULT_EF_DECAY, SyncConfig
 from fusionnode.train.replicas import train_local_replicas
 from fusionnode.train.spec import JobSpec
@@ -62,7 +63,12 @@ def configs(args: argparse.Namespace) -> dict[str, SyncConfig]:
     """The contenders, fixed before the run: step; DiLoCo with the paper's outer step (Nesterov, lr
     0.7, momentum 0.9); DiLoCo with a plain averaged outer step (lr 1, momentum 0: local SGD); and
     SparseLoCo."""
-    lap = {"overlap": bool(args.sync_overlap), "overlap_steps": args.overlap_steps}
+    lap = {
+        "overlap": bool(args.sync_overlap),
+        "overlap_steps": args.overlap_steps,
+        "warmup_steps": args.sync_warmup,
+        "warmup_inner_steps": args.warmup_inner_steps,
+    }
     every = {
         "step": SyncConfig(),
         "diloco": SyncConfig("diloco", inner_steps=args.inner_steps, **lap),
@@ -353,6 +359,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--overlap-steps", type=int, default=None, help="with --sync-overlap: D (default H)")
     p.add_argument(
+        "--sync-warmup",
+        type=int,
+        default=0,
+        metavar="W",
+        help="round modes: the first W steps in rounds of --warmup-inner-steps, each installed at its close "
+        "(no overlap), then rounds of H (default %(default)s: none)",
+    )
+    p.add_argument(
+        "--warmup-inner-steps",
+        type=int,
+        default=1,
+        metavar="h",
+        help="with --sync-warmup: steps per warm-up round, 1..H (default %(default)s)",
+    )
+    p.add_argument(
         "--tag",
         default="",
         help="appended to the round modes' names (--tag=-h10), to combine runs of several H in one table (default: none)",
@@ -371,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     given = given_options(p, argv)
     apply_config(args, given)
+    try:  # every contender's sync settings (a bad --sync-warmup, say): a usage error, exit 2
+        configs(argparse.Namespace(**{**vars(args), "modes": None}))
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.combine:
         trained = combine([json.loads(Path(f).read_text()) for f in args.combine])
     else:
@@ -422,7 +447,12 @@ def main(argv: list[str] | None = None) -> int:
             else f"momentum {c['outer_momentum']}, codec {c['codec']}"
         )
         lap = f", overlap D = {c['overlap_steps'] or c['inner_steps']}" if c.get("overlap") else ""
-        print(f"  {name}: H {c['inner_steps']}, outer lr {c['outer_lr']}, {extra}{lap}")
+        warm = (
+            f", warm-up {c['warmup_steps']} steps in rounds of {c['warmup_inner_steps']}"
+            if c.get("warmup_steps")
+            else ""
+        )
+        print(f"  {name}: H {c['inner_steps']}, outer lr {c['outer_lr']}, {extra}{lap}{warm}")
     return 0
 
 

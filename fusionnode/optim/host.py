@@ -384,8 +384,8 @@ class OptimizerHostService(HostRounds):
             if "rounds" in state:
                 shard.rounds.load_state(*state["rounds"])
             else:
-                shard.rounds.start_at(-(-store.applied_step // sync.inner_steps))
-            if shard.rounds.round * sync.inner_steps != store.applied_step:
+                shard.rounds.start_at(sync.rounds_before(store.applied_step))
+            if sync.round_start(shard.rounds.round) != store.applied_step:
                 raise JobError(
                     ErrorCode.BAD_REQUEST,
                     f"step {store.applied_step} is not a round boundary of --inner-steps {sync.inner_steps}",

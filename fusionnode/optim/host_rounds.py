@@ -92,11 +92,11 @@ class HostRounds:
         """The outer step of the open (complete) round on the masters, the update kept for the
         workers' pulls, a checkpoint when due; returns each replica's weight in it."""
         rounds = shard.rounds
-        h = rounds.cfg.inner_steps
         # the store's applied step is the round ledger's step count: a re-plan or a restore
         # answers it, and the driver goes on from the open round's first step
         update = shard.store.update_masters(
-            functools.partial(rounds.close, verdict=verdict), applied_step=(rounds.round + 1) * h
+            functools.partial(rounds.close, verdict=verdict),
+            applied_step=rounds.cfg.round_start(rounds.round + 1),
         )
         shard.round_updates[update.round] = update
         for old in [r for r in shard.round_updates if r < update.round - 1]:

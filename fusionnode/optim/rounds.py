@@ -398,9 +398,9 @@ def contributing_names(stage_args: list[Any]) -> dict[int, list[str]]:
 
 def round_of(cfg: SyncConfig, step: int, total_steps: int) -> int | None:
     """The id of the round that `step` closes (rounds closed by step count), or None."""
-    return step // cfg.inner_steps if cfg.round_closes(step, total_steps) else None
+    return cfg.round_index(step) if cfg.round_closes(step, total_steps) else None
 
 
 def round_tokens(cfg: SyncConfig, step: int, samples: int, seq_len: int) -> int:
     """Tokens a replica of `samples` sequences per step processed in the round `step` closes."""
-    return samples * seq_len * (step - (step // cfg.inner_steps) * cfg.inner_steps + 1)
+    return samples * seq_len * (cfg.offset(step) + 1)

@@ -334,7 +334,7 @@ class Driver:
             if job.sync.rounds:  # the round ledger: the rounds the hosts have applied, and this step's
                 record["rounds_applied"] = job.rounds_closed
                 if job.sync.round_closes(step, spec.steps):
-                    record["round_closed"] = step // job.sync.inner_steps
+                    record["round_closed"] = job.sync.round_index(step)
             if run.checks is not None and run.checks.last is not None:
                 record["verify"] = run.checks.last
             run.metrics.step(record)

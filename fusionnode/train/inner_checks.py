@@ -325,10 +325,10 @@ class Transitions:
             return caught
         for a, r in zip(run.stage_args, reports, strict=True):
             want = self.ef_chain.get(a.stage)
-            if want is None or step // job.sync.inner_steps < want[2]:
+            if want is None or job.sync.round_index(step) < want[2]:
                 continue
             del self.ef_chain[a.stage]
-            if want[:2] != (job.plan_version, a.peer) or step // job.sync.inner_steps != want[2]:
+            if want[:2] != (job.plan_version, a.peer) or job.sync.round_index(step) != want[2]:
                 continue  # a new plan (its feedback restarts or is restored), or a round redone
             if (r.verify or {}).get(feedback.EF_KEY) != want[3]:
                 caught[a.peer] = (
@@ -355,8 +355,7 @@ class Transitions:
         step = max(steps, default=-1)  # the step this run checked last: the round's closing one
         if len(steps) != 1 or not job.sync.round_closes(step, job.spec.steps):
             return None
-        h = job.sync.inner_steps
-        if job.sync.overlap and step >= h and step % h < job.sync.delay:
+        if job.sync.overlapped_before(step) and job.sync.offset(step) < job.sync.delay:
             return None  # --sync-overlap: the close re-based θ on the previous round's result before its Δ
         todo = []
         for a in run.stage_args:
@@ -395,7 +394,7 @@ class Transitions:
         if isinstance(parts, str) or not sparse:
             return parts
         # sparseloco: the error feedback before the round's fold, against the last step's commitment
-        if round_id != step // job.sync.inner_steps:
+        if round_id != job.sync.round_index(step):
             return f"{what}: it showed no error feedback of that round"
         if digest_tensors(prev) != commit[feedback.EF_KEY]:
             return f"{what}: it showed an error feedback other than it committed to"
@@ -414,7 +413,7 @@ class Transitions:
             nxt = parts["ef/next"]
             why, rel = feedback.feedback_mismatch(job.sync, names, want, parts["ef/prev"], nxt, delta)
             if not why:  # the next round's reports must commit to the e_next it showed
-                self.ef_chain[a.stage] = (job.plan_version, a.peer, step // job.sync.inner_steps + 1,
+                self.ef_chain[a.stage] = (job.plan_version, a.peer, job.sync.round_index(step) + 1,
                                           feedback.next_digest(nxt))  # fmt: skip
         else:
             why, rel = delta_mismatch(str(job.sync.codec), {n: delta[n] for n in names}, want)

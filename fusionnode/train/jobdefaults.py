@@ -52,6 +52,13 @@ def resumed_sync(params: Mapping[str, Any], saved: Any) -> dict[str, Any]:
             f"and its optimizer hosts count rounds at that H; resume with --inner-steps {old.inner_steps} "
             "(or with --sync-budget, which keeps the checkpoint's H)"
         )
+    warm = (old.warmup_steps, old.warmup_inner_steps)
+    if (new.warmup_steps, new.warmup_inner_steps) != warm:
+        raise ConfigError(
+            f"--sync-warmup {new.warmup_steps} --warmup-inner-steps {new.warmup_inner_steps}: the checkpoint's "
+            f"job ran --sync-warmup {warm[0]} --warmup-inner-steps {warm[1]}, and its optimizer hosts count "
+            "rounds by that schedule; resume with the same"
+        )
     return out
 
 

@@ -382,7 +382,7 @@ async def start(
                 start_step = applied[0]
             full = await placement.current_params(job, stage_args, planning.host_of, all_names=full)
             if job.sync.rounds:  # the hosts' ledger: the rounds their checkpoint had applied
-                job.rounds_closed = -(-start_step // job.sync.inner_steps)
+                job.rounds_closed = job.sync.rounds_before(start_step)
     built.full, built.start_step = full, start_step
     feedback = None
     if job.sync.mode == "sparseloco" and ckpt is not None:

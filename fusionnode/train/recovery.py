@@ -106,7 +106,7 @@ class Recovery:
             ckpt = None
             # --sync rounds: the hosts' parameters are the open round's start (its inner steps were
             # the workers'), so that is the step they are saved as; unless a checkpoint of it is there
-            at = job.rounds_closed * job.sync.inner_steps if job.sync.rounds else job.step
+            at = job.sync.round_start(job.rounds_closed) if job.sync.rounds else job.step
             saved = job.sync.rounds and job.spec.save_dir and await asyncio.to_thread(self._saved_at, job, at)
             if job.offload and job.spec.save_dir and not saved:
                 with contextlib.suppress(FusionNodeError, OSError):
@@ -485,10 +485,11 @@ class Recovery:
                 f"step {failed_at}: the optimizer hosts closed different rounds (applied steps {applied}): "
                 "a stage died while sending its round; restart with --resume from the last checkpoint"
             )
-        h = job.sync.inner_steps
-        if applied[0] % h:
-            raise PlanError(f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {h})")
-        job.rounds_closed = applied[0] // h
+        if not job.sync.is_boundary(applied[0]):
+            raise PlanError(
+                f"the optimizer hosts' step {applied[0]} is not a round boundary (H = {job.sync.inner_steps})"
+            )
+        job.rounds_closed = job.sync.rounds_before(applied[0])
         restart = min(applied[0], job.spec.steps)
         job.step = restart
         await run.event(

@@ -14,8 +14,9 @@ With `sync.overlap` the round's outer step reaches the replicas late, as on the 
 (runtime/rounds.py): at round r's close replica i sends Δ = θ_start,i − θ_i and goes on from its θ_i
 (θ_end,i); after D = `sync.delay` inner steps of the next round (D = H: at its close, before its Δ)
 θ_i ← θ_global(r) + (θ_i − θ_end,i) and θ_start,i ← θ_global(r); after the last round, and after a
-round the job is checkpointed at (`SyncConfig.settles_at_close`), every replica takes θ_global at
-once; a redone round (`restart_rounds`) starts every replica from θ_global, as the swarm's new stages do.
+round the job is checkpointed at, and after each round of the warm-up (`--sync-warmup W`: the
+first W steps in rounds of `warmup_inner_steps`; `SyncConfig.settles_at_close`), every replica
+takes θ_global at once; a redone round (`restart_rounds`) starts every replica from θ_global, as the swarm's new stages do.
 
 Bytes are counted as the swarm sends them: each encoded tensor's msgpack form (descriptor and
 payload), up from every replica and down to every replica; frame headers are not counted.
@@ -299,7 +300,7 @@ def _round_modes(
 
     for step in range(spec.steps):
         t0 = time.perf_counter()
-        at = step // sync.inner_steps if step % sync.inner_steps == 0 else None
+        at = sync.round_index(step) if sync.is_boundary(step) else None
         if at in restarts[0]:
             opts = [make_optimizer(mdl, spec) for mdl in models]
             if pending:  # --sync-overlap: the redone round's new stages start from the hosts' θ

@@ -274,7 +274,7 @@ class Stepper:
                     settled = job.sync.settles_at_close(
                         step, job.spec.steps, job.spec.save_every if job.spec.save_dir else 0
                     )
-                    known = step // job.sync.inner_steps + int(settled)
+                    known = job.sync.round_index(step) + int(settled)
                 job.count_round(step, [r.round_bytes for r in committed.values()], known)
         except StepFailed as fail:
             if not job.offload and job.sync.rounds:
