@@ -129,7 +129,7 @@ OPTIONAL_CONFIGS.append((f"{DP_NAME}-timed", {**DP_OPTIONS, "sync": DP_TIMED.to_
 # seeds 6/7/8 (notes of s6t4): lr 1 +3.67% / +3.62% / +0.17%, lr 2 +19.9% / +26.9% / +15.0%. Not
 # within 3%. A synchronous warm-up (`--sync-warmup W`, one-step rounds first; notes of s8t2), dev seed
 # 4: W 20 +4.23%, 60 +3.61%, 120 +2.94% (1.4x fewer bytes), 60 in rounds of 4 without overlap
-# +5.02%; W 120 at held-out seed 10 +3.42%: not adopted (no warm-up here).
+# +5.02%; W 120 at held-out seeds 10/11/12 +3.42% / +3.06% / +0.17%: not adopted (no warm-up here).
 DP_DILOCO = SyncConfig(
     mode="diloco",
     inner_steps=DP_SYNC.inner_steps,
