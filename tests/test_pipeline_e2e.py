@@ -231,8 +231,14 @@ def _final_params(path) -> dict[str, torch.Tensor]:
 
 def test_offloaded_optimizer_gives_the_same_parameters_as_local(swarm, tmp_path):
     spec = small_spec(steps=20, grad_clip=1.0, micro_batches=2)
-    run_job(swarm, spec.replace(save_dir=str(tmp_path / "local"), save_every=0), offload="off")
-    _res, events = run_job(swarm, spec.replace(save_dir=str(tmp_path / "off"), save_every=0), offload="on")
+    # rebalancing off: a load spike on the shared machine may re-plan the job (rebalancing is on by
+    # default), and a new split sums the clip norm in another order, which AdamW can lift past 1e-6
+    # on parameters whose gradient is ~0; what this test checks is the offloaded optimizer
+    fixed = {"rebalance_every": 0}
+    run_job(swarm, spec.replace(save_dir=str(tmp_path / "local"), save_every=0), offload="off", **fixed)
+    _res, events = run_job(
+        swarm, spec.replace(save_dir=str(tmp_path / "off"), save_every=0), offload="on", **fixed
+    )
     plan = next(e for e in events if e["type"] == "plan")
     assert plan["offload"] and len(plan["optimizer_hosts"]) == 1
     a, b = _final_params(tmp_path / "local"), _final_params(tmp_path / "off")
