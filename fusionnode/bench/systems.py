@@ -82,8 +82,8 @@ DP_NAME = "fusionnode-dp"
 # 55x / 55x / 91x, β 0.9 +1.51% / +0.98% / -5.03% at 58x / 60x / 105x (step ended high at seed 8).
 # EF decay 0.8 (issue 19, notes of s8t2): dev seed 4 +2.50% at 55.9x (β 0.9 +3.22%). Judged on
 # held-out seeds 10/11/12 by the same rule, in one wave with β 0.9: β 0.9 +1.14% / +2.40% / +0.28%
-# at 60x / 54x / 67x, β 0.8 +1.01% / +1.40% / -1.03% at 60x / 57x / 81x. The testbed's speed and
-# utilisation tables were measured with β 0.9 (the same bytes and compute per step).
+# at 60x / 54x / 67x, β 0.8 +1.01% / +1.40% / -1.03% at 60x / 57x / 81x. home-volunteers-4 was
+# re-run with β 0.8 (README); testbed-4-mixed's table is β 0.9's (the same bytes and compute per step).
 DP_SYNC = SyncConfig(
     mode="sparseloco",
     inner_steps=4,
@@ -176,7 +176,7 @@ DP_WHY = (
     "links), every device an optimizer host; SparseLoCo H=4 (1/16 of chunks of 256), outer lr 2 "
     "(the replicas' averaged pseudo-gradient is shorter than H synchronous steps); H=4 over H=5 by "
     "the worst of held-out seeds 3/4/5 in `fusionnode bench sync` (+3.97% vs +4.33% at 300 steps); "
-    "error-feedback decay 0.9 over 0.95 by the worst of held-out seeds 6/7/8 (+1.51% vs +2.43%)"
+    "error-feedback decay 0.8 over 0.9 by the worst of held-out seeds 10/11/12 (+1.40% vs +2.40%)"
 )
 
 
