@@ -381,14 +381,15 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         metavar="W",
         help="diloco/sparseloco: a synchronous warm-up: the first W steps (a multiple of H) run as rounds of "
         "--warmup-inner-steps steps, each installed at its close (no overlap), then rounds of H (default 0: "
-        "none; sparseloco's warm-up rounds are compressed like the others)",
+        "none; sparseloco's warm-up rounds are compressed like the others; peers older than this option "
+        "refuse such a job)",
     )
     g.add_argument(
         "--warmup-inner-steps",
         type=int,
         default=1,
         metavar="h",
-        help="with --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
+        help="needs --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
     )
     g.add_argument(
         "--round-close",
