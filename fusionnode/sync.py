@@ -73,8 +73,9 @@ class SyncConfig:
     # inner_steps holds DEFAULT_INNER_STEPS. None: H is the user's (or chosen already)
     budget: float | None = None
     round_close: str = "steps"  # ROUND_CLOSES
-    # a synchronous warm-up (`--sync-warmup W`, train/warmup.py): the first W steps run as rounds of
-    # `warmup_inner_steps` (h) steps, each installed at its close (no overlap, D = 0), then rounds of H
+    # a synchronous warm-up (`--sync-warmup W`; the schedule: `round_start` below, protocol/ROUNDS.md
+    # "Warm-up"): the first W steps run as rounds of `warmup_inner_steps` (h) steps, each installed at
+    # its close (no overlap, D = 0), then rounds of H. h != 1 needs W > 0
     warmup_steps: int = 0
     warmup_inner_steps: int = 1
 
@@ -151,6 +152,10 @@ class SyncConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"{name} {v!r}: must be an integer >= {low}")
         if not w:
+            if h != 1:  # no effect without a warm-up, and its keys would reach peers (to_dict)
+                raise ConfigError(
+                    f"--warmup-inner-steps {h} needs --sync-warmup W: without a warm-up it has no effect"
+                )
             return
         if not self.rounds:
             raise ConfigError(
@@ -265,9 +270,10 @@ class SyncConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The settings as a map; without a warm-up its two keys are left out, so a job without one
-        reads the same to peers that predate `--sync-warmup` (their `from_dict` refuses unknown keys)."""
+        reads the same to peers that predate `--sync-warmup` (their `from_dict` refuses unknown keys).
+        (h is 1 without a warm-up: `_check_warmup`.)"""
         out = asdict(self)
-        if not self.warmup_steps and self.warmup_inner_steps == 1:
+        if not self.warmup_steps:
             del out["warmup_steps"], out["warmup_inner_steps"]
         return out
 
@@ -375,14 +381,15 @@ def add_sync_args(p: argparse.ArgumentParser) -> None:
         metavar="W",
         help="diloco/sparseloco: a synchronous warm-up: the first W steps (a multiple of H) run as rounds of "
         "--warmup-inner-steps steps, each installed at its close (no overlap), then rounds of H (default 0: "
-        "none; sparseloco's warm-up rounds are compressed like the others)",
+        "none; sparseloco's warm-up rounds are compressed like the others; peers older than this option "
+        "refuse such a job)",
     )
     g.add_argument(
         "--warmup-inner-steps",
         type=int,
         default=1,
         metavar="h",
-        help="with --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
+        help="needs --sync-warmup: inner steps per warm-up round, 1..H, dividing W (default %(default)s)",
     )
     g.add_argument(
         "--round-close",

@@ -300,3 +300,38 @@ def test_parameters_are_validated_exactly(tiny):
         StageModule.from_description(desc, dict(good, extra=torch.zeros(1)))
     with pytest.raises(ProtocolError, match="stage inputs"):
         stage({"wrong": torch.zeros(1, T, dtype=torch.long)})
+
+
+def test_a_bad_state_set_leaves_the_bound_module_untouched():
+    """`bind_state` checks the whole set before it writes anything (review8 L5): a set with a name
+    missing or unexpected, or one tensor of the wrong shape or dtype, changes neither the module's
+    buffers (batch-norm statistics here) nor its parameters."""
+    torch.manual_seed(0)
+    model = build_model("resnet18", vocab_size=10).train()
+    traced = trace_model(model, torch.zeros(1, 3, 64, 64))
+    desc = describe_stage(traced, 0, node_id(traced, "layer1_0_conv1"))
+    state = model.state_dict()
+    names = [*desc["params"], *desc["buffers"]]
+    stage = StageModule.from_description(desc, {n: state[n].detach().clone() for n in names})
+    buffers = {n: b.clone() for n, b in stage.named_stage_buffers().items()}
+    assert buffers and any(b.is_floating_point() for b in buffers.values())
+    params = {n: p.data_ptr() for n, p in stage.named_stage_parameters().items()}
+    new = {n: state[n].detach().clone() + 1 for n in names}  # every value differs from the bound one
+    param, buffer = next(iter(desc["params"])), next(iter(buffers))
+    bad_sets = [
+        ({n: v for n, v in new.items() if n != param}, "missing"),
+        ({n: v for n, v in new.items() if n != buffer}, "missing"),
+        ({**new, "extra": torch.zeros(1)}, "unexpected"),
+        ({**new, param: torch.zeros(1)}, "expected shape"),
+        ({**new, buffer: new[buffer].double()}, "float64"),
+    ]
+    for bad, says in bad_sets:
+        with pytest.raises(ProtocolError, match=says):
+            stage.bind_state(bad)
+        for n, b in stage.named_stage_buffers().items():
+            assert torch.equal(b, buffers[n]), (says, n)
+        assert {n: p.data_ptr() for n, p in stage.named_stage_parameters().items()} == params, says
+    stage.bind_state(new)  # a good set: parameters bound, buffers copied
+    for n, b in stage.named_stage_buffers().items():
+        assert torch.equal(b, new[n]) and b.data_ptr() != new[n].data_ptr()
+    assert all(p.data_ptr() == new[n].data_ptr() for n, p in stage.named_stage_parameters().items())

@@ -102,6 +102,14 @@ def test_reference_counts_the_warmup_rounds_and_their_bytes() -> None:
             ["--sync", "diloco", "--inner-steps", "4", "--sync-warmup", "x"],
             "argument --sync-warmup: invalid int",
         ),
+        (  # h alone does nothing, and would put the warm-up's keys on the wire (review8 M2)
+            ["--sync", "diloco", "--inner-steps", "4", "--warmup-inner-steps", "2"],
+            "--warmup-inner-steps 2 needs --sync-warmup",
+        ),
+        (
+            ["--sync", "step", "--warmup-inner-steps", "9"],
+            "--warmup-inner-steps 9 needs --sync-warmup",
+        ),
     ],
 )
 def test_bad_warmup_options_exit_2_naming_the_option(tmp_path, capsys, args, says) -> None:
@@ -127,11 +135,20 @@ def test_bad_warmup_of_a_swarm_job_and_of_the_bench_exit_2(tmp_path, capsys) -> 
             cli.main(argv)
         assert info.value.code == 2
         assert "--sync-warmup with --" in capsys.readouterr().err.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--state-dir", str(state), "--replicas", "2", "--sync", "diloco", "--inner-steps", "4",
+                  "--warmup-inner-steps", "2"])  # fmt: skip
+    assert info.value.code == 2
+    assert "--warmup-inner-steps 2 needs --sync-warmup" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not state.exists()
     with pytest.raises(SystemExit) as info:
         bench_sync.main(["--steps", "8", "--inner-steps", "4", "--sync-warmup", "6"])
     assert info.value.code == 2
     assert "--sync-warmup 6: must be a multiple" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        bench_sync.main(["--steps", "8", "--inner-steps", "4", "--warmup-inner-steps", "2"])
+    assert info.value.code == 2
+    assert "--warmup-inner-steps 2 needs --sync-warmup" in capsys.readouterr().err
 
 
 def test_a_resume_keeps_the_checkpoints_warmup() -> None:
@@ -148,3 +165,9 @@ def test_a_job_without_warmup_reads_as_before_to_older_peers() -> None:
     warm = SyncConfig("diloco", inner_steps=4, warmup_steps=8, warmup_inner_steps=2)
     assert SyncConfig.from_dict(warm.to_dict()) == warm
     assert warm.to_dict()["warmup_steps"] == 8
+    # h without W has no effect: refused (a job never carries the warm-up's keys without a warm-up),
+    # also in a sync map a peer receives
+    with pytest.raises(ConfigError, match="--warmup-inner-steps 3 needs --sync-warmup"):
+        SyncConfig("diloco", inner_steps=4, warmup_inner_steps=3)
+    with pytest.raises(ConfigError, match="--warmup-inner-steps 3 needs --sync-warmup"):
+        SyncConfig.from_dict({**plain, "warmup_steps": 0, "warmup_inner_steps": 3})

@@ -221,14 +221,18 @@ class StageModule(nn.Module):
         `values` themselves (buffers are still copied). For a caller that holds `values` unchanged for
         as long as it uses the module and binds anew before each use (the check process: each check
         binds the parameters in its own shared buffer; the recompute only reads them)."""
-        params = {n: v for n, v in values.items() if n in self._param_specs}
-        self.load_state({n: v for n, v in values.items() if n not in params}, partial=True)
-        if set(params) != set(self._param_specs) or len(params) + len(self._buffer_specs) != len(values):
-            self.load_state(values)  # raises, naming what is missing or unexpected
+        expected, given = set(self._param_specs) | set(self._buffer_specs), set(values)
+        if given != expected:
+            missing, extra = sorted(expected - given), sorted(given - expected)
+            raise ProtocolError(f"stage state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+        for name, value in values.items():  # every check before any write: a bad set changes nothing
+            _check_tensor(name, value, *(self._param_specs.get(name) or self._buffer_specs[name]))
         with torch.no_grad():
-            for name, value in params.items():
-                shape, dtype = self._param_specs[name]
-                getattr(self, self._param_keys[name]).data = _check_tensor(name, value, shape, dtype)
+            for name, value in values.items():
+                if name in self._param_specs:
+                    getattr(self, self._param_keys[name]).data = value
+                else:
+                    getattr(self, self._buffer_keys[name]).copy_(value)
 
     def named_stage_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters by their state-dict name in the ORIGINAL model."""
