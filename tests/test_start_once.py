@@ -109,6 +109,32 @@ def test_a_repeated_start_answers_ready_and_a_conflicting_one_is_refused(tmp_pat
     asyncio.run(main())
 
 
+def test_a_start_cancelled_by_a_release_answers_not_held(tmp_path):
+    """review8 L1: a stage released while its start waits for parameters: the start's caller gets
+    `not_held` ("dropped while starting"), not a cancellation that closes its stream unanswered."""
+    desc, params = _stage()
+    net = MemNet()
+    worker = WorkerService(net.join(W), capacity_bytes=1 << 30, config=CONFIG, state_dir=tmp_path)
+    t = net.join(D)
+    specs = {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in params.items()}
+    held = dict(job="j", stage=0, num_stages=2, driver=D, description=desc, param_specs=specs, peer=W)
+    a = jp.StageAssignment(**held, spec=small_spec().to_dict())
+
+    async def main() -> None:
+        await jp.call(t, W, Rpc.JOB_ASSIGN, a)
+        ref = jp.StageRef(job="j", stage=0)
+        start = asyncio.ensure_future(jp.call(t, W, Rpc.JOB_START, ref))  # no parameters sent: it waits
+        await asyncio.sleep(0.1)
+        assert not start.done()
+        await jp.call(t, W, Rpc.JOB_RELEASE, jp.ReleaseRequest(job="j", stage=0))
+        with pytest.raises(JobError) as e:
+            await asyncio.wait_for(start, CONFIG.step_timeout_s / 2)
+        assert e.value.code == ErrorCode.NOT_HELD and "dropped while starting" in str(e.value)
+        assert not worker.jobs
+
+    asyncio.run(main())
+
+
 def test_a_start_whose_stream_resets_after_the_build_is_asked_again_over_p2pd(tmp_path):
     """The same over the real transport (two p2pd daemons on loopback): the worker builds the stage,
     then the call's stream closes unanswered; `Transport.call` asks again (idempotent, as

@@ -103,6 +103,115 @@ def test_after_step_belongs_to_a_fused_step_below_it() -> None:
     assert fused.refusal(sj, _req(3, 2)) is None
 
 
+def _held_stage(tmp_path):
+    """A real WorkerService on the in-memory network holding one assigned stage (not started: the
+    queue's side needs no module), and the driver's transport."""
+    from memnet import MemNet
+    from test_start_once import CONFIG, D, W, _stage
+
+    from fusionnode.runtime.worker import WorkerService
+
+    desc, params = _stage()
+    net = MemNet()
+    worker = WorkerService(net.join(W), capacity_bytes=1 << 30, config=CONFIG, state_dir=tmp_path)
+    t = net.join(D)
+    specs = {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in params.items()}
+    held = dict(job="j", stage=0, num_stages=2, driver=D, description=desc, param_specs=specs, peer=W)
+    a = jp.StageAssignment(**held, spec=small_spec().to_dict())
+    return worker, t, a, D, W
+
+
+def test_the_recall_of_a_queued_step_waits_for_it_and_answers_its_refusal(tmp_path) -> None:
+    """review8 M1: a queued step's stream reset while it waits its turn; the recall
+    (`job.step_result`) waits for the step (it would otherwise answer no_report, and the step would
+    run uncounted), and answers `aborted` when the queue refuses it."""
+    worker, t, a, d, _ = _held_stage(tmp_path)
+
+    async def go():
+        await jp.call(t, a.peer, Rpc.JOB_ASSIGN, a)
+        sj = worker.jobs[("j", 0)]
+        sj.last_step, sj.last_report = 4, (4, "report 4")
+        five = asyncio.get_running_loop().create_future()  # fused step 5 runs
+        sj.step_task, sj.step_task_step = five, 5
+        waiting = asyncio.ensure_future(queued.wait_turn(sj, _req(6, 5)))  # the original job.step
+        await asyncio.sleep(0.01)
+        recall = asyncio.ensure_future(worker.rpc_step_result(_req(6, 5), d))
+        await asyncio.sleep(0.05)
+        assert not recall.done()  # step 6 waits its turn: no "no_report"
+        five.set_result("report 5")
+        sj.step_task, sj.last_step, sj.last_report = None, 5, (5, "report 5")
+        queued.ended(sj, 5, True)
+        await asyncio.wait_for(waiting, 1)
+        await asyncio.sleep(0.05)
+        assert not recall.done()  # started, waiting for the stage: still held
+        six = asyncio.get_running_loop().create_future()  # rpc_step runs it
+        sj.step_task, sj.step_task_step = six, 6
+        queued.leave(sj, 6)
+        await asyncio.sleep(0.01)
+        assert not recall.done()  # it awaits the running step
+        six.set_result("report 6")
+        assert await asyncio.wait_for(recall, 1) == "report 6"
+        sj.step_task, sj.last_step, sj.last_report = None, 6, (6, "report 6")
+        queued.ended(sj, 6, True)
+        # withdrawn while it waits: the recall answers aborted, not no_report
+        waiting = asyncio.ensure_future(queued.wait_turn(sj, _req(8, 7)))
+        await asyncio.sleep(0.01)
+        recall = asyncio.ensure_future(worker.rpc_step_result(_req(8, 7), d))
+        await asyncio.sleep(0.01)
+        assert queued.withdraw(sj, jp.WithdrawRequest(job="j", stage=0, step=8)).withdrawn
+        for f in (waiting, recall):
+            with pytest.raises(JobError, match="withdrawn") as e:
+                await asyncio.wait_for(f, 1)
+            assert e.value.code == jp.ErrorCode.ABORTED
+        # the step it follows failed: aborted too
+        waiting = asyncio.ensure_future(queued.wait_turn(sj, _req(10, 9)))
+        await asyncio.sleep(0.01)
+        recall = asyncio.ensure_future(worker.rpc_step_result(_req(10, 9), d))
+        await asyncio.sleep(0.01)
+        assert not recall.done()
+        queued.ended(sj, 9, False)
+        for f in (waiting, recall):
+            with pytest.raises(JobError, match="did not complete") as e:
+                await asyncio.wait_for(f, 1)
+            assert e.value.code == jp.ErrorCode.ABORTED
+
+    asyncio.run(go())
+
+
+def test_releasing_a_stage_refuses_its_queued_steps_at_once(tmp_path) -> None:
+    """review8 M3: `job.release` (as lease expiry, drain or a new assignment: `_drop`) wakes the
+    steps queued on the stage, refused `not_held`, instead of leaving them waiting WAIT_LIMIT_S."""
+    worker, t, a, d, _ = _held_stage(tmp_path)
+
+    async def go():
+        await jp.call(t, a.peer, Rpc.JOB_ASSIGN, a)
+        sj = worker.jobs[("j", 0)]
+        sj.last_step = 4
+        waiting = asyncio.ensure_future(queued.wait_turn(sj, _req(6, 5)))
+        await asyncio.sleep(0.01)
+        recall = asyncio.ensure_future(worker.rpc_step_result(_req(6, 5), d))
+        await asyncio.sleep(0.01)
+        await jp.call(t, a.peer, Rpc.JOB_RELEASE, jp.ReleaseRequest(job="j", stage=0))
+        for f in (waiting, recall):
+            with pytest.raises(JobError, match="dropped") as e:
+                await asyncio.wait_for(f, 1)
+            assert e.value.code == jp.ErrorCode.NOT_HELD
+        with pytest.raises(JobError, match="dropped"):  # one arriving after the drop: refused too
+            await asyncio.wait_for(queued.wait_turn(sj, _req(7, 6)), 1)
+
+    asyncio.run(go())
+
+
+def test_a_peer_whose_caps_ping_went_unanswered_is_asked_again(tmp_path) -> None:
+    """review8 L4: a peer the plan's ping got no answer from (caps None) is asked again."""
+    from fusionnode.train import queued_rounds
+
+    _worker, t, _, _, w = _held_stage(tmp_path)  # the worker answers the ping
+    job = types.SimpleNamespace(caps={w: None})
+    asyncio.run(queued_rounds.ask(types.SimpleNamespace(t=t), job, [w]))
+    assert compat.has(job.caps[w], *queued_rounds.CAP)
+
+
 # ---- a swarm on the in-memory network ------------------------------------------------------------
 def _queued_swarm(tmp_path, slow_s: float, late_withdraw_s: float = 0.0):
     """2 workers, 2 hosts; the second worker's steps take `slow_s` longer (inside the step, so that

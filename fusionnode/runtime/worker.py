@@ -63,6 +63,12 @@ MEMORY_OVERHEAD = 1.2  # multiplier on the estimated stage memory, for allocator
 KEPT_LEDGERS = 2  # steps whose messages a worker keeps for audits (the driver checks one while the next runs)
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    """Reads a finished start's exception: its callers may all have left (a reset stream, a drop)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class WorkerService(StageAudit, HostLink):
     def __init__(
         self,
@@ -180,6 +186,7 @@ class WorkerService(StageAudit, HostLink):
                 sj.rounds.cancel()  # --sync-overlap: an exchange still under way
             if sj.starting is not None and not sj.starting.done():
                 sj.starting.cancel()  # a start still waiting for its parameters
+            queued.close(sj)  # queued steps waiting their turn: refused (not_held) now
             sj.module = sj.opt = None
             sj.params = {}
             if self.on_jobs_changed:
@@ -267,6 +274,7 @@ class WorkerService(StageAudit, HostLink):
         if sj.starting is None:
             sj.start_ref = ref
             sj.starting = asyncio.ensure_future(self._start(sj, req))
+            sj.starting.add_done_callback(_retrieve)  # a start whose callers all left: not "never retrieved"
         elif ref != sj.start_ref:
             raise JobError(
                 ErrorCode.BAD_REQUEST,
@@ -274,7 +282,16 @@ class WorkerService(StageAudit, HostLink):
                 f"with the start already made for this assignment (feedback={sj.start_ref[0]} "
                 f"optim={sj.start_ref[1]}); a new plan is sent with job.assign first",
             )
-        return await asyncio.shield(sj.starting)
+        starting = sj.starting
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if starting.cancelled() and not (me is not None and me.cancelling()):  # _drop cancelled it
+                raise JobError(
+                    ErrorCode.NOT_HELD, f"stage {sj.stage} of job {sj.job} dropped while starting"
+                ) from None
+            raise
 
     async def _start(self, sj: StageJob, req: jp.StageRef) -> jp.StartReply:
         timeout = self.config.step_timeout_s
@@ -387,9 +404,16 @@ class WorkerService(StageAudit, HostLink):
             self.hook.before_step()
         if req.commit_lr is not None and (why := fused.refusal(sj, req)) is not None:
             raise JobError(ErrorCode.BAD_REQUEST, why)
-        if req.after_step is not None:  # queued ahead: starts once the step it follows ends (queued.py)
-            queued.check_cap(self.caps)
-            await queued.wait_turn(sj, req)
+        if req.after_step is None:
+            return await self._step_locked(sj, req)
+        queued.check_cap(self.caps)  # queued ahead: starts once the step it follows ends (queued.py)
+        await queued.wait_turn(sj, req)
+        try:
+            return await self._step_locked(sj, req)
+        finally:
+            queued.leave(sj, req.step)  # held for the recall (rpc_step_result) until it runs or fails
+
+    async def _step_locked(self, sj: StageJob, req: jp.StepRequest) -> jp.StepReport:
         async with sj.busy:
             if req.commit_lr is not None and sj.last_step >= req.step:  # a fused step sent again
                 if sj.last_report is not None and sj.last_report[0] == req.step:
@@ -413,6 +437,8 @@ class WorkerService(StageAudit, HostLink):
                 else self._run_step(sj, req.step, req.micro_batches, req.mb_size, req.target_time_s)
             )
             sj.step_task, sj.step_task_step = task, req.step
+            if req.after_step is not None:
+                queued.leave(sj, req.step)  # it runs: a recall waiting for it awaits step_task now
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:
@@ -434,9 +460,11 @@ class WorkerService(StageAudit, HostLink):
     async def rpc_step_result(self, req: jp.StepRequest, sender: str) -> jp.StepReport:
         """The report of a step whose `job.step` reply was lost (its stream closed unanswered while
         the step ran on): the transport re-sends the `job.step` request under this name; waits for
-        the step if it is still running."""
+        the step if it is still running, or still queued (`aborted` if the queue refused it)."""
         sj = self._get(req, sender)
         step = req.step
+        if req.after_step is not None:  # a queued step: waits while it waits its turn (queued.recall)
+            await queued.recall(sj, step)
         task = sj.step_task
         if task is not None and sj.step_task_step == step:
             await asyncio.wait({task})

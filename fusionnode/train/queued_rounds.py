@@ -38,8 +38,8 @@ CAP = ("steps", "queued")  # the capability a worker advertises (verify/compat.p
 
 
 async def ask(driver: Any, job: Any, peers: list[str]) -> None:
-    """The capabilities of `peers` the plan's pings did not ask (placed after it), asked once."""
-    todo = [p for p in dict.fromkeys(peers) if p not in job.caps]
+    """The capabilities of `peers` the plan's pings did not ask (placed after it) or got no answer from."""
+    todo = [p for p in dict.fromkeys(peers) if job.caps.get(p) is None]  # unanswered: asked again
     if todo:
         job.caps.update(await compat.peer_caps(driver.t, todo))
 
