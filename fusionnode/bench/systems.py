@@ -82,8 +82,8 @@ DP_NAME = "fusionnode-dp"
 # 55x / 55x / 91x, β 0.9 +1.51% / +0.98% / -5.03% at 58x / 60x / 105x (step ended high at seed 8).
 # EF decay 0.8 (issue 19, notes of s8t2): dev seed 4 +2.50% at 55.9x (β 0.9 +3.22%). Judged on
 # held-out seeds 10/11/12 by the same rule, in one wave with β 0.9: β 0.9 +1.14% / +2.40% / +0.28%
-# at 60x / 54x / 67x, β 0.8 +1.01% / +1.40% / -1.03% at 60x / 57x / 81x. home-volunteers-4 was
-# re-run with β 0.8 (README); testbed-4-mixed's table is β 0.9's (the same bytes and compute per step).
+# at 60x / 54x / 67x, β 0.8 +1.01% / +1.40% / -1.03% at 60x / 57x / 81x. home-volunteers-4 and
+# testbed-4-mixed were re-run against hivemind with β 0.8 (README).
 DP_SYNC = SyncConfig(
     mode="sparseloco",
     inner_steps=4,
