@@ -85,9 +85,7 @@ async def _turn(sj: Any, q: StepQueue, req: jp.StepRequest) -> None:
     after = req.after_step
     while True:
         if q.closed:
-            raise JobError(
-                ErrorCode.NOT_HELD, f"stage {sj.stage} was dropped (released, expired or assigned again)"
-            )
+            raise _dropped(sj)
         if sj.last_step >= req.step:  # sent again: rpc_step answers its report (or refuses it)
             return
         if req.step in q.withdrawn:
@@ -102,6 +100,10 @@ async def _turn(sj: Any, q: StepQueue, req: jp.StepRequest) -> None:
             )
         await _woken(sj, q, f"step {req.step} of stage {sj.stage}: step {after} never ended")
     q.started.add(req.step)
+
+
+def _dropped(sj: Any) -> JobError:
+    return JobError(ErrorCode.NOT_HELD, f"stage {sj.stage} was dropped (released, expired or assigned again)")
 
 
 async def _woken(sj: Any, q: StepQueue, why: str) -> None:
@@ -133,9 +135,7 @@ async def recall(sj: Any, step: int) -> None:
     q = of(sj)
     while step in q.held:
         if q.closed:
-            raise JobError(
-                ErrorCode.NOT_HELD, f"stage {sj.stage} was dropped (released, expired or assigned again)"
-            )
+            raise _dropped(sj)
         await _woken(sj, q, f"step {step} of stage {sj.stage} still waits for its turn")
     if step in q.refused:
         exc = q.refused[step]

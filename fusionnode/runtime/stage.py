@@ -198,14 +198,17 @@ class StageModule(nn.Module):
         """State-dict names this stage needs: parameters, then buffers."""
         return [*self._param_specs, *self._buffer_specs]
 
-    def load_state(self, values: dict[str, torch.Tensor], *, partial: bool = False) -> None:
-        """Copy parameter/buffer values in by state-dict name, with exact shape and dtype checks
-        (never a broadcast). With partial=True a subset of names may be given."""
-        expected = set(self._param_specs) | set(self._buffer_specs)
-        given = set(values)
+    def _check_names(self, values: dict[str, torch.Tensor], *, partial: bool) -> None:
+        """ProtocolError unless `values` names this stage's state exactly (a subset, if `partial`)."""
+        expected, given = set(self._param_specs) | set(self._buffer_specs), set(values)
         if not given <= expected or (not partial and given != expected):
             missing, extra = sorted(expected - given), sorted(given - expected)
             raise ProtocolError(f"stage state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+
+    def load_state(self, values: dict[str, torch.Tensor], *, partial: bool = False) -> None:
+        """Copy parameter/buffer values in by state-dict name, with exact shape and dtype checks
+        (never a broadcast). With partial=True a subset of names may be given."""
+        self._check_names(values, partial=partial)
         with torch.no_grad():
             for name, value in values.items():
                 if name in self._param_specs:
@@ -221,10 +224,7 @@ class StageModule(nn.Module):
         `values` themselves (buffers are still copied). For a caller that holds `values` unchanged for
         as long as it uses the module and binds anew before each use (the check process: each check
         binds the parameters in its own shared buffer; the recompute only reads them)."""
-        expected, given = set(self._param_specs) | set(self._buffer_specs), set(values)
-        if given != expected:
-            missing, extra = sorted(expected - given), sorted(given - expected)
-            raise ProtocolError(f"stage state mismatch: missing {missing[:5]}, unexpected {extra[:5]}")
+        self._check_names(values, partial=False)
         for name, value in values.items():  # every check before any write: a bad set changes nothing
             _check_tensor(name, value, *(self._param_specs.get(name) or self._buffer_specs[name]))
         with torch.no_grad():

@@ -602,10 +602,9 @@ class Verifier:
                     return await self.run_elsewhere(dataclasses.replace(audit, chunks=light), packed)
                 except (OSError, BrokenExecutor) as exc:  # a broken pool: recomputed here from now on
                     logger.warning("the check process failed (%s); checking on a thread instead", exc)
+                    # (a verifier peer is kept: its next fallback is a new process)
                     if not getattr(self.run_elsewhere, "survives_broken_fallback", False):
-                        self.run_elsewhere = (
-                            None  # (a verifier peer is kept: its next fallback is a new process)
-                        )
+                        self.run_elsewhere = None
 
             def run() -> str:
                 with self._thread_lock:  # one module per stage: recomputes of two steps take turns
